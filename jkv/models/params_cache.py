@@ -1,0 +1,78 @@
+"""Converted-params cache: a second start skips GGUF dequantization (orbax-checkpoint).
+
+Entries live under `$JKV_CACHE_DIR/params` (default `~/.cache/jkv/params`), keyed by the model
+file's path, size and mtime and the target dtype. A broken entry is rebuilt, never trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jkv.config import ModelConfig, RopeScaling
+from jkv.models.llama import Params
+from jkv.models.loaders import default_model_path, load_model, to_device
+
+log = logging.getLogger(__name__)
+_FORMAT_VERSION = 1
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("JKV_CACHE_DIR", Path.home() / ".cache" / "jkv")) / "params"
+
+
+def _key(path: Path, dtype) -> str:
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".gguf", ".safetensors", ".json"))
+    h = hashlib.sha256(f"v{_FORMAT_VERSION}:{jnp.dtype(dtype).name}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def _cfg_from_json(d: dict) -> ModelConfig:
+    if d.get("rope_scaling"):
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return ModelConfig(**d)
+
+
+def load_params(path: str | os.PathLike | None, dtype=jnp.bfloat16,
+                use_cache: bool = True) -> tuple[ModelConfig, Params]:
+    """Load a model (None = embedded default) as device arrays of `dtype`, through the cache."""
+    import orbax.checkpoint as ocp
+
+    p = default_model_path() if path is None else Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist")
+    entry = cache_root() / _key(p, dtype)
+    if use_cache and (entry / "done").exists():
+        try:
+            cfg = _cfg_from_json(json.loads((entry / "config.json").read_text()))
+            params = ocp.StandardCheckpointer().restore((entry / "params").resolve())
+            return cfg, to_device(params, dtype)
+        except Exception as exc:  # a torn or foreign entry: rebuild it
+            log.warning("converted-params cache entry %s is unreadable (%s); rebuilding",
+                        entry, exc)
+    cfg, np_params = load_model(p)
+    params = to_device(np_params, dtype)
+    if use_cache:
+        try:
+            shutil.rmtree(entry, ignore_errors=True)
+            entry.mkdir(parents=True)
+            ckpt = ocp.StandardCheckpointer()
+            ckpt.save((entry / "params").resolve(), params)
+            ckpt.wait_until_finished()
+            (entry / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+            (entry / "done").write_text("ok")
+        except Exception as exc:  # the cache is an optimisation; a failure is not fatal
+            log.warning("could not write converted-params cache %s: %s", entry, exc)
+    return cfg, params
+

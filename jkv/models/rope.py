@@ -1,0 +1,58 @@
+"""Rotary position embedding in the rotate-half layout of Hugging Face checkpoints.
+
+`unapply_rope` exists because the store keeps keys before rotation (DESIGN.md): a key
+rotated to position p is brought back to pre-RoPE form and re-rotated elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.config import RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """Per-pair inverse frequencies [head_dim // 2], with optional Llama-3 scaling."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv.astype(np.float32)
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [..., D]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate x [B, T, H, D] to positions [B, T]."""
+    cos, sin = _cos_sin(positions, inv_freq)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    return (xf * cos + _rotate_half(xf) * sin).astype(x.dtype)
+
+
+def unapply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Inverse of `apply_rope`: rotate x [B, T, H, D] back from positions [B, T]."""
+    cos, sin = _cos_sin(positions, inv_freq)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    return (xf * cos - _rotate_half(xf) * sin).astype(x.dtype)

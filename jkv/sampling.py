@@ -1,0 +1,63 @@
+"""Token sampling on the device: greedy, temperature, top-k, top-p, one PRNG key per row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (vLLM's names and defaults)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, "
+                             f"got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, "
+                             f"got {self.stop!r}")
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
+           top_k: jax.Array) -> jax.Array:
+    """Pick one token per row of logits [B, V].
+
+    temperature [B] (0 = greedy), top_p [B] in (0, 1], top_k [B] (<= 0 = whole vocabulary),
+    keys [B, 2] uint32 PRNG keys. Returns int32 [B].
+    """
+    vocab = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    order = jnp.argsort(-logits, axis=-1)
+    vals = jnp.take_along_axis(logits, order, axis=-1) / t
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    vals = jnp.where(keep, vals, -jnp.inf)
+    choice = jax.vmap(jax.random.categorical)(keys, vals)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
