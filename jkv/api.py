@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from jkv.config import CacheConfig, KVFormat
@@ -20,6 +21,16 @@ from jkv.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+def resolve_dtype(dtype: str):
+    """`auto` is bfloat16 on an accelerator and float32 on CPU, where XLA's bfloat16 matmuls
+    are about ten times slower than float32 ones."""
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -93,19 +104,17 @@ class LLM:
     path to a `.gguf` file or a Hugging Face model directory.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "bfloat16",
+    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, attention_backend: str = "xla",
                  kv_format: str = "auto", seed: int = 0, page_size: int = 16,
                  kv_cache_bytes: int = CacheConfig.kv_cache_bytes, max_num_seqs: int = 8,
                  prefill_chunk: int = 512, params_cache: bool = True) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
         cache = CacheConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                             kv_format=KVFormat.parse(kv_format))
         path = default_model_path() if model is None else Path(model)
         self.model_path = path
         self.model_name = path.stem if path.is_file() else path.name
-        self.cfg, params = load_params(path, _DTYPES[dtype], use_cache=params_cache)
+        self.cfg, params = load_params(path, resolve_dtype(dtype), use_cache=params_cache)
         self.tokenizer = load_tokenizer(path)
         limit = self.cfg.max_position_embeddings
         if max_model_len is None:

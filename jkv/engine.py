@@ -75,9 +75,9 @@ class Engine:
                 f"kv_cache_bytes={cache.kv_cache_bytes} holds {num_pages} pages but one "
                 f"sequence of max_model_len={max_model_len} needs {one_seq}; raise "
                 f"kv_cache_bytes to at least {(one_seq + 1) * page_bytes} or lower max_model_len")
-        self.pool = init_pool(num_pages, cache.page_size, cfg.head_dim, dtype)
+        self.pool, self.free = init_pool(num_pages, cache.page_size, cfg.head_dim, dtype)
         self.tables = init_tables(max_num_seqs, cfg.num_layers, cfg.num_kv_heads, self.max_pages)
-        self.free_pages = num_pages - 1  # host mirror of pool.num_free
+        self.free_pages = num_pages - 1  # host mirror of free.num_free
         self._step = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
                              donate_argnums=(1, 2))
         self._rng = jax.random.PRNGKey(seed)
@@ -94,7 +94,7 @@ class Engine:
     def _reserve(self, new_lengths: np.ndarray) -> jax.Array:
         padded = np.zeros(self.max_num_seqs, np.int32)
         padded[: len(new_lengths)] = new_lengths
-        self.pool, self.tables, ok = reserve(self.pool, self.tables, jnp.asarray(padded))
+        self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(padded))
         return ok
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
@@ -141,7 +141,7 @@ class Engine:
         finally:
             mask = np.zeros(self.max_num_seqs, bool)
             mask[:n] = True
-            self.pool, self.tables = release(self.pool, self.tables, jnp.asarray(mask))
+            self.free, self.tables = release(self.free, self.tables, jnp.asarray(mask))
             self.free_pages += need
 
     def _step_call(self, tokens, positions, valid, last_idx, keys, sp, upto: int):

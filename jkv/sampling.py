@@ -47,17 +47,20 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: ja
     temperature [B] (0 = greedy), top_p [B] in (0, 1], top_k [B] (<= 0 = whole vocabulary),
     keys [B, 2] uint32 PRNG keys. Returns int32 [B].
     """
-    vocab = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    order = jnp.argsort(-logits, axis=-1)
-    vals = jnp.take_along_axis(logits, order, axis=-1) / t
-    rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
-    keep = rank < k
-    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-    vals = jnp.where(keep, vals, -jnp.inf)
-    choice = jax.vmap(jax.random.categorical)(keys, vals)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+
+    def sampled(_):
+        vocab = logits.shape[-1]
+        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        order = jnp.argsort(-logits, axis=-1)
+        vals = jnp.take_along_axis(logits, order, axis=-1) / t
+        rank = jnp.arange(vocab)[None, :]
+        keep = rank < jnp.where(top_k > 0, top_k, vocab)[:, None]
+        probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
+        keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, vals, -jnp.inf))
+        picked = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(temperature > 0, picked, greedy)
+
+    # an all-greedy batch skips the vocabulary sort
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)

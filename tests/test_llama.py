@@ -49,10 +49,10 @@ def jkv_logits(cfg, params, ids: list[int], page_size: int = 16) -> np.ndarray:
     """Logits for every position of one prompt, through the public functional API."""
     t = len(ids)
     width = -(-t // page_size)
-    pool = init_pool(width * cfg.num_layers * cfg.num_kv_heads + 1, page_size, cfg.head_dim,
-                     params["embed"].dtype)
+    pool, free = init_pool(width * cfg.num_layers * cfg.num_kv_heads + 1, page_size,
+                           cfg.head_dim, params["embed"].dtype)
     tables = init_tables(1, cfg.num_layers, cfg.num_kv_heads, width)
-    pool, tables, ok = reserve(pool, tables, jnp.asarray([t], jnp.int32))
+    free, tables, ok = reserve(free, tables, jnp.asarray([t], jnp.int32))
     assert bool(ok)
 
     @jax.jit

@@ -1,4 +1,4 @@
-"""Page pool and page tables: property tests over random allocate/append/release sequences."""
+"""Page free and page tables: property tests over random allocate/append/release sequences."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +10,7 @@ from jkv.cache.page_pool import init_pool, init_tables, release, reserve
 PAGE, SLOTS, LAYERS, HEADS, WIDTH, POOL = 4, 4, 2, 2, 4, 24
 
 
-def check_invariants(pool, tables):
+def check_invariants(free, tables):
     pages = np.asarray(tables.pages)
     counts = np.asarray(tables.num_pages)
     lengths = np.asarray(tables.lengths)
@@ -22,9 +22,9 @@ def check_invariants(pool, tables):
     owned = pages[j < counts[..., None]]
     assert (owned > 0).all(), "the null page is never handed out"
     n_ids = POOL - 1
-    head, num_free = int(pool.free_head), int(pool.num_free)
-    free = np.asarray(pool.free_ids)[(head + np.arange(num_free)) % n_ids]
-    everything = np.concatenate([owned, free])
+    head, num_free = int(free.head), int(free.num_free)
+    free_ids = np.asarray(free.ids)[(head + np.arange(num_free)) % n_ids]
+    everything = np.concatenate([owned, free_ids])
     assert len(set(everything.tolist())) == len(everything), "a page is owned twice"
     assert sorted(everything.tolist()) == list(range(1, POOL)), "pages lost or invented"
 
@@ -38,7 +38,7 @@ ops = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_random_interleavings_keep_invariants(seq):
-    pool = init_pool(POOL, PAGE, 8, jnp.float32)
+    _, free = init_pool(POOL, PAGE, 8, jnp.float32)
     tables = init_tables(SLOTS, LAYERS, HEADS, WIDTH)
     lengths = np.zeros(SLOTS, np.int64)
     for op, slot, n in seq:
@@ -48,8 +48,8 @@ def test_random_interleavings_keep_invariants(seq):
             pages_needed = sum(
                 (-(-int(t) // PAGE) - (-(-int(c) // PAGE))) * LAYERS * HEADS
                 for t, c in zip(target, lengths, strict=True))
-            before = (np.asarray(tables.pages).copy(), int(pool.num_free))
-            pool, tables, ok = reserve(pool, tables, jnp.asarray(target, jnp.int32))
+            before = (np.asarray(tables.pages).copy(), int(free.num_free))
+            free, tables, ok = reserve(free, tables, jnp.asarray(target, jnp.int32))
             if pages_needed <= before[1]:
                 assert bool(ok)
                 lengths = target
@@ -60,27 +60,27 @@ def test_random_interleavings_keep_invariants(seq):
             else:
                 assert not bool(ok)
                 assert (np.asarray(tables.pages) == before[0]).all()
-                assert int(pool.num_free) == before[1]
+                assert int(free.num_free) == before[1]
         else:
             mask = np.zeros(SLOTS, bool)
             mask[slot] = True
-            pool, tables = release(pool, tables, jnp.asarray(mask))
+            free, tables = release(free, tables, jnp.asarray(mask))
             lengths[slot] = 0
         assert (np.asarray(tables.lengths) == lengths).all()
-        check_invariants(pool, tables)
+        check_invariants(free, tables)
     # releasing everything gives every page back
-    pool, tables = release(pool, tables, jnp.ones(SLOTS, bool))
-    assert int(pool.num_free) == POOL - 1
-    check_invariants(pool, tables)
+    free, tables = release(free, tables, jnp.ones(SLOTS, bool))
+    assert int(free.num_free) == POOL - 1
+    check_invariants(free, tables)
 
 
 def test_reserve_past_table_width_fails_cleanly():
-    pool = init_pool(POOL, PAGE, 8, jnp.float32)
+    _, free = init_pool(POOL, PAGE, 8, jnp.float32)
     tables = init_tables(SLOTS, LAYERS, HEADS, WIDTH)
-    pool, tables, ok = reserve(pool, tables, jnp.asarray([WIDTH * PAGE + 1, 0, 0, 0], jnp.int32))
+    free, tables, ok = reserve(free, tables, jnp.asarray([WIDTH * PAGE + 1, 0, 0, 0], jnp.int32))
     assert not bool(ok)
-    assert int(pool.num_free) == POOL - 1
-    check_invariants(pool, tables)
+    assert int(free.num_free) == POOL - 1
+    check_invariants(free, tables)
 
 
 def test_init_pool_rejects_bad_sizes():

@@ -2,6 +2,7 @@
 
 from jkv.cache.attention import paged_attention
 from jkv.cache.page_pool import (
+    FreeList,
     PagePool,
     PageTables,
     init_pool,
@@ -11,5 +12,5 @@ from jkv.cache.page_pool import (
     write_kv,
 )
 
-__all__ = ["PagePool", "PageTables", "init_pool", "init_tables", "paged_attention", "release",
-           "reserve", "write_kv"]
+__all__ = ["FreeList", "PagePool", "PageTables", "init_pool", "init_tables", "paged_attention",
+           "release", "reserve", "write_kv"]

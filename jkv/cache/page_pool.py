@@ -18,19 +18,23 @@ NULL_PAGE = 0
 
 @struct.dataclass
 class PagePool:
+    """The pages themselves. Kept apart from the free list so that allocating never touches
+    (or copies) the KV data."""
+
     k: jax.Array  # [num_pages, page_size, head_dim]; page 0 is the null page
     v: jax.Array  # [num_pages, page_size, head_dim]
-    free_ids: jax.Array  # int32[num_pages - 1]: circular list of free page ids
-    free_head: jax.Array  # int32[]: index in free_ids of the next id to hand out
-    num_free: jax.Array  # int32[]: how many ids from free_head on are free
 
     @property
     def page_size(self) -> int:
         return self.k.shape[1]
 
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[0]
+
+@struct.dataclass
+class FreeList:
+    ids: jax.Array  # int32[num_pages - 1]: circular list of free page ids
+    head: jax.Array  # int32[]: index in ids of the next id to hand out
+    num_free: jax.Array  # int32[]: how many ids from head on are free
+    page_size: int = struct.field(pytree_node=False)
 
 
 @struct.dataclass
@@ -40,20 +44,18 @@ class PageTables:
     lengths: jax.Array  # int32[max_seqs]: tokens held by each sequence slot
 
 
-def init_pool(num_pages: int, page_size: int, head_dim: int, dtype=jnp.bfloat16) -> PagePool:
-    """An empty pool of `num_pages` pages (one of them the null page)."""
+def init_pool(num_pages: int, page_size: int, head_dim: int,
+              dtype=jnp.bfloat16) -> tuple[PagePool, FreeList]:
+    """An empty pool of `num_pages` pages (one of them the null page) and its free list."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be at least 2 (one is the null page), got {num_pages}")
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     shape = (num_pages, page_size, head_dim)
-    return PagePool(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
-        free_ids=jnp.arange(1, num_pages, dtype=jnp.int32),
-        free_head=jnp.zeros((), jnp.int32),
-        num_free=jnp.asarray(num_pages - 1, jnp.int32),
-    )
+    pool = PagePool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    free = FreeList(ids=jnp.arange(1, num_pages, dtype=jnp.int32), head=jnp.zeros((), jnp.int32),
+                    num_free=jnp.asarray(num_pages - 1, jnp.int32), page_size=page_size)
+    return pool, free
 
 
 def init_tables(max_seqs: int, num_layers: int, num_kv_heads: int, max_pages: int) -> PageTables:
@@ -71,61 +73,60 @@ def _exclusive_cumsum(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def reserve(pool: PagePool, tables: PageTables,
-            new_lengths: jax.Array) -> tuple[PagePool, PageTables, jax.Array]:
+def reserve(free: FreeList, tables: PageTables,
+            new_lengths: jax.Array) -> tuple[FreeList, PageTables, jax.Array]:
     """Grow each slot to hold `new_lengths` [max_seqs] tokens, allocating pages as needed.
 
-    Slots whose new length is not larger keep what they have. Returns (pool, tables, ok);
+    Slots whose new length is not larger keep what they have. Returns (free, tables, ok);
     when the pool is short or a length exceeds the table width nothing changes and ok is False.
     """
-    page_size = pool.page_size
+    page_size = free.page_size
     max_pages = tables.pages.shape[-1]
     lengths = jnp.maximum(tables.lengths, new_lengths.astype(jnp.int32))
     want = (lengths + page_size - 1) // page_size  # [S]
     need = jnp.maximum(want[:, None, None] - tables.num_pages, 0)  # [S, L, H]
     offsets = _exclusive_cumsum(need)
     total = need.sum()
-    ok = (total <= pool.num_free) & (want.max() <= max_pages)
+    ok = (total <= free.num_free) & (want.max() <= max_pages)
 
     j = jnp.arange(max_pages, dtype=jnp.int32)
     k = j - tables.num_pages[..., None]  # index of page j among the new ones
     take = (k >= 0) & (k < need[..., None]) & ok
-    n_ids = pool.free_ids.shape[0]
-    ids = pool.free_ids[(pool.free_head + offsets[..., None] + k) % n_ids]
+    n_ids = free.ids.shape[0]
+    ids = free.ids[(free.head + offsets[..., None] + k) % n_ids]
     pages = jnp.where(take, ids, tables.pages)
 
     total = jnp.where(ok, total, 0)
-    new_pool = pool.replace(free_head=(pool.free_head + total) % n_ids,
-                            num_free=pool.num_free - total)
+    new_free = free.replace(head=(free.head + total) % n_ids, num_free=free.num_free - total)
     new_tables = PageTables(
         pages=pages,
         num_pages=jnp.where(ok, tables.num_pages + need, tables.num_pages),
         lengths=jnp.where(ok, lengths, tables.lengths),
     )
-    return new_pool, new_tables, ok
+    return new_free, new_tables, ok
 
 
 @jax.jit
-def release(pool: PagePool, tables: PageTables,
-            mask: jax.Array) -> tuple[PagePool, PageTables]:
+def release(free: FreeList, tables: PageTables,
+            mask: jax.Array) -> tuple[FreeList, PageTables]:
     """Return every page of the slots where `mask` [max_seqs] is set to the free list."""
     max_pages = tables.pages.shape[-1]
     count = jnp.where(mask[:, None, None], tables.num_pages, 0)  # [S, L, H]
     offsets = _exclusive_cumsum(count)
-    n_ids = pool.free_ids.shape[0]
-    tail = pool.free_head + pool.num_free
+    n_ids = free.ids.shape[0]
+    tail = free.head + free.num_free
     j = jnp.arange(max_pages, dtype=jnp.int32)
     give = j < count[..., None]
     dest = jnp.where(give, (tail + offsets[..., None] + j) % n_ids, n_ids)  # n_ids: dropped
-    free_ids = pool.free_ids.at[dest.reshape(-1)].set(tables.pages.reshape(-1), mode="drop")
-    new_pool = pool.replace(free_ids=free_ids, num_free=pool.num_free + count.sum())
+    ids = free.ids.at[dest.reshape(-1)].set(tables.pages.reshape(-1), mode="drop")
+    new_free = free.replace(ids=ids, num_free=free.num_free + count.sum())
     m3 = mask[:, None, None]
     new_tables = PageTables(
         pages=jnp.where(m3[..., None], NULL_PAGE, tables.pages),
         num_pages=jnp.where(m3, 0, tables.num_pages),
         lengths=jnp.where(mask, 0, tables.lengths),
     )
-    return new_pool, new_tables
+    return new_free, new_tables
 
 
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array, k_new: jax.Array,

@@ -1,0 +1,688 @@
+"""An OpenAI-compatible HTTP server over `jkv.LLM`.
+
+    python -m jkv.server [--host 127.0.0.1] [--port 8000] [--model PATH] ...
+
+Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions
+(both with SSE streaming). The LLM is not thread-safe: every call into it (tokenizing and
+generating) runs on one worker thread under one lock, so requests are served one at a time.
+`build_app(llm)` builds the application around an LLM that is already loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jkv.api import LLM
+from jkv.sampling import SamplingParams
+
+try:  # chat templates raise jinja2 errors for conversations they reject
+    from jinja2 import TemplateError as _TemplateError
+except ImportError:  # pragma: no cover - jinja2 comes with transformers
+    _TemplateError = ValueError
+
+log = logging.getLogger("jkv.server")
+
+MAX_BODY_BYTES = 1 << 20  # larger request bodies get 413
+CHAT_MAX_TOKENS = 512  # chat default for max_tokens, when the room left allows it
+COMPLETION_MAX_TOKENS = 16  # completions default for max_tokens (OpenAI's)
+MAX_STOP = 4
+_INT64 = 1 << 63
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+_END = object()  # end of a stream's deltas
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error as a 400 whose message names the field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return APIError(400, f"request body is not valid JSON: {detail}".rstrip(": "))
+    if not loc:
+        if kind == "missing":
+            return APIError(400, "request body is missing; send a JSON object")
+        return APIError(400, "request body must be a JSON object (Content-Type: "
+                             "application/json)")
+    msg = err.get("msg", "invalid value")
+    if kind == "value_error" and "ctx" in err:  # our validators: drop pydantic's prefix
+        msg = str(err["ctx"].get("error", msg))
+    field = ".".join(loc)
+    if kind == "missing":
+        return APIError(400, f"'{field}' is a required field", param=loc[0])
+    return APIError(400, f"'{field}': {msg}", param=loc[0])
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+def _text_content(value: Any) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) "
+                                 "are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError("content must be a string or a list of text parts")
+
+
+class ChatMessage(BaseModel):
+    role: Literal[_ROLES]
+    content: str
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> str:
+        return _text_content(value)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and completion requests; unknown fields are ignored."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    best_of: int | None = None
+    user: str | None = None
+    session_id: str | None = None  # jkv extra: names a conversation (unused for now)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(value) > MAX_STOP:
+            raise ValueError(f"stop takes at most {MAX_STOP} strings, got {len(value)}")
+        return value or None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"only n=1 is supported (one choice per request), got {value}")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"best_of is not supported, got {value}")
+        return value
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int]
+    echo: bool | None = False
+    logprobs: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        """A string, token ids, or a one-element list of either."""
+        shape = ("prompt must be a string, a list of token ids, or a one-element list of "
+                 "either")
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(shape)
+        if value and all(isinstance(v, str | list) for v in value):
+            if len(value) != 1:
+                raise ValueError(f"only one prompt per request (got {len(value)})")
+            value = value[0]
+            if isinstance(value, str):
+                return value
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ValueError(shape)
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("logprobs are not supported")
+        return value
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+class _Server:
+    """The LLM behind one lock and one worker thread, and the request handlers' logic."""
+
+    def __init__(self, llm: LLM, served_model_name: str | None,
+                 lock: threading.Lock | None) -> None:
+        self.llm = llm
+        self.name = served_model_name or llm.model_name
+        self.lock = lock if lock is not None else threading.Lock()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jkv-generate")
+        self.closing = threading.Event()
+        self.created = int(time.time())
+
+    def close(self) -> None:
+        self.closing.set()  # stops a generation in flight at its next token
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ on the worker thread
+
+    def _prepare(self, make_ids: Callable[[], list[int]], body: _SamplingRequest,
+                 max_tokens: int | None, default_max: int, param: str
+                 ) -> tuple[list[int], SamplingParams]:
+        with self.lock:
+            try:
+                ids = make_ids()
+            except (ValueError, _TemplateError) as e:
+                raise APIError(400, str(e), param=param) from e
+        room = self.llm.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(ids)} tokens and leaves no room to "
+                                f"generate within max_model_len={self.llm.max_model_len}",
+                           param=param)
+        max_tokens = min(default_max if max_tokens is None else max_tokens, room)
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=-1 if body.top_k is None else body.top_k,
+                seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        return ids, params
+
+    def _generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event,
+                  on_delta: Callable[[int, str], None] | None):
+        def stopped(i: int) -> bool:
+            return cancel.is_set() or self.closing.is_set()
+
+        with self.lock:
+            if stopped(0):
+                return None
+            return self.llm.run([ids], [params], on_delta=on_delta, cancelled=stopped)[0]
+
+    # ------------------------------------------------------------ on the event loop
+
+    async def call(self, fn: Callable, *args,
+                   request: Request | None = None, cancel: threading.Event | None = None):
+        """fn(*args) on the worker thread; a client that goes away sets `cancel`."""
+        if self.closing.is_set():
+            raise APIError(503, "the server is shutting down", type="server_error")
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        try:
+            if request is None or cancel is None:
+                return await fut
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=0.5)
+                if done:
+                    return fut.result()
+                if not cancel.is_set() and await request.is_disconnected():
+                    log.info("client went away; stopping its generation")
+                    cancel.set()
+        finally:
+            if cancel is not None and not fut.done():
+                cancel.set()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.name}'", param="model", code="model_not_found")
+
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "jkv",
+                "root": str(self.llm.model_path), "parent": None,
+                "max_model_len": self.llm.max_model_len}
+
+    async def complete(self, request: Request, body: _SamplingRequest, chat: bool,
+                       make_ids: Callable[[], list[int]], max_tokens: int | None):
+        self.check_model(body.model)
+        ids, params = await self.call(
+            self._prepare, make_ids, body, max_tokens,
+            CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, "messages" if chat else "prompt")
+        request.state.prompt_tokens = len(ids)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        cancel = threading.Event()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _Stream(self._stream(request, chat, rid, created, ids, params, cancel,
+                                        include_usage), cancel)
+        t = await self.call(self._generate, ids, params, cancel, None,
+                            request=request, cancel=cancel)
+        if t is None:  # the client went away before its turn
+            return JSONResponse({}, status_code=499)
+        request.state.completion_tokens = len(t.token_ids)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": t.text},
+                      "logprobs": None, "finish_reason": t.finish_reason}
+        else:
+            choice = {"index": 0, "text": t.text, "logprobs": None,
+                      "finish_reason": t.finish_reason}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": self.name, "choices": [choice],
+                "usage": _usage(len(ids), len(t.token_ids))}
+
+    async def _stream(self, request: Request, chat: bool, rid: str, created: int,
+                      ids: list[int], params: SamplingParams, cancel: threading.Event,
+                      include_usage: bool) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:  # from the worker thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone
+                cancel.set()
+
+        def work():
+            try:
+                return self._generate(ids, params, cancel, lambda i, text: put(text))
+            finally:
+                put(_END)
+
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None = None, finish: str | None = None, role: bool = False,
+                  usage: dict | None = None, choices: bool = True) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None,
+                          "finish_reason": finish}
+            out = {"id": rid, "object": obj, "created": created, "model": self.name,
+                   "choices": [choice] if choices else []}
+            if include_usage:
+                out["usage"] = usage
+            return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
+
+        fut = None
+        try:
+            fut = asyncio.ensure_future(self.call(work))
+            if chat:
+                yield chunk(role=True)
+            while (item := await queue.get()) is not _END:
+                yield chunk(item)
+            t = await fut
+            if t is None:
+                return
+            request.state.completion_tokens = len(t.token_ids)
+            yield chunk(finish=t.finish_reason)
+            if include_usage:
+                yield chunk(usage=_usage(len(ids), len(t.token_ids)), choices=False)
+        except APIError as e:
+            request.state.stream_error = e.message
+            yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception as e:  # headers are sent: report the error in the stream
+            log.exception("error while streaming %s", rid)
+            request.state.stream_error = f"{type(e).__name__}: {e}"
+            yield f"data: {json.dumps(_internal_error(e).body())}\n\n"
+        finally:
+            cancel.set()  # a no-op when finished; stops the generation otherwise
+            if fut is not None and not fut.done():
+                # the client went away: the worker stops at its next token; let it finish
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        yield "data: [DONE]\n\n"
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _internal_error(e: BaseException) -> APIError:
+    return APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error")
+
+
+class _Stream(StreamingResponse):
+    """An SSE response that stops its generation however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], cancel: threading.Event) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cancel = cancel
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cancel.set()
+
+
+# ---------------------------------------------------------------------------- ASGI middleware
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class _Guard:
+    """Outermost layer: body-size limit, a JSON 500 for any unhandled error, one log line."""
+
+    def __init__(self, app, max_body: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = None
+        scope.setdefault("state", {})  # where handlers leave token counts for the log line
+
+        async def send_wrapper(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            limited = await self._limit_body(scope, receive)
+            if limited is None:
+                await _send_json(send_wrapper, 413, APIError(
+                    413, f"request body is larger than {self.max_body} bytes",
+                    code="request_too_large").body())
+            else:
+                await self.app(scope, limited, send_wrapper)
+        except Exception as e:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if status is None:
+                await _send_json(send_wrapper, 500, _internal_error(e).body())
+        finally:
+            self._log(scope, status, time.perf_counter() - start)
+
+    async def _limit_body(self, scope, receive):
+        """`receive`, or a replay of the buffered body; None when the body is too large."""
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body
+            except ValueError:
+                too_big = False
+            if not too_big:
+                return receive
+            if int(length) <= 64 * self.max_body:  # drain it so the client reads the 413
+                while (await receive()).get("more_body"):
+                    pass
+            return None
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return receive
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body:
+                return None
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(parts), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
+
+    @staticmethod
+    def _log(scope, status: int | None, seconds: float) -> None:
+        state = scope.get("state") or {}
+        path = scope.get("path", "")
+        level = logging.DEBUG if path == "/health" and status == 200 else logging.INFO
+        if not log.isEnabledFor(level):
+            return
+        client = scope.get("client") or ("-", 0)
+        extra = ""
+        if "prompt_tokens" in state:
+            extra = (f" prompt_tokens={state['prompt_tokens']} "
+                     f"completion_tokens={state.get('completion_tokens', 0)}")
+        for key in ("error", "stream_error"):
+            if key in state:
+                extra += f" {key}={state[key]!r}"
+        log.log(level, '%s:%s "%s %s" %s%s %.3fs', client[0], client[1], scope.get("method"),
+                path, status if status is not None else "disconnected", extra, seconds)
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+def build_app(llm: LLM, served_model_name: str | None = None, *,
+              lock: threading.Lock | None = None) -> FastAPI:
+    """The OpenAI-compatible app around a loaded LLM.
+
+    served_model_name: the model id clients ask for (default `llm.model_name`).
+    lock: a lock other users of the same LLM also hold while calling it (default: a new
+    one, at `app.state.lock`).
+    """
+    server = _Server(llm, served_model_name, lock)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        server.close()
+
+    app = FastAPI(title="jkv", summary="OpenAI-compatible API over jkv.LLM", lifespan=lifespan)
+    app.state.llm, app.state.lock, app.state.served_model_name = llm, server.lock, server.name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        request.state.error = exc.message
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc)
+        request.state.error = err.message
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        server.check_model(model_id)
+        return server.model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                      else body.max_tokens)
+        return await server.complete(request, body, True,
+                                     lambda: llm.chat_prompt(messages), max_tokens)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.complete(request, body, False, lambda: llm.encode(body.prompt),
+                                     body.max_tokens)
+
+    app.add_middleware(_Guard)
+    return app
+
+
+# ---------------------------------------------------------------------------- command line
+
+_LLM_DEFAULTS = {name: p.default for name, p in inspect.signature(LLM).parameters.items()}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = _LLM_DEFAULTS
+    p = argparse.ArgumentParser(
+        prog="python -m jkv.server",
+        description="Serve a model over an OpenAI-compatible HTTP API "
+                    "(/v1/chat/completions, /v1/completions, /v1/models, /health).",
+        formatter_class=_HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face model directory; default: the "
+                        "embedded SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients name in requests; default: the model's file or "
+                        "directory name")
+    p.add_argument("--dtype", default=d["dtype"], choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the weights and the KV cache")
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"],
+                   help="longest sequence (prompt + generated tokens); default: the model's "
+                        "limit, at most 8192")
+    p.add_argument("--attention-backend", default=d["attention_backend"],
+                   help="attention implementation (this release: xla)")
+    p.add_argument("--kv-format", default=d["kv_format"],
+                   help="how KV pages are stored (this release: auto = the model dtype)")
+    p.add_argument("--seed", type=int, default=d["seed"],
+                   help="base PRNG seed, for requests that set no seed")
+    p.add_argument("--page-size", type=int, default=d["page_size"],
+                   help="tokens per KV cache page")
+    p.add_argument("--kv-cache-bytes", type=int, default=d["kv_cache_bytes"],
+                   help="device memory for the KV cache, in bytes")
+    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                   help="most sequences decoded together in one batch")
+    p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"],
+                   help="longest prompt piece prefilled in one step (a power of two)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="logging level of the server and of uvicorn")
+    return p
+
+
+_LLM_FLAGS = ("model", "dtype", "max_model_len", "attention_backend", "kv_format", "seed",
+              "page_size", "kv_cache_bytes", "max_num_seqs", "prefill_chunk")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        llm = LLM(**{name: getattr(args, name) for name in _LLM_FLAGS})
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    app = build_app(llm, args.served_model_name)
+    log.info("serving %r (max_model_len=%d) on http://%s:%d/v1", app.state.served_model_name,
+             llm.max_model_len, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False)
+
+
+if __name__ == "__main__":
+    main()
