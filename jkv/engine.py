@@ -84,6 +84,11 @@ class Engine:
         self._requests_seen = 0
         self.stats = EngineStats()
 
+    @property
+    def num_compiles(self) -> int:
+        """Compiled variants of the step function (a steady workload must not add any)."""
+        return self._step._cache_size()
+
     def pages_for(self, num_tokens: int) -> int:
         """Pages one sequence of `num_tokens` tokens occupies across all layers and KV heads."""
         return -(-num_tokens // self.page_size) * self.cfg.num_layers * self.cfg.num_kv_heads

@@ -1,0 +1,60 @@
+"""Token sampling: greedy, top-k, top-p and the sampled distribution."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.sampling import SamplingParams, sample
+
+
+def _batch(logits, n, temperature=1.0, top_p=1.0, top_k=0, seed=None):
+    seed = np.random.SeedSequence().entropy % (2**31) if seed is None else seed
+    keys = jax.random.split(jax.random.PRNGKey(seed), n)
+    rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
+    full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
+    return np.asarray(sample(rows, keys, full(temperature, jnp.float32),
+                             full(top_p, jnp.float32), full(top_k, jnp.int32)))
+
+
+def test_greedy_is_argmax():
+    logits = np.random.default_rng().normal(size=50)
+    assert (_batch(logits, 4, temperature=0.0) == logits.argmax()).all()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = np.random.default_rng().normal(size=50)
+    assert (_batch(logits, 64, top_k=1) == logits.argmax()).all()
+    assert (_batch(logits, 64, top_p=1e-6) == logits.argmax()).all()
+
+
+def test_top_k_restricts_support():
+    logits = np.random.default_rng().normal(size=20)
+    allowed = set(np.argsort(-logits)[:3].tolist())
+    assert set(_batch(logits, 2000, top_k=3).tolist()) <= allowed
+
+
+def test_sampled_frequencies_follow_softmax():
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    temperature = 0.7
+    draws = _batch(logits, 20000, temperature=temperature)
+    p = np.exp(logits / temperature)
+    p /= p.sum()
+    freq = np.bincount(draws, minlength=len(logits)) / len(draws)
+    # 5 standard errors of a binomial proportion: fails for a wrong temperature or order
+    se = np.sqrt(p * (1 - p) / len(draws))
+    assert (np.abs(freq - p) < 5 * se + 1e-4).all(), (freq, p)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    draws = _batch(logits, 4000, top_p=0.7)  # nucleus {0, 1}: 0.5 < 0.7 <= 0.8
+    assert set(draws.tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0),
+                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+                                         ("stop", [""]), ("seed", "x")])
+def test_sampling_params_reject_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
