@@ -76,6 +76,8 @@ class Engine:
                 f"sequence of max_model_len={max_model_len} needs {one_seq}; raise "
                 f"kv_cache_bytes to at least {(one_seq + 1) * page_bytes} or lower max_model_len")
         self.pool, self.free = init_pool(num_pages, cache.page_size, cfg.head_dim, dtype)
+        # committed like the step's outputs, so the first call compiles what later ones reuse
+        self.pool = jax.device_put(self.pool, jax.devices()[0])
         self.tables = init_tables(max_num_seqs, cfg.num_layers, cfg.num_kv_heads, self.max_pages)
         self.free_pages = num_pages - 1  # host mirror of free.num_free
         self._step = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
