@@ -1,0 +1,71 @@
+"""Loaders and the converted-params cache."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.config import PRESETS
+from jkv.models.loaders import _unpermute_rotary, hf_config, load_model, random_params
+from jkv.models.params_cache import cache_root, load_params
+
+
+def _llama_cpp_permute(w, n_heads):  # what llama.cpp's converter does to Q/K rows
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def test_unpermute_inverts_the_gguf_converter():
+    w = np.random.default_rng().normal(size=(3 * 64, 40))
+    permuted = _llama_cpp_permute(w, 3)
+    assert not np.allclose(permuted, w)
+    np.testing.assert_array_equal(_unpermute_rotary(permuted, 3), w)
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    return tmp_path / "m"
+
+
+def test_params_cache_roundtrip_and_rebuild(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("JKV_CACHE_DIR", str(tmp_path / "cache"))
+    cfg, first = load_params(tiny_dir, jnp.float32)
+    entries = list(cache_root().iterdir())
+    assert len(entries) == 1 and (entries[0] / "done").exists()
+    cfg2, second = load_params(tiny_dir, jnp.float32)
+    assert cfg2 == cfg
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # a corrupt entry is rebuilt, not trusted
+    (entries[0] / "config.json").write_text("{not json")
+    cfg3, third = load_params(tiny_dir, jnp.float32)
+    assert cfg3 == cfg
+    json.loads((entries[0] / "config.json").read_text())
+
+
+def test_bad_model_paths_raise_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "x.bin").write_bytes(b"0")
+    with pytest.raises(ValueError, match="gguf"):
+        load_model(tmp_path / "x.bin")
+    with pytest.raises(ValueError, match="model_type"):
+        hf_config({"model_type": "gpt2"})
+
+
+def test_random_params_have_the_preset_shapes():
+    cfg = PRESETS["smollm2-135m"].replace(num_layers=2)
+    p = random_params(cfg, dtype=jnp.float32)
+    assert p["layers"]["wq"].shape == (2, 576, 576)
+    assert p["layers"]["wk"].shape == (2, 576, 192)
+    assert "lm_head" not in p
+    assert np.isfinite(np.asarray(p["layers"]["w_down"])).all()
