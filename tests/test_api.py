@@ -4,6 +4,8 @@ import pytest
 
 from jkv import LLM, SamplingParams
 
+pytestmark = pytest.mark.smollm2
+
 
 @pytest.fixture(scope="module")
 def llm():

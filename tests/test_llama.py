@@ -92,6 +92,7 @@ def smollm2():
     return llm, hf
 
 
+@pytest.mark.smollm2
 def test_smollm2_logits_match_transformers_on_200_tokens(smollm2):
     llm, hf = smollm2
     ids = llm.tokenizer.encode(LONG_TEXT + " " + LONG_TEXT)[:200]
@@ -104,6 +105,7 @@ def test_smollm2_logits_match_transformers_on_200_tokens(smollm2):
     assert err < 1e-4
 
 
+@pytest.mark.smollm2
 def test_smollm2_greedy_32_tokens_match_transformers(smollm2):
     llm, hf = smollm2
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))

@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -16,6 +18,7 @@ def test_two_setup_commands_and_ci_runs_the_test_one():
     assert test in (ROOT / ".ci" / "run").read_text()
 
 
+@pytest.mark.smollm2
 def test_research_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     example = next(b for b in blocks if "forward(" in b)
