@@ -28,10 +28,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("JKV_CACHE_DIR", Path.home() / ".cache" / "jkv")) / "params"
 
 
-def _key(path: Path, dtype) -> str:
+def file_key(path: Path, salt: str) -> str:
+    """A key that changes when the model file (or a directory's weight files) changes."""
     files = [path] if path.is_file() else sorted(
         p for p in path.iterdir() if p.suffix in (".gguf", ".safetensors", ".json"))
-    h = hashlib.sha256(f"v{_FORMAT_VERSION}:{jnp.dtype(dtype).name}".encode())
+    h = hashlib.sha256(f"v{_FORMAT_VERSION}:{salt}".encode())
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -52,7 +53,7 @@ def load_params(path: str | os.PathLike | None, dtype=jnp.bfloat16,
     p = default_model_path() if path is None else Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path {str(p)!r} does not exist")
-    entry = cache_root() / _key(p, dtype)
+    entry = cache_root() / file_key(p, jnp.dtype(dtype).name)
     if use_cache and (entry / "done").exists():
         try:
             cfg = _cfg_from_json(json.loads((entry / "config.json").read_text()))
