@@ -41,7 +41,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
+    finish_reason: str  # "stop" (EOS, stop string or stop token), "length" or "abort"
     prompt: str | None = None
     session_id: str | None = None
 
@@ -192,7 +192,10 @@ class LLM:
                     delta = trackers[i].delta(final=done)
                     if delta:
                         on_delta(i, delta)
-                return done or (cancelled is not None and cancelled(i))
+                if not done and cancelled is not None and cancelled(i):
+                    trackers[i].finish_reason = "abort"
+                    return True
+                return done
 
             self.engine.generate([prompts[i] for i in batch], [params[i] for i in batch],
                                  on_token)

@@ -155,12 +155,16 @@ class _SamplingRequest(BaseModel):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
+        if isinstance(value, str):
+            value = [value]
+        if value is None:
             return value
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise ValueError("stop must be a string or a list of strings")
         if len(value) > MAX_STOP:
             raise ValueError(f"stop takes at most {MAX_STOP} strings, got {len(value)}")
+        if not all(value):
+            raise ValueError("stop strings must not be empty")
         return value or None
 
     @field_validator("n")
@@ -336,7 +340,9 @@ class _Server:
                                         include_usage), cancel)
         t = await self.call(self._generate, ids, params, cancel, None,
                             request=request, cancel=cancel)
-        if t is None:  # the client went away before its turn
+        if t is None:  # the client went away before its turn, or the server is stopping
+            if self.closing.is_set():
+                raise APIError(503, "the server is shutting down", type="server_error")
             return JSONResponse({}, status_code=499)
         request.state.completion_tokens = len(t.token_ids)
         if chat:
@@ -393,7 +399,9 @@ class _Server:
             while (item := await queue.get()) is not _END:
                 yield chunk(item)
             t = await fut
-            if t is None:
+            if t is None:  # the client went away before its turn, or the server is stopping
+                if self.closing.is_set():
+                    raise APIError(503, "the server is shutting down", type="server_error")
                 return
             request.state.completion_tokens = len(t.token_ids)
             yield chunk(finish=t.finish_reason)
@@ -562,6 +570,8 @@ def build_app(llm: LLM, served_model_name: str | None = None, *,
 
     app = FastAPI(title="jkv", summary="OpenAI-compatible API over jkv.LLM", lifespan=lifespan)
     app.state.llm, app.state.lock, app.state.served_model_name = llm, server.lock, server.name
+    # stops generations in flight (they end early) and refuses new ones with 503
+    app.state.stop_generating = server.closing.set
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -639,8 +649,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients name in requests; default: the model's file or "
                         "directory name")
-    p.add_argument("--dtype", default=d["dtype"], choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the weights and the KV cache")
+    p.add_argument("--dtype", default=d["dtype"],
+                   choices=["auto", "bfloat16", "float16", "float32"],
+                   help="dtype of the weights and the KV cache; auto: bfloat16 on an "
+                        "accelerator, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"],
                    help="longest sequence (prompt + generated tokens); default: the model's "
                         "limit, at most 8192")
@@ -671,8 +683,9 @@ _LLM_FLAGS = ("model", "dtype", "max_model_len", "attention_backend", "kv_format
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jkv").setLevel(args.log_level.upper())
     try:
         llm = LLM(**{name: getattr(args, name) for name in _LLM_FLAGS})
     except (ValueError, FileNotFoundError) as e:
@@ -680,8 +693,22 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(llm, args.served_model_name)
     log.info("serving %r (max_model_len=%d) on http://%s:%d/v1", app.state.served_model_name,
              llm.max_model_len, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False)
+    _Uvicorn(config, on_exit=app.state.stop_generating).run()
+
+
+class _Uvicorn(uvicorn.Server):
+    """Ctrl+C (SIGINT/SIGTERM) also stops the generations in flight, so that the open
+    responses end and the server exits at once instead of after their last token."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":
