@@ -106,7 +106,7 @@ def main() -> None:
         "benchmark": "cpu_throughput", "date": datetime.date.today().isoformat(),
         "device": jax.devices()[0].device_kind, "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "jax": jax.__version__, "numpy": np.__version__,
-        "args": vars(args), "results": rows,
+        "args": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

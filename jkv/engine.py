@@ -30,11 +30,12 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
 
 
-def _step(params, k_pool, v_pool, pages, tokens, positions, valid, last_idx, keys, temperature,
-          top_p, top_k, *, cfg: ModelConfig, backend: str):
+def _step(params, k_pool, v_pool, pages, tokens, positions, valid, last_idx, base_keys,
+          num_generated, temperature, top_p, top_k, *, cfg: ModelConfig, backend: str):
     hidden, k_pool, v_pool = forward(params, cfg, tokens, positions, valid, k_pool, v_pool,
                                      pages, backend)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
+    keys = jax.vmap(jax.random.fold_in)(base_keys, num_generated)  # one stream per request
     tokens = sample(lm_head(params, h_last), keys, temperature, top_p, top_k)
     return tokens, k_pool, v_pool
 
@@ -151,21 +152,22 @@ class Engine:
             self.free, self.tables = release(self.free, self.tables, jnp.asarray(mask))
             self.free_pages += need
 
-    def _step_call(self, tokens, positions, valid, last_idx, keys, sp, upto: int):
+    def _step_call(self, tokens, positions, valid, last_idx, base_keys, num_generated, sp,
+                   upto: int):
         b, t = tokens.shape
         width = self._width(upto)
         self.stats.step_shapes.add((b, t, width))
         pages = self.tables.pages[:b, :, :, :width]
         out, k, v = self._step(self.params, self.pool.k, self.pool.v, pages,
                                jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid),
-                               jnp.asarray(last_idx), keys, *sp)
+                               jnp.asarray(last_idx), base_keys, jnp.asarray(num_generated),
+                               *sp)
         self.pool = self.pool.replace(k=k, v=v)
         return out
 
     def _generate(self, prompts, plen, max_new, b, base_keys, sp, on_token) -> None:
         n = len(prompts)
         first = np.zeros(n, np.int32)
-        keys0 = jax.vmap(jax.random.fold_in)(base_keys, jnp.zeros(b, jnp.uint32))
         t0 = time.perf_counter()
         pos, longest = 0, int(plen.max())
         while pos < longest:
@@ -180,7 +182,8 @@ class Engine:
             last_idx = np.zeros(b, np.int32)
             last_idx[:n] = np.clip(plen - 1 - pos, 0, t - 1)
             ok = self._reserve(np.minimum(plen, pos + t))
-            out = self._step_call(tokens, positions, valid, last_idx, keys0, sp, pos + t)
+            out = self._step_call(tokens, positions, valid, last_idx, base_keys,
+                                  np.zeros(b, np.uint32), sp, pos + t)
             out, ok = jax.device_get((out, ok))
             if not ok:
                 raise RuntimeError("page reservation failed although the host budget allowed it")
@@ -209,9 +212,8 @@ class Engine:
             ok = self._reserve(new_len)
             steps = np.zeros(b, np.uint32)
             steps[:n] = generated
-            keys = jax.vmap(jax.random.fold_in)(base_keys, jnp.asarray(steps))
-            out = self._step_call(tokens, positions, valid, np.zeros(b, np.int32), keys, sp,
-                                  int(positions.max()) + 1)
+            out = self._step_call(tokens, positions, valid, np.zeros(b, np.int32), base_keys,
+                                  steps, sp, int(positions.max()) + 1)
             out, ok = jax.device_get((out, ok))
             if not ok:
                 raise RuntimeError("page reservation failed although the host budget allowed it")
