@@ -98,12 +98,6 @@ class KVFormat:
             f"kv_format={name!r} is not supported yet; this release stores full-precision "
             "pages ('auto')")
 
-    def bytes_per_token(self, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-        """Bytes one token of one layer occupies across all KV heads (keys and values)."""
-        k = head_dim * (dtype_bytes if self.k_bits == 16 else self.k_bits / 8)
-        v = head_dim * (dtype_bytes if self.v_bits == 16 else self.v_bits / 8)
-        return int(num_kv_heads * (k + v))
-
 
 @dataclass(frozen=True)
 class CacheConfig:
