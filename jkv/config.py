@@ -75,8 +75,8 @@ PRESETS: dict[str, ModelConfig] = {
 class KVFormat:
     """How one page stores keys and values. Bits in {16, 8, 4, 2}; 16 means the model dtype.
 
-    Only full precision (16/16) is implemented by this release; quantized formats come with
-    the Pallas kernels.
+    Quantized keys carry a scale and zero point per (page, channel); quantized values per
+    (token, group of `group` channels). `group` is capped at head_dim where it is used.
     """
 
     k_bits: int = 16
@@ -88,15 +88,45 @@ class KVFormat:
             if getattr(self, name) not in (16, 8, 4, 2):
                 raise ValueError(f"KVFormat.{name} must be one of 16, 8, 4, 2, "
                                  f"got {getattr(self, name)}")
+        if self.group <= 0 or self.group & (self.group - 1):
+            raise ValueError(f"KVFormat.group must be a power of two, got {self.group}")
 
     @classmethod
     def parse(cls, name: str) -> KVFormat:
-        """`auto`/`bf16` -> model dtype pages; other names are reserved for quantized pages."""
-        if name in ("auto", "bf16", "fp16", "fp32"):
-            return cls()
-        raise ValueError(
-            f"kv_format={name!r} is not supported yet; this release stores full-precision "
-            "pages ('auto')")
+        """A format by name: auto/bf16 (model dtype), int8, int4, k8v8, k4v4, k8v4, k4v2."""
+        if name not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)}, got {name!r}")
+        return KV_FORMATS[name]
+
+    @property
+    def name(self) -> str:
+        if self.k_bits == self.v_bits:
+            return "auto" if self.k_bits == 16 else f"int{self.k_bits}"
+        return f"k{self.k_bits}v{self.v_bits}"
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_bits < 16 or self.v_bits < 16
+
+    def bytes_per_token(self, head_dim: int, dtype_bytes: int) -> float:
+        """Bytes one token of one KV head takes in a full page, scales and zeros included."""
+        group = min(self.group, head_dim)
+        k = head_dim * dtype_bytes if self.k_bits == 16 else head_dim * self.k_bits / 8
+        v = head_dim * dtype_bytes if self.v_bits == 16 else head_dim * self.v_bits / 8
+        if self.v_bits < 16:
+            v += 2 * 4 * head_dim // group  # f32 scale and zero per group
+        return k + v  # key scales are per page: `key_page_overhead_bytes`
+
+    def key_page_overhead_bytes(self, head_dim: int) -> int:
+        return 2 * 4 * head_dim if self.k_bits < 16 else 0
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    "auto": KVFormat(16, 16), "bf16": KVFormat(16, 16),
+    "int8": KVFormat(8, 8), "k8v8": KVFormat(8, 8),
+    "int4": KVFormat(4, 4), "k4v4": KVFormat(4, 4),
+    "k8v4": KVFormat(8, 4), "k4v2": KVFormat(4, 2),
+}
 
 
 @dataclass(frozen=True)

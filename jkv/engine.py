@@ -58,6 +58,9 @@ class Engine:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {attention_backend!r}")
+        if cache.kv_format.quantized:
+            raise ValueError(f"kv_format={cache.kv_format.name!r}: quantized pages are not wired "
+                             "into the engine yet; the kernels are in jkv.pallas_kernels")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):

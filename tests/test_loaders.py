@@ -69,3 +69,14 @@ def test_random_params_have_the_preset_shapes():
     assert p["layers"]["wk"].shape == (2, 576, 192)
     assert "lm_head" not in p
     assert np.isfinite(np.asarray(p["layers"]["w_down"])).all()
+
+
+def test_kv_format_names():
+    from jkv.config import KVFormat
+
+    assert KVFormat.parse("k4v2") == KVFormat(4, 2)
+    assert KVFormat.parse("int8").name == "int8" and KVFormat.parse("k8v4").name == "k8v4"
+    assert KVFormat.parse("k8v4").bytes_per_token(64, 2) < KVFormat.parse("auto").bytes_per_token(
+        64, 2)
+    with pytest.raises(ValueError, match="kv_format"):
+        KVFormat.parse("int3")

@@ -1,0 +1,92 @@
+"""KV page quantization (pure jnp): asymmetric integer codes, sub-byte codes packed in uint8.
+
+Keys are quantized per channel over the tokens of a page (KIVI: pre-RoPE key outliers live in
+a few channels); values per token over groups of channels. A code c stands for
+`c * scale + zero`.
+
+Packing of b-bit codes (b < 8) along the channel axis: with k = 8 // b codes per byte and
+Dp = D // k, byte j of a token row holds channels j, j + Dp, ..., j + (k - 1) * Dp, the first
+in the lowest bits. So unpacking "part" i (shift by b * i, mask) yields the contiguous channel
+block [i * Dp, (i + 1) * Dp): kernels dot each part with the matching slice of q and never
+interleave channels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+QUANT_BITS = (8, 4, 2)
+
+
+def codes_per_byte(bits: int) -> int:
+    return 8 // bits if bits < 8 else 1
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+    """uint8 codes [..., D] -> packed uint8 [..., D // (8 // bits)]."""
+    k = codes_per_byte(bits)
+    if k == 1:
+        return codes.astype(jnp.uint8)
+    d = codes.shape[-1]
+    if d % k:
+        raise ValueError(f"head_dim {d} is not a multiple of {k} codes per byte")
+    parts = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], k, d // k)
+    out = jnp.zeros(parts.shape[:-2] + parts.shape[-1:], jnp.uint8)
+    for i in range(k):
+        out = out | (parts[..., i, :] << (bits * i))
+    return out
+
+
+def unpack(packed: jax.Array, bits: int) -> jax.Array:
+    """Inverse of `pack`: packed uint8 [..., Dp] -> uint8 codes [..., Dp * (8 // bits)]."""
+    k = codes_per_byte(bits)
+    if k == 1:
+        return packed
+    mask = (1 << bits) - 1
+    return jnp.concatenate([(packed >> (bits * i)) & mask for i in range(k)], axis=-1)
+
+
+def _codes(x: jax.Array, lo: jax.Array, hi: jax.Array, bits: int):
+    levels = (1 << bits) - 1
+    scale = (hi - lo) / levels
+    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    codes = jnp.clip(jnp.round((x - lo) * inv), 0, levels).astype(jnp.uint8)
+    return codes, scale
+
+
+def quantize_keys(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Keys [..., page, D] -> (packed [..., page, Dp], scale [..., D], zero [..., D]) f32."""
+    xf = x.astype(jnp.float32)
+    lo, hi = xf.min(axis=-2), xf.max(axis=-2)
+    codes, scale = _codes(xf, lo[..., None, :], hi[..., None, :], bits)
+    return pack(codes, bits), scale[..., 0, :], lo
+
+
+def quantize_values(x: jax.Array, bits: int,
+                    group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Values [..., page, D] -> (packed [..., page, Dp], scale, zero [..., page, D // group])."""
+    *lead, d = x.shape
+    if d % group:
+        raise ValueError(f"value group {group} does not divide head_dim {d}")
+    xf = x.astype(jnp.float32).reshape(*lead, d // group, group)
+    lo, hi = xf.min(axis=-1), xf.max(axis=-1)
+    codes, scale = _codes(xf, lo[..., None], hi[..., None], bits)
+    return pack(codes.reshape(*lead, d), bits), scale[..., 0], lo
+
+
+def dequantize_keys(packed: jax.Array, scale: jax.Array, zero: jax.Array,
+                    bits: int) -> jax.Array:
+    """Inverse of `quantize_keys` up to rounding: float32 [..., page, D]."""
+    codes = unpack(packed, bits).astype(jnp.float32)
+    return codes * scale[..., None, :] + zero[..., None, :]
+
+
+def dequantize_values(packed: jax.Array, scale: jax.Array, zero: jax.Array,
+                      bits: int) -> jax.Array:
+    """Inverse of `quantize_values` up to rounding: float32 [..., page, D]."""
+    codes = unpack(packed, bits).astype(jnp.float32)
+    *lead, d = codes.shape
+    groups = scale.shape[-1]
+    codes = codes.reshape(*lead, groups, d // groups)
+    return (codes * scale[..., None] + zero[..., None]).reshape(*lead, d)
