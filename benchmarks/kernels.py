@@ -46,8 +46,9 @@ def timeit(fn, *args, reps: int = 20, trials: int = 5, **kwargs) -> float:
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    x = jnp.asarray(np.random.default_rng().integers(0, 255, nbytes, dtype=np.uint8))
-    f = jax.jit(lambda x: x + jnp.uint8(1))
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    x = jax.random.bits(jax.random.PRNGKey(0), (nbytes // 4,), jnp.uint32)
+    f = jax.jit(lambda x: x ^ jnp.uint32(1))
     return 2 * nbytes / timeit(f, x)
 
 
@@ -76,12 +77,14 @@ def splits_for(batch: int, width: int, ppb: int, programs: int = 264) -> int:
     return max(1, min(s, width // ppb))
 
 
-def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int) -> list[dict]:
+def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int, num_warps: int = 4,
+               num_stages: int = 2, formats: list[str] = FORMATS,
+               baselines: bool = True) -> list[dict]:
     q, k, v, table, lengths = make_inputs(rng, batch, context)
     width = table.shape[-1]
     splits = splits_for(batch, width, ppb)
     rows = []
-    for fmt in FORMATS:
+    for fmt in formats:
         f = KV_FORMATS[fmt]
         kp, vp, extra = k, v, {}
         if f.k_bits < 16:
@@ -90,11 +93,15 @@ def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int) -> list
             vp, extra["v_scale"], extra["v_zero"] = quantize_values(v, f.v_bits, GROUP)
         fn = jax.jit(functools.partial(paged_decode_attention, k_bits=f.k_bits, v_bits=f.v_bits,
                                        group=GROUP, k_splits=splits, pages_per_block=ppb,
+                                       num_warps=num_warps, num_stages=num_stages,
                                        interpret=interpret))
         t = timeit(fn, q, kp, vp, table, lengths, **extra)
-        rows.append({"impl": f"jkv {fmt}", "seconds": t,
+        rows.append({"impl": f"jkv {fmt}", "seconds": t, "num_warps": num_warps,
+                     "num_stages": num_stages, "pages_per_block": ppb,
                      "kv_bytes": kv_bytes(fmt, batch * context, batch * width)})
         del kp, vp, extra
+    if not baselines:
+        return rows
     if not interpret:
         rows += bench_jax_baseline(q, k, v, table, batch, context, ppb)
     pages3 = table.reshape(batch, HKV, width)
@@ -133,6 +140,18 @@ def bench_jax_baseline(q, k, v, table, batch: int, context: int, ppb: int) -> li
     return rows
 
 
+def sweep(rng, batch: int, context: int, interpret: bool) -> None:
+    print(f"{'warps':>5} {'stages':>6} {'ppb':>4} " + "".join(f"{f:>10}" for f in FORMATS)
+          + "   (microseconds)")
+    for warps in (4, 8):
+        for stages in (1, 2, 3):
+            for ppb in (4, 8, 16):
+                rows = bench_case(rng, batch, context, interpret, ppb, warps, stages,
+                                  baselines=False)
+                print(f"{warps:>5} {stages:>6} {ppb:>4} "
+                      + "".join(f"{r['seconds'] * 1e6:>10.1f}" for r in rows), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes in interpret mode (CPU)")
@@ -141,6 +160,11 @@ def main() -> None:
     ap.add_argument("--pages-per-block", type=int, default=8, help="pages per inner iteration")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
+    ap.add_argument("--num-warps", type=int, default=4, help="Triton warps per program")
+    ap.add_argument("--num-stages", type=int, default=2, help="Triton pipeline stages")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time kernel variants (warps x stages x pages per block) at one size "
+                         "(the first batch and context) instead of the full table")
     args = ap.parse_args()
     interpret = args.smoke or jax.default_backend() == "cpu"
     batches = [1, 2] if args.smoke else [int(x) for x in args.batches.split(",")]
@@ -149,10 +173,14 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     copy_bw = copy_bandwidth(1 << 20 if args.smoke else 2 << 30)
     rng = np.random.default_rng()
+    if args.sweep:
+        sweep(rng, batches[0], contexts[0], interpret)
+        return
     results = []
     for batch in tqdm(batches, desc="batch"):
         for context in tqdm(contexts, desc="context", leave=False):
-            for row in bench_case(rng, batch, context, interpret, ppb):
+            for row in bench_case(rng, batch, context, interpret, ppb, args.num_warps,
+                                  args.num_stages):
                 row |= {"batch": batch, "context": context,
                         "bytes_per_s": row["kv_bytes"] / row["seconds"]}
                 row["fraction_of_copy"] = row["bytes_per_s"] / copy_bw
