@@ -129,6 +129,9 @@ KV_FORMATS: dict[str, KVFormat] = {
 }
 
 
+ATTENTION_BACKENDS = ("xla", "pallas")  # plain jnp; the Pallas kernels (interpreted on CPU)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The device page pool: pages hold `page_size` tokens of one (layer, KV head)."""

@@ -18,9 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.cache.attention import ATTENTION_BACKENDS
-from jkv.cache.page_pool import init_pool, init_tables, release, reserve
-from jkv.config import CacheConfig, ModelConfig
+from jkv.cache.page_pool import (
+    FillingPages,
+    init_filling,
+    init_pool,
+    init_tables,
+    page_bytes,
+    release,
+    reserve,
+)
+from jkv.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
 from jkv.models.llama import Params, forward, lm_head
 from jkv.sampling import SamplingParams, sample
 
@@ -30,14 +37,17 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
 
 
-def _step(params, k_pool, v_pool, pages, tokens, positions, valid, last_idx, base_keys,
+def _step(params, pool, filling, pages, tokens, positions, valid, last_idx, base_keys,
           num_generated, temperature, top_p, top_k, *, cfg: ModelConfig, backend: str):
-    hidden, k_pool, v_pool = forward(params, cfg, tokens, positions, valid, k_pool, v_pool,
-                                     pages, backend)
+    b = tokens.shape[0]
+    rows = FillingPages(k=filling.k[:b], v=filling.v[:b])
+    hidden, pool, rows = forward(params, cfg, tokens, positions, valid, pool, rows, pages,
+                                 backend)
+    filling = FillingPages(k=filling.k.at[:b].set(rows.k), v=filling.v.at[:b].set(rows.v))
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     keys = jax.vmap(jax.random.fold_in)(base_keys, num_generated)  # one stream per request
     tokens = sample(lm_head(params, h_last), keys, temperature, top_p, top_k)
-    return tokens, k_pool, v_pool
+    return tokens, pool, filling
 
 
 @dataclass
@@ -58,9 +68,6 @@ class Engine:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {attention_backend!r}")
-        if cache.kv_format.quantized:
-            raise ValueError(f"kv_format={cache.kv_format.name!r}: quantized pages are not wired "
-                             "into the engine yet; the kernels are in jkv.pallas_kernels")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
@@ -70,18 +77,23 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.page_size = cache.page_size
         dtype = params["embed"].dtype
-        page_bytes = 2 * cache.page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
-        num_pages = cache.kv_cache_bytes // page_bytes
-        self.max_pages = -(-max_model_len // cache.page_size)
+        self.kv_format = cache.kv_format
+        one_page = page_bytes(cache.kv_format, cache.page_size, cfg.head_dim, dtype)
+        num_pages = cache.kv_cache_bytes // one_page
+        self.max_pages = bucket(-(-max_model_len // cache.page_size), 4)  # table width
         one_seq = self.pages_for(max_model_len)
         if num_pages - 1 < one_seq:
             raise ValueError(
                 f"kv_cache_bytes={cache.kv_cache_bytes} holds {num_pages} pages but one "
                 f"sequence of max_model_len={max_model_len} needs {one_seq}; raise "
-                f"kv_cache_bytes to at least {(one_seq + 1) * page_bytes} or lower max_model_len")
-        self.pool, self.free = init_pool(num_pages, cache.page_size, cfg.head_dim, dtype)
+                f"kv_cache_bytes to at least {(one_seq + 1) * one_page} or lower max_model_len")
+        self.num_pages = num_pages
+        self.pool, self.free = init_pool(num_pages, cache.page_size, cfg.head_dim, dtype,
+                                         cache.kv_format)
+        self.filling = init_filling(max_num_seqs, cfg.num_layers, cfg.num_kv_heads,
+                                    cache.page_size, cfg.head_dim, dtype)
         # committed like the step's outputs, so the first call compiles what later ones reuse
-        self.pool = jax.device_put(self.pool, jax.devices()[0])
+        self.pool, self.filling = jax.device_put((self.pool, self.filling), jax.devices()[0])
         self.tables = init_tables(max_num_seqs, cfg.num_layers, cfg.num_kv_heads, self.max_pages)
         self.free_pages = num_pages - 1  # host mirror of free.num_free
         self._step = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
@@ -161,11 +173,10 @@ class Engine:
         width = self._width(upto)
         self.stats.step_shapes.add((b, t, width))
         pages = self.tables.pages[:b, :, :, :width]
-        out, k, v = self._step(self.params, self.pool.k, self.pool.v, pages,
-                               jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid),
-                               jnp.asarray(last_idx), base_keys, jnp.asarray(num_generated),
-                               *sp)
-        self.pool = self.pool.replace(k=k, v=v)
+        out, self.pool, self.filling = self._step(
+            self.params, self.pool, self.filling, pages, jnp.asarray(tokens),
+            jnp.asarray(positions), jnp.asarray(valid), jnp.asarray(last_idx), base_keys,
+            jnp.asarray(num_generated), *sp)
         return out
 
     def _generate(self, prompts, plen, max_new, b, base_keys, sp, on_token) -> None:

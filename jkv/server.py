@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jkv.api import LLM
+from jkv.config import ATTENTION_BACKENDS, KV_FORMATS
 from jkv.sampling import SamplingParams
 
 try:  # chat templates raise jinja2 errors for conversations they reject
@@ -657,9 +658,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest sequence (prompt + generated tokens); default: the model's "
                         "limit, at most 8192")
     p.add_argument("--attention-backend", default=d["attention_backend"],
-                   help="attention implementation (this release: xla)")
-    p.add_argument("--kv-format", default=d["kv_format"],
-                   help="how KV pages are stored (this release: auto = the model dtype)")
+                   choices=list(ATTENTION_BACKENDS),
+                   help="attention implementation: xla (plain jnp) or pallas (the Pallas "
+                        "kernels; interpreted, so slow, on CPU)")
+    p.add_argument("--kv-format", default=d["kv_format"], choices=sorted(KV_FORMATS),
+                   help="how KV pages are stored: auto/bf16 = the model dtype; int8, int4 "
+                        "(= k8v8, k4v4); k8v4, k4v2 = keys finer than values. Full pages are "
+                        "quantized, the page being filled stays in the model dtype")
     p.add_argument("--seed", type=int, default=d["seed"],
                    help="base PRNG seed, for requests that set no seed")
     p.add_argument("--page-size", type=int, default=d["page_size"],

@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jkv import LLM, SamplingParams  # noqa: E402
-from jkv.cache import init_pool, init_tables, reserve  # noqa: E402
+from jkv.cache import init_filling, init_pool, init_tables, reserve  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 
@@ -49,20 +49,22 @@ def jkv_logits(cfg, params, ids: list[int], page_size: int = 16) -> np.ndarray:
     """Logits for every position of one prompt, through the public functional API."""
     t = len(ids)
     width = -(-t // page_size)
+    dtype = params["embed"].dtype
     pool, free = init_pool(width * cfg.num_layers * cfg.num_kv_heads + 1, page_size,
-                           cfg.head_dim, params["embed"].dtype)
+                           cfg.head_dim, dtype)
+    filling = init_filling(1, cfg.num_layers, cfg.num_kv_heads, page_size, cfg.head_dim, dtype)
     tables = init_tables(1, cfg.num_layers, cfg.num_kv_heads, width)
     free, tables, ok = reserve(free, tables, jnp.asarray([t], jnp.int32))
     assert bool(ok)
 
     @jax.jit
-    def run(params, k, v, pages, tokens):
+    def run(params, pool, filling, pages, tokens):
         positions = jnp.arange(t, dtype=jnp.int32)[None]
-        hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((1, t), bool), k, v,
-                               pages)
+        hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((1, t), bool), pool,
+                               filling, pages)
         return lm_head(params, hidden)
 
-    return np.asarray(run(params, pool.k, pool.v, tables.pages, jnp.asarray([ids])))[0]
+    return np.asarray(run(params, pool, filling, tables.pages, jnp.asarray([ids])))[0]
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

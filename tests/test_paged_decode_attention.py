@@ -15,7 +15,10 @@ import pytest
 from jkv.config import KV_FORMATS
 from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
 from jkv.pallas_kernels.paged_decode_attention import (
+    PagedTier,
     dequantized_rows,
+    merge_softmax_states,
+    normalize_softmax_state,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -166,3 +169,98 @@ def test_cuda_lowering_catches_triton_errors():
     run = functools.partial(paged_decode_attention, pages_per_block=3)
     with pytest.raises(Exception, match="power of 2"):
         jax.jit(run).trace(q, k, v, table, lengths).lower(lowering_platforms=("cuda",))
+
+
+def make_tier(rng, num_pages, d, k_bits, v_bits, dtype=jnp.float32):
+    """A pool of random pages in one format; page 0 (the null page) is poisoned."""
+    k = rng.normal(size=(num_pages, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))
+    v = rng.normal(size=(num_pages, PAGE, d))
+    k[0], v[0] = 1e4, -1e4
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    extra = {}
+    if k_bits < 16:
+        k, extra["k_scale"], extra["k_zero"] = quantize_keys(k, k_bits)
+    if v_bits < 16:
+        v, extra["v_scale"], extra["v_zero"] = quantize_values(v, v_bits, GROUP)
+    return PagedTier(k, v, **extra)
+
+
+TIER_PAIRS = [((16, 16), (8, 4)), ((8, 8), (4, 2)), ((8, 4), (4, 2)), ((4, 4), (8, 8))]
+
+
+@pytest.mark.parametrize("hi,lo", TIER_PAIRS)
+@pytest.mark.parametrize("gqa,d", [(3, 64), (4, 128)])
+def test_two_tiers_in_one_row(hi, lo, gqa, d):
+    """High-precision pages from the left of each row, low-precision ones from the right."""
+    rng = np.random.default_rng()
+    b, hkv, width = 2, 2, 8
+    # (high tokens, low tokens) per row: empty low tier, single tokens, exact multiples,
+    # partial pages, a row filled from both ends
+    lens = np.array([[[1, 0], [2 * PAGE, 3 * PAGE]],
+                     [[13, 1], [4 * PAGE, 4 * PAGE]]])
+    tables = np.zeros((b, hkv, width), np.int32)
+    hi_pool, lo_pool = b * hkv * width + 1, b * hkv * width // 2 + 1
+    hi_ids, lo_ids = iter(1 + rng.permutation(hi_pool - 1)), iter(1 + rng.permutation(lo_pool - 1))
+    for i in range(b):
+        for h in range(hkv):
+            nh, nl = -(-lens[i, h] // PAGE)
+            tables[i, h, :nh] = [next(hi_ids) for _ in range(nh)]
+            tables[i, h, width - nl:] = [next(lo_ids) for _ in range(nl)][::-1]
+    high, low = make_tier(rng, hi_pool, d, *hi), make_tier(rng, lo_pool, d, *lo)
+    q = jnp.asarray(rng.normal(size=(b, hkv * gqa, d)), jnp.float32)
+    table, hl, ll = jnp.asarray(tables), jnp.asarray(lens[..., 0]), jnp.asarray(lens[..., 1])
+
+    # float64 reference: both tiers dequantized, the low one read right to left
+    kh, vh = dequantized_rows(*high[:2], table, *high[2:], k_bits=hi[0], v_bits=hi[1])
+    kl, vl = dequantized_rows(*low[:2], table[..., ::-1], *low[2:], k_bits=lo[0], v_bits=lo[1])
+    k = np.concatenate([kh, kl], axis=2).astype(np.float64)
+    v = np.concatenate([vh, vl], axis=2).astype(np.float64)
+    pos = np.arange(width * PAGE)
+    mask = np.concatenate([pos < lens[..., :1], pos < lens[..., 1:]], axis=-1)
+    qg = np.asarray(q, np.float64).reshape(b, hkv, gqa, d) / np.sqrt(d)
+    s = np.where(mask[:, :, None], np.einsum("bhgd,bhsd->bhgs", qg, k), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhgs,bhsd->bhgd", p / p.sum(-1, keepdims=True), v).reshape(b, -1, d)
+
+    tier_args = dict(low_tier=low, low_lengths=ll, low_k_bits=lo[0], low_v_bits=lo[1])
+    ref = paged_decode_attention_reference(q, *high[:2], table, hl, *high[2:], k_bits=hi[0],
+                                           v_bits=hi[1], **tier_args)
+    assert rel_err(ref, want) < 1e-5
+    for splits, ppb in ((1, 2), (2, 2), (4, 2), (1, 8)):
+        out = paged_decode_attention(q, *high[:2], table, hl, *high[2:], k_bits=hi[0],
+                                     v_bits=hi[1], group=GROUP, k_splits=splits,
+                                     pages_per_block=ppb, interpret=INTERPRET, **tier_args)
+        err = rel_err(out, want)
+        assert err < 1e-5, f"{hi}+{lo} splits={splits} ppb={ppb}: {err:.2e}"
+
+
+def test_softmax_states_merge_to_the_whole():
+    """Attention over a row equals the merge of attention over its two halves."""
+    rng = np.random.default_rng()
+    q, k, v, table, lengths, extra = make_case(rng, b=2, hkv=2, gqa=4, d=64, width=8,
+                                               lengths=[[64, 40], [33, 64]], k_bits=8,
+                                               v_bits=4)
+    run = functools.partial(paged_decode_attention, k_bits=8, v_bits=4, group=GROUP,
+                            pages_per_block=2, interpret=INTERPRET, **extra)
+    whole = run(q, k, v, table, lengths)
+    first = run(q, k, v, table[..., :4], jnp.minimum(lengths, 4 * PAGE),
+                return_softmax_state=True)
+    second = run(q, k, v, table[..., 4:], jnp.maximum(lengths - 4 * PAGE, 0),
+                 return_softmax_state=True)
+    states = (jnp.stack(x) for x in zip(first, second, strict=True))
+    o, denom, _ = merge_softmax_states(*states, axis=0)
+    assert rel_err(normalize_softmax_state(o, denom), whole) < 1e-5
+
+
+def test_two_tiers_lower_for_cuda_with_triton():
+    rng = np.random.default_rng()
+    high, low = make_tier(rng, 9, 128, 8, 8), make_tier(rng, 9, 128, 4, 2)
+    q = jnp.asarray(rng.normal(size=(2, 8, 128)), jnp.bfloat16)
+    table = jnp.asarray(rng.integers(1, 9, (2, 2, 8)), jnp.int32)
+    hl, ll = jnp.full((2, 2), 20, jnp.int32), jnp.full((2, 2), 9, jnp.int32)
+    run = functools.partial(paged_decode_attention, k_bits=8, v_bits=8, group=GROUP,
+                            k_splits=2, pages_per_block=2, low_tier=low, low_lengths=ll,
+                            low_k_bits=4, low_v_bits=2)
+    lowered = jax.jit(run).trace(q, *high[:2], table, hl, *high[2:]).lower(
+        lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -1,49 +1,92 @@
-"""Attention over paged KV: the pure-jnp (`xla`) backend.
+"""Attention of a step's queries over the pool (whole pages) and the step's window.
 
-Queries of any count (a prefill chunk or one decode token) attend, causally by absolute
-position, to everything the sequence's pages hold. Grouped-query attention: the query heads
-of one KV head read that head's pages.
+Every query sees all tokens held in whole pages (they precede the window) and, causally by
+absolute position, the window's tokens (`kv_write.Window`). Two backends compute the same
+function: `xla` (the pure-jnp reference: dequantize, one masked softmax) and `pallas` (the
+kernels: paged decode attention with split-K for one token per sequence, chunked prefill
+attention for longer steps; `interpret=True` on CPU).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-ATTENTION_BACKENDS = ("xla",)
+from jkv.cache.kv_write import Window
+from jkv.cache.page_pool import PagePool
+from jkv.config import ATTENTION_BACKENDS
+from jkv.pallas_kernels.chunked_prefill_attention import (
+    chunked_prefill_attention,
+    chunked_prefill_attention_reference,
+)
+from jkv.pallas_kernels.paged_decode_attention import (
+    merge_softmax_states,
+    normalize_softmax_state,
+    paged_decode_attention,
+)
+
+PAGES_PER_BLOCK = 4  # page-table widths are powers of two >= 4 (see Engine)
 
 
-def gather_pages(pool: jax.Array, pages: jax.Array) -> jax.Array:
-    """Pool [P, page, D] read through a page table [B, H, W] -> [B, H, W * page, D]."""
-    b, h, w = pages.shape
-    _, page_size, d = pool.shape
-    return pool[pages].reshape(b, h, w * page_size, d)
+def decode_splits(batch: int, kv_heads: int, width: int, programs: int = 264) -> int:
+    """Split-K factor: enough programs to fill a GPU (about two per SM), powers of two."""
+    splits = 1
+    while (2 * splits * PAGES_PER_BLOCK <= width and width % (2 * splits * PAGES_PER_BLOCK) == 0
+           and batch * kv_heads * splits * 2 <= programs):
+        splits *= 2
+    return splits
 
 
-def paged_attention_xla(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array,
-                        q_positions: jax.Array, sm_scale: float) -> jax.Array:
-    """softmax(q k^T * sm_scale) v for q [B, T, Hq, D] against one layer's pages [B, Hkv, W].
+def window_softmax_state(q: jax.Array, window: Window, q_positions: jax.Array,
+                         sm_scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Unnormalised attention state of one query per row [B, Hq, D] over its window."""
+    b, hq, d = q.shape
+    hkv, tw = window.k.shape[1], window.k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d) * sm_scale
+    s = jnp.einsum("bhgd,bhsd->bhgs", qg, window.k.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+    i = jnp.arange(tw)[None, :]
+    visible = (i < window.length[:, None]) & (window.start[:, None] + i <= q_positions[:, None])
+    visible = visible[:, None, None, :]
+    s = jnp.where(visible, s, -jnp.inf)
+    m = s.max(axis=-1)
+    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
+    o = jnp.einsum("bhgs,bhsd->bhgd", p, window.v.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+    return o.reshape(b, hq, d), p.sum(axis=-1).reshape(b, hq), m.reshape(b, hq)
 
-    Key j of a row sits at absolute position j (pages are in position order); query t sees
-    keys at positions <= q_positions[b, t]. Returns [B, T, Hq, D] in q's dtype.
-    """
+
+def paged_attention(q: jax.Array, pool: PagePool, pages: jax.Array, window: Window,
+                    q_positions: jax.Array, sm_scale: float, backend: str = "xla") -> jax.Array:
+    """q [B, T, Hq, D] at `q_positions` [B, T] over one layer's pages [B, Hkv, W] (tokens
+    [0, window.start) of each row) and the window; returns [B, T, Hq, D] in q's dtype."""
     b, t, hq, d = q.shape
     hkv = pages.shape[1]
-    k = gather_pages(k_pool, pages).astype(jnp.float32)  # [B, Hkv, S, D]
-    v = gather_pages(v_pool, pages).astype(jnp.float32)
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
-    scores = jnp.einsum("bthgd,bhsd->bhgts", qg, k) * sm_scale
-    key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
-    visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgts,bhsd->bthgd", probs, v)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
-
-
-def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array,
-                    q_positions: jax.Array, sm_scale: float, backend: str = "xla") -> jax.Array:
-    """Dispatch to an attention backend (see `ATTENTION_BACKENDS`)."""
+    fmt = pool.kv_format
+    prefix = jnp.broadcast_to(window.start[:, None], (b, hkv)).astype(jnp.int32)
+    scales = (pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero)
+    bits = dict(k_bits=fmt.k_bits, v_bits=fmt.v_bits)
     if backend == "xla":
-        return paged_attention_xla(q, k_pool, v_pool, pages, q_positions, sm_scale)
-    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        out = chunked_prefill_attention_reference(
+            q, pool.k, pool.v, pages, prefix, window.k, window.v, window.start, window.length,
+            q_positions, *scales, **bits, group=pool.group, sm_scale=sm_scale)
+        return out.astype(q.dtype)
+    if backend != "pallas":
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    interpret = jax.default_backend() == "cpu"
+    if t == 1:
+        w = pages.shape[-1]
+        splits = 1 if interpret else decode_splits(b, hkv, w)
+        state = paged_decode_attention(
+            q[:, 0], pool.k, pool.v, pages, prefix, *scales, **bits, group=pool.group,
+            sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK, k_splits=splits,
+            return_softmax_state=True, interpret=interpret)
+        tail = window_softmax_state(q[:, 0], window, q_positions[:, 0], sm_scale)
+        o, denom, _ = merge_softmax_states(*(jnp.stack(x) for x in zip(state, tail,
+                                                                       strict=True)), axis=0)
+        return normalize_softmax_state(o, denom)[:, None].astype(q.dtype)
+    return chunked_prefill_attention(
+        q, pool.k, pool.v, pages, prefix, window.k, window.v, window.start, window.length,
+        q_positions, *scales, **bits, group=pool.group, sm_scale=sm_scale,
+        pages_per_block=PAGES_PER_BLOCK, block_w=min(16, pool.page_size), interpret=interpret)

@@ -1,6 +1,9 @@
 """Device page pool and per-(sequence, layer, KV head) page tables.
 
-A page holds `page_size` tokens of one KV head of one layer. Free page ids sit in one
+A page holds `page_size` tokens of one KV head of one layer, in the pool's `KVFormat`: model
+dtype, or packed integer codes with scales and zero points beside them (`kv_quant`). The
+page a sequence is filling stays in full precision in `FillingPages` until it is full and is
+then quantized as a unit (KIVI/LeanKV's recent window). Free page ids sit in one
 circular array; a batch of allocations is an exclusive prefix sum over per-(slot, layer,
 head) needs, and a release appends the freed ids the same way (DESIGN.md: allocation happens
 on the device, no per-head Python loop). Page 0 is the null page: empty table entries point
@@ -13,20 +16,46 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jkv.config import KVFormat
+
 NULL_PAGE = 0
 
 
 @struct.dataclass
 class PagePool:
     """The pages themselves. Kept apart from the free list so that allocating never touches
-    (or copies) the KV data."""
+    (or copies) the KV data. Scales and zero points are None on a side kept in model dtype."""
 
-    k: jax.Array  # [num_pages, page_size, head_dim]; page 0 is the null page
-    v: jax.Array  # [num_pages, page_size, head_dim]
+    k: jax.Array  # [P, page, D // (8 // k_bits)] uint8 codes, or [P, page, D] model dtype
+    v: jax.Array  # [P, page, D // (8 // v_bits)] uint8 codes, or [P, page, D] model dtype
+    k_scale: jax.Array | None = None  # f32 [P, D]: per (page, channel)
+    k_zero: jax.Array | None = None  # f32 [P, D]
+    v_scale: jax.Array | None = None  # f32 [P, page, D // group]: per (token, group)
+    v_zero: jax.Array | None = None  # f32 [P, page, D // group]
+    kv_format: KVFormat = struct.field(pytree_node=False, default=KVFormat())
 
     @property
     def page_size(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        bits = self.kv_format.k_bits
+        return self.k.shape[-1] * (8 // bits if bits < 16 else 1)
+
+    @property
+    def group(self) -> int:
+        """Channels per value scale: the format's group, capped at head_dim."""
+        return min(self.kv_format.group, self.head_dim)
+
+
+@struct.dataclass
+class FillingPages:
+    """The page each (sequence slot, layer, KV head) is filling, in model dtype: tokens
+    [page_size * (length // page_size), length) of the sequence."""
+
+    k: jax.Array  # [S, L, Hkv, page, D]
+    v: jax.Array  # [S, L, Hkv, page, D]
 
 
 @struct.dataclass
@@ -44,18 +73,50 @@ class PageTables:
     lengths: jax.Array  # int32[max_seqs]: tokens held by each sequence slot
 
 
-def init_pool(num_pages: int, page_size: int, head_dim: int,
-              dtype=jnp.bfloat16) -> tuple[PagePool, FreeList]:
+def page_bytes(kv_format: KVFormat, page_size: int, head_dim: int, dtype) -> int:
+    """Bytes one page takes in the pool, scales and zero points included."""
+    per_token = kv_format.bytes_per_token(head_dim, jnp.dtype(dtype).itemsize)
+    return int(page_size * per_token) + kv_format.key_page_overhead_bytes(head_dim)
+
+
+def init_pool(num_pages: int, page_size: int, head_dim: int, dtype=jnp.bfloat16,
+              kv_format: KVFormat | None = None) -> tuple[PagePool, FreeList]:
     """An empty pool of `num_pages` pages (one of them the null page) and its free list."""
     if num_pages < 2:
         raise ValueError(f"num_pages must be at least 2 (one is the null page), got {num_pages}")
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
-    shape = (num_pages, page_size, head_dim)
-    pool = PagePool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    fmt = KVFormat() if kv_format is None else kv_format
+    group = min(fmt.group, head_dim)
+    for side, bits in (("k", fmt.k_bits), ("v", fmt.v_bits)):
+        if bits < 16 and head_dim % (8 // bits):
+            raise ValueError(f"head_dim {head_dim} does not pack into bytes at {side}_bits={bits}")
+    if fmt.v_bits < 16 and head_dim % group:
+        raise ValueError(f"value group {group} does not divide head_dim {head_dim}")
+
+    def side(bits: int) -> jax.Array:
+        if bits == 16:
+            return jnp.zeros((num_pages, page_size, head_dim), dtype)
+        return jnp.zeros((num_pages, page_size, head_dim * bits // 8), jnp.uint8)
+
+    pool = PagePool(k=side(fmt.k_bits), v=side(fmt.v_bits), kv_format=fmt)
+    if fmt.k_bits < 16:
+        pool = pool.replace(k_scale=jnp.zeros((num_pages, head_dim), jnp.float32),
+                            k_zero=jnp.zeros((num_pages, head_dim), jnp.float32))
+    if fmt.v_bits < 16:
+        shape = (num_pages, page_size, head_dim // group)
+        pool = pool.replace(v_scale=jnp.zeros(shape, jnp.float32),
+                            v_zero=jnp.zeros(shape, jnp.float32))
     free = FreeList(ids=jnp.arange(1, num_pages, dtype=jnp.int32), head=jnp.zeros((), jnp.int32),
                     num_free=jnp.asarray(num_pages - 1, jnp.int32), page_size=page_size)
     return pool, free
+
+
+def init_filling(max_seqs: int, num_layers: int, num_kv_heads: int, page_size: int,
+                 head_dim: int, dtype=jnp.bfloat16) -> FillingPages:
+    """Empty filling pages for `max_seqs` sequence slots."""
+    shape = (max_seqs, num_layers, num_kv_heads, page_size, head_dim)
+    return FillingPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 def init_tables(max_seqs: int, num_layers: int, num_kv_heads: int, max_pages: int) -> PageTables:
@@ -127,28 +188,3 @@ def release(free: FreeList, tables: PageTables,
         lengths=jnp.where(mask, 0, tables.lengths),
     )
     return new_free, new_tables
-
-
-def write_kv(k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array, k_new: jax.Array,
-             v_new: jax.Array, positions: jax.Array,
-             valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter one layer's new K/V [B, T, H, D] at `positions` [B, T] into its pages.
-
-    `pages` [B, H, W] is that layer's page table; tokens where `valid` is False go to the
-    null page. Pure function: call it inside a jit that donates the pools.
-    """
-    page_size = k_pool.shape[1]
-    b, t, h, _ = k_new.shape
-    slot = positions // page_size  # [B, T]
-    width = pages.shape[-1]
-    slot = jnp.clip(slot, 0, width - 1)
-    page_ids = jnp.take_along_axis(
-        pages, jnp.broadcast_to(slot[:, None, :], (b, h, t)), axis=2)  # [B, H, T]
-    page_ids = jnp.where(valid[:, None, :], page_ids, NULL_PAGE)
-    offs = jnp.broadcast_to((positions % page_size)[:, None, :], (b, h, t))
-    k_vals = jnp.swapaxes(k_new, 1, 2).astype(k_pool.dtype)  # [B, H, T, D]
-    v_vals = jnp.swapaxes(v_new, 1, 2).astype(v_pool.dtype)
-    k_pool = k_pool.at[page_ids, offs].set(k_vals)
-    v_pool = v_pool.at[page_ids, offs].set(v_vals)
-    return k_pool, v_pool
-

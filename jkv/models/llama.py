@@ -11,8 +11,8 @@ Params (per-layer weights stacked on a leading layer axis so the layers run as o
       bq [L, Hq*Dh]     bk, bv [L, Hkv*Dh]     (only with qkv_bias, Qwen2)
       w_gate, w_up [L, D, F]      w_down [L, F, D]
 
-The forward reads and writes KV through the page pool (`jkv.cache`), nothing else about
-requests or pages.
+The forward reads and writes KV through the page pool (`jkv.cache`: append, attend), nothing
+else about requests or pages.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jkv.cache.attention import paged_attention
-from jkv.cache.page_pool import write_kv
+from jkv.cache.kv_write import append_kv
+from jkv.cache.page_pool import FillingPages, PagePool
 from jkv.config import ModelConfig
 from jkv.models.rope import apply_rope, inv_frequencies
 
@@ -42,8 +43,8 @@ def mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> 
 
 
 def _layer(cfg: ModelConfig, inv_freq: jax.Array, attention_backend: str, x: jax.Array,
-           lp: Params, k_pool: jax.Array, v_pool: jax.Array, pages: jax.Array,
-           positions: jax.Array, valid: jax.Array):
+           lp: Params, pool: PagePool, fill_k: jax.Array, fill_v: jax.Array, pages: jax.Array,
+           positions: jax.Array, count: jax.Array):
     b, t, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
@@ -52,38 +53,44 @@ def _layer(cfg: ModelConfig, inv_freq: jax.Array, attention_backend: str, x: jax
     q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
     k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    k_pool, v_pool = write_kv(k_pool, v_pool, pages, k, v, positions, valid)
-    attn = paged_attention(q, k_pool, v_pool, pages, positions, 1.0 / math.sqrt(cfg.head_dim),
+    pool, fill_k, fill_v, window = append_kv(pool, fill_k, fill_v, pages, k, v, positions[:, 0],
+                                             count, attention_backend)
+    attn = paged_attention(q, pool, pages, window, positions, 1.0 / math.sqrt(cfg.head_dim),
                            backend=attention_backend)
     x = x + attn.reshape(b, t, -1) @ lp["wo"]
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     x = x + mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"])
-    return x, k_pool, v_pool
+    return x, pool, fill_k, fill_v
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            valid: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
-            attention_backend: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+            valid: jax.Array, pool: PagePool, filling: FillingPages, page_table: jax.Array,
+            attention_backend: str = "xla") -> tuple[jax.Array, PagePool, FillingPages]:
     """Run tokens [B, T] at `positions` [B, T] through every layer over a paged KV cache.
 
-    `page_table` [B, L, Hkv, W] must already cover every valid position (see
-    `jkv.cache.reserve`); tokens with `valid` False are padding and write nothing that is
-    read. Returns (final-normed hidden states [B, T, D], k_pool, v_pool).
+    Each row's valid tokens come first and continue its sequence: positions[b, t] =
+    positions[b, 0] + t, positions[b, 0] being the tokens it already holds. `page_table`
+    [B, L, Hkv, W] must already cover every valid position (see `jkv.cache.reserve`) and
+    `filling` [B, L, ...] holds each row's partly filled pages. Padding tokens (`valid`
+    False) are not kept. Returns (final-normed hidden states [B, T, D], pool, filling).
     jit with `cfg` and `attention_backend` static.
     """
     inv_freq = jnp.asarray(inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     x = params["embed"][tokens]
-    tables = jnp.moveaxis(page_table, 1, 0)  # [L, B, Hkv, W]
+    count = valid.sum(axis=1).astype(jnp.int32)
+    per_layer = (params["layers"], jnp.moveaxis(page_table, 1, 0),
+                 jnp.moveaxis(filling.k, 1, 0), jnp.moveaxis(filling.v, 1, 0))
 
     def body(carry, xs):
-        x, k_pool, v_pool = carry
-        lp, pages = xs
-        x, k_pool, v_pool = _layer(cfg, inv_freq, attention_backend, x, lp, k_pool, v_pool,
-                                   pages, positions, valid)
-        return (x, k_pool, v_pool), None
+        x, pool = carry
+        lp, pages, fill_k, fill_v = xs
+        x, pool, fill_k, fill_v = _layer(cfg, inv_freq, attention_backend, x, lp, pool, fill_k,
+                                         fill_v, pages, positions, count)
+        return (x, pool), (fill_k, fill_v)
 
-    (x, k_pool, v_pool), _ = jax.lax.scan(body, (x, k_pool, v_pool), (params["layers"], tables))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), k_pool, v_pool
+    (x, pool), (fill_k, fill_v) = jax.lax.scan(body, (x, pool), per_layer)
+    filling = FillingPages(k=jnp.moveaxis(fill_k, 0, 1), v=jnp.moveaxis(fill_v, 0, 1))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), pool, filling
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:

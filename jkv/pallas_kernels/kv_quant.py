@@ -47,11 +47,17 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
     return jnp.concatenate([(packed >> (bits * i)) & mask for i in range(k)], axis=-1)
 
 
-def _codes(x: jax.Array, lo: jax.Array, hi: jax.Array, bits: int):
+def quantize_codes(x: jax.Array, lo: jax.Array, hi: jax.Array,
+                   bits: int) -> tuple[jax.Array, jax.Array]:
+    """Codes of x between lo and hi (broadcast against x) and the scale, shaped like lo.
+
+    Shared with the quantize-and-write kernel, so both produce the same codes. Rounds half up
+    (floor(y + 0.5)): the Triton lowering has floor but no round-half-even.
+    """
     levels = (1 << bits) - 1
     scale = (hi - lo) / levels
     inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
-    codes = jnp.clip(jnp.round((x - lo) * inv), 0, levels).astype(jnp.uint8)
+    codes = jnp.clip(jnp.floor((x - lo) * inv + 0.5), 0, levels).astype(jnp.uint8)
     return codes, scale
 
 
@@ -59,7 +65,7 @@ def quantize_keys(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Ar
     """Keys [..., page, D] -> (packed [..., page, Dp], scale [..., D], zero [..., D]) f32."""
     xf = x.astype(jnp.float32)
     lo, hi = xf.min(axis=-2), xf.max(axis=-2)
-    codes, scale = _codes(xf, lo[..., None, :], hi[..., None, :], bits)
+    codes, scale = quantize_codes(xf, lo[..., None, :], hi[..., None, :], bits)
     return pack(codes, bits), scale[..., 0, :], lo
 
 
@@ -71,7 +77,7 @@ def quantize_values(x: jax.Array, bits: int,
         raise ValueError(f"value group {group} does not divide head_dim {d}")
     xf = x.astype(jnp.float32).reshape(*lead, d // group, group)
     lo, hi = xf.min(axis=-1), xf.max(axis=-1)
-    codes, scale = _codes(xf, lo[..., None], hi[..., None], bits)
+    codes, scale = quantize_codes(xf, lo[..., None], hi[..., None], bits)
     return pack(codes.reshape(*lead, d), bits), scale[..., 0], lo
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,94 +46,188 @@ def _expand_pages(x: jax.Array, page: int) -> jax.Array:
     return jnp.broadcast_to(x[:, None, :], (ppb, page, c)).reshape(ppb * page, c)
 
 
-def _kernel(*refs, k_bits: int, v_bits: int, group: int, pages_per_block: int,
+def _load_part(ref, pages, bits: int, part: int, width: int, cache: dict):
+    """Channels [part * width, (part + 1) * width) of pages [ppb] as unpacked (still integer or
+    model-dtype) values [ppb * page, width]. Packed bytes are loaded once per byte range."""
+    per_byte = codes_per_byte(bits) if bits < 16 else 1
+    block = ref.shape[-1]  # channels per packed part
+    i, offset = divmod(part * width, block)
+    key = (offset, width)
+    if key not in cache:
+        codes = ref[pages, :, pl.ds(offset, width)]
+        cache[key] = codes.reshape(codes.shape[0] * codes.shape[1], width)
+    codes = cache[key]
+    if per_byte == 1:
+        return codes
+    return (codes >> (bits * i)) & ((1 << bits) - 1)
+
+
+def _online_update(carry, logits, visible, values, compute):
+    """Fold one block of keys into the online-softmax state (o parts, row max, denominator).
+
+    logits [rows, block_k] f32; visible [rows or 1, block_k]; values(i) gives the block's
+    values for output part i. Masked keys get probability exactly 0, so a fully masked block
+    (or a row that sees nothing yet) leaves the state unchanged.
+    """
+    o_parts, m_prev, l_prev = carry
+    logits = jnp.where(visible, logits, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+    correction = jnp.exp(m_prev - m_next)
+    p = jnp.where(visible, jnp.exp(logits - m_next[:, None]), 0.0)
+    l_next = correction * l_prev + p.sum(axis=-1)
+    p = p.astype(compute)
+    new_parts = tuple(correction[:, None] * o_i + _dot(p, values(i))
+                      for i, o_i in enumerate(o_parts))
+    return new_parts, m_next, l_next
+
+
+def _attend_pages(carry, tier, pages, visible, *, q_parts, page, group, compute):
+    """One online-softmax step over the pages `pages` [ppb] of one tier.
+
+    `visible` [rows or 1, ppb * page] masks keys (masked pages may be the null page). q and
+    the output are cut into channel parts (`q_parts`, carry[0]) at least as fine as the
+    tier's packing.
+    """
+    k_ref, ks_ref, kz_ref, v_ref, vs_ref, vz_ref, k_bits, v_bits = tier
+    block_h = q_parts[0].shape[0]
+    block_k = pages.shape[0] * page
+    dk, dv = q_parts[0].shape[1], carry[0][0].shape[1]
+    d = dk * len(q_parts)
+
+    loaded: dict = {}
+    logits = jnp.zeros((block_h, block_k), jnp.float32)
+    for i, q_i in enumerate(q_parts):
+        k_i = _load_part(k_ref, pages, k_bits, i, dk, loaded)
+        if k_bits < 16:
+            k_i = k_i.astype(jnp.float32)
+            scale = _expand_pages(ks_ref[pages, pl.ds(i * dk, dk)], page)
+            zero = _expand_pages(kz_ref[pages, pl.ds(i * dk, dk)], page)
+            k_i = k_i * scale + zero
+        logits += _dot_t(q_i, k_i.astype(compute))
+
+    g = min(group, d)
+    n = max(dv // g, 1)  # value groups inside one channel part
+    width = min(g, dv)
+    v_loaded: dict = {}
+
+    def values(i):
+        v_i = _load_part(v_ref, pages, v_bits, i, dv, v_loaded)
+        if v_bits < 16:
+            v_i = v_i.astype(jnp.float32)
+            first = (i * dv) // g
+            scale = vs_ref[pages, :, pl.ds(first, n)].reshape(block_k, n)
+            zero = vz_ref[pages, :, pl.ds(first, n)].reshape(block_k, n)
+            scale = jnp.broadcast_to(scale[:, :, None], (block_k, n, width)).reshape(block_k, dv)
+            zero = jnp.broadcast_to(zero[:, :, None], (block_k, n, width)).reshape(block_k, dv)
+            v_i = v_i * scale + zero
+        return v_i.astype(compute)
+
+    return _online_update(carry, logits, visible, values, compute)
+
+
+def _take_tier(refs: list, k_bits: int, v_bits: int) -> tuple:
+    k_ref = refs.pop(0)  # [P, page, D // (8 // k_bits)] codes, or [P, page, D] model dtype
+    ks_ref, kz_ref = (refs.pop(0), refs.pop(0)) if k_bits < 16 else (None, None)  # [P, D]
+    v_ref = refs.pop(0)  # [P, page, D // (8 // v_bits)], or [P, page, D]
+    vs_ref, vz_ref = (refs.pop(0), refs.pop(0)) if v_bits < 16 else (None, None)  # [P, page, G]
+    return k_ref, ks_ref, kz_ref, v_ref, vs_ref, vz_ref, k_bits, v_bits
+
+
+def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int,
             sm_scale: float):
     refs = list(refs)
     q_ref = refs.pop(0)  # [block_h, D]
-    k_ref = refs.pop(0)  # [P, page, D // kk]: model dtype, or uint8 codes
-    ks_ref, kz_ref = (refs.pop(0), refs.pop(0)) if k_bits < 16 else (None, None)  # [P, D]
-    v_ref = refs.pop(0)  # [P, page, D // kv]
-    vs_ref, vz_ref = (refs.pop(0), refs.pop(0)) if v_bits < 16 else (None, None)  # [P, page, G]
-    table_ref = refs.pop(0)  # [pages_per_split]
-    len_ref = refs.pop(0)  # [1]
+    tiers = [_take_tier(refs, *b) for b in bits]  # high tier, then the low tier if any
+    table_ref = refs.pop(0)  # [W]: the whole page-table row of this (sequence, KV head)
+    len_ref = refs.pop(0)  # [2]: tokens in the high tier, tokens in the low tier
     o_ref, l_ref, m_ref = refs  # [block_h, D] f32, [block_h], [block_h]
 
-    split = pl.program_id(2)
     block_h, d = q_ref.shape
-    page = k_ref.shape[1]
-    pages_per_split = table_ref.shape[0]
-    block_k = pages_per_block * page
-    kk = codes_per_byte(k_bits) if k_bits < 16 else 1
-    kv = codes_per_byte(v_bits) if v_bits < 16 else 1
-    dk, dv = d // kk, d // kv
+    page = tiers[0][0].shape[1]
+    w = table_ref.shape[0]
+    ppb = pages_per_block
+    per_split = w // pl.num_programs(2)
+    first = pl.program_id(2) * per_split
+    last = first + per_split
+    nk, nv = parts
+    dk, dv = d // nk, d // nv
     compute = q_ref.dtype  # bf16 operands use the tensor cores; f32 ones stay IEEE
     q_parts = [(q_ref[:, pl.ds(i * dk, dk)].astype(jnp.float32) * sm_scale).astype(compute)
-               for i in range(kk)]
+               for i in range(nk)]
+    attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, group=group,
+                               compute=compute)
+    carry = (tuple(jnp.zeros((block_h, dv), jnp.float32) for _ in range(nv)),
+             jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32))
 
-    length = len_ref[0]
-    first_page = split * pages_per_split
-    end_page = jnp.minimum(pl.cdiv(length, page), first_page + pages_per_split)
+    # high tier: pages from the left of the row, in token order
+    len_hi = len_ref[0]
+    end_hi = jnp.minimum(pl.cdiv(len_hi, page), last)
 
-    def body(j, carry):
-        o_parts, m_prev, l_prev = carry
-        pages = table_ref[pl.ds(j * pages_per_block, pages_per_block)]
+    def hi_body(j, carry):
+        col = first + j * ppb
+        pages = jnp.where(col + jnp.arange(ppb) < end_hi, table_ref[pl.ds(col, ppb)], 0)
+        token = col * page + jnp.arange(ppb * page)
+        return attend(carry, tiers[0], pages, (token < len_hi)[None, :])
 
-        # scores [block_h, block_k]
-        k_codes = k_ref[pages].reshape(block_k, dk)
-        logits = jnp.zeros((block_h, block_k), jnp.float32)
-        for i in range(kk):
-            if k_bits == 16:
-                k_i = k_codes.astype(compute)
-            else:
-                c = ((k_codes >> (k_bits * i)) & ((1 << k_bits) - 1)).astype(jnp.float32)
-                scale = _expand_pages(ks_ref[pages, pl.ds(i * dk, dk)], page)
-                zero = _expand_pages(kz_ref[pages, pl.ds(i * dk, dk)], page)
-                k_i = (c * scale + zero).astype(compute)
-            logits += _dot_t(q_parts[i], k_i)
-        token = (first_page + j * pages_per_block) * page + jnp.arange(block_k)
-        logits = jnp.where((token < length)[None, :], logits, MASK_VALUE)
+    carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(end_hi - first, 0), ppb), hi_body, carry)
 
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(logits - m_next[:, None])
-        l_next = correction * l_prev + p.sum(axis=-1)
-        p = p.astype(compute)
+    if len(tiers) > 1:
+        # low tier: pages from the right of the row, low page i at column w - 1 - i
+        len_lo = len_ref[1]
+        start_lo = jnp.maximum(w - pl.cdiv(len_lo, page), first)
+        offset = jnp.arange(ppb * page) % page
 
-        v_codes = v_ref[pages].reshape(block_k, dv)
-        new_parts = []
-        for i in range(kv):
-            if v_bits == 16:
-                v_i = v_codes.astype(compute)
-            else:
-                c = ((v_codes >> (v_bits * i)) & ((1 << v_bits) - 1)).astype(jnp.float32)
-                g = min(group, d)
-                n = max(dv // g, 1)  # groups inside this channel block
-                first = (i * dv) // g
-                scale = vs_ref[pages, :, pl.ds(first, n)].reshape(block_k, n)
-                zero = vz_ref[pages, :, pl.ds(first, n)].reshape(block_k, n)
-                width = min(g, dv)
-                scale = jnp.broadcast_to(scale[:, :, None], (block_k, n, width)).reshape(
-                    block_k, dv)
-                zero = jnp.broadcast_to(zero[:, :, None], (block_k, n, width)).reshape(
-                    block_k, dv)
-                v_i = (c * scale + zero).astype(compute)
-            new_parts.append(correction[:, None] * o_parts[i] + _dot(p, v_i))
-        return tuple(new_parts), m_next, l_next
+        def lo_body(j, carry):
+            col = first + j * ppb
+            pages = jnp.where(col + jnp.arange(ppb) >= start_lo, table_ref[pl.ds(col, ppb)], 0)
+            col_tok = col + jnp.arange(ppb * page) // page
+            token = jnp.where(col_tok >= start_lo, (w - 1 - col_tok) * page + offset, len_lo)
+            return attend(carry, tiers[1], pages, (token < len_lo)[None, :])
 
-    o0 = tuple(jnp.zeros((block_h, dv), jnp.float32) for _ in range(kv))
-    m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((block_h,), jnp.float32)
-    num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
-    o_parts, m, denom = lax.fori_loop(0, num_blocks, body, (o0, m0, l0))
-    for i in range(kv):
+        carry = lax.fori_loop((start_lo - first) // ppb, pl.cdiv(per_split, ppb), lo_body,
+                              carry)
+
+    o_parts, m, denom = carry
+    for i in range(nv):
         o_ref[:, pl.ds(i * dv, dv)] = o_parts[i]
     l_ref[...] = denom
     m_ref[...] = m
 
 
+class PagedTier(NamedTuple):
+    """One tier's pages and, when quantized, its scales and zero points (see `kv_quant`)."""
+
+    k_pages: jax.Array  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
+    v_pages: jax.Array  # [P, page, D // (8 // v_bits)] uint8, or [P, page, D] model dtype
+    k_scale: jax.Array | None = None  # f32 [P, D]
+    k_zero: jax.Array | None = None  # f32 [P, D]
+    v_scale: jax.Array | None = None  # f32 [P, page, D // group]
+    v_zero: jax.Array | None = None  # f32 [P, page, D // group]
+
+
+def _check_tier(name: str, tier: PagedTier, k_bits: int, v_bits: int, d: int) -> None:
+    for side, bits, pages in (("k", k_bits, tier.k_pages), ("v", v_bits, tier.v_pages)):
+        per = codes_per_byte(bits) if bits < 16 else 1
+        if pages.shape[-1] * per != d:
+            raise ValueError(f"{name}{side}_pages last dim {pages.shape[-1]} does not hold "
+                             f"head_dim {d} at {bits} bits")
+        if bits < 16 and pages.dtype != jnp.uint8:
+            raise ValueError(f"{name}{side}_pages must be uint8 codes at {bits} bits, "
+                             f"got {pages.dtype}")
+    if (k_bits < 16) != (tier.k_scale is not None and tier.k_zero is not None):
+        raise ValueError(f"{name}k_scale and {name}k_zero are required exactly when "
+                         f"{name}k_bits < 16")
+    if (v_bits < 16) != (tier.v_scale is not None and tier.v_zero is not None):
+        raise ValueError(f"{name}v_scale and {name}v_zero are required exactly when "
+                         f"{name}v_bits < 16")
+    if tier.k_pages.shape[1] != tier.v_pages.shape[1]:
+        raise ValueError(f"{name}k_pages and {name}v_pages page sizes differ: "
+                         f"{tier.k_pages.shape} vs {tier.v_pages.shape}")
+
+
 @functools.partial(jax.jit, static_argnames=(
     "k_bits", "v_bits", "group", "sm_scale", "pages_per_block", "k_splits", "num_warps",
-    "num_stages", "interpret"))
+    "num_stages", "low_k_bits", "low_v_bits", "return_softmax_state", "interpret"))
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: jax.Array,  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
@@ -152,9 +247,21 @@ def paged_decode_attention(
     k_splits: int = 1,
     num_warps: int = 4,
     num_stages: int = 2,
+    low_tier: PagedTier | None = None,
+    low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
+    low_k_bits: int = 16,
+    low_v_bits: int = 16,
+    return_softmax_state: bool = False,
     interpret: bool = False,
-) -> jax.Array:
-    """softmax(q K^T * sm_scale) V for one decode token per sequence; returns [B, Hq, D]."""
+):
+    """softmax(q K^T * sm_scale) V for one decode token per sequence; returns [B, Hq, D].
+
+    The high tier's pages fill each page-table row from the left (in token order). With
+    `low_tier`, a second format's pages fill the same row from the right (LeanKV's
+    bidirectional table: low page i at column W - 1 - i); the kernel walks high pages, then
+    low ones. With `return_softmax_state` it returns the unnormalised state
+    (o [B, Hq, D] f32, denominator [B, Hq], row max [B, Hq]) for `merge_softmax_states`.
+    """
     b, hq, d = q.shape
     bt, hkv, w = page_table.shape
     if bt != b or lengths.shape != (b, hkv):
@@ -165,44 +272,46 @@ def paged_decode_attention(
     if w % (k_splits * pages_per_block):
         raise ValueError(f"page-table width {w} must be a multiple of k_splits * "
                          f"pages_per_block = {k_splits * pages_per_block}")
-    for name, bits, pages in (("k", k_bits, k_pages), ("v", v_bits, v_pages)):
-        per = codes_per_byte(bits) if bits < 16 else 1
-        if pages.shape[-1] * per != d:
-            raise ValueError(f"{name}_pages last dim {pages.shape[-1]} does not hold head_dim "
-                             f"{d} at {bits} bits")
-        if bits < 16 and pages.dtype != jnp.uint8:
-            raise ValueError(f"{name}_pages must be uint8 codes at {bits} bits, "
-                             f"got {pages.dtype}")
-    if (k_bits < 16) != (k_scale is not None and k_zero is not None):
-        raise ValueError("k_scale and k_zero are required exactly when k_bits < 16")
-    if (v_bits < 16) != (v_scale is not None and v_zero is not None):
-        raise ValueError("v_scale and v_zero are required exactly when v_bits < 16")
+    tiers = [PagedTier(k_pages, v_pages, k_scale, k_zero, v_scale, v_zero)]
+    bits = [(k_bits, v_bits)]
+    _check_tier("", tiers[0], k_bits, v_bits, d)
+    if low_tier is not None:
+        if low_lengths is None or low_lengths.shape != (b, hkv):
+            raise ValueError(f"low_lengths must be [B={b}, Hkv={hkv}] with low_tier, got "
+                             f"{None if low_lengths is None else low_lengths.shape}")
+        _check_tier("low_tier.", low_tier, low_k_bits, low_v_bits, d)
+        if low_tier.k_pages.shape[1] != k_pages.shape[1]:
+            raise ValueError(f"the low tier's page size {low_tier.k_pages.shape[1]} differs "
+                             f"from the high tier's {k_pages.shape[1]}")
+        tiers.append(low_tier)
+        bits.append((low_k_bits, low_v_bits))
+    else:
+        low_lengths = jnp.zeros_like(lengths)
+    parts = tuple(max(codes_per_byte(b_[i]) if b_[i] < 16 else 1 for b_ in bits)
+                  for i in range(2))
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     group_size = hq // hkv
     block_h = max(16, pl.next_power_of_2(group_size))
     qg = q.reshape(b, hkv, group_size, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, block_h - group_size), (0, 0)))
-    pages_per_split = w // k_splits
-    table = page_table.reshape(b, hkv, k_splits, pages_per_split)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
 
-    args = [qg, k_pages]
-    specs = [pl.BlockSpec((None, None, block_h, d), lambda i, h, s: (i, h, 0, 0)),
-             full(k_pages)]
-    if k_bits < 16:
-        args += [k_scale, k_zero]
-        specs += [full(k_scale), full(k_zero)]
-    args.append(v_pages)
-    specs.append(full(v_pages))
-    if v_bits < 16:
-        args += [v_scale, v_zero]
-        specs += [full(v_scale), full(v_zero)]
-    args += [table, lengths.reshape(b, hkv, 1).astype(jnp.int32)]
-    specs += [pl.BlockSpec((None, None, None, pages_per_split), lambda i, h, s: (i, h, s, 0)),
-              pl.BlockSpec((None, None, 1), lambda i, h, s: (i, h, 0))]
+    args = [qg]
+    specs = [pl.BlockSpec((None, None, block_h, d), lambda i, h, s: (i, h, 0, 0))]
+    for tier in tiers:  # in the order `_take_tier` reads them
+        for x in (tier.k_pages, tier.k_scale, tier.k_zero, tier.v_pages, tier.v_scale,
+                  tier.v_zero):
+            if x is not None:
+                args.append(x)
+                specs.append(full(x))
+    lens = jnp.stack([lengths, low_lengths], axis=-1).astype(jnp.int32)
+    args += [page_table.astype(jnp.int32), lens]
+    specs += [pl.BlockSpec((None, None, w), lambda i, h, s: (i, h, 0)),
+              pl.BlockSpec((None, None, 2), lambda i, h, s: (i, h, 0))]
 
-    kernel = functools.partial(_kernel, k_bits=k_bits, v_bits=v_bits, group=group,
+    kernel = functools.partial(_kernel, bits=tuple(bits), parts=parts, group=group,
                                pages_per_block=pages_per_block, sm_scale=sm_scale)
+    name = "_".join(f"k{kb}v{vb}" for kb, vb in bits)
     o, denom, m = pl.pallas_call(
         kernel,
         grid=(b, hkv, k_splits),
@@ -219,35 +328,57 @@ def paged_decode_attention(
         ],
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"jkv_paged_decode_k{k_bits}v{v_bits}",
+        name=f"jkv_paged_decode_{name}",
     )(*args)
-    return merge_splits(o, denom, m)[:, :, :group_size].reshape(b, hq, d).astype(q.dtype)
+    o, denom, m = merge_softmax_states(o, denom, m, axis=2)
+    o, denom, m = o[:, :, :group_size], denom[:, :, :group_size], m[:, :, :group_size]
+    o, denom, m = o.reshape(b, hq, d), denom.reshape(b, hq), m.reshape(b, hq)
+    if return_softmax_state:
+        return o, denom, m
+    return normalize_softmax_state(o, denom).astype(q.dtype)
 
 
-def merge_splits(o: jax.Array, denom: jax.Array, m: jax.Array) -> jax.Array:
-    """Combine per-split (unnormalised o [..., S, H, D], softmax denominators and maxima
-    [..., S, H]) by log-sum-exp."""
-    m_all = m.max(axis=-2, keepdims=True)
+def merge_softmax_states(o: jax.Array, denom: jax.Array, m: jax.Array,
+                         axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Combine partial softmax states (unnormalised o [..., D], denominators and maxima [...])
+    along a leading `axis` (the same for all three) by log-sum-exp; a part with no tokens has
+    m = -inf and weight 0."""
+    if axis < 0:
+        raise ValueError(f"axis must count from the front, got {axis}")
+    m_all = m.max(axis=axis, keepdims=True)
     m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-    w = jnp.exp(m - m_all)  # splits with no tokens have m = -inf: weight 0
-    num = (o * w[..., None]).sum(axis=-3)
-    den = (denom * w).sum(axis=-2)
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
+    w = jnp.exp(m - m_all)
+    o = (o * w[..., None]).sum(axis=axis)
+    denom = (denom * w).sum(axis=axis)
+    return o, denom, jnp.squeeze(m_all, axis)
+
+
+def normalize_softmax_state(o: jax.Array, denom: jax.Array) -> jax.Array:
+    """o / denominator; rows that saw no token at all give 0."""
+    return o / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, k_scale=None,
                                      k_zero=None, v_scale=None, v_zero=None, *, k_bits=16,
-                                     v_bits=16, sm_scale=None, dtype=jnp.float32):
-    """The same function in plain jnp: dequantize every page of every row, masked softmax."""
+                                     v_bits=16, sm_scale=None, low_tier=None, low_lengths=None,
+                                     low_k_bits=16, low_v_bits=16, dtype=jnp.float32):
+    """The same function in plain jnp: dequantize every page of every row (the low tier's
+    read right to left), one masked softmax over both tiers."""
     b, hq, d = q.shape
     hkv = page_table.shape[1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     k, v = dequantized_rows(k_pages, v_pages, page_table, k_scale, k_zero, v_scale, v_zero,
                             k_bits=k_bits, v_bits=v_bits)
+    visible = jnp.arange(k.shape[2])[None, None, :] < lengths[:, :, None]
+    if low_tier is not None:
+        k_lo, v_lo = dequantized_rows(*low_tier[:2], page_table[..., ::-1], *low_tier[2:],
+                                      k_bits=low_k_bits, v_bits=low_v_bits)
+        k, v = jnp.concatenate([k, k_lo], axis=2), jnp.concatenate([v, v_lo], axis=2)
+        visible = jnp.concatenate(
+            [visible, jnp.arange(k_lo.shape[2])[None, None, :] < low_lengths[:, :, None]], -1)
     k, v = k.astype(dtype), v.astype(dtype)  # [B, Hkv, S, D]
     qg = q.astype(dtype).reshape(b, hkv, hq // hkv, d) * sm_scale
     s = jnp.einsum("bhgd,bhsd->bhgs", qg, k, precision=lax.Precision.HIGHEST)
-    visible = jnp.arange(k.shape[2])[None, None, :] < lengths[:, :, None]
     s = jnp.where(visible[:, :, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bhgs,bhsd->bhgd", p, v, precision=lax.Precision.HIGHEST)

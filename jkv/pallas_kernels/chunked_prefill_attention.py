@@ -1,0 +1,233 @@
+"""Chunked prefill attention over a paged prefix (Pallas, Triton lowering).
+
+A chunk of new tokens of a request attends to (1) the tokens its pages hold (quantized or in
+model dtype; they all precede the chunk, so only a length mask applies) and (2) a
+full-precision window that holds the partly filled page and the chunk itself, causally by
+absolute position. So a follow-up turn computes only its new tokens against the paged
+history. One program per (sequence, KV head, block of queries): the query heads of the KV head
+for `block_q` tokens form the rows of one tile; an online softmax walks blocks of pages
+(dequantization fused, shared with the decode kernel) and then the window blocks that the
+tile's queries can see.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from jkv.pallas_kernels.kv_quant import codes_per_byte
+from jkv.pallas_kernels.paged_decode_attention import (
+    PagedTier,
+    _attend_pages,
+    _check_tier,
+    _dot_t,
+    _online_update,
+    _take_tier,
+    dequantized_rows,
+)
+
+
+def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, block_w: int,
+            heads: int, sm_scale: float):
+    refs = list(refs)
+    q_ref = refs.pop(0)  # [rows = block_q * heads, D]
+    pos_ref = refs.pop(0)  # [block_q]: absolute positions of the tile's queries
+    tier = _take_tier(refs, *bits)  # pages [P, page, D // parts] (+ scales), as in decode
+    table_ref = refs.pop(0)  # [W]
+    plen_ref = refs.pop(0)  # [1]: tokens held in this row's pages
+    kw_ref = refs.pop(0)  # [Tw, D] window keys, model dtype
+    vw_ref = refs.pop(0)  # [Tw, D] window values
+    win_ref = refs.pop(0)  # [2]: window start position, window length
+    o_ref = refs.pop(0)  # [rows, D]
+
+    rows, d = q_ref.shape
+    block_q = pos_ref.shape[0]
+    page = tier[0].shape[1]
+    ppb = pages_per_block
+    nk, nv = parts
+    dk, dv = d // nk, d // nv
+    compute = q_ref.dtype
+    q_parts = [(q_ref[:, pl.ds(i * dk, dk)].astype(jnp.float32) * sm_scale).astype(compute)
+               for i in range(nk)]
+    carry = (tuple(jnp.zeros((rows, dv), jnp.float32) for _ in range(nv)),
+             jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+
+    # (1) the paged prefix: every query sees every held token
+    plen = plen_ref[0]
+    attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, group=group,
+                               compute=compute)
+
+    def page_body(j, carry):
+        col = j * ppb
+        pages = jnp.where(col + jnp.arange(ppb) < pl.cdiv(plen, page),
+                          table_ref[pl.ds(col, ppb)], 0)
+        token = col * page + jnp.arange(ppb * page)
+        return attend(carry, tier, pages, (token < plen)[None, :])
+
+    carry = lax.fori_loop(0, pl.cdiv(pl.cdiv(plen, page), ppb), page_body, carry)
+
+    # (2) the window, causal by absolute position
+    start, length = win_ref[0], win_ref[1]
+    pos = pos_ref[...]
+    row_pos = jnp.broadcast_to(pos[:, None], (block_q, heads)).reshape(rows)
+    visible_len = jnp.clip(pos.max() - start + 1, 0, length)
+
+    def window_body(j, carry):
+        i = j * block_w + jnp.arange(block_w)
+        visible = (i[None, :] < length) & (start + i[None, :] <= row_pos[:, None])
+        logits = jnp.zeros((rows, block_w), jnp.float32)
+        for p in range(nk):
+            k_p = kw_ref[pl.ds(j * block_w, block_w), pl.ds(p * dk, dk)].astype(compute)
+            logits += _dot_t(q_parts[p], k_p)
+
+        def values(p):
+            return vw_ref[pl.ds(j * block_w, block_w), pl.ds(p * dv, dv)].astype(compute)
+
+        return _online_update(carry, logits, visible, values, compute)
+
+    carry = lax.fori_loop(0, pl.cdiv(visible_len, block_w), window_body, carry)
+
+    o_parts, _, denom = carry
+    denom = jnp.where(denom > 0, denom, 1.0)[:, None]  # a query that sees nothing gives 0
+    for i in range(nv):
+        o_ref[:, pl.ds(i * dv, dv)] = (o_parts[i] / denom).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "k_bits", "v_bits", "group", "sm_scale", "block_q", "pages_per_block", "block_w",
+    "num_warps", "num_stages", "interpret"))
+def chunked_prefill_attention(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_pages: jax.Array,  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
+    v_pages: jax.Array,  # [P, page, D // (8 // v_bits)] uint8, or [P, page, D] model dtype
+    page_table: jax.Array,  # int32 [B, Hkv, W]
+    page_lengths: jax.Array,  # int32 [B, Hkv]: tokens [0, page_lengths) held in pages
+    k_window: jax.Array,  # [B, Hkv, Tw, D]: token i at position window_start + i
+    v_window: jax.Array,  # [B, Hkv, Tw, D]
+    window_start: jax.Array,  # int32 [B]
+    window_len: jax.Array,  # int32 [B]
+    q_positions: jax.Array,  # int32 [B, T]
+    k_scale: jax.Array | None = None,  # f32 [P, D]
+    k_zero: jax.Array | None = None,  # f32 [P, D]
+    v_scale: jax.Array | None = None,  # f32 [P, page, D // group]
+    v_zero: jax.Array | None = None,  # f32 [P, page, D // group]
+    *,
+    k_bits: int = 16,
+    v_bits: int = 16,
+    group: int = 64,
+    sm_scale: float | None = None,
+    block_q: int = 16,
+    pages_per_block: int = 4,
+    block_w: int = 16,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Attention of T new queries over their pages and window; returns [B, T, Hq, D].
+
+    Query (b, t) sees every page token of its KV head and window token i when
+    i < window_len[b] and window_start[b] + i <= q_positions[b, t]. A query that sees
+    nothing (padding) gets 0.
+    """
+    b, t, hq, d = q.shape
+    bt, hkv, w = page_table.shape
+    tw = k_window.shape[2]
+    block_q = min(block_q, t)
+    if bt != b or page_lengths.shape != (b, hkv):
+        raise ValueError(f"page_table {page_table.shape} and page_lengths {page_lengths.shape} "
+                         f"must be [B={b}, Hkv, W] and [B, Hkv]")
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} are not a multiple of KV heads {hkv}")
+    if k_window.shape != (b, hkv, tw, d) or v_window.shape != k_window.shape:
+        raise ValueError(f"k_window and v_window must be [B={b}, Hkv={hkv}, Tw, D={d}], got "
+                         f"{k_window.shape} and {v_window.shape}")
+    if window_start.shape != (b,) or window_len.shape != (b,) or q_positions.shape != (b, t):
+        raise ValueError(f"window_start, window_len must be [B={b}] and q_positions [B, T={t}], "
+                         f"got {window_start.shape}, {window_len.shape}, {q_positions.shape}")
+    for name, n, blk in (("T", t, block_q), ("W", w, pages_per_block), ("Tw", tw, block_w)):
+        if blk < 1 or blk & (blk - 1) or n % blk:
+            raise ValueError(f"{name}={n} must be a multiple of its block size {blk}, a power "
+                             "of two")
+    tier = PagedTier(k_pages, v_pages, k_scale, k_zero, v_scale, v_zero)
+    _check_tier("", tier, k_bits, v_bits, d)
+    parts = tuple(codes_per_byte(x) if x < 16 else 1 for x in (k_bits, v_bits))
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    g = hq // hkv
+    heads = max(pl.next_power_of_2(g), 16 // block_q)  # rows per query token, padded
+    rows = block_q * heads
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, heads - g), (0, 0))).reshape(
+        b, hkv, t * heads, d)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+
+    args = [qg, q_positions.astype(jnp.int32)]
+    specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0)),
+             pl.BlockSpec((None, block_q), lambda i, h, s: (i, s))]
+    for x in (k_pages, k_scale, k_zero, v_pages, v_scale, v_zero):  # `_take_tier` order
+        if x is not None:
+            args.append(x)
+            specs.append(full(x))
+    window = jnp.stack([window_start, window_len], axis=-1).astype(jnp.int32)
+    args += [page_table.astype(jnp.int32), page_lengths.reshape(b, hkv, 1).astype(jnp.int32),
+             k_window, v_window, window]
+    specs += [pl.BlockSpec((None, None, w), lambda i, h, s: (i, h, 0)),
+              pl.BlockSpec((None, None, 1), lambda i, h, s: (i, h, 0)),
+              pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
+              pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
+              pl.BlockSpec((None, 2), lambda i, h, s: (i, 0))]
+    kernel = functools.partial(_kernel, bits=(k_bits, v_bits), parts=parts, group=group,
+                               pages_per_block=pages_per_block, block_w=block_w, heads=heads,
+                               sm_scale=sm_scale)
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, t // block_q),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, t * heads, d), q.dtype),
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"jkv_chunked_prefill_k{k_bits}v{v_bits}",
+    )(*args)
+    out = out.reshape(b, hkv, t, heads, d)[:, :, :, :g]
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+
+
+def chunked_prefill_attention_reference(q, k_pages, v_pages, page_table, page_lengths,
+                                        k_window, v_window, window_start, window_len,
+                                        q_positions, k_scale=None, k_zero=None, v_scale=None,
+                                        v_zero=None, *, k_bits=16, v_bits=16, group=64,
+                                        sm_scale=None, dtype=jnp.float32):
+    """The same function in plain jnp: dequantize every page, append the window, one masked
+    softmax. `group` is implied by the scale shapes; it is accepted for a common signature."""
+    del group
+    b, t, hq, d = q.shape
+    hkv = page_table.shape[1]
+    tw = k_window.shape[2]
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    k, v = dequantized_rows(k_pages, v_pages, page_table, k_scale, k_zero, v_scale, v_zero,
+                            k_bits=k_bits, v_bits=v_bits)  # [B, Hkv, W * page, D]
+    k = jnp.concatenate([k, k_window.astype(jnp.float32)], axis=2).astype(dtype)
+    v = jnp.concatenate([v, v_window.astype(jnp.float32)], axis=2).astype(dtype)
+    s_pages = k.shape[2] - tw
+    in_pages = jnp.arange(s_pages)[None, None, None, :] < page_lengths[:, :, None, None]
+    in_pages = jnp.broadcast_to(in_pages, (b, hkv, t, s_pages))
+    i = jnp.arange(tw)[None, None, :]
+    in_window = (i < window_len[:, None, None]) & (
+        window_start[:, None, None] + i <= q_positions[:, :, None])  # [B, T, Tw]
+    in_window = jnp.broadcast_to(in_window[:, None], (b, hkv, t, tw))
+    visible = jnp.concatenate([in_pages, in_window], axis=-1)[:, :, None]  # [B, Hkv, 1, T, S]
+    qg = q.astype(dtype).reshape(b, t, hkv, hq // hkv, d) * sm_scale
+    s = jnp.einsum("bthgd,bhsd->bhgts", qg, k, precision=lax.Precision.HIGHEST)
+    s = jnp.where(visible, s, -jnp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = p.sum(axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bhgts,bhsd->bthgd", p, v, precision=lax.Precision.HIGHEST)
+    return out.reshape(b, t, hq, d)

@@ -1,0 +1,77 @@
+"""Every KV format through the whole engine: the pallas and xla attention backends produce
+the same greedy tokens, and quantized formats stay close to the unquantized cache."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.config import KV_FORMATS, CacheConfig, ModelConfig
+from jkv.engine import Engine
+from jkv.models.loaders import random_params
+from jkv.sampling import SamplingParams
+
+FORMATS = ["auto", "int8", "k8v4", "int4", "k4v2"]
+TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                   num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
+
+
+def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in prompts]
+
+    def on_token(i: int, token: int) -> bool:
+        out[i].append(token)
+        return False
+
+    engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0)] * len(prompts),
+                    on_token)
+    return out
+
+
+def make_engine(cfg, params, fmt: str, backend: str, page_size: int = 8, **kw) -> Engine:
+    cache = CacheConfig(page_size=page_size, kv_cache_bytes=8 << 20,
+                        kv_format=KV_FORMATS[fmt])
+    return Engine(cfg, params, cache=cache, max_model_len=128, max_num_seqs=4,
+                  attention_backend=backend, prefill_chunk=16, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return random_params(TINY, seed=3, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pallas_and_xla_backends_agree_on_a_tiny_model(tiny_params, fmt):
+    rng = np.random.default_rng()
+    # ragged prompts: shorter than a page, exact page multiples, several prefill chunks
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (3, 16, 37)]
+    xla = greedy(make_engine(TINY, tiny_params, fmt, "xla"), prompts, 20)
+    pallas = greedy(make_engine(TINY, tiny_params, fmt, "pallas"), prompts, 20)
+    assert pallas == xla
+
+
+def test_unknown_backend_is_a_value_error(tiny_params):
+    with pytest.raises(ValueError, match="attention_backend"):
+        make_engine(TINY, tiny_params, "auto", "triton")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from jkv import LLM
+
+    llm = LLM(dtype="float32", max_model_len=256, max_num_seqs=4, kv_cache_bytes=64 << 20)
+    return llm.cfg, llm.engine.params, llm.tokenizer
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_smollm2_pallas_and_xla_give_identical_greedy_tokens(smollm2, fmt):
+    cfg, params, tok = smollm2
+    prompts = [tok.encode("The history of computing is a story of abstraction. Early machines "
+                          "were programmed by rewiring panels, then by punching cards."),
+               tok.encode("def fibonacci(n):")]
+    kw = dict(page_size=16)
+    xla = greedy(make_engine(cfg, params, fmt, "xla", **kw), prompts, 24)
+    pallas = greedy(make_engine(cfg, params, fmt, "pallas", **kw), prompts, 24)
+    assert pallas == xla, f"{fmt}: pallas and xla greedy tokens differ"

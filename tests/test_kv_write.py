@@ -1,0 +1,105 @@
+"""Appending K/V step by step: whole pages land in the pool in their format exactly once,
+the page being filled stays in model dtype, and the window holds what attention must see."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.cache import append_kv, init_pool, init_tables, page_bytes, reserve
+from jkv.config import KV_FORMATS, KVFormat
+from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
+
+PAGE, HEADS, D, WIDTH = 8, 2, 64, 8
+FORMATS = sorted({f for f in KV_FORMATS.values()}, key=lambda f: (-f.k_bits, -f.v_bits))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_chunked_appends_store_each_full_page_once(fmt, backend):
+    rng = np.random.default_rng()
+    fmt = KVFormat(fmt.k_bits, fmt.v_bits, group=32)
+    b = 2
+    total = np.array([int(rng.integers(1, WIDTH * PAGE)), WIDTH * PAGE])  # ragged, full row
+    k_all = rng.normal(size=(b, WIDTH * PAGE, HEADS, D)).astype(np.float32)
+    v_all = rng.normal(size=(b, WIDTH * PAGE, HEADS, D)).astype(np.float32)
+    pool, free = init_pool(b * HEADS * WIDTH + 1, PAGE, D, jnp.float32, fmt)
+    tables = init_tables(b, 1, HEADS, WIDTH)
+    fill_k = jnp.full((b, HEADS, PAGE, D), 7.0, jnp.float32)  # stale content is never kept
+    fill_v = jnp.full((b, HEADS, PAGE, D), -7.0, jnp.float32)
+    step = jax.jit(append_kv, static_argnames="backend")
+    length = np.zeros(b, np.int64)
+    while (length < total).any():
+        t = int(rng.choice([1, 3, 8, 16]))
+        count = np.minimum(total - length, t)
+        free, tables, ok = reserve(free, tables, jnp.asarray(length + count, jnp.int32))
+        assert bool(ok)
+        new_k = np.zeros((b, t, HEADS, D), np.float32)
+        new_v = np.zeros((b, t, HEADS, D), np.float32)
+        for i in range(b):
+            new_k[i, : count[i]] = k_all[i, length[i]: length[i] + count[i]]
+            new_v[i, : count[i]] = v_all[i, length[i]: length[i] + count[i]]
+        pool, fill_k, fill_v, window = step(
+            pool, fill_k, fill_v, tables.pages[:, 0], jnp.asarray(new_k), jnp.asarray(new_v),
+            jnp.asarray(length, jnp.int32), jnp.asarray(count, jnp.int32), backend=backend)
+        # the window: whole pages before the step are not in it; every later token is
+        start = (length // PAGE) * PAGE
+        np.testing.assert_array_equal(window.start, start)
+        np.testing.assert_array_equal(window.length, length + count - start)
+        for i in range(b):
+            n = length[i] + count[i] - start[i]
+            got = np.asarray(window.k[i, :, :n]).transpose(1, 0, 2)
+            np.testing.assert_array_equal(got, k_all[i, start[i]: start[i] + n])
+            got = np.asarray(window.v[i, :, :n]).transpose(1, 0, 2)
+            np.testing.assert_array_equal(got, v_all[i, start[i]: start[i] + n])
+        length = length + count
+
+    pages = np.asarray(tables.pages[:, 0])
+    for i in range(b):
+        full = total[i] // PAGE
+        for h in range(HEADS):
+            ids = pages[i, h, :full]
+            k = jnp.asarray(k_all[i, : full * PAGE, h].reshape(full, PAGE, D))
+            v = jnp.asarray(v_all[i, : full * PAGE, h].reshape(full, PAGE, D))
+            if fmt.k_bits < 16:
+                codes, scale, zero = quantize_keys(k, fmt.k_bits)
+                np.testing.assert_array_equal(pool.k[ids], codes)
+                np.testing.assert_array_equal(pool.k_scale[ids], scale)
+                np.testing.assert_array_equal(pool.k_zero[ids], zero)
+            else:
+                np.testing.assert_array_equal(pool.k[ids], k)
+            if fmt.v_bits < 16:
+                codes, scale, zero = quantize_values(v, fmt.v_bits, 32)
+                np.testing.assert_array_equal(pool.v[ids], codes)
+                np.testing.assert_array_equal(pool.v_scale[ids], scale)
+                np.testing.assert_array_equal(pool.v_zero[ids], zero)
+            else:
+                np.testing.assert_array_equal(pool.v[ids], v)
+            rest = total[i] - full * PAGE  # the page being filled, in model dtype
+            np.testing.assert_array_equal(np.asarray(fill_k[i, h, :rest]),
+                                          k_all[i, full * PAGE: total[i], h])
+            np.testing.assert_array_equal(np.asarray(fill_v[i, h, :rest]),
+                                          v_all[i, full * PAGE: total[i], h])
+
+
+def test_pool_shapes_and_bytes_follow_the_format():
+    for name in ("auto", "int8", "int4", "k8v4", "k4v2"):
+        fmt = KV_FORMATS[name]
+        pool, _ = init_pool(5, 16, 128, jnp.bfloat16, fmt)
+        arrays = [x for x in (pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale,
+                              pool.v_zero) if x is not None]
+        measured = sum(x.nbytes for x in arrays) / 5
+        assert measured == page_bytes(fmt, 16, 128, jnp.bfloat16), name
+        assert pool.head_dim == 128
+    assert page_bytes(KV_FORMATS["k4v2"], 16, 128, jnp.bfloat16) < page_bytes(
+        KV_FORMATS["int8"], 16, 128, jnp.bfloat16) < page_bytes(KV_FORMATS["auto"], 16, 128,
+                                                                jnp.bfloat16)
+
+
+def test_init_pool_rejects_formats_that_do_not_fit():
+    with pytest.raises(ValueError, match="head_dim"):
+        init_pool(4, 16, 6, jnp.float32, KVFormat(2, 2, group=2))
+    with pytest.raises(ValueError, match="group"):
+        init_pool(4, 16, 96, jnp.float32, KVFormat(8, 4, group=64))
