@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jkv.cache import init_filling, init_pool, init_tables, reserve  # noqa: E402
+from jkv.cache import init_filling, init_pool, init_tables, page_bytes, reserve  # noqa: E402
 from jkv.config import KV_FORMATS  # noqa: E402
 from jkv.engine import bucket  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
@@ -126,28 +126,37 @@ def main() -> None:
         first_diff = [int(np.argmin(r)) if not r.all() else n for r in same]
         rows.append({
             "format": name,
-            "bytes_per_token_per_head": fmt.bytes_per_token(cfg.head_dim, 2),
+            # in a full page of bf16 model, key scales and value scales included
+            "bytes_per_token_per_head": page_bytes(fmt, PAGE, cfg.head_dim, jnp.bfloat16) / PAGE,
             "teacher_forced_top1_agreement": float((forced.argmax(-1) == base_tokens).mean()),
             "mean_kl": float(kl.mean()),
             "max_kl": float(kl.max()),
             "greedy_token_agreement": float(same.mean()),
             "greedy_identical_prefix": first_diff,
         })
-    bf16_bytes = KV_FORMATS["auto"].bytes_per_token(cfg.head_dim, 2)
-    print(f"\nSmolLM2-135M-Instruct, {len(prompts)} prompts x {n} tokens, {args.dtype} model, "
-          f"{args.backend} attention; baseline: unquantized pages\n")
-    print("| format | bytes/token/head (vs bf16) | teacher-forced top-1 | mean KL | max KL "
-          "| free greedy agreement | identical prefix per prompt |")
-    print("|---|---|---|---|---|---|---|")
+    bf16_bytes = page_bytes(KV_FORMATS["auto"], PAGE, cfg.head_dim, jnp.bfloat16) / PAGE
+    date = datetime.date.today().isoformat()
+    lines = [
+        f"SmolLM2-135M-Instruct, {len(prompts)} prompts x {n} tokens, {args.dtype} model, "
+        f"{args.backend} attention, page size {PAGE}; baseline: unquantized pages "
+        f"({jax.devices()[0].device_kind}, jax {jax.__version__}, {date}). "
+        "Bytes per token and KV head count a full page of a bf16 model, scales included.", "",
+        "| format | bytes/token/head (vs bf16) | teacher-forced top-1 | mean KL | max KL "
+        "| free greedy agreement | identical prefix per prompt |",
+        "|---|---|---|---|---|---|---|"]
     for r in rows:
-        print(f"| {r['format']} | {r['bytes_per_token_per_head']:.0f} "
-              f"({r['bytes_per_token_per_head'] / bf16_bytes:.2f}x) "
-              f"| {r['teacher_forced_top1_agreement']:.3f} | {r['mean_kl']:.4f} "
-              f"| {r['max_kl']:.3f} | {r['greedy_token_agreement']:.3f} "
-              f"| {r['greedy_identical_prefix']} |")
+        lines.append(
+            f"| {r['format']} | {r['bytes_per_token_per_head']:.0f} "
+            f"({r['bytes_per_token_per_head'] / bf16_bytes:.2f}x) "
+            f"| {r['teacher_forced_top1_agreement']:.3f} | {r['mean_kl']:.4f} "
+            f"| {r['max_kl']:.3f} | {r['greedy_token_agreement']:.3f} "
+            f"| {r['greedy_identical_prefix']} |")
+    table = "\n".join(lines)
+    print("\n" + table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    date = datetime.date.today().isoformat()
+    (out / "kv_quality.md").write_text(
+        "# KV format quality (`python benchmarks/kv_quality.py`)\n\n" + table + "\n")
     path = out / f"kv_quality-{args.backend}-{date}.json"
     path.write_text(json.dumps({
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -29,13 +29,19 @@ PAGE, GROUP = 8, 32
 
 
 def make_case(rng, *, b, hkv, gqa, d, width, lengths, k_bits, v_bits, dtype=jnp.float32):
-    """Random q and a pool whose pages are shuffled across rows (page 0 stays unused)."""
+    """Random q and a pool whose pages are shuffled across rows. Pages the kernel must not
+    read (the null page 0, pages wholly past a row's length) are poisoned."""
     pool = b * hkv * width + 1
     q = jnp.asarray(rng.normal(size=(b, hkv * gqa, d)), dtype)
     k = rng.normal(size=(pool, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))  # outlier channels
     v = rng.normal(size=(pool, PAGE, d))
+    table = 1 + rng.permutation(pool - 1).reshape(b, hkv, width)
+    unread = [0] + [p for row, n in zip(table.reshape(b * hkv, width),
+                                        np.asarray(lengths).reshape(-1), strict=True)
+                    for p in row[-(-n // PAGE):]]
+    k[unread], v[unread] = 1e4, -1e4
     k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-    table = jnp.asarray(1 + rng.permutation(pool - 1).reshape(b, hkv, width), jnp.int32)
+    table = jnp.asarray(table, jnp.int32)
     extra = {}
     if k_bits < 16:
         k, extra["k_scale"], extra["k_zero"] = quantize_keys(k, k_bits)

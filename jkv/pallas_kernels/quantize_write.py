@@ -84,27 +84,43 @@ def _kernel(*refs, k_bits: int, v_bits: int, group: int):
 
 def _check(k_src, v_src, page_ids, k_pages, v_pages, k_scale, k_zero, v_scale, v_zero,
            k_bits, v_bits, group) -> None:
+    """Shapes and dtypes the kernel relies on: a mismatch would otherwise write out of place
+    or fail deep inside the lowering."""
     if k_src.ndim != 3 or k_src.shape != v_src.shape:
         raise ValueError(f"k_src and v_src must both be [N, page, D], got {k_src.shape} and "
                          f"{v_src.shape}")
     n, page, d = k_src.shape
-    if page_ids.shape != (n,):
-        raise ValueError(f"page_ids must be [N={n}], got {page_ids.shape}")
-    if d % group:
+    if page_ids.shape != (n,) or not jnp.issubdtype(page_ids.dtype, jnp.integer):
+        raise ValueError(f"page_ids must be integer [N={n}], got {page_ids.dtype} "
+                         f"{page_ids.shape}")
+    if group < 1 or d % group:
         raise ValueError(f"group {group} does not divide head_dim {d}")
+    num_pages = k_pages.shape[0]
     for side, bits, pages, scale, zero in (("k", k_bits, k_pages, k_scale, k_zero),
                                            ("v", v_bits, v_pages, v_scale, v_zero)):
         if bits not in (16, 8, 4, 2):
             raise ValueError(f"{side}_bits must be one of 16, 8, 4, 2, got {bits}")
         per = codes_per_byte(bits) if bits < 16 else 1
-        if d % per or pages.shape[1:] != (page, d // per):
-            raise ValueError(f"{side}_pages {pages.shape} cannot hold pages of {page} tokens x "
-                             f"{d} channels at {bits} bits")
+        if d % per:
+            raise ValueError(f"head_dim {d} is not a multiple of {per} codes per byte at "
+                             f"{side}_bits={bits}")
+        if pages.shape != (num_pages, page, d // per):
+            raise ValueError(f"{side}_pages {pages.shape} cannot hold {num_pages} pages of "
+                             f"{page} tokens x {d} channels at {bits} bits")
         if bits < 16 and pages.dtype != jnp.uint8:
             raise ValueError(f"{side}_pages must be uint8 codes at {bits} bits, got {pages.dtype}")
         if (bits < 16) != (scale is not None and zero is not None):
             raise ValueError(f"{side}_scale and {side}_zero are required exactly when "
                              f"{side}_bits < 16")
+        if bits < 16:
+            want = (num_pages, d) if side == "k" else (num_pages, page, d // group)
+            for name, x in ((f"{side}_scale", scale), (f"{side}_zero", zero)):
+                if x.shape != want or x.dtype != jnp.float32:
+                    raise ValueError(f"{name} must be float32 {want}, got {x.dtype} {x.shape}")
+            dp = d // per
+            if side == "v" and dp % group and group % dp:
+                raise ValueError(f"value group {group} and the {dp} channels of one packed "
+                                 f"part must divide one another")
 
 
 @functools.partial(jax.jit, static_argnames=("k_bits", "v_bits", "group", "num_warps",
@@ -127,7 +143,11 @@ def quantize_write(
     interpret: bool = False,
 ) -> tuple:
     """Quantize pages and store them at `page_ids`; returns the six pool arrays (None stays
-    None). Non-zero ids must be distinct."""
+    None). Non-zero ids must be distinct; id 0 (padding) may repeat.
+
+    The pool operands are aliased to the outputs, so inside a jit that donates the pool the
+    write is in place (no copy of the pool); called on its own, XLA copies the pool first.
+    """
     group = min(group, k_src.shape[-1])
     _check(k_src, v_src, page_ids, k_pages, v_pages, k_scale, k_zero, v_scale, v_zero,
            k_bits, v_bits, group)
