@@ -203,7 +203,7 @@ def main() -> None:
         "jax": jax.__version__, "copy_bytes_per_s": copy_bw, "shape": {
             "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page": PAGE, "group": GROUP,
             "pages_per_block": ppb}, "results": results}, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {path}; plot it with: python benchmarks/plot_kernels.py {path}")
 
 
 if __name__ == "__main__":
