@@ -77,7 +77,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.page_size = cache.page_size
         dtype = params["embed"].dtype
-        self.kv_format = cache.kv_format
         one_page = page_bytes(cache.kv_format, cache.page_size, cfg.head_dim, dtype)
         num_pages = cache.kv_cache_bytes // one_page
         self.max_pages = bucket(-(-max_model_len // cache.page_size), 4)  # table width
@@ -87,7 +86,6 @@ class Engine:
                 f"kv_cache_bytes={cache.kv_cache_bytes} holds {num_pages} pages but one "
                 f"sequence of max_model_len={max_model_len} needs {one_seq}; raise "
                 f"kv_cache_bytes to at least {(one_seq + 1) * one_page} or lower max_model_len")
-        self.num_pages = num_pages
         self.pool, self.free = init_pool(num_pages, cache.page_size, cfg.head_dim, dtype,
                                          cache.kv_format)
         self.filling = init_filling(max_num_seqs, cfg.num_layers, cfg.num_kv_heads,
