@@ -2,7 +2,9 @@
 
 A chunk of queries attends to a paged prefix (any format) and, causally, to a full-precision
 window holding the partly filled page and the chunk itself. Everything the kernel must not
-read is poisoned with large finite values.
+read (the null page, page tokens past a row's length, window tokens past its length) is
+poisoned with large finite values, so a missing mask shows as a huge error, not a NaN.
+On CPU the kernel runs in interpret mode; on a GPU the same tests compile it with Triton.
 """
 
 from __future__ import annotations
@@ -24,22 +26,33 @@ from jkv.pallas_kernels.paged_decode_attention import dequantized_rows
 
 INTERPRET = jax.default_backend() == "cpu"
 FORMATS = sorted({(f.k_bits, f.v_bits) for f in KV_FORMATS.values()}, reverse=True)
-PAGE, GROUP, WIDTH, POISON = 8, 32, 4, 1e4
+PAGE, GROUP, WIDTH, POISON = 8, 32, 8, 1e4
 
 
 def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32):
-    """Two rows x two KV heads. Row 0: its heads hold different prefixes (0 and a partial
-    page) and a window that starts mid-page; row 1: an exact page multiple, a window of one
-    token, and padding queries that see only the prefix."""
-    b, hkv = 2, 2
+    """Four rows x two KV heads, pages shuffled across the pool.
+
+    Row 0: its heads hold different prefixes (0 tokens and a random partial page); the
+    window starts there and holds just the chunk. Row 1: exact page multiples (4 and 2
+    pages), a window of one token; odd queries sit past the window's end, even ones below
+    its start (padding that sees only the prefix). Row 2: the engine's case, a whole-page
+    prefix and a window holding the partly filled page before the chunk. Row 3: a padding row
+    (window_len 0) whose heads hold 1 and 0 tokens, so head 1's queries see nothing at all.
+    """
+    b, hkv = 4, 2
     tw = PAGE + -(-t // PAGE) * PAGE
-    plen = np.array([[0, 5], [2 * PAGE, 2 * PAGE]])
-    start = np.array([5, 2 * PAGE])
-    wlen = np.array([t, 1])
-    pos = np.stack([start[0] + np.arange(t), start[1] + np.minimum(np.arange(t), 0) - 1])
-    pos[1, 0] = start[1]  # the only real query of row 1; the rest see only the prefix
+    partial = int(rng.choice([n for n in range(1, 5 * PAGE) if n % PAGE]))
+    filled = int(rng.integers(1, PAGE))  # tokens of the partly filled page in row 2's window
+    plen = np.array([[0, partial], [4 * PAGE, 2 * PAGE], [PAGE, PAGE], [1, 0]])
+    start = np.array([partial, 4 * PAGE, PAGE, 1])
+    wlen = np.array([t, 1, filled + t, 0])
+    pos = np.stack([start[0] + np.arange(t), start[1] - 1 - np.arange(t),
+                    start[2] + filled + np.arange(t), start[3] + np.arange(t)])
+    pos[1, 0] = start[1]
+    pos[1, 1::2] = start[1] + 1 + np.arange(1, t, 2)  # past the window's end: sees token 0
+
     num_pages = b * hkv * WIDTH + 1
-    k = rng.normal(size=(num_pages, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))
+    k = rng.normal(size=(num_pages, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))  # outliers
     v = rng.normal(size=(num_pages, PAGE, d))
     table = (1 + rng.permutation(num_pages - 1)).reshape(b, hkv, WIDTH)
     k[0], v[0] = POISON, -POISON  # the null page
@@ -50,8 +63,7 @@ def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32):
                 lo = max(n - c * PAGE, 0)
                 k[table[i, h, c], lo:] = POISON
                 v[table[i, h, c], lo:] = -POISON
-            if n == 0:
-                table[i, h] = 0
+            table[i, h, -(-n // PAGE):] = 0  # unused columns point at the null page
     kw = rng.normal(size=(b, hkv, tw, d))
     vw = rng.normal(size=(b, hkv, tw, d))
     for i in range(b):
@@ -70,13 +82,17 @@ def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32):
 
 
 def float64_reference(args, extra, k_bits, v_bits):
-    q, k, v, table, plen, kw, vw, start, wlen, pos = (np.asarray(a) if i not in (1, 2) else a
-                                                      for i, a in enumerate(args))
-    kd, vd = dequantized_rows(k, v, jnp.asarray(table), **extra, k_bits=k_bits, v_bits=v_bits)
-    kd = np.concatenate([np.asarray(kd, np.float64), kw.astype(np.float64)], axis=2)
-    vd = np.concatenate([np.asarray(vd, np.float64), vw.astype(np.float64)], axis=2)
+    """Attention in float64 (numpy, a loop over queries) over the same dequantized pages."""
+    q, k, v, table, plen, kw, vw, start, wlen, pos = args
+    kd, vd = dequantized_rows(k, v, table, **extra, k_bits=k_bits, v_bits=v_bits)
+    f64 = functools.partial(np.asarray, dtype=np.float64)
+    kd = np.concatenate([f64(kd), f64(kw.astype(jnp.float32))], axis=2)
+    vd = np.concatenate([f64(vd), f64(vw.astype(jnp.float32))], axis=2)
+    q, plen, start, wlen, pos = (np.asarray(a) for a in (q, plen, start, wlen, pos))
+    q = q.astype(np.float64)
     b, t, hq, d = q.shape
     hkv, s_pages, tw = table.shape[1], table.shape[2] * PAGE, kw.shape[2]
+    g = hq // hkv
     out = np.zeros((b, t, hq, d))
     for i in range(b):
         for h in range(hkv):
@@ -86,9 +102,7 @@ def float64_reference(args, extra, k_bits, v_bits):
                                        & (start[i] + np.arange(tw) <= pos[i, j])])
                 if not seen.any():
                     continue
-                g = hq // hkv
-                qs = q[i, j, h * g:(h + 1) * g].astype(np.float64) / np.sqrt(d)
-                s = qs @ kd[i, h, seen].T
+                s = q[i, j, h * g:(h + 1) * g] / np.sqrt(d) @ kd[i, h, seen].T
                 p = np.exp(s - s.max(-1, keepdims=True))
                 out[i, j, h * g:(h + 1) * g] = (p / p.sum(-1, keepdims=True)) @ vd[i, h, seen]
     return out
@@ -99,18 +113,24 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# (T, block_q, pages_per_block, block_w): several query blocks, and a single query (block_q
+# clamps to 1) with other page and window blocks
+TILINGS = ((16, 8, 2, 8), (1, 16, 4, 16))
+
+
 @pytest.mark.parametrize("k_bits,v_bits", FORMATS)
 @pytest.mark.parametrize("gqa,d", [(1, 64), (3, 128), (4, 64), (8, 128)])
 def test_kernel_matches_float64_reference(k_bits, v_bits, gqa, d):
     rng = np.random.default_rng()
-    for t, block_q in ((16, 8), (1, 16)):
+    for t, block_q, ppb, block_w in TILINGS:
         args, extra = make_case(rng, gqa=gqa, d=d, t=t, k_bits=k_bits, v_bits=v_bits)
         want = float64_reference(args, extra, k_bits, v_bits)
+        assert np.abs(want[3, :, gqa:]).max() == 0  # row 3, head 1 sees nothing
         ref = chunked_prefill_attention_reference(*args, **extra, k_bits=k_bits, v_bits=v_bits)
         assert rel_err(ref, want) < 1e-5
         out = chunked_prefill_attention(*args, **extra, k_bits=k_bits, v_bits=v_bits,
-                                        group=GROUP, block_q=block_q, pages_per_block=2,
-                                        block_w=8, interpret=INTERPRET)
+                                        group=GROUP, block_q=block_q, pages_per_block=ppb,
+                                        block_w=block_w, interpret=INTERPRET)
         assert out.shape == args[0].shape and out.dtype == args[0].dtype
         assert np.isfinite(np.asarray(out)).all()
         err = rel_err(out, want)
@@ -119,45 +139,76 @@ def test_kernel_matches_float64_reference(k_bits, v_bits, gqa, d):
 
 def test_query_that_sees_nothing_gives_zero():
     rng = np.random.default_rng()
-    args, extra = make_case(rng, gqa=2, d=64, t=8, k_bits=16, v_bits=16)
+    args, _ = make_case(rng, gqa=2, d=64, t=8, k_bits=16, v_bits=16)
     q, k, v, table, plen, kw, vw, start, wlen, pos = args
-    plen = jnp.zeros_like(plen)
+    plen = plen.at[1].set(0)
     pos = pos.at[1].set(start[1] - 1)  # row 1 sees neither pages nor window
     out = chunked_prefill_attention(q, k, v, table, plen, kw, vw, start, wlen, pos,
                                     block_q=8, pages_per_block=2, block_w=8,
                                     interpret=INTERPRET)
-    assert np.asarray(out[1]).max() == 0 and np.asarray(out[1]).min() == 0
-    assert np.abs(np.asarray(out[0])).max() > 0
+    out = np.asarray(out)
+    assert np.isfinite(out).all()
+    assert (out[1] == 0).all() and (out[3, :, 2:] == 0).all()
+    assert np.abs(out[0]).min() > 0
 
 
-def test_bf16():
+@pytest.mark.parametrize("k_bits,v_bits", [(16, 16), (4, 2)])
+def test_bf16(k_bits, v_bits):
+    """bf16 queries, pages (before quantization) and window: bf16 tensor-core operands."""
     rng = np.random.default_rng()
-    args, extra = make_case(rng, gqa=4, d=64, t=16, k_bits=16, v_bits=16, dtype=jnp.bfloat16)
-    out = chunked_prefill_attention(*args, block_q=16, pages_per_block=2, block_w=8,
+    args, extra = make_case(rng, gqa=4, d=64, t=16, k_bits=k_bits, v_bits=v_bits,
+                            dtype=jnp.bfloat16)
+    out = chunked_prefill_attention(*args, **extra, k_bits=k_bits, v_bits=v_bits, group=GROUP,
+                                    block_q=16, pages_per_block=2, block_w=8,
                                     interpret=INTERPRET)
     assert out.dtype == jnp.bfloat16
-    assert rel_err(out, float64_reference(args, extra, 16, 16)) < 2e-2
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, float64_reference(args, extra, k_bits, v_bits)) < 2e-2
 
 
 def test_bad_shapes_raise_value_errors():
     rng = np.random.default_rng()
     args, extra = make_case(rng, gqa=2, d=64, t=8, k_bits=8, v_bits=8)
+    run = functools.partial(chunked_prefill_attention, k_bits=8, v_bits=8, group=GROUP,
+                            interpret=True)
     with pytest.raises(ValueError, match="k_scale"):
-        chunked_prefill_attention(*args, k_bits=8, v_bits=8, interpret=True)
+        run(*args)
+    with pytest.raises(ValueError, match="v_scale"):
+        run(*args, k_scale=extra["k_scale"], k_zero=extra["k_zero"])
     with pytest.raises(ValueError, match="T=8"):
-        chunked_prefill_attention(*args, **extra, k_bits=8, v_bits=8, block_q=3, block_w=8,
-                                  interpret=True)
+        run(*args, **extra, block_q=3, block_w=8)
     with pytest.raises(ValueError, match="Tw=16"):
-        chunked_prefill_attention(*args, **extra, k_bits=8, v_bits=8, block_w=32,
-                                  interpret=True)
+        run(*args, **extra, block_w=32)
+    with pytest.raises(ValueError, match="W=8"):
+        run(*args, **extra, block_w=8, pages_per_block=3)
+    with pytest.raises(ValueError, match="head_dim"):
+        run(*args, **{**extra, "k_bits": 4}, block_w=8)
+    with pytest.raises(ValueError, match="query heads"):
+        run(args[0][:, :, :3], *args[1:], **extra, block_w=8)
+    with pytest.raises(ValueError, match="q_positions"):
+        run(*args[:-1], args[-1][:, :4], **extra, block_w=8)
 
 
 @pytest.mark.parametrize("k_bits,v_bits", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_for_cuda_with_triton(k_bits, v_bits, dtype):
+    """Runs the Pallas-to-Triton lowering on any machine, so lowering errors fail CI here."""
     rng = np.random.default_rng()
-    args, extra = make_case(rng, gqa=4, d=128, t=16, k_bits=k_bits, v_bits=v_bits, dtype=dtype)
-    run = functools.partial(chunked_prefill_attention, k_bits=k_bits, v_bits=v_bits,
-                            group=GROUP, block_q=16, pages_per_block=2, block_w=8)
-    lowered = jax.jit(run).trace(*args, **extra).lower(lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    for t, gqa, block_q, ppb, block_w in ((16, 3, 16, 4, 8), (1, 8, 16, 2, 16)):
+        args, extra = make_case(rng, gqa=gqa, d=128, t=t, k_bits=k_bits, v_bits=v_bits,
+                                dtype=dtype)
+        run = functools.partial(chunked_prefill_attention, k_bits=k_bits, v_bits=v_bits,
+                                group=GROUP, block_q=block_q, pages_per_block=ppb,
+                                block_w=block_w)
+        lowered = jax.jit(run).trace(*args, **extra).lower(lowering_platforms=("cuda",))
+        assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def test_cuda_lowering_catches_triton_errors():
+    """The route above really lowers: a head_dim that is not a power of two is refused."""
+    rng = np.random.default_rng()
+    args, extra = make_case(rng, gqa=2, d=96, t=16, k_bits=16, v_bits=16)
+    run = functools.partial(chunked_prefill_attention, block_q=16, pages_per_block=2,
+                            block_w=8)
+    with pytest.raises(Exception, match="power of 2"):
+        jax.jit(run).trace(*args, **extra).lower(lowering_platforms=("cuda",))

@@ -70,10 +70,12 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, 
         token = col * page + jnp.arange(ppb * page)
         return attend(carry, tier, pages, (token < plen)[None, :])
 
-    carry = lax.fori_loop(0, pl.cdiv(pl.cdiv(plen, page), ppb), page_body, carry)
+    w = table_ref.shape[0]  # a length past the table never reads past it
+    carry = lax.fori_loop(0, jnp.minimum(pl.cdiv(pl.cdiv(plen, page), ppb), w // ppb),
+                          page_body, carry)
 
     # (2) the window, causal by absolute position
-    start, length = win_ref[0], win_ref[1]
+    start, length = win_ref[0], jnp.minimum(win_ref[1], kw_ref.shape[0])
     pos = pos_ref[...]
     row_pos = jnp.broadcast_to(pos[:, None], (block_q, heads)).reshape(rows)
     visible_len = jnp.clip(pos.max() - start + 1, 0, length)
@@ -198,11 +200,28 @@ def chunked_prefill_attention(
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
 
 
-def chunked_prefill_attention_reference(q, k_pages, v_pages, page_table, page_lengths,
-                                        k_window, v_window, window_start, window_len,
-                                        q_positions, k_scale=None, k_zero=None, v_scale=None,
-                                        v_zero=None, *, k_bits=16, v_bits=16, group=64,
-                                        sm_scale=None, dtype=jnp.float32):
+def chunked_prefill_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    page_lengths: jax.Array,
+    k_window: jax.Array,
+    v_window: jax.Array,
+    window_start: jax.Array,
+    window_len: jax.Array,
+    q_positions: jax.Array,
+    k_scale: jax.Array | None = None,
+    k_zero: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    v_zero: jax.Array | None = None,
+    *,
+    k_bits: int = 16,
+    v_bits: int = 16,
+    group: int = 64,
+    sm_scale: float | None = None,
+    dtype=jnp.float32,
+) -> jax.Array:
     """The same function in plain jnp: dequantize every page, append the window, one masked
     softmax. `group` is implied by the scale shapes; it is accepted for a common signature."""
     del group
