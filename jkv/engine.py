@@ -1,18 +1,26 @@
-"""One batch of requests through the model over the paged KV cache.
+"""One step of work on the device: sequences in slots, their pages, the prefix cache.
 
-The engine owns the page pool and the page tables, pads every step to a shape bucket
-(batch, tokens, page-table width are powers of two) so a steady workload reuses compiled
-steps, prefills long prompts in chunks, and decodes until every request is finished.
-Which requests form a batch, and when one stops, is the caller's business.
+The engine owns the page pool, the page tables (one row per sequence *slot*), the filling
+pages and the device prefix cache. A step feeds some slots a chunk of prompt and others one
+decoded token; each kind runs as one compiled call whose shapes are padded to buckets
+(rows and tokens to powers of two, the page-table width to a power of two of pages), so a
+steady workload reuses what it compiled. Which sequences run, and when one stops, is the
+scheduler's business (`jkv.scheduler`); the engine only checks that what it is asked to do
+fits.
+
+Full pages outlive their sequence when prefix caching is on: on `close` a sequence's full
+blocks go to the prefix cache (`jkv.cache.prefix_cache`), and `open` starts a new sequence
+from the longest cached run of its prompt's blocks.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +28,9 @@ import numpy as np
 
 from jkv.cache.page_pool import (
     FillingPages,
+    export_blocks,
+    free_pages,
+    import_blocks,
     init_filling,
     init_pool,
     init_tables,
@@ -27,9 +38,10 @@ from jkv.cache.page_pool import (
     release,
     reserve,
 )
-from jkv.config import ATTENTION_BACKENDS, CacheConfig, ModelConfig
-from jkv.models.llama import Params, forward, lm_head
-from jkv.sampling import SamplingParams, sample
+from jkv.cache.prefix_cache import PrefixCache, block_hashes
+from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, CacheConfig, ModelConfig
+from jkv.models.llama import Params, final_norm, forward, layer, lm_head
+from jkv.sampling import SamplingParams, sample, token_logprobs
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -37,41 +49,100 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
 
 
-def _step(params, pool, filling, pages, tokens, positions, valid, last_idx, base_keys,
-          num_generated, temperature, top_p, top_k, *, cfg: ModelConfig, backend: str):
-    b = tokens.shape[0]
-    rows = FillingPages(k=filling.k[:b], v=filling.v[:b])
+def _step(params, pool, filling, table_pages, slots, tokens, positions, valid, last_idx,
+          keys, num_generated, temperature, top_p, top_k, *, cfg: ModelConfig, backend: str,
+          width: int):
+    pages = table_pages[slots][..., :width]
+    rows = FillingPages(k=filling.k[slots], v=filling.v[slots])
     hidden, pool, rows = forward(params, cfg, tokens, positions, valid, pool, rows, pages,
                                  backend)
-    filling = FillingPages(k=filling.k.at[:b].set(rows.k), v=filling.v.at[:b].set(rows.v))
+    # padding rows all point at the scratch slot; what they write there is never read
+    filling = FillingPages(k=filling.k.at[slots].set(rows.k), v=filling.v.at[slots].set(rows.v))
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
-    keys = jax.vmap(jax.random.fold_in)(base_keys, num_generated)  # one stream per request
-    tokens = sample(lm_head(params, h_last), keys, temperature, top_p, top_k)
-    return tokens, pool, filling
+    return _sample(params, h_last, keys, num_generated, temperature, top_p, top_k), pool, \
+        filling
+
+
+def _sample(params, h_last, keys, num_generated, temperature, top_p, top_k):
+    logits = lm_head(params, h_last)
+    keys = jax.vmap(jax.random.fold_in)(keys, num_generated)  # one stream per request
+    tokens = sample(logits, keys, temperature, top_p, top_k)
+    return (tokens, *token_logprobs(logits, tokens))
+
+
+def _embed(params, tokens):
+    return params["embed"][tokens]
+
+
+def _layer_step(params, pool, filling, table_pages, slots, x, positions, valid, index, *,
+                cfg: ModelConfig, backend: str, width: int):
+    pages = jax.lax.dynamic_index_in_dim(table_pages[slots], index, axis=1,
+                                         keepdims=False)[..., :width]
+    fill_k, fill_v = filling.k[slots, index], filling.v[slots, index]
+    x, pool, fill_k, fill_v = layer(params, cfg, index, x, pool, fill_k, fill_v, pages,
+                                    positions, valid, backend)
+    filling = FillingPages(k=filling.k.at[slots, index].set(fill_k),
+                           v=filling.v.at[slots, index].set(fill_v))
+    return x, pool, filling
+
+
+def _head(params, x, last_idx, keys, num_generated, temperature, top_p, top_k, *,
+          cfg: ModelConfig):
+    h_last = jnp.take_along_axis(final_norm(params, cfg, x), last_idx[:, None, None], axis=1)
+    return _sample(params, h_last[:, 0], keys, num_generated, temperature, top_p, top_k)
+
+
+@dataclass
+class Row:
+    """One sequence's work in a step: feed `tokens` to `slot`, then sample one token."""
+
+    slot: int
+    tokens: Sequence[int]
+    sampling: SamplingParams
+    key: np.ndarray  # uint32[2]: the request's PRNG key (`Engine.request_key`)
+    num_generated: int = 0  # folded into the key: token i of a request has its own stream
+
+
+class Sampled(NamedTuple):
+    """A row's new token, its log-probability and the most likely alternatives."""
+
+    token: int
+    logprob: float
+    top_ids: np.ndarray  # int32 [MAX_LOGPROBS], most likely first
+    top_logprobs: np.ndarray  # float32 [MAX_LOGPROBS]
 
 
 @dataclass
 class EngineStats:
     prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # steps with prefill rows
     decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    step_shapes: set = field(default_factory=set)  # (batch, tokens, width) buckets compiled
+    decode_seconds: float = 0.0  # steps with decode rows only
+    steps: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which found on the device
+    step_shapes: set = field(default_factory=set)  # (rows, tokens, width) buckets run
 
 
 class Engine:
-    """Runs batches of token-id prompts; see `generate`."""
+    """Runs steps over sequence slots; see `open`, `step` and `close`."""
 
     def __init__(self, cfg: ModelConfig, params: Params, *, cache: CacheConfig,
                  max_model_len: int, max_num_seqs: int = 8, attention_backend: str = "xla",
-                 prefill_chunk: int = 512, seed: int = 0) -> None:
+                 prefill_chunk: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
+                 device_cache_bytes: int | None = None, model_id: str = "",
+                 execution: str = "scan") -> None:
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {attention_backend!r}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if execution not in EXECUTIONS:
+            raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
+        if device_cache_bytes is not None and device_cache_bytes < 0:
+            raise ValueError(f"device_cache_bytes must be >= 0 or None, got {device_cache_bytes}")
         self.cfg, self.params = cfg, params
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.prefill_chunk = prefill_chunk
@@ -79,6 +150,7 @@ class Engine:
         dtype = params["embed"].dtype
         one_page = page_bytes(cache.kv_format, cache.page_size, cfg.head_dim, dtype)
         num_pages = cache.kv_cache_bytes // one_page
+        self.block_pages = cfg.num_layers * cfg.num_kv_heads  # pages per block of tokens
         self.max_pages = bucket(-(-max_model_len // cache.page_size), 4)  # table width
         one_seq = self.pages_for(max_model_len)
         if num_pages - 1 < one_seq:
@@ -86,154 +158,275 @@ class Engine:
                 f"kv_cache_bytes={cache.kv_cache_bytes} holds {num_pages} pages but one "
                 f"sequence of max_model_len={max_model_len} needs {one_seq}; raise "
                 f"kv_cache_bytes to at least {(one_seq + 1) * one_page} or lower max_model_len")
+        self.total_pages = num_pages - 1  # page 0 is the null page
         self.pool, self.free = init_pool(num_pages, cache.page_size, cfg.head_dim, dtype,
                                          cache.kv_format)
-        self.filling = init_filling(max_num_seqs, cfg.num_layers, cfg.num_kv_heads,
-                                    cache.page_size, cfg.head_dim, dtype)
+        slots = max_num_seqs + 1  # the last slot is scratch for padding rows
+        self.scratch = max_num_seqs
+        self.filling = init_filling(slots, cfg.num_layers, cfg.num_kv_heads, cache.page_size,
+                                    cfg.head_dim, dtype)
         # committed like the step's outputs, so the first call compiles what later ones reuse
         self.pool, self.filling = jax.device_put((self.pool, self.filling), jax.devices()[0])
-        self.tables = init_tables(max_num_seqs, cfg.num_layers, cfg.num_kv_heads, self.max_pages)
-        self.free_pages = num_pages - 1  # host mirror of free.num_free
+        self.tables = init_tables(slots, cfg.num_layers, cfg.num_kv_heads, self.max_pages)
+        self.free_pages = self.total_pages  # host mirror of free.num_free
+        self.execution = execution
         self._step = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
-                             donate_argnums=(1, 2))
-        self._rng = jax.random.PRNGKey(seed)
-        self._requests_seen = 0
+                             donate_argnums=(1, 2), static_argnames=("width",))
+        self._embed = jax.jit(_embed)
+        self._layer = jax.jit(partial(_layer_step, cfg=cfg, backend=attention_backend),
+                              donate_argnums=(1, 2), static_argnames=("width",))
+        self._head = jax.jit(partial(_head, cfg=cfg))
+
+        self.enable_prefix_caching = enable_prefix_caching
+        capacity = self.total_pages // self.block_pages if enable_prefix_caching else 0
+        max_rows = None
+        if device_cache_bytes is not None:
+            max_rows = device_cache_bytes // (one_page * self.block_pages)
+        self.prefix = PrefixCache(capacity, max_rows)
+        self.blocks = jnp.zeros((max(capacity, 1), cfg.num_layers, cfg.num_kv_heads), jnp.int32)
+        self._hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
+                           f"{cfg}").encode()
+
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.slot_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
+        self._slot_rows: list[list[int]] = [[] for _ in range(max_num_seqs)]  # cache rows read
+        self._seed, self._requests_seen = seed, 0
         self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ accounting
 
     @property
     def num_compiles(self) -> int:
-        """Compiled variants of the step function (a steady workload must not add any)."""
-        return self._step._cache_size()
+        """Compiled variants of the step functions (a steady workload must not add any)."""
+        return sum(f._cache_size() for f in (self._step, self._embed, self._layer, self._head))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a new allocation can have: free ones plus unreferenced cached blocks."""
+        return self.free_pages + self.prefix.num_evictable * self.block_pages
+
+    @property
+    def pages_used(self) -> int:
+        """Pages held by running sequences and by the prefix cache."""
+        return self.total_pages - self.free_pages
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages one sequence of `num_tokens` tokens occupies across all layers and KV heads."""
-        return -(-num_tokens // self.page_size) * self.cfg.num_layers * self.cfg.num_kv_heads
+        return -(-num_tokens // self.page_size) * self.block_pages
 
-    def _width(self, num_tokens: int) -> int:
-        return min(bucket(-(-num_tokens // self.page_size), 4), self.max_pages)
+    def pages_to_grow(self, slot: int, num_tokens: int) -> int:
+        """New pages `slot` needs to hold `num_tokens` more tokens."""
+        held = len(self.slot_tokens[slot])
+        return self.pages_for(held + num_tokens) - self.pages_for(held)
 
-    def _reserve(self, new_lengths: np.ndarray) -> jax.Array:
-        padded = np.zeros(self.max_num_seqs, np.int32)
-        padded[: len(new_lengths)] = new_lengths
-        self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(padded))
-        return ok
+    def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Block hashes of the part of a prompt that could come from the prefix cache (all
+        full blocks but the last token: that one is always computed, for its logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        n = (len(token_ids) - 1) // self.page_size
+        return block_hashes(token_ids, self.page_size, self._hash_seed, n)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
-                 on_token: Callable[[int, int], bool]) -> None:
-        """Prefill `prompts` together, then decode until `on_token` has finished them all.
+    def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
+        """(tokens found in the prefix cache, pages of them that opening the sequence would
+        take from `available_pages` because no one else holds them). No side effects."""
+        rows = self.prefix.lookup(hashes)
+        return len(rows) * self.page_size, self.prefix.num_unreferenced(rows) * self.block_pages
 
-        on_token(i, token) is called for every token produced for prompt i and returns True
-        when that request is finished. A request also ends at `max_tokens` or when the
-        context is full. Pages are released however the call ends.
+    def pages_freed_by_close(self, slot: int) -> int:
+        """How much `available_pages` grows when `close(slot)` runs."""
+        held = -(-len(self.slot_tokens[slot]) // self.page_size)
+        pinned = len(self._slot_rows[slot]) - self.prefix.num_sole(self._slot_rows[slot])
+        return (held - pinned) * self.block_pages
+
+    def request_key(self, seed: int | None) -> np.ndarray:
+        """A request's PRNG key: from its seed, or the engine's seed and a request counter."""
+        if seed is None:
+            key = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._requests_seen)
+            self._requests_seen += 1
+            return np.asarray(key, np.uint32)
+        s = seed % (1 << 64)  # threefry's seeding of a 64-bit seed, done here for any int
+        return np.array([s >> 32, s & 0xFFFFFFFF], np.uint32)
+
+    def _make_room(self, pages: int) -> bool:
+        """Evict cached blocks until `pages` pages are free; False if that cannot be done."""
+        short = pages - self.free_pages
+        if short > 0:
+            rows = self.prefix.evict(-(-short // self.block_pages))
+            self._free_rows(rows)
+        return self.free_pages >= pages
+
+    def _free_rows(self, rows: list[int]) -> None:
+        if rows:
+            ids = self.blocks[jnp.asarray(rows, jnp.int32)]
+            self.free = free_pages(self.free, ids)
+            self.free_pages += len(rows) * self.block_pages
+
+    # ------------------------------------------------------------------ sequences
+
+    def open(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """Take a free slot for a sequence whose prompt is `token_ids`.
+
+        Returns (slot, cached): the first `cached` tokens are already held (prefix cache
+        hits); feed the rest with `step`.
         """
-        n = len(prompts)
-        if not 1 <= n <= self.max_num_seqs:
-            raise ValueError(f"a batch holds 1..{self.max_num_seqs} prompts, got {n}")
-        plen = np.array([len(p) for p in prompts], np.int32)
-        if plen.min() < 1:
-            raise ValueError("every prompt needs at least one token")
-        if plen.max() >= self.max_model_len:
-            raise ValueError(f"a prompt of {plen.max()} tokens leaves no room to generate "
-                             f"within max_model_len={self.max_model_len}")
-        max_new = np.array([min(s.max_tokens, self.max_model_len - len(p))
-                            for s, p in zip(sampling, prompts, strict=True)], np.int32)
-        need = sum(self.pages_for(int(a + b)) for a, b in zip(plen, max_new, strict=True))
-        if need > self.free_pages:
-            raise ValueError(f"the batch needs {need} KV pages and {self.free_pages} are free")
+        if not self._free_slots:
+            raise RuntimeError("no free sequence slot")
+        if not 1 <= len(token_ids) < self.max_model_len:
+            raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
+                             f"got {len(token_ids)}")
+        slot = self._free_slots.pop()
+        rows = self.prefix.lookup(self.prompt_hashes(token_ids))
+        if self.enable_prefix_caching:
+            self.stats.prefix_query_tokens += len(token_ids)
+        cached = len(rows) * self.page_size
+        if rows:
+            self.prefix.acquire(rows)
+            padded = np.full(self.max_pages, -1, np.int32)
+            padded[: len(rows)] = rows
+            self.tables = import_blocks(self.tables, self.blocks, jnp.int32(slot),
+                                        jnp.asarray(padded), jnp.int32(len(rows)),
+                                        jnp.int32(cached))
+            self.stats.prefix_hit_tokens += cached
+        self.slot_tokens[slot] = list(token_ids[:cached])
+        self._slot_rows[slot] = rows
+        return slot, cached
+
+    def close(self, slot: int) -> None:
+        """End the sequence in `slot`: its full blocks go to the prefix cache (when on) and
+        its other pages back to the pool."""
+        tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
+        keep = np.zeros((self.max_num_seqs + 1, self.max_pages), bool)
+        keep[slot, : len(shared)] = True
+        if self.enable_prefix_caching:
+            self.prefix.release(shared)
+            hashes = block_hashes(tokens, self.page_size, self._hash_seed)
+            dest = np.full(self.max_pages, -1, np.int32)
+            for i in range(len(shared), len(hashes)):
+                row, evicted = self.prefix.insert(hashes[i], i)
+                self._free_rows(evicted)
+                if row is not None:
+                    dest[i], keep[slot, i] = row, True
+            self.prefix.touch(shared + [int(r) for r in dest if r >= 0])
+            if (dest >= 0).any():
+                self.blocks = export_blocks(self.tables, self.blocks, jnp.int32(slot),
+                                            jnp.asarray(dest))
+        mask = np.zeros(self.max_num_seqs + 1, bool)
+        mask[slot] = True
+        self.free, self.tables = release(self.free, self.tables, jnp.asarray(mask),
+                                         jnp.asarray(keep))
+        held = -(-len(tokens) // self.page_size)
+        self.free_pages += (held - int(keep[slot].sum())) * self.block_pages
+        self.slot_tokens[slot], self._slot_rows[slot] = [], []
+        self._free_slots.append(slot)
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, prefill: Sequence[Row], decode: Sequence[Row]
+             ) -> tuple[list[Sampled], list[Sampled]]:
+        """Feed every row its tokens; returns what was sampled after each row's last token
+        (prefill rows, decode rows). A prefill row takes up to `prefill_chunk` tokens, a
+        decode row exactly one."""
+        rows = list(prefill) + list(decode)
+        if not rows:
+            return [], []
+        slots = [r.slot for r in rows]
+        if len(set(slots)) != len(slots):
+            raise ValueError("a slot appears twice in one step")
+        for r in prefill:
+            if not 1 <= len(r.tokens) <= self.prefill_chunk:
+                raise ValueError(f"a prefill row feeds 1..{self.prefill_chunk} tokens, "
+                                 f"got {len(r.tokens)}")
+        for r in decode:
+            if len(r.tokens) != 1:
+                raise ValueError("a decode row feeds exactly one token")
+        new_len = np.zeros(self.max_num_seqs + 1, np.int32)
+        need = 0
+        for r in rows:
+            if r.slot in self._free_slots or not 0 <= r.slot < self.max_num_seqs:
+                raise ValueError(f"slot {r.slot} holds no open sequence")
+            new_len[r.slot] = len(self.slot_tokens[r.slot]) + len(r.tokens)
+            if new_len[r.slot] > self.max_model_len:
+                raise ValueError(f"slot {r.slot} would hold {new_len[r.slot]} tokens; "
+                                 f"max_model_len is {self.max_model_len}")
+            need += self.pages_to_grow(r.slot, len(r.tokens))
+        if not self._make_room(need):
+            raise RuntimeError(f"the step needs {need} new KV pages and only "
+                               f"{self.available_pages} can be had")
+        t0 = time.perf_counter()
+        self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(new_len))
+        self.free_pages -= need
+        outs = [self._call(part) if part else None for part in (prefill, decode)]
+        ok, *outs = jax.device_get([ok] + [o for o in outs if o is not None])
+        if not ok:
+            raise RuntimeError("page reservation failed although the host count allowed it")
+        for r in rows:
+            self.slot_tokens[r.slot].extend(int(t) for t in r.tokens)
+        seconds = time.perf_counter() - t0
+        self.stats.steps += 1
+        fed = sum(len(r.tokens) for r in prefill)
+        self.stats.prefill_tokens += fed
+        self.stats.decode_tokens += len(decode)
+        if prefill:
+            self.stats.prefill_seconds += seconds
+        else:
+            self.stats.decode_seconds += seconds
+        def rows_of(out, n: int) -> list[Sampled]:
+            tokens, logprob, top_ids, top_lp = out
+            return [Sampled(int(tokens[i]), float(logprob[i]), top_ids[i], top_lp[i])
+                    for i in range(n)]
+
+        out_p = rows_of(outs.pop(0), len(prefill)) if prefill else []
+        out_d = rows_of(outs.pop(0), len(decode)) if decode else []
+        return out_p, out_d
+
+    def _call(self, rows: Sequence[Row]) -> jax.Array:
+        n = len(rows)
         b = bucket(n)
-        base_keys = []
-        for s in sampling:
-            if s.seed is not None:
-                base_keys.append(jax.random.PRNGKey(s.seed))
-            else:
-                base_keys.append(jax.random.fold_in(self._rng, self._requests_seen))
-                self._requests_seen += 1
-        base_keys += [base_keys[0]] * (b - n)
-        base_keys = jnp.stack(base_keys)
+        longest = max(len(r.tokens) for r in rows)
+        t = 1 if longest == 1 else min(self.prefill_chunk, bucket(longest, 16))
+        slots = np.full(b, self.scratch, np.int32)
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        valid = np.zeros((b, t), bool)
+        last_idx = np.zeros(b, np.int32)
+        keys = np.zeros((b, 2), np.uint32)
+        num_generated = np.zeros(b, np.uint32)
         temperature = np.zeros(b, np.float32)
         top_p = np.ones(b, np.float32)
         top_k = np.zeros(b, np.int32)
-        for i, s in enumerate(sampling):
+        upto = 1
+        for i, r in enumerate(rows):
+            held, m = len(self.slot_tokens[r.slot]), len(r.tokens)
+            slots[i] = r.slot
+            tokens[i, :m] = r.tokens
+            positions[i] = held + np.arange(t)
+            valid[i, :m] = True
+            last_idx[i] = m - 1
+            keys[i] = r.key
+            num_generated[i] = r.num_generated
+            s = r.sampling
             temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, max(s.top_k, 0)
-        sp = (jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
-        self.free_pages -= need
-        try:
-            self._generate(prompts, plen, max_new, b, base_keys, sp, on_token)
-        finally:
-            mask = np.zeros(self.max_num_seqs, bool)
-            mask[:n] = True
-            self.free, self.tables = release(self.free, self.tables, jnp.asarray(mask))
-            self.free_pages += need
-
-    def _step_call(self, tokens, positions, valid, last_idx, base_keys, num_generated, sp,
-                   upto: int):
-        b, t = tokens.shape
-        width = self._width(upto)
+            upto = max(upto, held + m)
+        width = min(bucket(-(-upto // self.page_size), 4), self.max_pages)
         self.stats.step_shapes.add((b, t, width))
-        pages = self.tables.pages[:b, :, :, :width]
-        out, self.pool, self.filling = self._step(
-            self.params, self.pool, self.filling, pages, jnp.asarray(tokens),
-            jnp.asarray(positions), jnp.asarray(valid), jnp.asarray(last_idx), base_keys,
-            jnp.asarray(num_generated), *sp)
-        return out
-
-    def _generate(self, prompts, plen, max_new, b, base_keys, sp, on_token) -> None:
-        n = len(prompts)
-        first = np.zeros(n, np.int32)
-        t0 = time.perf_counter()
-        pos, longest = 0, int(plen.max())
-        while pos < longest:
-            t = min(self.prefill_chunk, bucket(longest - pos, 16))
-            tokens = np.zeros((b, t), np.int32)
-            for i, p in enumerate(prompts):
-                piece = p[pos: pos + t]
-                tokens[i, : len(piece)] = piece
-            positions = np.broadcast_to(pos + np.arange(t, dtype=np.int32), (b, t)).copy()
-            valid = np.zeros((b, t), bool)
-            valid[:n] = positions[:n] < plen[:, None]
-            last_idx = np.zeros(b, np.int32)
-            last_idx[:n] = np.clip(plen - 1 - pos, 0, t - 1)
-            ok = self._reserve(np.minimum(plen, pos + t))
-            out = self._step_call(tokens, positions, valid, last_idx, base_keys,
-                                  np.zeros(b, np.uint32), sp, pos + t)
-            out, ok = jax.device_get((out, ok))
-            if not ok:
-                raise RuntimeError("page reservation failed although the host budget allowed it")
-            ends_here = (plen - 1 >= pos) & (plen - 1 < pos + t)
-            first[ends_here] = out[:n][ends_here]
-            pos += t
-        self.stats.prefill_tokens += int(plen.sum())
-        self.stats.prefill_seconds += time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        generated = np.ones(n, np.int32)
-        active = np.ones(n, bool)
-        cur = first
-        for i in range(n):
-            if on_token(i, int(cur[i])) or generated[i] >= max_new[i]:
-                active[i] = False
-        decoded = 0
-        while active.any():
-            tokens = np.zeros((b, 1), np.int32)
-            tokens[:n, 0] = cur
-            positions = np.zeros((b, 1), np.int32)
-            positions[:n, 0] = plen + generated - 1
-            valid = np.zeros((b, 1), bool)
-            valid[:n, 0] = active
-            new_len = np.where(active, plen + generated, 0)
-            ok = self._reserve(new_len)
-            steps = np.zeros(b, np.uint32)
-            steps[:n] = generated
-            out = self._step_call(tokens, positions, valid, np.zeros(b, np.int32), base_keys,
-                                  steps, sp, int(positions.max()) + 1)
-            out, ok = jax.device_get((out, ok))
-            if not ok:
-                raise RuntimeError("page reservation failed although the host budget allowed it")
-            cur = out[:n].astype(np.int32)
-            decoded += int(active.sum())
-            for i in np.flatnonzero(active):
-                generated[i] += 1
-                if on_token(int(i), int(cur[i])) or generated[i] >= max_new[i]:
-                    active[i] = False
-        self.stats.decode_tokens += decoded
-        self.stats.decode_seconds += time.perf_counter() - t0
+        if self.execution == "scan":
+            out, self.pool, self.filling = self._step(
+                self.params, self.pool, self.filling, self.tables.pages, slots, tokens,
+                positions, valid, last_idx, keys, num_generated, temperature, top_p, top_k,
+                width=width)
+            return out
+        # one dispatch per layer, the same compiled layer each time: the seam where later
+        # work overlaps host and disk transfers with compute
+        x = self._embed(self.params, tokens)
+        slots, positions, valid = jax.device_put((slots, positions, valid))
+        for index in range(self.cfg.num_layers):
+            x, self.pool, self.filling = self._layer(
+                self.params, self.pool, self.filling, self.tables.pages, slots, x, positions,
+                valid, np.int32(index), width=width)
+        return self._head(self.params, x, last_idx, keys, num_generated, temperature, top_p,
+                          top_k)

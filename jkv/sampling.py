@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+MAX_LOGPROBS = 20  # most alternatives a request may ask for (OpenAI's top_logprobs limit)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +22,8 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n: the sampled token's and the n most likely
+
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -28,11 +32,15 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, "
-                             f"got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 1 << 31:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer below "
+                             f"2**31, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
@@ -64,3 +72,13 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: ja
 
     # an all-greedy batch skips the vocabulary sort
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array,
+                   k: int = MAX_LOGPROBS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities under the model's distribution (before temperature and top-k/p,
+    as vLLM reports them): of `tokens` [B], and the `k` most likely tokens' ids and values."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, k)
+    return chosen, top_ids.astype(jnp.int32), top_lp

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import inspect
 import json
 import logging
@@ -26,13 +27,14 @@ from typing import Any, Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jkv.api import LLM
-from jkv.config import ATTENTION_BACKENDS, KV_FORMATS
-from jkv.sampling import SamplingParams
+from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, KV_FORMATS
+from jkv.sampling import MAX_LOGPROBS, SamplingParams
 
 try:  # chat templates raise jinja2 errors for conversations they reject
     from jinja2 import TemplateError as _TemplateError
@@ -57,17 +59,19 @@ class APIError(Exception):
     """An error answered as OpenAI does: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
             status, message, param, type, code)
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -151,7 +155,11 @@ class _SamplingRequest(BaseModel):
     n: int | None = 1
     best_of: int | None = None
     user: str | None = None
-    session_id: str | None = None  # jkv extra: names a conversation (unused for now)
+    # jkv extensions: a conversation's name, and what the scheduler was promised
+    session_id: str | None = Field(None, max_length=256)
+    priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)  # lower goes first
+    ttft_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
+    tpot_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -187,19 +195,18 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -228,48 +235,61 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("echo is not supported")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("logprobs are not supported")
-        return value
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 # ---------------------------------------------------------------------------- the server
 
 
 class _Server:
-    """The LLM behind one lock and one worker thread, and the request handlers' logic."""
+    """The request handlers' logic around an LLM whose scheduler loop runs on its own thread.
 
-    def __init__(self, llm: LLM, served_model_name: str | None,
-                 lock: threading.Lock | None) -> None:
+    Handlers tokenize on a small thread pool, `submit` to the loop, and wait on an asyncio
+    queue that the loop's callbacks feed. A client that goes away aborts its request (its
+    pages are freed at the loop's next step)."""
+
+    def __init__(self, llm: LLM, served_model_name: str | None, max_queue: int | None,
+                 request_timeout: float | None) -> None:
         self.llm = llm
         self.name = served_model_name or llm.model_name
-        self.lock = lock if lock is not None else threading.Lock()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jkv-generate")
+        self.max_queue, self.request_timeout = max_queue, request_timeout
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jkv-tokenize")
         self.closing = threading.Event()
         self.created = int(time.time())
+        self.in_flight: set = set()
+
+    def start(self) -> None:
+        self.llm.start_serving()
 
     def close(self) -> None:
-        self.closing.set()  # stops a generation in flight at its next token
+        self.closing.set()
+        self.llm.stop_serving()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------ on the worker thread
+    def abort_all(self) -> None:
+        for r in list(self.in_flight):
+            self.llm.abort(r)
+
+    # ------------------------------------------------------------ on the tokenizer pool
 
     def _prepare(self, make_ids: Callable[[], list[int]], body: _SamplingRequest,
                  max_tokens: int | None, default_max: int, param: str
                  ) -> tuple[list[int], SamplingParams]:
-        with self.lock:
-            try:
-                ids = make_ids()
-            except (ValueError, _TemplateError) as e:
-                raise APIError(400, str(e), param=param) from e
+        try:
+            ids = make_ids()
+        except (ValueError, _TemplateError) as e:
+            raise APIError(400, str(e), param=param) from e
         room = self.llm.max_model_len - len(ids)
         if room < 1:
             raise APIError(400, f"the prompt has {len(ids)} tokens and leaves no room to "
                                 f"generate within max_model_len={self.llm.max_model_len}",
                            param=param)
+        if max_tokens is not None and max_tokens > room:  # as OpenAI and vLLM answer it
+            raise APIError(400, f"max_tokens={max_tokens} and the prompt's {len(ids)} tokens "
+                                f"exceed max_model_len={self.llm.max_model_len}; at most "
+                                f"{room} tokens can be generated for this prompt",
+                           param="max_tokens")
         max_tokens = min(default_max if max_tokens is None else max_tokens, room)
         try:
             params = SamplingParams(
@@ -278,42 +298,49 @@ class _Server:
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=-1 if body.top_k is None else body.top_k,
                 seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos)
+                ignore_eos=body.ignore_eos, logprobs=body.logprobs_wanted())
         except ValueError as e:
             raise APIError(400, str(e)) from e
         return ids, params
 
-    def _generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event,
-                  on_delta: Callable[[int, str], None] | None):
-        def stopped(i: int) -> bool:
-            return cancel.is_set() or self.closing.is_set()
-
-        with self.lock:
-            if stopped(0):
-                return None
-            return self.llm.run([ids], [params], on_delta=on_delta, cancelled=stopped)[0]
-
     # ------------------------------------------------------------ on the event loop
 
-    async def call(self, fn: Callable, *args,
-                   request: Request | None = None, cancel: threading.Event | None = None):
-        """fn(*args) on the worker thread; a client that goes away sets `cancel`."""
+    def _refuse_if_busy(self) -> None:
         if self.closing.is_set():
             raise APIError(503, "the server is shutting down", type="server_error")
-        fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        try:
-            if request is None or cancel is None:
-                return await fut
-            while True:
-                done, _ = await asyncio.wait({fut}, timeout=0.5)
-                if done:
-                    return fut.result()
-                if not cancel.is_set() and await request.is_disconnected():
-                    log.info("client went away; stopping its generation")
-                    cancel.set()
-        finally:
-            if cancel is not None and not fut.done():
-                cancel.set()
+        if self.max_queue is not None and self.llm.scheduler.num_waiting >= self.max_queue:
+            raise APIError(503, f"the queue is full ({self.max_queue} requests waiting); "
+                                f"retry later", type="server_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+
+    def _submit(self, ids: list[int], params: SamplingParams, body: _SamplingRequest,
+                queue: asyncio.Queue):
+        loop = asyncio.get_running_loop()
+
+        def put(item) -> None:  # from the scheduler's thread
+            with contextlib.suppress(RuntimeError):  # the event loop is gone
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        request = self.llm.submit(
+            ids, params, on_delta=lambda text, entries: put((text, entries)),
+            on_finish=lambda t: put((_END, t)),
+            session_id=body.session_id, priority=body.priority or 0,
+            ttft_slo_ms=body.ttft_slo_ms, tpot_slo_ms=body.tpot_slo_ms,
+            timeout_s=self.request_timeout)
+        self.in_flight.add(request)
+        return request
+
+    def _failed(self, tracker) -> APIError | None:
+        reason = tracker.finish_reason
+        if reason == "timeout":
+            return APIError(503, f"the request ran past its deadline of "
+                                 f"{self.request_timeout} s", type="server_error",
+                            code="deadline_exceeded", headers={"Retry-After": "1"})
+        if reason == "error":
+            return APIError(500, "internal server error while generating", type="server_error")
+        if reason == "abort" and self.closing.is_set():
+            return APIError(503, "the server is shutting down", type="server_error")
+        return None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -328,63 +355,99 @@ class _Server:
     async def complete(self, request: Request, body: _SamplingRequest, chat: bool,
                        make_ids: Callable[[], list[int]], max_tokens: int | None):
         self.check_model(body.model)
-        ids, params = await self.call(
-            self._prepare, make_ids, body, max_tokens,
+        self._refuse_if_busy()
+        ids, params = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._prepare, make_ids, body, max_tokens,
             CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, "messages" if chat else "prompt")
+        self._refuse_if_busy()
         request.state.prompt_tokens = len(ids)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        cancel = threading.Event()
+        queue: asyncio.Queue = asyncio.Queue()
+        handle = self._submit(ids, params, body, queue)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _Stream(self._stream(request, chat, rid, created, ids, params, cancel,
-                                        include_usage), cancel)
-        t = await self.call(self._generate, ids, params, cancel, None,
-                            request=request, cancel=cancel)
-        if t is None:  # the client went away before its turn, or the server is stopping
-            if self.closing.is_set():
-                raise APIError(503, "the server is shutting down", type="server_error")
+            return _Stream(self._stream(request, chat, rid, created, ids, handle, queue,
+                                        include_usage), lambda: self._abort(handle))
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        log.info("client went away; aborting %s", rid)
+                        self._abort(handle)
+                    continue
+                if item[0] is _END:
+                    t = item[1]
+                    break
+        finally:
+            self._abort(handle)  # a no-op once finished
+        if (err := self._failed(t)) is not None:
+            raise err
+        if t.finish_reason == "abort":
             return JSONResponse({}, status_code=499)
         request.state.completion_tokens = len(t.token_ids)
+        logprobs = self._logprobs(t.logprobs, chat) if params.logprobs is not None else None
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": t.text},
-                      "logprobs": None, "finish_reason": t.finish_reason}
+                      "logprobs": logprobs, "finish_reason": t.finish_reason}
         else:
-            choice = {"index": 0, "text": t.text, "logprobs": None,
+            choice = {"index": 0, "text": t.text, "logprobs": logprobs,
                       "finish_reason": t.finish_reason}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": self.name, "choices": [choice],
                 "usage": _usage(len(ids), len(t.token_ids))}
 
+    def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
+        """OpenAI's logprobs object for (token id, logprob, top ids, top logprobs) entries."""
+        tok = self.llm.tokenizer
+
+        def text(i: int) -> str:
+            return tok.decode([i]) if tok is not None else str(i)
+
+        if chat:
+            def item(i: int, lp: float) -> dict:
+                t = text(i)
+                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+            return {"content": [{**item(i, lp), "top_logprobs": [
+                item(j, v) for j, v in zip(ids, lps, strict=True)]}
+                for i, lp, ids, lps in entries]}
+        tokens = [text(i) for i, *_ in entries]
+        offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _, _ in entries],
+                "top_logprobs": [{text(j): v for j, v in zip(ids, lps, strict=True)}
+                                 for _, _, ids, lps in entries],
+                "text_offset": offsets}
+
+    def _abort(self, handle) -> None:
+        self.in_flight.discard(handle)
+        if not handle.finished:
+            self.llm.abort(handle)
+
     async def _stream(self, request: Request, chat: bool, rid: str, created: int,
-                      ids: list[int], params: SamplingParams, cancel: threading.Event,
+                      ids: list[int], handle, queue: asyncio.Queue,
                       include_usage: bool) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def put(item) -> None:  # from the worker thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the event loop is gone
-                cancel.set()
-
-        def work():
-            try:
-                return self._generate(ids, params, cancel, lambda i, text: put(text))
-            finally:
-                put(_END)
-
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        want = handle.sampling.logprobs is not None
+        sent = 0  # characters streamed, for completions' text_offset
+
         def chunk(text: str | None = None, finish: str | None = None, role: bool = False,
-                  usage: dict | None = None, choices: bool = True) -> str:
+                  usage: dict | None = None, choices: bool = True,
+                  entries: list | None = None) -> str:
+            nonlocal sent
+            logprobs = self._logprobs(entries or [], chat, sent) if want and not role else None
+            sent += len(text or "")
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None,
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs,
                           "finish_reason": finish}
             out = {"id": rid, "object": obj, "created": created, "model": self.name,
                    "choices": [choice] if choices else []}
@@ -392,20 +455,21 @@ class _Server:
                 out["usage"] = usage
             return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
 
-        fut = None
         try:
-            fut = asyncio.ensure_future(self.call(work))
             if chat:
                 yield chunk(role=True)
-            while (item := await queue.get()) is not _END:
-                yield chunk(item)
-            t = await fut
-            if t is None:  # the client went away before its turn, or the server is stopping
-                if self.closing.is_set():
-                    raise APIError(503, "the server is shutting down", type="server_error")
+            while True:
+                item = await queue.get()
+                if item[0] is _END:
+                    t = item[1]
+                    break
+                yield chunk(item[0], entries=item[1])
+            if (err := self._failed(t)) is not None:
+                raise err
+            if t.finish_reason == "abort":
                 return
             request.state.completion_tokens = len(t.token_ids)
-            yield chunk(finish=t.finish_reason)
+            yield chunk(finish=t.finish_reason, entries=t.take_logprobs())
             if include_usage:
                 yield chunk(usage=_usage(len(ids), len(t.token_ids)), choices=False)
         except APIError as e:
@@ -416,10 +480,7 @@ class _Server:
             request.state.stream_error = f"{type(e).__name__}: {e}"
             yield f"data: {json.dumps(_internal_error(e).body())}\n\n"
         finally:
-            cancel.set()  # a no-op when finished; stops the generation otherwise
-            if fut is not None and not fut.done():
-                # the client went away: the worker stops at its next token; let it finish
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._abort(handle)  # a no-op when finished; frees its pages otherwise
         yield "data: [DONE]\n\n"
 
 
@@ -435,16 +496,16 @@ def _internal_error(e: BaseException) -> APIError:
 class _Stream(StreamingResponse):
     """An SSE response that stops its generation however the response ends."""
 
-    def __init__(self, content: AsyncIterator[str], cancel: threading.Event) -> None:
+    def __init__(self, content: AsyncIterator[str], abort: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._cancel = cancel
+        self._abort = abort
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._cancel.set()
+            self._abort()
 
 
 # ---------------------------------------------------------------------------- ASGI middleware
@@ -459,10 +520,18 @@ async def _send_json(send, status: int, body: dict) -> None:
 
 
 class _Guard:
-    """Outermost layer: body-size limit, a JSON 500 for any unhandled error, one log line."""
+    """Outermost layer: API key, body-size limit, a JSON 500 for any unhandled error, one
+    log line."""
 
-    def __init__(self, app, max_body: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app, max_body: int = MAX_BODY_BYTES, api_key: str | None = None) -> None:
         self.app, self.max_body = app, max_body
+        self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
+
+    def _authorized(self, scope) -> bool:
+        if self.api_key is None or not scope.get("path", "").startswith("/v1"):
+            return True
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        return hmac.compare_digest(given, self.api_key)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -479,6 +548,11 @@ class _Guard:
             await send(message)
 
         try:
+            if not self._authorized(scope):
+                await _send_json(send_wrapper, 401, APIError(
+                    401, "invalid or missing API key (Authorization: Bearer <key>)",
+                    code="invalid_api_key").body())
+                return
             limited = await self._limit_body(scope, receive)
             if limited is None:
                 await _send_json(send_wrapper, 413, APIError(
@@ -554,25 +628,29 @@ class _Guard:
 # ---------------------------------------------------------------------------- the app
 
 
-def build_app(llm: LLM, served_model_name: str | None = None, *,
-              lock: threading.Lock | None = None) -> FastAPI:
-    """The OpenAI-compatible app around a loaded LLM.
+def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | None = None,
+              max_queue: int | None = None, request_timeout: float | None = None) -> FastAPI:
+    """The OpenAI-compatible app around a loaded LLM; its scheduler loop runs while the app
+    does (the LLM's offline `generate`/`chat` must not be called meanwhile).
 
     served_model_name: the model id clients ask for (default `llm.model_name`).
-    lock: a lock other users of the same LLM also hold while calling it (default: a new
-    one, at `app.state.lock`).
+    api_key: when set, /v1 routes want `Authorization: Bearer <api_key>` (401 otherwise).
+    max_queue: requests waiting beyond this are refused with 503 and Retry-After.
+    request_timeout: seconds a request may take from arrival to its last token.
     """
-    server = _Server(llm, served_model_name, lock)
+    server = _Server(llm, served_model_name, max_queue, request_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        server.close()
+        server.start()
+        try:
+            yield
+        finally:
+            server.close()
 
     app = FastAPI(title="jkv", summary="OpenAI-compatible API over jkv.LLM", lifespan=lifespan)
-    app.state.llm, app.state.lock, app.state.served_model_name = llm, server.lock, server.name
-    # stops generations in flight (they end early) and refuses new ones with 503
-    app.state.stop_generating = server.closing.set
+    app.state.llm, app.state.served_model_name = llm, server.name
+    app.state.server = server
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -592,8 +670,15 @@ def build_app(llm: LLM, served_model_name: str | None = None, *,
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
+        if server.closing.is_set():
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        llm.metrics.sync(llm.stats())
+        return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -617,7 +702,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *,
         return await server.complete(request, body, False, lambda: llm.encode(body.prompt),
                                      body.max_tokens)
 
-    app.add_middleware(_Guard)
+    app.add_middleware(_Guard, api_key=api_key)
     return app
 
 
@@ -675,6 +760,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences decoded together in one batch")
     p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"],
                    help="longest prompt piece prefilled in one step (a power of two)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d["enable_prefix_caching"],
+                   help="keep finished requests' full KV pages on the device, keyed by "
+                        "chained block hashes, so a later prompt with the same prefix (the "
+                        "next turn of a chat) skips recomputing it")
+    p.add_argument("--device-cache-bytes", type=int, default=d["device_cache_bytes"],
+                   help="most device memory the prefix cache keeps for finished requests; "
+                        "default: whatever of --kv-cache-bytes running requests leave free")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
+                   help="tokens per step, decodes and prefill chunks together; default: "
+                        "--prefill-chunk")
+    p.add_argument("--execution", default=d["execution"], choices=list(EXECUTIONS),
+                   help="scan: every layer in one compiled step (fastest); layerwise: one "
+                        "dispatch per layer (same outputs)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (401 otherwise); "
+                        "default: no key")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="refuse new requests with 503 and Retry-After while this many wait; "
+                        "default: no limit")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival to its last token before it "
+                        "is aborted (503); default: no limit")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds to let requests in flight finish before "
+                        "aborting them and exiting (new requests get 503 meanwhile)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="logging level of the server and of uvicorn")
@@ -682,7 +793,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _LLM_FLAGS = ("model", "dtype", "max_model_len", "attention_backend", "kv_format", "seed",
-              "page_size", "kv_cache_bytes", "max_num_seqs", "prefill_chunk")
+              "page_size", "kv_cache_bytes", "max_num_seqs", "prefill_chunk",
+              "enable_prefix_caching", "device_cache_bytes", "max_num_batched_tokens",
+              "execution")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -695,24 +808,37 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(**{name: getattr(args, name) for name in _LLM_FLAGS})
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    app = build_app(llm, args.served_model_name)
+    for flag in ("max_queue", "request_timeout", "drain_timeout"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    app = build_app(llm, args.served_model_name, api_key=args.api_key,
+                    max_queue=args.max_queue, request_timeout=args.request_timeout)
     log.info("serving %r (max_model_len=%d) on http://%s:%d/v1", app.state.served_model_name,
              llm.max_model_len, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False)
-    _Uvicorn(config, on_exit=app.state.stop_generating).run()
+                            access_log=False, timeout_graceful_shutdown=args.drain_timeout + 5)
+    _Uvicorn(config, app.state.server, args.drain_timeout).run()
 
 
 class _Uvicorn(uvicorn.Server):
-    """Ctrl+C (SIGINT/SIGTERM) also stops the generations in flight, so that the open
-    responses end and the server exits at once instead of after their last token."""
+    """SIGTERM/SIGINT drain: new requests get 503 at once, requests in flight may finish for
+    `drain` seconds, then they are aborted so their responses end and the process exits."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, server: _Server, drain: float) -> None:
         super().__init__(config)
-        self._on_exit = on_exit
+        self._server, self._drain = server, drain
 
     def handle_exit(self, sig: int, frame) -> None:
-        self._on_exit()
+        if not self._server.closing.is_set():
+            self._server.closing.set()
+            log.info("draining: %d requests in flight, up to %.0f s",
+                     len(self._server.in_flight), self._drain)
+            timer = threading.Timer(self._drain, self._server.abort_all)
+            timer.daemon = True
+            timer.start()
+        else:  # a second signal: stop now
+            self._server.abort_all()
         super().handle_exit(sig, frame)
 
 

@@ -11,6 +11,7 @@ from jkv.config import KV_FORMATS, CacheConfig, ModelConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
 from jkv.sampling import SamplingParams
+from jkv.scheduler import Request, Scheduler, generate_all
 
 FORMATS = ["auto", "int8", "k8v4", "int4", "k4v2"]
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -18,15 +19,9 @@ TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_l
 
 
 def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in prompts]
-
-    def on_token(i: int, token: int) -> bool:
-        out[i].append(token)
-        return False
-
-    engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0)] * len(prompts),
-                    on_token)
-    return out
+    requests = [Request(p, SamplingParams(max_tokens=n, temperature=0)) for p in prompts]
+    generate_all(Scheduler(engine), requests)
+    return [r.output for r in requests]
 
 
 def make_engine(cfg, params, fmt: str, backend: str, page_size: int = 8, **kw) -> Engine:

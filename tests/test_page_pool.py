@@ -5,7 +5,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.cache.page_pool import init_pool, init_tables, release, reserve
+from jkv.cache.page_pool import (
+    export_blocks,
+    free_pages,
+    import_blocks,
+    init_pool,
+    init_tables,
+    release,
+    reserve,
+)
 
 PAGE, SLOTS, LAYERS, HEADS, WIDTH, POOL = 4, 4, 2, 2, 4, 24
 
@@ -88,3 +96,52 @@ def test_init_pool_rejects_bad_sizes():
 
     with pytest.raises(ValueError, match="num_pages"):
         init_pool(1, PAGE, 8)
+
+
+def _free_ids(free) -> list[int]:
+    n_ids = POOL - 1
+    return np.asarray(free.ids)[(int(free.head) + np.arange(int(free.num_free))) % n_ids].tolist()
+
+
+def test_blocks_move_between_a_slot_the_prefix_cache_and_the_free_list():
+    rng = np.random.default_rng()
+    pool, free = init_pool(POOL, PAGE, 8)
+    tables = init_tables(SLOTS, LAYERS, HEADS, WIDTH)
+    blocks = jnp.zeros((5, LAYERS, HEADS), jnp.int32)
+    slot = int(rng.integers(SLOTS))
+    lengths = np.zeros(SLOTS, np.int32)
+    lengths[slot] = 3 * PAGE - 1  # two full blocks and a partial page
+    free, tables, ok = reserve(free, tables, jnp.asarray(lengths))
+    assert ok
+    held = np.asarray(tables.pages[slot])  # [L, H, W]
+    rows = np.full(WIDTH, -1, np.int32)
+    rows[:2] = [3, 1]
+    blocks = export_blocks(tables, blocks, jnp.int32(slot), jnp.asarray(rows))
+    np.testing.assert_array_equal(np.asarray(blocks[3]), held[..., 0])
+    np.testing.assert_array_equal(np.asarray(blocks[1]), held[..., 1])
+    assert (np.asarray(blocks)[[0, 2, 4]] == 0).all()
+    keep = np.zeros((SLOTS, WIDTH), bool)
+    keep[slot, :2] = True
+    mask = np.arange(SLOTS) == slot
+    free, tables = release(free, tables, jnp.asarray(mask), jnp.asarray(keep))
+    cached = np.asarray(blocks)[[3, 1]].reshape(-1).tolist()
+    assert sorted(_free_ids(free) + cached) == list(range(1, POOL)), "pages lost or doubled"
+    assert set(held[..., 2].reshape(-1).tolist()) <= set(_free_ids(free))
+
+    other = (slot + 1) % SLOTS
+    padded = np.full(WIDTH, -1, np.int32)
+    padded[:2] = [3, 1]
+    tables = import_blocks(tables, blocks, jnp.int32(other), jnp.asarray(padded), jnp.int32(2),
+                           jnp.int32(2 * PAGE))
+    np.testing.assert_array_equal(np.asarray(tables.pages[other])[..., :2], held[..., :2])
+    assert int(tables.lengths[other]) == 2 * PAGE
+    lengths = np.zeros(SLOTS, np.int32)
+    lengths[other] = 2 * PAGE + 1  # grows by one page past the cached blocks
+    free, tables, ok = reserve(free, tables, jnp.asarray(lengths))
+    assert ok and (np.asarray(tables.num_pages[other]) == 3).all()
+    mask = np.arange(SLOTS) == other
+    keep = np.zeros((SLOTS, WIDTH), bool)
+    keep[other, :2] = True
+    free, tables = release(free, tables, jnp.asarray(mask), jnp.asarray(keep))
+    free = free_pages(free, blocks[jnp.asarray([3, 1, 0])])  # row 0 is empty: skipped
+    assert sorted(_free_ids(free)) == list(range(1, POOL))

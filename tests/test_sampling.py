@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.sampling import SamplingParams, sample
+from jkv.sampling import SamplingParams, sample, token_logprobs
 
 
 def _batch(logits, n, temperature=1.0, top_p=1.0, top_k=0, seed=None):
@@ -58,3 +58,24 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_sampling_params_reject_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_token_logprobs_match_a_numpy_log_softmax():
+    rng = np.random.default_rng()
+    logits = rng.normal(size=(3, 300)).astype(np.float32) * 4
+    tokens = rng.integers(0, 300, 3)
+    chosen, top_ids, top_lp = token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), k=5)
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                                                           keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(chosen), ref[np.arange(3), tokens], atol=1e-5)
+    order = np.argsort(-ref, axis=-1)[:, :5]
+    np.testing.assert_array_equal(np.asarray(top_ids), order)
+    np.testing.assert_allclose(np.asarray(top_lp), np.take_along_axis(ref, order, -1),
+                               atol=1e-5)
+
+
+def test_logprobs_count_is_checked():
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    assert SamplingParams(logprobs=0).logprobs == 0

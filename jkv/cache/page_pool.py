@@ -168,19 +168,24 @@ def reserve(free: FreeList, tables: PageTables,
 
 
 @jax.jit
-def release(free: FreeList, tables: PageTables,
-            mask: jax.Array) -> tuple[FreeList, PageTables]:
-    """Return every page of the slots where `mask` [max_seqs] is set to the free list."""
+def release(free: FreeList, tables: PageTables, mask: jax.Array,
+            keep: jax.Array | None = None) -> tuple[FreeList, PageTables]:
+    """Empty the slots where `mask` [max_seqs] is set, returning their pages to the free list.
+
+    keep [max_seqs, max_pages] marks table columns whose pages are not returned because
+    someone else owns them now (the prefix cache); they are only dropped from the table.
+    """
     max_pages = tables.pages.shape[-1]
-    count = jnp.where(mask[:, None, None], tables.num_pages, 0)  # [S, L, H]
-    offsets = _exclusive_cumsum(count)
+    j = jnp.arange(max_pages, dtype=jnp.int32)
+    give = mask[:, None, None, None] & (j < tables.num_pages[..., None])  # [S, L, H, W]
+    if keep is not None:
+        give &= ~keep[:, None, None, :]
+    offsets = _exclusive_cumsum(give.astype(jnp.int32))
     n_ids = free.ids.shape[0]
     tail = free.head + free.num_free
-    j = jnp.arange(max_pages, dtype=jnp.int32)
-    give = j < count[..., None]
-    dest = jnp.where(give, (tail + offsets[..., None] + j) % n_ids, n_ids)  # n_ids: dropped
+    dest = jnp.where(give, (tail + offsets) % n_ids, n_ids)  # n_ids: dropped
     ids = free.ids.at[dest.reshape(-1)].set(tables.pages.reshape(-1), mode="drop")
-    new_free = free.replace(ids=ids, num_free=free.num_free + count.sum())
+    new_free = free.replace(ids=ids, num_free=free.num_free + give.sum(dtype=jnp.int32))
     m3 = mask[:, None, None]
     new_tables = PageTables(
         pages=jnp.where(m3[..., None], NULL_PAGE, tables.pages),
@@ -188,3 +193,47 @@ def release(free: FreeList, tables: PageTables,
         lengths=jnp.where(mask, 0, tables.lengths),
     )
     return new_free, new_tables
+
+
+@jax.jit
+def free_pages(free: FreeList, ids: jax.Array) -> FreeList:
+    """Append the page ids in `ids` (any shape; entries <= 0 are skipped) to the free list."""
+    flat = ids.reshape(-1)
+    give = flat > NULL_PAGE
+    n_ids = free.ids.shape[0]
+    tail = free.head + free.num_free
+    dest = jnp.where(give, (tail + jnp.cumsum(give) - give) % n_ids, n_ids)
+    return free.replace(ids=free.ids.at[dest].set(flat, mode="drop"),
+                        num_free=free.num_free + give.sum(dtype=jnp.int32))
+
+
+@jax.jit
+def export_blocks(tables: PageTables, blocks: jax.Array, slot: jax.Array,
+                  rows: jax.Array) -> jax.Array:
+    """Copy the page ids of column i of `slot` into row rows[i] of `blocks` [C, L, H].
+
+    rows [max_pages] int32; a negative row skips its column. This is how a finished
+    sequence's full pages become prefix-cache blocks.
+    """
+    ids = jnp.moveaxis(tables.pages[slot], -1, 0)  # [W, L, H]
+    dest = jnp.where(rows >= 0, rows, blocks.shape[0])
+    return blocks.at[dest].set(ids, mode="drop")
+
+
+@jax.jit
+def import_blocks(tables: PageTables, blocks: jax.Array, slot: jax.Array,
+                  rows: jax.Array, count: jax.Array, length: jax.Array) -> PageTables:
+    """Start the empty `slot` with the cached blocks rows[:count] as its first pages.
+
+    rows [max_pages] int32; length = count * page_size, the tokens the slot then holds. The
+    pages stay owned by the cache (release the slot with `keep` over those columns).
+    """
+    w = tables.pages.shape[-1]
+    take = jnp.arange(w) < count
+    ids = jnp.moveaxis(blocks[jnp.clip(rows, 0, blocks.shape[0] - 1)], 0, -1)  # [L, H, W]
+    row = jnp.where(take, ids, NULL_PAGE)
+    return PageTables(
+        pages=tables.pages.at[slot].set(row),
+        num_pages=tables.num_pages.at[slot].set(count),
+        lengths=tables.lengths.at[slot].set(length),
+    )

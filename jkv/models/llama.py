@@ -73,24 +73,41 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     [B, L, Hkv, W] must already cover every valid position (see `jkv.cache.reserve`) and
     `filling` [B, L, ...] holds each row's partly filled pages. Padding tokens (`valid`
     False) are not kept. Returns (final-normed hidden states [B, T, D], pool, filling).
-    jit with `cfg` and `attention_backend` static.
+    jit with `cfg` and `attention_backend` static. The layers run as one scan; `layer` runs
+    one of them, for callers that dispatch layer by layer.
     """
-    inv_freq = jnp.asarray(inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     x = params["embed"][tokens]
-    count = valid.sum(axis=1).astype(jnp.int32)
-    per_layer = (params["layers"], jnp.moveaxis(page_table, 1, 0),
+    per_layer = (jnp.arange(cfg.num_layers), jnp.moveaxis(page_table, 1, 0),
                  jnp.moveaxis(filling.k, 1, 0), jnp.moveaxis(filling.v, 1, 0))
 
     def body(carry, xs):
         x, pool = carry
-        lp, pages, fill_k, fill_v = xs
-        x, pool, fill_k, fill_v = _layer(cfg, inv_freq, attention_backend, x, lp, pool, fill_k,
-                                         fill_v, pages, positions, count)
+        index, pages, fill_k, fill_v = xs
+        x, pool, fill_k, fill_v = layer(params, cfg, index, x, pool, fill_k, fill_v, pages,
+                                        positions, valid, attention_backend)
         return (x, pool), (fill_k, fill_v)
 
     (x, pool), (fill_k, fill_v) = jax.lax.scan(body, (x, pool), per_layer)
     filling = FillingPages(k=jnp.moveaxis(fill_k, 0, 1), v=jnp.moveaxis(fill_v, 0, 1))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), pool, filling
+    return final_norm(params, cfg, x), pool, filling
+
+
+def layer(params: Params, cfg: ModelConfig, index: jax.Array, x: jax.Array, pool: PagePool,
+          fill_k: jax.Array, fill_v: jax.Array, pages: jax.Array, positions: jax.Array,
+          valid: jax.Array, attention_backend: str = "xla"):
+    """Layer `index` (traced: one compiled function serves every layer) on hidden states
+    x [B, T, D]; fill_k/v [B, Hkv, page, D] and pages [B, Hkv, W] are that layer's.
+    Returns (x, pool, fill_k, fill_v)."""
+    lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False),
+                      params["layers"])
+    inv_freq = jnp.asarray(inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    count = valid.sum(axis=1).astype(jnp.int32)
+    return _layer(cfg, inv_freq, attention_backend, x, lp, pool, fill_k, fill_v, pages,
+                  positions, count)
+
+
+def final_norm(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:

@@ -1,0 +1,344 @@
+"""Multi-turn chat serving over HTTP: the same conversation workload against a jkv server with
+prefix caching on and one with it off, started one after the other in this run.
+
+    python benchmarks/serve.py                      # CPU-sized defaults, SmolLM2
+    python benchmarks/serve.py --conversations 200 --rate 2 --length-scale 1 \\
+        --server-args "--kv-cache-bytes 8000000000"  # GPU
+
+The workload follows the ShareGPT statistics CachedAttention and Krul report: 73% of
+conversations are multi-turn and they average 5.75 turns; a turn averages 630 tokens, the
+reply about 6.56x the user's message (so ~84 in, ~546 out). Conversations arrive as a Poisson
+process (`--rate` per second); a conversation's next turn is sent when its reply is complete
+plus an exponential think time. Each turn resends the whole history (a stateless client), the
+history holding the dataset-length replies (as a replayed trace does) while the server is
+asked for at most `--max-tokens` new tokens, so histories grow to thousands of tokens without
+decoding them all. A history longer than the context drops its oldest turns.
+
+Prints TTFT and TPOT p50/p99, throughput and the prefix-cache hit rate per setting, and
+writes benchmarks/results/serve-<device>-<date>.json and an SVG of the TTFT distributions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+MULTI_TURN_FRACTION = 0.73
+MEAN_TURNS = 5.75
+MEAN_USER_TOKENS = 84
+MEAN_REPLY_TOKENS = 546
+MAX_TURNS = 40
+_WORDS = ("time way year work day part life case point group number world house area "
+          "company problem service place hand party school country system program question "
+          "government night story family fact money member water month lot right study book "
+          "word business issue side kind head eye job game line end city office").split()
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+def make_workload(n: int, rate: float, scale: float, think: float, seed: int) -> list[dict]:
+    """Conversations: arrival time, and per turn the user's message and the recorded reply
+    (as word lists; SmolLM2's tokenizer spends about one token per such word)."""
+    rng = np.random.default_rng(seed)
+    # multi-turn conversations average (5.75 - 0.27) / 0.73 = 7.5 turns: 2 + geometric
+    multi_mean = (MEAN_TURNS - (1 - MULTI_TURN_FRACTION)) / MULTI_TURN_FRACTION
+    arrivals = np.cumsum(rng.exponential(1 / rate, n))
+    convs = []
+    for i in range(n):
+        turns = 1
+        if rng.random() < MULTI_TURN_FRACTION:
+            turns = min(MAX_TURNS, 2 + rng.geometric(1 / (multi_mean - 1)) - 1)
+
+        def length(mean: float) -> int:  # log-normal, sigma 1: heavy-tailed like the dataset
+            return max(1, int(rng.lognormal(math.log(mean * scale) - 0.5, 1.0)))
+
+        convs.append({
+            "arrival": float(arrivals[i]),
+            "turns": [{"user": " ".join(rng.choice(_WORDS, length(MEAN_USER_TOKENS))),
+                       "reply": " ".join(rng.choice(_WORDS, length(MEAN_REPLY_TOKENS))),
+                       "think": float(rng.exponential(think))} for _ in range(turns)],
+        })
+    return convs
+
+
+# ---------------------------------------------------------------------------- client
+
+
+async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
+                   max_tokens: int, session: str) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "session_id": session}
+    t0 = time.perf_counter()
+    first = None
+    usage = None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return {"error": event["error"]["message"]}
+            if event.get("usage"):
+                usage = event["usage"]
+            if first is None and any(c["delta"].get("content") for c in event["choices"]):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    n = usage["completion_tokens"] if usage else 0
+    first = first or end
+    return {"ttft": first - t0, "e2e": end - t0, "output_tokens": n,
+            "prompt_tokens": usage["prompt_tokens"] if usage else 0,
+            "tpot": (end - first) / (n - 1) if n > 1 else None}
+
+
+async def conversation(client, model: str, conv: dict, start: float, args, results: list,
+                       bar) -> None:
+    await asyncio.sleep(max(0.0, start + conv["arrival"] - time.perf_counter()))
+    history: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
+    session = f"conv-{id(conv)}"
+    budget = int(args.max_model_len * 0.9) - args.max_tokens  # words ~ tokens, some slack
+    for turn in conv["turns"]:
+        history.append({"role": "user", "content": turn["user"]})
+        while sum(len(m["content"].split()) for m in history) > budget and len(history) > 2:
+            del history[1:3]  # drop the oldest turn (a user message and its reply)
+        out = await one_turn(client, model, history, args.max_tokens, session)
+        results.append(out)
+        bar.update(1)
+        if "error" in out:
+            return
+        history.append({"role": "assistant", "content": turn["reply"]})
+        await asyncio.sleep(turn["think"])
+
+
+async def run_workload(base: str, model: str, convs: list[dict], args) -> tuple[list, float]:
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=base, timeout=args.timeout, limits=limits) as client:
+        with tqdm(total=sum(len(c["turns"]) for c in convs), desc="turns", leave=False) as bar:
+            start = time.perf_counter()
+            await asyncio.gather(*(conversation(client, model, c, start, args, results, bar)
+                                   for c in convs))
+            elapsed = time.perf_counter() - start
+    return results, elapsed
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, caching: bool) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "jkv.server", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(args.max_model_len), "--log-level", "warning",
+           "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
+           *shlex.split(args.server_args)]
+    proc = subprocess.Popen(cmd)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server did not come up in {args.startup_timeout} s")
+
+
+def scrape(base: str) -> dict:
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("jkv_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def pct(values, q: float) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(results: list[dict], elapsed: float, before: dict, after: dict) -> dict:
+    ok = [r for r in results if "error" not in r]
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    query = delta("jkv_prefix_cache_query_tokens_total")
+    hits = delta('jkv_prefix_cache_hit_tokens_total{tier="device"}')
+    return {
+        "turns": len(results), "errors": len(results) - len(ok),
+        "elapsed_s": elapsed,
+        "ttft_p50_s": pct([r["ttft"] for r in ok], 50),
+        "ttft_p99_s": pct([r["ttft"] for r in ok], 99),
+        "tpot_p50_s": pct([r["tpot"] for r in ok], 50),
+        "tpot_p99_s": pct([r["tpot"] for r in ok], 99),
+        "output_tok_s": sum(r["output_tokens"] for r in ok) / elapsed,
+        "turns_per_s": len(ok) / elapsed,
+        "mean_prompt_tokens": float(np.mean([r["prompt_tokens"] for r in ok])) if ok else 0,
+        "max_prompt_tokens": max((r["prompt_tokens"] for r in ok), default=0),
+        "prefix_hit_rate": hits / query if query else 0.0,
+        "prompt_tokens_computed": delta("jkv_prompt_tokens_total"),
+        "preemptions": delta("jkv_preemptions_total"),
+        "compilations": delta("jkv_compilations_total"),
+        "ttft_all_s": sorted(r["ttft"] for r in ok),
+    }
+
+
+# ---------------------------------------------------------------------------- plot
+
+
+def svg_cdf(series: dict[str, list[float]], title: str) -> str:
+    """Empirical CDFs of TTFT (log-scaled seconds), one polyline per setting."""
+    w, h, left, bottom, top, right = 640, 360, 60, 40, 30, 20
+    everything = [v for vs in series.values() for v in vs if v > 0]
+    lo, hi = math.log10(min(everything)), math.log10(max(everything))
+    hi = hi if hi > lo else lo + 1
+
+    def x(v: float) -> float:
+        return left + (math.log10(max(v, 10**lo)) - lo) / (hi - lo) * (w - left - right)
+
+    def y(p: float) -> float:
+        return h - bottom - p * (h - bottom - top)
+
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{w / 2}" y="18" text-anchor="middle">{title}</text>',
+           f'<line x1="{left}" y1="{y(0)}" x2="{w - right}" y2="{y(0)}" stroke="black"/>',
+           f'<line x1="{left}" y1="{y(0)}" x2="{left}" y2="{y(1)}" stroke="black"/>',
+           f'<text x="{w / 2}" y="{h - 6}" text-anchor="middle">time to first token (s, '
+           f'log scale)</text>']
+    for e in range(math.floor(lo), math.ceil(hi) + 1):
+        if lo <= e <= hi:
+            out.append(f'<text x="{x(10**e)}" y="{y(0) + 16}" text-anchor="middle">'
+                       f'{10**e:g}</text>')
+    for p in (0, 0.5, 0.99, 1):
+        out.append(f'<text x="{left - 6}" y="{y(p) + 4}" text-anchor="end">{p:g}</text>')
+    for i, (name, vs) in enumerate(series.items()):
+        vs = sorted(vs)
+        pts = " ".join(f"{x(v):.1f},{y((k + 1) / len(vs)):.1f}" for k, v in enumerate(vs))
+        c = colors[i % len(colors)]
+        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{pts}"/>')
+        out.append(f'<text x="{left + 10}" y="{top + 16 * (i + 1)}" fill="{c}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--conversations", type=int, default=12, help="conversations in the run")
+    ap.add_argument("--rate", type=float, default=0.2,
+                    help="conversation arrivals per second (Poisson)")
+    ap.add_argument("--length-scale", type=float, default=0.5,
+                    help="multiplies the ShareGPT message and reply lengths")
+    ap.add_argument("--think-time", type=float, default=1.0,
+                    help="mean seconds between a reply and the user's next message")
+    ap.add_argument("--max-tokens", type=int, default=16, help="new tokens asked per turn")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="server context length")
+    ap.add_argument("--server-args", default="--kv-cache-bytes 2000000000 --max-num-seqs 8",
+                    help="more flags for both servers (python -m jkv.server --help)")
+    ap.add_argument("--settings", default="on,off",
+                    help="prefix caching settings to run, in order")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="conversations run (all at once) before measuring, to compile")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per HTTP request")
+    ap.add_argument("--startup-timeout", type=float, default=300,
+                    help="seconds to wait for a server to come up")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
+                    help="directory for the JSON and SVG results")
+    args = ap.parse_args()
+
+    convs = make_workload(args.conversations, args.rate, args.length_scale, args.think_time,
+                          args.seed)
+    turns = [len(c["turns"]) for c in convs]
+    print(f"{len(convs)} conversations, {sum(turns)} turns (mean {np.mean(turns):.2f}, "
+          f"{np.mean([t > 1 for t in turns]):.0%} multi-turn)")
+    rows, device = {}, None
+    for setting in args.settings.split(","):
+        proc, base = start_server(args, caching=setting == "on")
+        try:
+            model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+            # warm-up: compile the common shapes before the clock starts
+            warm = make_workload(args.warmup, 100.0, args.length_scale, 0.0, args.seed + 1)
+            asyncio.run(run_workload(base, model, warm, args))
+            before = scrape(base)
+            results, elapsed = asyncio.run(run_workload(base, model, convs, args))
+            rows[f"prefix caching {setting}"] = summarize(results, elapsed, before, scrape(base))
+            device = device or subprocess.run(
+                [sys.executable, "-c", "import jax; print(jax.devices()[0].device_kind)"],
+                capture_output=True, text=True).stdout.strip()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    print(f"\n{'setting':<20}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
+          f"{'out tok/s':>11}{'turns/s':>9}{'hit rate':>10}{'compiles':>10}{'errors':>8}")
+
+    def ms(v):
+        return f"{v * 1000:.0f}ms" if v is not None else "-"
+
+    for name, r in rows.items():
+        print(f"{name:<20}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>10}"
+              f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>10}{r['output_tok_s']:>11.1f}"
+              f"{r['turns_per_s']:>9.2f}{r['prefix_hit_rate']:>10.0%}"
+              f"{r['compilations']:>10.0f}{r['errors']:>8}")
+    import jax
+
+    date = datetime.date.today().isoformat()
+    tag = (device or "cpu").replace(" ", "_").lower()
+    result = {"benchmark": "serve", "date": date, "device": device, "jax": jax.__version__,
+              "platform": platform.platform(), "cpu_count": os.cpu_count(),
+              "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "workload": {"conversations": len(convs), "turns": sum(turns),
+                           "mean_turns": float(np.mean(turns)),
+                           "multi_turn_fraction": float(np.mean([t > 1 for t in turns]))},
+              "results": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"serve-{tag}-{date}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    svg = out / f"serve-{tag}-{date}.svg"
+    svg.write_text(svg_cdf({k: v["ttft_all_s"] for k, v in rows.items()},
+                           f"TTFT, multi-turn chat, {device}"))
+    print(f"wrote {path} and {svg}")
+
+
+if __name__ == "__main__":
+    main()

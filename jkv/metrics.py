@@ -1,0 +1,89 @@
+"""Prometheus metrics, named as vLLM names them with a `jkv_` prefix.
+
+Each `Metrics` has its own registry, so two servers in one process (tests) do not collide.
+Counters and gauges are refreshed from a stats snapshot (`Scheduler.snapshot()`, the same
+dict `LLM.stats()` returns); latency histograms are observed once per finished request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TIERS = ("device", "host", "disk")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("jkv_time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("jkv_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jkv_e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.gauges = {
+            "num_requests_running": Gauge("jkv_num_requests_running",
+                                          "Requests holding a sequence slot.", registry=r),
+            "num_requests_waiting": Gauge("jkv_num_requests_waiting",
+                                          "Requests queued for admission.", registry=r),
+            "kv_pages_used": Gauge("jkv_kv_pages_used",
+                                   "Device KV pages held by sequences and the prefix cache.",
+                                   registry=r),
+            "kv_pages_total": Gauge("jkv_kv_pages_total", "Device KV pages in the pool.",
+                                    registry=r),
+        }
+        self.hits = Counter("jkv_prefix_cache_hit_tokens", "Prompt tokens found cached, "
+                            "by tier.", ["tier"], registry=r)
+        self.counters = {
+            "prefix_query_tokens": Counter("jkv_prefix_cache_query_tokens",
+                                           "Prompt tokens looked up in the prefix cache.",
+                                           registry=r),
+            "recomputed_tokens": Counter("jkv_recomputed_tokens",
+                                         "Tokens computed again after a preemption.",
+                                         registry=r),
+            "preemptions": Counter("jkv_preemptions", "Running requests preempted.",
+                                   registry=r),
+            "compilations": Counter("jkv_compilations", "Compiled step variants.",
+                                    registry=r),
+            "prompt_tokens_computed": Counter("jkv_prompt_tokens",
+                                              "Prompt tokens run through the model.",
+                                              registry=r),
+            "generation_tokens": Counter("jkv_generation_tokens", "Tokens decoded.",
+                                         registry=r),
+        }
+        for tier in _TIERS:
+            self.hits.labels(tier=tier)
+        self._seen: dict[str, float] = {}
+
+    def _advance(self, counter, name: str, value: float) -> None:
+        delta = value - self._seen.get(name, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[name] = value
+
+    def sync(self, stats: dict) -> None:
+        """Bring gauges and counters up to a stats snapshot."""
+        for name, gauge in self.gauges.items():
+            gauge.set(stats[name])
+        for name, counter in self.counters.items():
+            self._advance(counter, name, stats[name])
+        for tier in _TIERS:
+            self._advance(self.hits.labels(tier=tier), f"hit/{tier}",
+                          stats["prefix_hit_tokens"][tier])
+
+    def observe_finished(self, request) -> None:
+        """Latency histograms for a finished request (a `jkv.scheduler.Request`)."""
+        if request.first_token_time is None or request.finish_time is None:
+            return
+        self.ttft.observe(request.first_token_time - request.arrival)
+        self.e2e.observe(request.finish_time - request.arrival)
+        if len(request.output) > 1:
+            self.tpot.observe((request.finish_time - request.first_token_time)
+                              / (len(request.output) - 1))
+
+    def render(self) -> bytes:
+        """The text exposition format, for GET /metrics."""
+        return generate_latest(self.registry)
