@@ -23,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jkv.cache.attention import paged_attention_xla
 from jkv.config import KV_FORMATS
 from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
-from jkv.pallas_kernels.paged_decode_attention import paged_decode_attention
+from jkv.pallas_kernels.paged_decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
 
 HQ, HKV, D, PAGE, GROUP = 32, 8, 128, 16, 64
 FORMATS = ["bf16", "int8", "k8v4", "int4", "k4v2"]
@@ -104,10 +106,8 @@ def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int, num_war
         return rows
     if not interpret:
         rows += bench_jax_baseline(q, k, v, table, batch, context, ppb)
-    pages3 = table.reshape(batch, HKV, width)
-    xla = jax.jit(lambda q, k, v, t, pos: paged_attention_xla(q[:, None], k, v, t, pos,
-                                                              1 / math.sqrt(D))[:, 0])
-    t = timeit(xla, q, k, v, pages3, jnp.full((batch, 1), context - 1, jnp.int32))
+    xla = jax.jit(functools.partial(paged_decode_attention_reference, dtype=jnp.bfloat16))
+    t = timeit(xla, q, k, v, table, lengths)
     rows.append({"impl": "xla bf16", "seconds": t, "kv_bytes": kv_bytes("bf16", batch * context,
                                                                         batch * width)})
     return rows
