@@ -671,3 +671,55 @@ def test_completion_logprobs(srv):
                                strict=True):
         assert len(top) == 2 and top[tok] == pytest.approx(value)
     assert "".join(lp["tokens"]) == choice["text"]
+
+
+def test_a_request_past_its_deadline_is_a_503(srv, monkeypatch):
+    monkeypatch.setattr(srv.app.state.server, "request_timeout", 1e-3)
+    r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "deadline_exceeded"
+    assert _idle(srv)["num_requests_running"] == 0
+
+
+def test_sigterm_drains_then_exits(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    number = port.getsockname()[1]
+    port.close()
+    proc = subprocess.Popen([sys.executable, "-m", "jkv.server", "--port", str(number),
+                             "--max-model-len", "512", "--drain-timeout", "2",
+                             "--log-level", "warning"])
+    base = f"http://127.0.0.1:{number}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "the server exited during start-up"
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream
+        t_signal = time.monotonic()
+        # the stream ended (aborted after the 2 s drain) and the process exits soon after
+        assert events[-1] == "[DONE]" and len(events) < 400
+        # uvicorn re-raises the signal once it has shut down, so the exit status says SIGTERM;
+        # the [DONE] above shows the response was ended by the drain, not cut by a kill
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert time.monotonic() - t_signal < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
