@@ -208,27 +208,11 @@ class LLM:
         if self._loop is not None:
             raise RuntimeError("the serving loop is running (start_serving); use submit()")
         trackers = [self._tracker(p) for p in params]
-
-        def on_token(i: int, request: Request, token: int) -> bool:
-            if request.logprobs:
-                trackers[i].logprobs.append((token, *request.logprobs[-1]))
-            done = trackers[i].add(token)
-            if on_delta is not None and (delta := trackers[i].delta(final=done)):
-                on_delta(i, delta)
-            return done
-
-        def on_finish(i: int, request: Request) -> None:
-            t = trackers[i]
-            if t.finish_reason is None:
-                t.finish_reason = request.finish_reason
-                if on_delta is not None and (rest := t.delta(final=True)):
-                    on_delta(i, rest)
-            self.metrics.observe_finished(request)
-
-        requests = [Request(list(ids), sp, session_id=session_id,
-                            on_token=lambda r, tok, i=i: on_token(i, r, tok),
-                            on_finish=lambda r, i=i: on_finish(i, r))
-                    for i, (ids, sp) in enumerate(zip(prompts, params, strict=True))]
+        requests = [
+            self._request(ids, t, None if on_delta is None else
+                          (lambda text, _entries, i=i: on_delta(i, text)),
+                          None, session_id=session_id)
+            for i, (ids, t) in enumerate(zip(prompts, trackers, strict=True))]
         generate_all(self.scheduler, requests)
         self.metrics.sync(self.stats())
         return trackers
@@ -246,7 +230,19 @@ class LLM:
         of the tokens since the last call (empty unless params.logprobs is set);
         on_finish(tracker) gets the result (text, token_ids, finish_reason, logprobs). Both
         run on the loop's thread."""
-        tracker = self._tracker(params)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        request = self._request(ids, self._tracker(params), on_delta, on_finish,
+                                session_id=session_id, priority=priority,
+                                ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
+                                deadline=deadline)
+        self.scheduler.add(request)
+        return request
+
+    def _request(self, ids: list[int], tracker: _Tracker,
+                 on_delta: Callable[[str, list], None] | None,
+                 on_finish: Callable[[_Tracker], None] | None, **fields) -> Request:
+        """A scheduler request whose tokens go through `tracker` (detokenizing, stop strings,
+        logprobs) and out as deltas; its latencies go to the metrics when it finishes."""
 
         def on_token(r: Request, token: int) -> bool:
             if r.logprobs:
@@ -265,12 +261,8 @@ class LLM:
             if on_finish is not None:
                 on_finish(tracker)
 
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        request = Request(list(ids), params, priority=priority, ttft_slo_ms=ttft_slo_ms,
-                          tpot_slo_ms=tpot_slo_ms, session_id=session_id, deadline=deadline,
-                          on_token=on_token, on_finish=finished)
-        self.scheduler.add(request)
-        return request
+        return Request(list(ids), tracker.params, on_token=on_token, on_finish=finished,
+                       **fields)
 
     def abort(self, request: Request) -> None:
         self.scheduler.abort(request)

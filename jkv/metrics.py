@@ -12,6 +12,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TIERS = ("device", "host", "disk")
+_GAUGES = (  # (stats key = metric name without the prefix, help)
+    ("num_requests_running", "Requests holding a sequence slot."),
+    ("num_requests_waiting", "Requests queued for admission."),
+    ("kv_pages_used", "Device KV pages held by sequences and the prefix cache."),
+    ("kv_pages_total", "Device KV pages in the pool."),
+)
+_COUNTERS = (  # (stats key, metric name, help); prometheus adds the _total suffix
+    ("prefix_query_tokens", "jkv_prefix_cache_query_tokens",
+     "Prompt tokens looked up in the prefix cache."),
+    ("recomputed_tokens", "jkv_recomputed_tokens", "Tokens computed again after a preemption."),
+    ("preemptions", "jkv_preemptions", "Running requests preempted."),
+    ("compilations", "jkv_compilations", "Compiled step variants."),
+    ("prompt_tokens_computed", "jkv_prompt_tokens", "Prompt tokens run through the model."),
+    ("generation_tokens", "jkv_generation_tokens", "Tokens decoded."),
+)
 
 
 class Metrics:
@@ -24,36 +39,10 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("jkv_e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.gauges = {
-            "num_requests_running": Gauge("jkv_num_requests_running",
-                                          "Requests holding a sequence slot.", registry=r),
-            "num_requests_waiting": Gauge("jkv_num_requests_waiting",
-                                          "Requests queued for admission.", registry=r),
-            "kv_pages_used": Gauge("jkv_kv_pages_used",
-                                   "Device KV pages held by sequences and the prefix cache.",
-                                   registry=r),
-            "kv_pages_total": Gauge("jkv_kv_pages_total", "Device KV pages in the pool.",
-                                    registry=r),
-        }
+        self.gauges = {key: Gauge(f"jkv_{key}", doc, registry=r) for key, doc in _GAUGES}
         self.hits = Counter("jkv_prefix_cache_hit_tokens", "Prompt tokens found cached, "
                             "by tier.", ["tier"], registry=r)
-        self.counters = {
-            "prefix_query_tokens": Counter("jkv_prefix_cache_query_tokens",
-                                           "Prompt tokens looked up in the prefix cache.",
-                                           registry=r),
-            "recomputed_tokens": Counter("jkv_recomputed_tokens",
-                                         "Tokens computed again after a preemption.",
-                                         registry=r),
-            "preemptions": Counter("jkv_preemptions", "Running requests preempted.",
-                                   registry=r),
-            "compilations": Counter("jkv_compilations", "Compiled step variants.",
-                                    registry=r),
-            "prompt_tokens_computed": Counter("jkv_prompt_tokens",
-                                              "Prompt tokens run through the model.",
-                                              registry=r),
-            "generation_tokens": Counter("jkv_generation_tokens", "Tokens decoded.",
-                                         registry=r),
-        }
+        self.counters = {key: Counter(name, doc, registry=r) for key, name, doc in _COUNTERS}
         for tier in _TIERS:
             self.hits.labels(tier=tier)
         self._seen: dict[str, float] = {}
