@@ -132,7 +132,7 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, attention_backend: str = "xla",
+                 max_model_len: int | None = None, attention_backend: str = "auto",
                  kv_format: str = "auto", seed: int = 0, page_size: int = 16,
                  kv_cache_bytes: int = CacheConfig.kv_cache_bytes, max_num_seqs: int = 8,
                  prefill_chunk: int = 512, params_cache: bool = True,
@@ -266,6 +266,16 @@ class LLM:
 
     def abort(self, request: Request) -> None:
         self.scheduler.abort(request)
+
+    def warmup(self, progress: bool = True) -> int:
+        """Compile every step shape the engine can run (a progress bar on stderr), so that no
+        request later waits on a compilation. Returns how many compilations were new."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(self.engine.shapes()), desc="compiling step shapes",
+                   unit="shape", disable=not progress)
+        with bar:
+            return self.engine.warmup(lambda done, total: bar.update(done - bar.n))
 
     def start_serving(self) -> None:
         """Run the scheduler loop on a background thread (for `submit`); `run`, `generate`

@@ -129,7 +129,8 @@ KV_FORMATS: dict[str, KVFormat] = {
 }
 
 
-ATTENTION_BACKENDS = ("xla", "pallas")  # plain jnp; the Pallas kernels (interpreted on CPU)
+# plain jnp; the Pallas kernels (interpreted on CPU); auto: pallas on a GPU, else xla
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 EXECUTIONS = ("scan", "layerwise")  # all layers in one compiled step; one dispatch per layer
 
 

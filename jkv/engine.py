@@ -2,11 +2,13 @@
 
 The engine owns the page pool, the page tables (one row per sequence *slot*), the filling
 pages and the device prefix cache. A step feeds some slots a chunk of prompt and others one
-decoded token; each kind runs as one compiled call whose shapes are padded to buckets
-(rows and tokens to powers of two, the page-table width to a power of two of pages), so a
-steady workload reuses what it compiled. Which sequences run, and when one stops, is the
-scheduler's business (`jkv.scheduler`); the engine only checks that what it is asked to do
-fits.
+decoded token; each kind runs as compiled calls whose shapes come from a small closed set
+(`Engine.shapes`): rows and prompt tokens padded to powers of four, prefill rows grouped so
+that rows x tokens stays under an area cap, and the page-table width fixed (the Pallas
+kernels stop at each row's length) or, for the xla backend, padded to powers of four pages.
+`warmup` compiles the whole set, so a serving workload never stalls on a compilation.
+Which sequences run, and when one stops, is the scheduler's business (`jkv.scheduler`); the
+engine only checks that what it is asked to do fits.
 
 Full pages outlive their sequence when prefix caching is on: on `close` a sequence's full
 blocks go to the prefix cache (`jkv.cache.prefix_cache`), and `open` starts a new sequence
@@ -47,6 +49,23 @@ from jkv.sampling import SamplingParams, sample, token_logprobs
 def bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
     return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
+
+
+def bucket4(n: int, minimum: int = 1) -> int:
+    """The smallest power of four >= max(n, minimum): few shapes, at most 4x padding."""
+    b = 1
+    while b < max(n, minimum):
+        b *= 4
+    return b
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` is the Pallas kernels on a GPU and plain XLA elsewhere."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return name
 
 
 def _step(params, pool, filling, table_pages, slots, tokens, positions, valid, last_idx,
@@ -132,9 +151,7 @@ class Engine:
                  prefill_chunk: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
                  device_cache_bytes: int | None = None, model_id: str = "",
                  execution: str = "scan") -> None:
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {attention_backend!r}")
+        attention_backend = resolve_backend(attention_backend)
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if execution not in EXECUTIONS:
@@ -167,7 +184,12 @@ class Engine:
                                     cfg.head_dim, dtype)
         # committed like the step's outputs, so the first call compiles what later ones reuse
         self.pool, self.filling = jax.device_put((self.pool, self.filling), jax.devices()[0])
-        self.tables = init_tables(slots, cfg.num_layers, cfg.num_kv_heads, self.max_pages)
+        self.tables = jax.device_put(
+            init_tables(slots, cfg.num_layers, cfg.num_kv_heads, self.max_pages),
+            jax.devices()[0])
+        self.attention_backend = attention_backend
+        # a prefill call's padded rows x tokens stays under this (rows are split otherwise)
+        self.prefill_area = 4 * prefill_chunk
         self.free_pages = self.total_pages  # host mirror of free.num_free
         self.execution = execution
         self._step = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
@@ -360,8 +382,9 @@ class Engine:
         t0 = time.perf_counter()
         self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(new_len))
         self.free_pages -= need
-        outs = [self._call(part) if part else None for part in (prefill, decode)]
-        ok, *outs = jax.device_get([ok] + [o for o in outs if o is not None])
+        groups = self._prefill_groups(prefill) + ([list(decode)] if decode else [])
+        outs = [self._call(g) for g in groups]
+        ok, outs = jax.device_get((ok, outs))
         if not ok:
             raise RuntimeError("page reservation failed although the host count allowed it")
         for r in rows:
@@ -375,20 +398,68 @@ class Engine:
             self.stats.prefill_seconds += seconds
         else:
             self.stats.decode_seconds += seconds
-        def rows_of(out, n: int) -> list[Sampled]:
-            tokens, logprob, top_ids, top_lp = out
-            return [Sampled(int(tokens[i]), float(logprob[i]), top_ids[i], top_lp[i])
-                    for i in range(n)]
+        sampled: dict[int, Sampled] = {}
+        for group, (tokens, logprob, top_ids, top_lp) in zip(groups, outs, strict=True):
+            for i, r in enumerate(group):
+                sampled[id(r)] = Sampled(int(tokens[i]), float(logprob[i]), top_ids[i],
+                                         top_lp[i])
+        return [sampled[id(r)] for r in prefill], [sampled[id(r)] for r in decode]
 
-        out_p = rows_of(outs.pop(0), len(prefill)) if prefill else []
-        out_d = rows_of(outs.pop(0), len(decode)) if decode else []
-        return out_p, out_d
+    # ------------------------------------------------------------------ shapes
 
-    def _call(self, rows: Sequence[Row]) -> jax.Array:
-        n = len(rows)
-        b = bucket(n)
-        longest = max(len(r.tokens) for r in rows)
-        t = 1 if longest == 1 else min(self.prefill_chunk, bucket(longest, 16))
+    def _rows_bucket(self, n: int) -> int:
+        return min(bucket4(n), self.max_num_seqs)
+
+    def _tokens_bucket(self, n: int) -> int:
+        return 1 if n == 1 else min(self.prefill_chunk, bucket4(n, 16))
+
+    def _width(self, pages: int) -> int:
+        if self.attention_backend == "pallas":
+            return self.max_pages  # the kernels walk each row's pages only
+        return min(bucket4(pages, 4), self.max_pages)
+
+    def _prefill_groups(self, rows: Sequence[Row]) -> list[list[Row]]:
+        """Prefill rows in calls whose padded rows x tokens stays within `prefill_area`:
+        longest first, each call as many rows as fit under its longest row's bucket."""
+        groups: list[list[Row]] = []
+        for r in sorted(rows, key=lambda r: -len(r.tokens)):
+            if groups:
+                g = groups[-1]
+                t = self._tokens_bucket(len(g[0].tokens))
+                if self._rows_bucket(len(g) + 1) * t <= self.prefill_area:
+                    g.append(r)
+                    continue
+            groups.append([r])
+        return groups
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens, width) a step can run: decode rows, then prefill calls."""
+        row_buckets = sorted({self._rows_bucket(4 ** i) for i in range(10)})
+        token_buckets = sorted({self._tokens_bucket(16 * 4 ** i) for i in range(10)})
+        widths = sorted({self._width(4 ** i) for i in range(12)})
+        out = [(b, 1, w) for b in row_buckets for w in widths]
+        out += [(b, t, w) for t in token_buckets for b in row_buckets for w in widths
+                if b * t <= self.prefill_area]
+        return out
+
+    def warmup(self, progress=None) -> int:
+        """Compile every step shape now, so serving never waits on a compilation (padding
+        rows only: what they write is never read). `progress(done, total)` after each shape.
+        Returns how many compilations were new."""
+        before = self.num_compiles
+        todo = self.shapes()
+        for i, (b, t, width) in enumerate(todo):
+            jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t, width=width))
+            if progress is not None:
+                progress(i + 1, len(todo))
+        return self.num_compiles - before
+
+    def _call(self, rows: Sequence[Row], *, padded_rows: int | None = None,
+              padded_tokens: int | None = None, width: int | None = None) -> jax.Array:
+        """Dispatch one compiled call for `rows`, padded with scratch rows to the bucket
+        (or to the shape given, as `warmup` does with no rows at all)."""
+        b = padded_rows or self._rows_bucket(len(rows))
+        t = padded_tokens or self._tokens_bucket(max(len(r.tokens) for r in rows))
         slots = np.full(b, self.scratch, np.int32)
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
@@ -412,7 +483,7 @@ class Engine:
             s = r.sampling
             temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, max(s.top_k, 0)
             upto = max(upto, held + m)
-        width = min(bucket(-(-upto // self.page_size), 4), self.max_pages)
+        width = width or self._width(-(-upto // self.page_size))
         self.stats.step_shapes.add((b, t, width))
         if self.execution == "scan":
             out, self.pool, self.filling = self._step(

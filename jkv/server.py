@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+import jax
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jkv.api import LLM
 from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, KV_FORMATS
+from jkv.models.params_cache import cache_home
 from jkv.sampling import MAX_LOGPROBS, SamplingParams
 
 try:  # chat templates raise jinja2 errors for conversations they reject
@@ -744,8 +746,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "limit, at most 8192")
     p.add_argument("--attention-backend", default=d["attention_backend"],
                    choices=list(ATTENTION_BACKENDS),
-                   help="attention implementation: xla (plain jnp) or pallas (the Pallas "
-                        "kernels; interpreted, so slow, on CPU)")
+                   help="attention implementation: auto (pallas on a GPU, xla elsewhere), "
+                        "xla (plain jnp) or pallas (the Pallas kernels; interpreted, so slow, "
+                        "on CPU)")
     p.add_argument("--kv-format", default=d["kv_format"], choices=sorted(KV_FORMATS),
                    help="how KV pages are stored: auto/bf16 = the model dtype; int8, int4 "
                         "(= k8v8, k4v4); k8v4, k4v2 = keys finer than values. Full pages are "
@@ -774,6 +777,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--execution", default=d["execution"], choices=list(EXECUTIONS),
                    help="scan: every layer in one compiled step (fastest); layerwise: one "
                         "dispatch per layer (same outputs)")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every step shape before listening (with a progress bar), so "
+                        "no request waits on a compilation; --no-precompile starts at once and "
+                        "compiles each shape when it first occurs. Default: on with a GPU "
+                        "(about a minute), off on CPU (where the xla backend has several "
+                        "times more shapes); compiled shapes persist in "
+                        "--compilation-cache-dir either way")
+    p.add_argument("--compilation-cache-dir", default=str(cache_home() / "xla"),
+                   help="where compiled steps persist between runs (JAX's persistent "
+                        "compilation cache), so a restart compiles little; '' turns it off")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes (401 otherwise); "
                         "default: no key")
@@ -804,10 +817,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jkv").setLevel(args.log_level.upper())
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
     try:
         llm = LLM(**{name: getattr(args, name) for name in _LLM_FLAGS})
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
+    if args.precompile or args.precompile is None and jax.default_backend() != "cpu":
+        t0 = time.perf_counter()
+        n = llm.warmup()
+        log.info("compiled %d step shapes in %.1f s", n, time.perf_counter() - t0)
     for flag in ("max_queue", "request_timeout", "drain_timeout"):
         value = getattr(args, flag)
         if value is not None and value <= 0:

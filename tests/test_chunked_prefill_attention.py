@@ -152,6 +152,25 @@ def test_query_that_sees_nothing_gives_zero():
     assert np.abs(out[0]).min() > 0
 
 
+def test_padding_queries_give_zero_and_leave_real_ones_alone():
+    """q_lengths: queries past a row's real ones (whole tiles of them skip all work) give 0;
+    the real ones are exactly what the kernel gives without q_lengths."""
+    rng = np.random.default_rng()
+    args, extra = make_case(rng, gqa=2, d=64, t=32, k_bits=8, v_bits=4)
+    q_lengths = jnp.asarray([0, int(rng.integers(1, 8)), int(rng.integers(9, 32)), 32],
+                            jnp.int32)
+    run = functools.partial(chunked_prefill_attention, *args, **extra, k_bits=8, v_bits=4,
+                            group=GROUP, block_q=8, pages_per_block=2, block_w=8,
+                            interpret=INTERPRET)
+    full, padded = np.asarray(run()), np.asarray(run(q_lengths=q_lengths))
+    ref = chunked_prefill_attention_reference(*args, **extra, q_lengths=q_lengths, k_bits=8,
+                                              v_bits=4)
+    for i, n in enumerate(np.asarray(q_lengths)):
+        np.testing.assert_array_equal(padded[i, :n], full[i, :n])
+        assert (padded[i, n:] == 0).all() and (np.asarray(ref)[i, n:] == 0).all()
+    assert rel_err(padded, ref) < 1e-5
+
+
 @pytest.mark.parametrize("k_bits,v_bits", [(16, 16), (4, 2)])
 def test_bf16(k_bits, v_bits):
     """bf16 queries, pages (before quantization) and window: bf16 tensor-core operands."""

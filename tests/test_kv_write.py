@@ -10,10 +10,33 @@ import pytest
 
 from jkv.cache import append_kv, init_pool, init_tables, page_bytes, reserve
 from jkv.config import KV_FORMATS, KVFormat
-from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
+from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values, unpack
+
+INTERPRET = jax.default_backend() == "cpu"
 
 PAGE, HEADS, D, WIDTH = 8, 2, 64, 8
 FORMATS = sorted({f for f in KV_FORMATS.values()}, key=lambda f: (-f.k_bits, -f.v_bits))
+
+
+def same_scale(got, want):
+    """Exact on CPU. Compiled on a GPU, two programs computing (max - min) / levels may
+    differ in the last bit (XLA fusions, Triton's division); a page scale written from a
+    partial page would differ by far more."""
+    if INTERPRET:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+def same_page(got, want, bits):
+    """Codes: exact on CPU; compiled, a last-bit scale difference may flip a code by 1 at a
+    rounding tie, which random normal data hits rarely (at most 1 in 1000 codes)."""
+    if INTERPRET or not np.size(want):
+        np.testing.assert_array_equal(got, want)
+        return
+    diff = np.abs(np.asarray(unpack(jnp.asarray(got), bits), np.int64)
+                  - np.asarray(unpack(jnp.asarray(want), bits), np.int64))
+    assert diff.max() <= 1 and (diff > 0).sum() <= max(1, 1e-3 * diff.size)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -65,15 +88,15 @@ def test_chunked_appends_store_each_full_page_once(fmt, backend):
             v = jnp.asarray(v_all[i, : full * PAGE, h].reshape(full, PAGE, D))
             if fmt.k_bits < 16:
                 codes, scale, zero = quantize_keys(k, fmt.k_bits)
-                np.testing.assert_array_equal(pool.k[ids], codes)
-                np.testing.assert_array_equal(pool.k_scale[ids], scale)
+                same_page(pool.k[ids], codes, fmt.k_bits)
+                same_scale(pool.k_scale[ids], scale)
                 np.testing.assert_array_equal(pool.k_zero[ids], zero)
             else:
                 np.testing.assert_array_equal(pool.k[ids], k)
             if fmt.v_bits < 16:
                 codes, scale, zero = quantize_values(v, fmt.v_bits, 32)
-                np.testing.assert_array_equal(pool.v[ids], codes)
-                np.testing.assert_array_equal(pool.v_scale[ids], scale)
+                same_page(pool.v[ids], codes, fmt.v_bits)
+                same_scale(pool.v_scale[ids], scale)
                 np.testing.assert_array_equal(pool.v_zero[ids], zero)
             else:
                 np.testing.assert_array_equal(pool.v[ids], v)

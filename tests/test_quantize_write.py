@@ -58,16 +58,34 @@ def codes_of(name, x, k_bits, v_bits):
     return np.asarray(unpack(jnp.asarray(x), bits)).astype(np.int64)
 
 
-def check_written(name, got, want, k_bits, v_bits):
-    """Written pages: exact in interpret mode; compiled, codes within 1 on < 0.1% of entries."""
+def check_written(name, got, want, k_bits, v_bits, ties=None):
+    """Written pages: exact in interpret mode. Compiled, Triton's division is not IEEE, so a
+    code may differ by 1 where the exact value sits on a rounding tie (`ties`, from the
+    reference's scales in float64); everywhere else codes are exact."""
     assert got.dtype == want.dtype and got.shape == want.shape, name
     if INTERPRET or name.endswith("zero") or got.dtype != np.uint8 and name.endswith("pages"):
         np.testing.assert_array_equal(got, want, err_msg=name)
     elif got.dtype == np.uint8:
         diff = np.abs(codes_of(name, got, k_bits, v_bits) - codes_of(name, want, k_bits, v_bits))
-        assert diff.max() <= 1 and (diff > 0).sum() <= max(1, 1e-3 * diff.size), name
+        assert diff.max() <= 1, name
+        off_tie = (diff > 0) & ~ties
+        assert not off_tie.any(), f"{name}: {off_tie.sum()} codes differ away from a tie"
     else:
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=name)
+
+
+def rounding_ties(x, scale, zero, group=None):
+    """Where (x - zero) / scale, in float64, is within 1e-3 of a half-integer: codes that a
+    last-bit difference in the scale's reciprocal may round either way. Keys have scales per
+    channel [n, D]; values per token and group of channels [n, page, D // group]."""
+    x = np.asarray(x, np.float64)
+    scale, zero = np.asarray(scale, np.float64), np.asarray(zero, np.float64)
+    if group is None:
+        scale, zero = scale[:, None, :], zero[:, None, :]
+    else:
+        scale, zero = np.repeat(scale, group, axis=-1), np.repeat(zero, group, axis=-1)
+    y = (x - zero) / np.where(scale > 0, scale, 1.0)
+    return np.abs(y - np.floor(y) - 0.5) < 1e-3
 
 
 def check_call(rng, *, k_bits, v_bits, d, page, group, ids, num_pages, dtype=jnp.float32,
@@ -82,13 +100,24 @@ def check_call(rng, *, k_bits, v_bits, d, page, group, ids, num_pages, dtype=jnp
                          interpret=INTERPRET)
     written = np.unique(np.asarray(ids)[np.asarray(ids) != 0])
     untouched = np.setdiff1d(np.arange(1, num_pages), written)
+    ties = {}
+    for name, x, (scale, zero) in (("k_pages", k, ref[2:4]), ("v_pages", v, ref[4:6])):
+        if scale is not None and not INTERPRET:
+            grp = None if name == "k_pages" else d // scale.shape[-1]
+            mask = np.zeros((num_pages, page, d), bool)
+            for j, pid in enumerate(np.asarray(ids)):
+                if pid:
+                    mask[pid] = rounding_ties(x[j:j + 1].astype(jnp.float32),
+                                              np.asarray(scale)[pid:pid + 1],
+                                              np.asarray(zero)[pid:pid + 1], grp)[0]
+            ties[name] = mask[written]
     for name, want, got, old in zip(NAMES, ref, out, before, strict=True):
         if want is None:
             assert got is None, name
             continue
         want, got = np.asarray(want), np.asarray(got)
         assert np.isfinite(want[written].astype(np.float32)).all(), name
-        check_written(name, got[written], want[written], k_bits, v_bits)
+        check_written(name, got[written], want[written], k_bits, v_bits, ties.get(name))
         np.testing.assert_array_equal(got[untouched], old[untouched], err_msg=f"{name} untouched")
     return k, v, ids, out
 

@@ -230,6 +230,22 @@ def test_steady_workload_does_not_recompile(params):
     assert snap["prefix_hit_tokens"]["device"] == eng.stats.prefix_hit_tokens
 
 
+def test_warmup_compiles_every_shape_a_workload_uses(params):
+    eng = engine(params)
+    assert eng.warmup() == len(eng.shapes())  # each listed shape is its own compilation
+    compiles = eng.num_compiles
+    rng = np.random.default_rng()
+    shared = prompts_of((24,))[0]
+    prompts = [shared[: int(rng.integers(1, 24))] + p
+               for p in prompts_of(rng.integers(1, 36, 14))]
+    reqs = [Request(p, SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=0))
+            for p in prompts]
+    generate_all(Scheduler(eng, SchedulerConfig(max_num_batched_tokens=48)), reqs)
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert eng.stats.step_shapes <= set(eng.shapes())
+    assert eng.num_compiles == compiles
+
+
 def test_layerwise_dispatch_gives_the_scan_outputs(params):
     prompts = prompts_of((5, 23, 40))
     outs = {ex: [r.output for r in run(Scheduler(engine(params, execution=ex)), prompts)]

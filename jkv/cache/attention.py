@@ -65,12 +65,14 @@ def paged_attention(q: jax.Array, pool: PagePool, pages: jax.Array, window: Wind
     hkv = pages.shape[1]
     fmt = pool.kv_format
     prefix = jnp.broadcast_to(window.start[:, None], (b, hkv)).astype(jnp.int32)
+    # the step's real tokens end where the window does; the rest of a row is padding
+    q_lengths = jnp.clip(window.start + window.length - q_positions[:, 0], 0, t)
     scales = (pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero)
     bits = dict(k_bits=fmt.k_bits, v_bits=fmt.v_bits)
     if backend == "xla":
         out = chunked_prefill_attention_reference(
             q, pool.k, pool.v, pages, prefix, window.k, window.v, window.start, window.length,
-            q_positions, *scales, **bits, group=pool.group, sm_scale=sm_scale)
+            q_positions, *scales, q_lengths, **bits, group=pool.group, sm_scale=sm_scale)
         return out.astype(q.dtype)
     if backend != "pallas":
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
@@ -88,5 +90,5 @@ def paged_attention(q: jax.Array, pool: PagePool, pages: jax.Array, window: Wind
         return normalize_softmax_state(o, denom)[:, None].astype(q.dtype)
     return chunked_prefill_attention(
         q, pool.k, pool.v, pages, prefix, window.k, window.v, window.start, window.length,
-        q_positions, *scales, **bits, group=pool.group, sm_scale=sm_scale,
+        q_positions, *scales, q_lengths, **bits, group=pool.group, sm_scale=sm_scale,
         pages_per_block=PAGES_PER_BLOCK, block_w=min(16, pool.page_size), interpret=interpret)

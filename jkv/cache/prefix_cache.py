@@ -15,6 +15,7 @@ outgrows its byte budget.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,13 +56,17 @@ class PrefixCache:
         self._by_key: dict[bytes, int] = {}
         self._spare = list(range(capacity - 1, -1, -1))
         self._clock = 0
+        # eviction candidates (last_used, -depth, row), stale entries skipped when popped:
+        # every operation stays O(log n) however many blocks the cache holds
+        self._heap: list[tuple[int, int, int]] = []
+        self._num_unreferenced = 0
 
     def __len__(self) -> int:
         return len(self._rows)
 
     @property
     def num_evictable(self) -> int:
-        return sum(1 for r in self._rows.values() if r.refs == 0)
+        return self._num_unreferenced
 
     def num_unreferenced(self, rows: Sequence[int]) -> int:
         return sum(1 for r in rows if self._rows[r].refs == 0)
@@ -74,7 +79,14 @@ class PrefixCache:
         """Rows used together get one age, so eviction takes their deepest block first."""
         self._clock += 1
         for r in rows:
-            self._rows[r].last_used = self._clock
+            row = self._rows[r]
+            row.last_used = self._clock
+            if row.refs == 0:
+                heapq.heappush(self._heap, (self._clock, -row.depth, r))
+        if len(self._heap) > 2 * len(self._rows) + 64:  # drop the stale entries
+            self._heap = [(x.last_used, -x.depth, i) for i, x in self._rows.items()
+                          if x.refs == 0]
+            heapq.heapify(self._heap)
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Rows of the longest run of `keys`, from the first, that the cache holds."""
@@ -89,6 +101,7 @@ class PrefixCache:
     def acquire(self, rows: Sequence[int]) -> None:
         """A sequence now reads these rows: they cannot be evicted until released."""
         for r in rows:
+            self._num_unreferenced -= self._rows[r].refs == 0
             self._rows[r].refs += 1
         self.touch(rows)
 
@@ -98,6 +111,7 @@ class PrefixCache:
                 raise ValueError(f"row {r} released more often than acquired")
         for r in rows:
             self._rows[r].refs -= 1
+            self._num_unreferenced += self._rows[r].refs == 0
         self.touch(rows)
 
     def eviction_order(self) -> list[int]:
@@ -107,10 +121,16 @@ class PrefixCache:
 
     def evict(self, n: int) -> list[int]:
         """Drop up to `n` unreferenced rows (LRU); returns them so their pages can be freed."""
-        out = self.eviction_order()[:n]
-        for i in out:
+        out = []
+        while len(out) < n and self._heap:
+            last_used, _, i = heapq.heappop(self._heap)
+            row = self._rows.get(i)
+            if row is None or row.refs or row.last_used != last_used:
+                continue  # stale: evicted, referenced or touched since
             del self._by_key[self._rows.pop(i).key]
             self._spare.append(i)
+            self._num_unreferenced -= 1
+            out.append(i)
         return out
 
     def insert(self, key: bytes, depth: int) -> tuple[int | None, list[int]]:
@@ -126,5 +146,6 @@ class PrefixCache:
         row = self._spare.pop()
         self._rows[row] = _Row(key, depth)
         self._by_key[key] = row
+        self._num_unreferenced += 1
         self.touch([row])
         return row, evicted

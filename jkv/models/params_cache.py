@@ -24,8 +24,13 @@ log = logging.getLogger(__name__)
 _FORMAT_VERSION = 1
 
 
+def cache_home() -> Path:
+    """jkv's cache directory: `$JKV_CACHE_DIR`, default `~/.cache/jkv`."""
+    return Path(os.environ.get("JKV_CACHE_DIR", Path.home() / ".cache" / "jkv"))
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("JKV_CACHE_DIR", Path.home() / ".cache" / "jkv")) / "params"
+    return cache_home() / "params"
 
 
 def file_key(path: Path, salt: str) -> str:

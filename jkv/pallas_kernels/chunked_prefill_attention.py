@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jkv.pallas_kernels.kv_quant import codes_per_byte
 from jkv.pallas_kernels.paged_decode_attention import (
+    MIN_DOT,
     PagedTier,
     _attend_pages,
     _check_tier,
@@ -43,7 +44,7 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, 
     plen_ref = refs.pop(0)  # [1]: tokens held in this row's pages
     kw_ref = refs.pop(0)  # [Tw, D] window keys, model dtype
     vw_ref = refs.pop(0)  # [Tw, D] window values
-    win_ref = refs.pop(0)  # [2]: window start position, window length
+    win_ref = refs.pop(0)  # [3]: window start position, window length, real queries
     o_ref = refs.pop(0)  # [rows, D]
 
     rows, d = q_ref.shape
@@ -58,8 +59,12 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, 
     carry = (tuple(jnp.zeros((rows, dv), jnp.float32) for _ in range(nv)),
              jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
 
+    # a tile of padding queries only (past the row's real ones) skips all work: outputs 0
+    first_query = pl.program_id(2) * block_q
+    active = first_query < win_ref[2]
+
     # (1) the paged prefix: every query sees every held token
-    plen = plen_ref[0]
+    plen = jnp.where(active, plen_ref[0], 0)
     attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, group=group,
                                compute=compute)
 
@@ -78,7 +83,7 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, 
     start, length = win_ref[0], jnp.minimum(win_ref[1], kw_ref.shape[0])
     pos = pos_ref[...]
     row_pos = jnp.broadcast_to(pos[:, None], (block_q, heads)).reshape(rows)
-    visible_len = jnp.clip(pos.max() - start + 1, 0, length)
+    visible_len = jnp.where(active, jnp.clip(pos.max() - start + 1, 0, length), 0)
 
     def window_body(j, carry):
         i = j * block_w + jnp.arange(block_w)
@@ -96,7 +101,9 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, 
     carry = lax.fori_loop(0, pl.cdiv(visible_len, block_w), window_body, carry)
 
     o_parts, _, denom = carry
-    denom = jnp.where(denom > 0, denom, 1.0)[:, None]  # a query that sees nothing gives 0
+    # a query that sees nothing gives 0, and so does a padding query
+    real = first_query + jnp.arange(rows) // heads < win_ref[2]
+    denom = jnp.where(real & (denom > 0), denom, jnp.inf)[:, None]
     for i in range(nv):
         o_ref[:, pl.ds(i * dv, dv)] = (o_parts[i] / denom).astype(o_ref.dtype)
 
@@ -119,6 +126,7 @@ def chunked_prefill_attention(
     k_zero: jax.Array | None = None,  # f32 [P, D]
     v_scale: jax.Array | None = None,  # f32 [P, page, D // group]
     v_zero: jax.Array | None = None,  # f32 [P, page, D // group]
+    q_lengths: jax.Array | None = None,  # int32 [B]: real queries per row (default T)
     *,
     k_bits: int = 16,
     v_bits: int = 16,
@@ -135,7 +143,8 @@ def chunked_prefill_attention(
 
     Query (b, t) sees every page token of its KV head and window token i when
     i < window_len[b] and window_start[b] + i <= q_positions[b, t]. A query that sees
-    nothing (padding) gets 0.
+    nothing gets 0, and so does a padding query t >= q_lengths[b] (tiles of them skip all
+    work: a padded chunk does not pay for attention over its history).
     """
     b, t, hq, d = q.shape
     bt, hkv, w = page_table.shape
@@ -152,6 +161,18 @@ def chunked_prefill_attention(
     if window_start.shape != (b,) or window_len.shape != (b,) or q_positions.shape != (b, t):
         raise ValueError(f"window_start, window_len must be [B={b}] and q_positions [B, T={t}], "
                          f"got {window_start.shape}, {window_len.shape}, {q_positions.shape}")
+    page = k_pages.shape[1]
+    if not interpret:
+        # Triton's tensor-core dots give wrong sums (bf16: twice the value) when a contracted
+        # dimension is below 16, so the window is walked in blocks of at least 16 tokens
+        if block_w < MIN_DOT:
+            block_w = MIN_DOT
+            pad = ((0, 0), (0, 0), (0, -tw % block_w), (0, 0))
+            k_window, v_window = jnp.pad(k_window, pad), jnp.pad(v_window, pad)
+            tw = k_window.shape[2]
+        if pages_per_block * page < MIN_DOT:
+            raise ValueError(f"pages_per_block * page = {pages_per_block} * {page} must be >= "
+                             f"{MIN_DOT} on a GPU (Triton dots need 16 along each dimension)")
     for name, n, blk in (("T", t, block_q), ("W", w, pages_per_block), ("Tw", tw, block_w)):
         if blk < 1 or blk & (blk - 1) or n % blk:
             raise ValueError(f"{name}={n} must be a multiple of its block size {blk}, a power "
@@ -175,14 +196,18 @@ def chunked_prefill_attention(
         if x is not None:
             args.append(x)
             specs.append(full(x))
-    window = jnp.stack([window_start, window_len], axis=-1).astype(jnp.int32)
+    if q_lengths is None:
+        q_lengths = jnp.full((b,), t, jnp.int32)
+    elif q_lengths.shape != (b,):
+        raise ValueError(f"q_lengths must be [B={b}], got {q_lengths.shape}")
+    window = jnp.stack([window_start, window_len, q_lengths], axis=-1).astype(jnp.int32)
     args += [page_table.astype(jnp.int32), page_lengths.reshape(b, hkv, 1).astype(jnp.int32),
              k_window, v_window, window]
     specs += [pl.BlockSpec((None, None, w), lambda i, h, s: (i, h, 0)),
               pl.BlockSpec((None, None, 1), lambda i, h, s: (i, h, 0)),
               pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
               pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
-              pl.BlockSpec((None, 2), lambda i, h, s: (i, 0))]
+              pl.BlockSpec((None, 3), lambda i, h, s: (i, 0))]
     kernel = functools.partial(_kernel, bits=(k_bits, v_bits), parts=parts, group=group,
                                pages_per_block=pages_per_block, block_w=block_w, heads=heads,
                                sm_scale=sm_scale)
@@ -215,6 +240,7 @@ def chunked_prefill_attention_reference(
     k_zero: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     v_zero: jax.Array | None = None,
+    q_lengths: jax.Array | None = None,
     *,
     k_bits: int = 16,
     v_bits: int = 16,
@@ -249,4 +275,7 @@ def chunked_prefill_attention_reference(
     denom = p.sum(axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhgts,bhsd->bthgd", p, v, precision=lax.Precision.HIGHEST)
+    if q_lengths is not None:
+        real = jnp.arange(t)[None, :] < q_lengths[:, None]
+        out = jnp.where(real[:, :, None, None, None], out, 0.0)
     return out.reshape(b, t, hq, d)

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jkv.pallas_kernels.kv_quant import codes_per_byte, dequantize_keys, dequantize_values
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MIN_DOT = 16  # compiled Triton dots need every dimension >= 16
 
 
 def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -272,6 +273,10 @@ def paged_decode_attention(
     if w % (k_splits * pages_per_block):
         raise ValueError(f"page-table width {w} must be a multiple of k_splits * "
                          f"pages_per_block = {k_splits * pages_per_block}")
+    if not interpret and pages_per_block * k_pages.shape[1] < MIN_DOT:
+        raise ValueError(f"pages_per_block * page = {pages_per_block} * {k_pages.shape[1]} "
+                         f"must be >= {MIN_DOT} on a GPU (Triton dots need 16 along each "
+                         "dimension)")
     tiers = [PagedTier(k_pages, v_pages, k_scale, k_zero, v_scale, v_zero)]
     bits = [(k_bits, v_bits)]
     _check_tier("", tiers[0], k_bits, v_bits, d)
