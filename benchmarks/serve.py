@@ -37,13 +37,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import sharegpt
 from tqdm import tqdm
 
-MULTI_TURN_FRACTION = 0.73
-MEAN_TURNS = 5.75
-MEAN_USER_TOKENS = 84
-MEAN_REPLY_TOKENS = 546
-MAX_TURNS = 40
 _WORDS = ("time way year work day part life case point group number world house area "
           "company problem service place hand party school country system program question "
           "government night story family fact money member water month lot right study book "
@@ -57,22 +53,18 @@ def make_workload(n: int, rate: float, scale: float, think: float, seed: int) ->
     """Conversations: arrival time, and per turn the user's message and the recorded reply
     (as word lists; SmolLM2's tokenizer spends about one token per such word)."""
     rng = np.random.default_rng(seed)
-    # multi-turn conversations average (5.75 - 0.27) / 0.73 = 7.5 turns: 2 + geometric
-    multi_mean = (MEAN_TURNS - (1 - MULTI_TURN_FRACTION)) / MULTI_TURN_FRACTION
     arrivals = np.cumsum(rng.exponential(1 / rate, n))
     convs = []
     for i in range(n):
-        turns = 1
-        if rng.random() < MULTI_TURN_FRACTION:
-            turns = min(MAX_TURNS, 2 + rng.geometric(1 / (multi_mean - 1)) - 1)
+        turns = sharegpt.num_turns(rng)
 
-        def length(mean: float) -> int:  # log-normal, sigma 1: heavy-tailed like the dataset
-            return max(1, int(rng.lognormal(math.log(mean * scale) - 0.5, 1.0)))
+        def length(mean: float) -> int:
+            return sharegpt.length(rng, mean, scale)
 
         convs.append({
             "arrival": float(arrivals[i]),
-            "turns": [{"user": " ".join(rng.choice(_WORDS, length(MEAN_USER_TOKENS))),
-                       "reply": " ".join(rng.choice(_WORDS, length(MEAN_REPLY_TOKENS))),
+            "turns": [{"user": " ".join(rng.choice(_WORDS, length(sharegpt.MEAN_USER_TOKENS))),
+                       "reply": " ".join(rng.choice(_WORDS, length(sharegpt.MEAN_REPLY_TOKENS))),
                        "think": float(rng.exponential(think))} for _ in range(turns)],
         })
     return convs

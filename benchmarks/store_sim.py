@@ -1,0 +1,260 @@
+"""Trace-driven simulation of KV placement in host DRAM and on disk (CachedAttention 4.3.3,
+figure 21): LRU, FIFO and scheduler-aware placement on the same trace, no model.
+
+    python benchmarks/store_sim.py                                   # defaults below
+    python benchmarks/store_sim.py --capacities 16G/256G,16G/1T --sessions 5000
+
+Sessions (conversations) arrive as a Poisson process with ShareGPT-shaped turns
+(`sharegpt.py`); a turn's job joins one FCFS queue, runs for an exponential service time,
+and the session's next turn arrives after an exponential think time. When a job starts, its
+session's KV is looked up (a DRAM hit, a disk hit or a miss); when it ends, the session's KV
+(its whole history, up to --max-model-len tokens, at the model's KV bytes per token) is saved
+to DRAM, and the placement policy (`jkv.store.placement`, the object the store uses) makes
+room. The scheduler-aware policy sees the queue: it keeps the KV of queued jobs and
+prefetches them from disk into DRAM, one read at a time at --disk-read-gbps; a job that
+starts before its prefetch has finished counts as a disk hit. The queue's timing does not
+depend on the policy, so every policy sees the very same trace.
+
+Prints hit rates per tier for each capacity setting and policy; writes
+benchmarks/results/store_sim-<date>.json and an SVG of the hit rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import heapq
+import json
+import platform
+import re
+import sys
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import sharegpt
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax.numpy as jnp  # noqa: E402
+
+from jkv.cache.page_pool import page_bytes  # noqa: E402
+from jkv.config import PRESETS, KVFormat  # noqa: E402
+from jkv.store import POLICIES, Placement  # noqa: E402
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text.strip(), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 64G, 2T, 512M)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def kv_bytes_per_token(model: str, kv_format: str) -> int:
+    cfg = PRESETS[model]
+    page = 16
+    one = page_bytes(KVFormat.parse(kv_format), page, cfg.head_dim, jnp.bfloat16)
+    return one * cfg.num_layers * cfg.num_kv_heads // page
+
+
+# ---------------------------------------------------------------------------- trace
+
+
+def make_trace(args) -> tuple[list[tuple], dict]:
+    """Events in time order: ("arrive", t, session) when a turn's job joins the queue,
+    ("start", t, session) when it leaves the queue and runs, ("end", t, session, kv_bytes)
+    when it is done and the session's KV is saved."""
+    rng = np.random.default_rng(args.seed)
+    per_token = kv_bytes_per_token(args.model, args.kv_format)
+    turns = {}
+    for s in range(args.sessions):
+        n = sharegpt.num_turns(rng)
+        turns[s] = deque(sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS)
+                         + sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS) for _ in range(n))
+    history = dict.fromkeys(turns, 0)
+    pending = [(t, 0, s) for s, t in enumerate(np.cumsum(rng.exponential(1 / args.rate,
+                                                                         args.sessions)))]
+    heapq.heapify(pending)  # (time, kind: 0 arrival / 1 end, session)
+    queue: deque[int] = deque()
+    now, running = 0.0, None
+    events: list[tuple] = []
+    while pending or queue:
+        if running is None and queue:  # the server is free: the next job starts now
+            s = queue.popleft()
+            events.append(("start", now, s))
+            running = s
+            heapq.heappush(pending, (now + rng.exponential(args.service), 1, s))
+            continue
+        now, kind, s = heapq.heappop(pending)
+        if kind == 0:
+            events.append(("arrive", now, s))
+            queue.append(s)
+        else:
+            history[s] += turns[s].popleft()
+            events.append(("end", now, s, min(history[s], args.max_model_len) * per_token))
+            running = None
+            if turns[s]:
+                heapq.heappush(pending, (now + rng.exponential(args.think), 0, s))
+    jobs = sum(1 for e in events if e[0] == "start")
+    stats = {"sessions": args.sessions, "jobs": jobs, "kv_bytes_per_token": per_token,
+             "mean_turns": jobs / args.sessions,
+             "mean_final_kv_bytes": float(np.mean([min(h, args.max_model_len) * per_token
+                                                   for h in history.values()]))}
+    return events, stats
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+def replay(events: list[tuple], policy: str, dram: int, disk: int, read_bps: float) -> dict:
+    """Run the trace through one placement; hit counts per tier and the moves made."""
+    p = Placement(policy, dram, disk)
+    queue: deque[int] = deque()
+    ready_at: dict[int, float] = {}  # prefetched sessions: when their read completes
+    read_free = 0.0  # prefetch reads run one at a time
+    hits = {"dram": 0, "disk": 0, "miss": 0}
+    moves = {"demoted": 0, "dropped": 0, "prefetched": 0}
+
+    def count(ms, now: float, prefetch: bool = False) -> None:
+        nonlocal read_free
+        for m in ms:
+            if m.src == "dram" and m.dst == "disk":
+                moves["demoted"] += 1
+            elif m.dst is None and m.src is not None:
+                moves["dropped"] += 1
+            elif prefetch and m.src == "disk" and m.dst == "dram":
+                moves["prefetched"] += 1
+                read_free = max(read_free, now) + p.size(m.session) / read_bps
+                ready_at[m.session] = read_free
+
+    for event in events:
+        kind, now, s = event[:3]
+        if kind == "arrive":
+            queue.append(s)
+        elif kind == "start":
+            queue.popleft()
+            tier = p.access(s)
+            if tier == "dram" and ready_at.get(s, 0.0) > now:
+                tier = "disk"  # its prefetch had not finished: the rest is read on demand
+            hits[tier or "miss"] += 1
+        else:
+            count(p.put(s, event[3], queue), now)
+            ready_at.pop(s, None)
+        count(p.prefetch(queue), now, prefetch=True)
+    jobs = sum(hits.values())
+    return {"dram_hit_rate": hits["dram"] / jobs, "disk_hit_rate": hits["disk"] / jobs,
+            "hit_rate": (hits["dram"] + hits["disk"]) / jobs, **hits, **moves}
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def svg_bars(rows: dict[str, dict[str, dict]], title: str) -> str:
+    """Stacked bars (DRAM hits, disk hits) per policy, grouped by capacity setting."""
+    colors = {"dram": "#1f77b4", "disk": "#ff7f0e"}
+    groups = list(rows)
+    w, h, left, bottom, top = 160 + 170 * len(groups), 320, 50, 60, 40
+    bar = 36
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+           'font-family="sans-serif" font-size="12">',
+           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>']
+    scale = h - bottom - top
+    for frac in (0, 0.25, 0.5, 0.75, 1.0):
+        y = h - bottom - frac * scale
+        out.append(f'<line x1="{left}" x2="{w - 110}" y1="{y}" y2="{y}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">{frac:.0%}</text>')
+    for g, cap in enumerate(groups):
+        x0 = left + 20 + g * 170
+        for i, (policy, r) in enumerate(rows[cap].items()):
+            x, y = x0 + i * (bar + 8), h - bottom
+            for tier in ("dram", "disk"):
+                v = r[f"{tier}_hit_rate"] * scale
+                out.append(f'<rect x="{x}" y="{y - v}" width="{bar}" height="{v}" '
+                           f'fill="{colors[tier]}"/>')
+                y -= v
+            out.append(f'<text x="{x + bar / 2}" y="{h - bottom + 14}" '
+                       f'text-anchor="middle">{policy}</text>')
+        out.append(f'<text x="{x0 + 60}" y="{h - bottom + 34}" text-anchor="middle">'
+                   f'{cap}</text>')
+    for i, tier in enumerate(("dram", "disk")):
+        y = top + 10 + i * 18
+        out.append(f'<rect x="{w - 100}" y="{y - 10}" width="12" height="12" '
+                   f'fill="{colors[tier]}"/><text x="{w - 82}" y="{y}">{tier} hits</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=5000, help="conversations in the trace")
+    ap.add_argument("--rate", type=float, default=1.0,
+                    help="conversation arrivals per second (Poisson)")
+    ap.add_argument("--think", type=float, default=600.0,
+                    help="mean seconds between a reply and the user's next turn")
+    ap.add_argument("--service", type=float, default=0.34,
+                    help="mean seconds one turn's job runs (one FCFS server)")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS),
+                    help="model whose KV bytes per token size the entries")
+    ap.add_argument("--kv-format", default="auto", help="stored KV format (auto: bf16)")
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="context limit: longer histories keep their last tokens")
+    ap.add_argument("--capacities", default="32G/256G,32G/2T",
+                    help="comma-separated DRAM/disk capacity settings")
+    ap.add_argument("--disk-read-gbps", type=float, default=3.0,
+                    help="disk read bandwidth for prefetches, GB/s")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="policies to compare")
+    ap.add_argument("--seed", type=int, default=0, help="trace seed")
+    ap.add_argument("--out", type=Path,
+                    default=Path(__file__).resolve().parent / "results",
+                    help="directory for the JSON and SVG results")
+    args = ap.parse_args()
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in POLICIES:
+            ap.error(f"--policies: {p!r} is not one of {POLICIES}")
+    try:
+        caps = [tuple(parse_bytes(x) for x in c.split("/")) for c in args.capacities.split(",")]
+    except ValueError as e:
+        ap.error(f"--capacities: {e}")
+    if any(len(c) != 2 for c in caps):
+        ap.error("--capacities: each setting is DRAM/disk, e.g. 32G/2T")
+
+    events, trace = make_trace(args)
+    print(f"{trace['sessions']} sessions, {trace['jobs']} jobs ({trace['mean_turns']:.2f} turns "
+          f"per session), {trace['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token, mean "
+          f"final session {trace['mean_final_kv_bytes'] / 2**30:.2f} GiB")
+    rows: dict[str, dict[str, dict]] = {}
+    names = args.capacities.split(",")
+    with tqdm(total=len(caps) * len(policies), desc="replaying", unit="run") as bar:
+        for name, (dram, disk) in zip(names, caps, strict=True):
+            rows[name] = {}
+            for policy in policies:
+                rows[name][policy] = replay(events, policy, dram, disk,
+                                            args.disk_read_gbps * 1e9)
+                bar.update(1)
+    print(f"{'capacity':<14}{'policy':<11}{'DRAM hit':>9}{'disk hit':>9}{'overall':>9}"
+          f"{'demoted':>9}{'dropped':>9}{'prefetched':>11}")
+    for name, by_policy in rows.items():
+        for policy, r in by_policy.items():
+            print(f"{name:<14}{policy:<11}{r['dram_hit_rate']:>9.1%}{r['disk_hit_rate']:>9.1%}"
+                  f"{r['hit_rate']:>9.1%}{r['demoted']:>9}{r['dropped']:>9}"
+                  f"{r['prefetched']:>11}")
+
+    date = datetime.date.today().isoformat()
+    result = {"benchmark": "store_sim", "date": date, "platform": platform.platform(),
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "trace": trace, "results": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"store_sim-{date}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    svg = args.out / f"store_sim-{date}.svg"
+    svg.write_text(svg_bars(rows, f"KV hit rates per tier, {args.model} ({args.kv_format}), "
+                                  f"{trace['sessions']} sessions"))
+    print(f"wrote {path} and {svg}")
+
+
+if __name__ == "__main__":
+    main()
