@@ -1,0 +1,140 @@
+"""The bytes of one stored KV entry, and their validation.
+
+An entry is a run of full pages of one request (per layer, in its KV format, keys before
+RoPE: see `jkv.models.rope.unapply_rope`) as named arrays, with a header saying what it is
+(model fingerprint, KV format, page size, token count) and a checksum over every byte.
+Decoding checks everything (magic, version, lengths, checksum, header fields, array table)
+before returning an array, so a torn or corrupt file is a `CorruptEntry`, never data.
+
+Layout: MAGIC | u16 version | u16 0 | u32 header length | header (JSON, padded with spaces so
+the payload starts on a 64-byte boundary) | payload (each array at a 64-byte boundary,
+zero-padded between) | 32-byte BLAKE2b of everything before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import ml_dtypes
+import numpy as np
+
+MAGIC = b"JKVE"
+VERSION = 1
+ALIGN = 64
+_PREFIX = struct.Struct("<4sHHI")
+_DIGEST = 32
+DTYPES = {name: np.dtype(t) for name, t in (
+    ("uint8", np.uint8), ("int8", np.int8), ("int32", np.int32), ("uint32", np.uint32),
+    ("float16", np.float16), ("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16))}
+
+
+class CorruptEntry(ValueError):
+    """The bytes are not a whole, intact entry (torn write, flipped bits, foreign file)."""
+
+
+class EntryMismatch(ValueError):
+    """An intact entry of another model, KV format or page size: not usable here."""
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What an entry holds: `num_tokens` tokens (whole pages of `page_size`) of the model
+    fingerprinted `model`, stored in KV format `kv_format`; `key` names it (hex)."""
+
+    model: str
+    kv_format: str
+    page_size: int
+    num_tokens: int
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("model", "kv_format", "key"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"EntryInfo.{name} must be a str")
+        for name in ("page_size", "num_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"EntryInfo.{name} must be an int >= 0, got {value!r}")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def encode(info: EntryInfo, arrays: Mapping[str, np.ndarray]) -> bytes:
+    """The entry's bytes: header, `arrays` (names and dtypes kept), checksum."""
+    table, offset = [], 0
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        dtype = next((k for k, v in DTYPES.items() if v == a.dtype), None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"array names must be non-empty strings, got {name!r}")
+        if dtype is None:
+            raise ValueError(f"array {name!r}: dtype {a.dtype} is not one of {sorted(DTYPES)}")
+        table.append({"name": name, "dtype": dtype, "shape": list(a.shape),
+                      "offset": offset, "nbytes": a.nbytes})
+        offset = _aligned(offset + a.nbytes)
+    header = json.dumps({**asdict(info), "arrays": table}, separators=(",", ":")).encode()
+    header += b" " * (_aligned(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
+    out = bytearray(_PREFIX.pack(MAGIC, VERSION, 0, len(header)))
+    out += header
+    start = len(out)
+    for entry, a in zip(table, arrays.values(), strict=True):
+        out += b"\0" * (start + entry["offset"] - len(out))
+        out += np.ascontiguousarray(a).tobytes()
+    out += b"\0" * (start + offset - len(out))
+    out += hashlib.blake2b(out, digest_size=_DIGEST).digest()
+    return bytes(out)
+
+
+def decode(data: bytes, *, model: str | None = None, kv_format: str | None = None,
+           page_size: int | None = None) -> tuple[EntryInfo, dict[str, np.ndarray]]:
+    """Validate and read an entry (arrays are read-only views of `data`). Raises
+    `CorruptEntry` for anything but a whole, intact entry and `EntryMismatch` when it is
+    intact but for another `model`, `kv_format` or `page_size` than the ones given."""
+    data = memoryview(data).cast("B")
+    if len(data) < _PREFIX.size + _DIGEST:
+        raise CorruptEntry(f"{len(data)} bytes is too short for an entry")
+    magic, version, reserved, header_len = _PREFIX.unpack_from(data)
+    if magic != MAGIC or reserved != 0:
+        raise CorruptEntry("not a jkv entry (bad magic)")
+    if version != VERSION:
+        raise CorruptEntry(f"entry version {version}, this jkv reads {VERSION}")
+    body = len(data) - _DIGEST
+    if hashlib.blake2b(data[:body], digest_size=_DIGEST).digest() != bytes(data[body:]):
+        raise CorruptEntry("checksum mismatch")
+    start = _PREFIX.size + header_len
+    if start > body or start % ALIGN:
+        raise CorruptEntry(f"header length {header_len} does not fit the entry")
+    try:
+        header = json.loads(bytes(data[_PREFIX.size:start]))
+        table = header.pop("arrays")
+        info = EntryInfo(**header)
+        arrays = {}
+        end = 0
+        for entry in table:
+            name, dtype, shape = entry["name"], DTYPES[entry["dtype"]], entry["shape"]
+            offset, nbytes = entry["offset"], entry["nbytes"]
+            if (not isinstance(name, str) or name in arrays or offset != _aligned(end)
+                    or not all(isinstance(n, int) and n >= 0 for n in shape)
+                    or nbytes != math.prod(shape) * dtype.itemsize
+                    or start + offset + nbytes > body):
+                raise CorruptEntry(f"array {name!r}: inconsistent table entry {entry}")
+            arrays[name] = np.frombuffer(data, dtype, math.prod(shape),
+                                         start + offset).reshape(shape)
+            end = offset + nbytes
+        if start + _aligned(end) != body:
+            raise CorruptEntry("payload length does not match the array table")
+    except CorruptEntry:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CorruptEntry(f"unreadable header: {e}") from None
+    for name, want in (("model", model), ("kv_format", kv_format), ("page_size", page_size)):
+        if want is not None and getattr(info, name) != want:
+            raise EntryMismatch(f"entry {name} is {getattr(info, name)!r}, expected {want!r}")
+    return info, arrays
