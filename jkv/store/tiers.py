@@ -1,0 +1,150 @@
+"""Where entry bytes live: host DRAM and a persistent tensorstore kvstore.
+
+Both tiers hold opaque entry bytes (`jkv.store.codec`) under string keys, count their bytes
+and refuse a write past their capacity (`TierFull`): the capacity is enforced here, and the
+store decides what to evict (`jkv.store.placement`) before it writes.
+
+The persistent tier is a tensorstore kvstore wrapped in the OCDBT driver, so every write is
+an atomic commit: a process killed mid-write leaves the previous state. Its index (keys and
+sizes) is rebuilt from the kvstore's listing when it opens: an entry's size is part of its
+stored name, `<key>@<bytes>`, so opening reads no entry.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import tensorstore as ts
+
+_NAME = re.compile(r"(?P<key>[0-9A-Za-z_.:-]+)@(?P<size>\d+)")
+
+
+class TierFull(ValueError):
+    """A write that would take the tier past its capacity."""
+
+
+def _check_key(key: str) -> str:
+    if not isinstance(key, str) or not re.fullmatch(r"[0-9A-Za-z_.:-]+", key):
+        raise ValueError(f"entry keys are non-empty [0-9A-Za-z_.:-] strings, got {key!r}")
+    return key
+
+
+class HostTier:
+    """Entries in host memory, at most `capacity` bytes of them."""
+
+    name = "host"
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"host capacity must be >= 0 bytes, got {capacity}")
+        self.capacity = capacity
+        self._data: dict[str, bytes] = {}
+        self.bytes_used = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._data
+
+    def keys(self) -> list[str]:
+        return list(self._data)
+
+    def size(self, key: str) -> int:
+        return len(self._data[key])
+
+    def put(self, key: str, data: bytes) -> None:
+        _check_key(key)
+        old = len(self._data.get(key, b""))
+        if self.bytes_used - old + len(data) > self.capacity:
+            raise TierFull(f"host tier: {len(data)} more bytes would exceed its capacity of "
+                           f"{self.capacity} ({self.bytes_used} used)")
+        self._data[key] = bytes(data)
+        self.bytes_used += len(data) - old
+
+    def get(self, key: str) -> bytes | None:
+        return self._data.get(key)
+
+    def delete(self, key: str) -> None:
+        data = self._data.pop(key, None)
+        if data is not None:
+            self.bytes_used -= len(data)
+
+
+class PersistentTier:
+    """Entries in a tensorstore kvstore through OCDBT (atomic commits), at most `capacity`
+    bytes. `spec`: a local directory, or any tensorstore kvstore spec (a dict or a URL such
+    as ``s3://bucket/prefix/``) to put the OCDBT database in."""
+
+    name = "disk"
+
+    def __init__(self, spec: str | os.PathLike | dict, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"disk capacity must be >= 0 bytes, got {capacity}")
+        self.capacity = capacity
+        if isinstance(spec, (str, os.PathLike)) and "://" not in str(spec):
+            path = Path(spec).expanduser().resolve()
+            path.mkdir(parents=True, exist_ok=True)
+            base: dict | str = {"driver": "file", "path": f"{path}/"}
+        else:
+            base = spec
+        try:
+            self._kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+            names = [n.decode() for n in self._kv.list().result()]
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"cannot open the KV store at {spec!r}: {e}") from e
+        self._names: dict[str, str] = {}  # key -> stored name
+        self._sizes: dict[str, int] = {}
+        self.bytes_used = 0
+        self.foreign: list[str] = []  # stored names that are not entries (left alone)
+        for n in names:
+            m = _NAME.fullmatch(n)
+            if m is None:
+                self.foreign.append(n)
+                continue
+            self._names[m["key"]], self._sizes[m["key"]] = n, int(m["size"])
+            self.bytes_used += int(m["size"])
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._names
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def size(self, key: str) -> int:
+        return self._sizes[key]
+
+    def put(self, key: str, data: bytes) -> None:
+        _check_key(key)
+        old = self._sizes.get(key, 0)
+        if self.bytes_used - old + len(data) > self.capacity:
+            raise TierFull(f"disk tier: {len(data)} more bytes would exceed its capacity of "
+                           f"{self.capacity} ({self.bytes_used} used)")
+        name = f"{key}@{len(data)}"
+        txn = ts.Transaction(atomic=True)  # the new name and the old one's removal together
+        self._kv.with_transaction(txn).write(name, bytes(data)).result()
+        if key in self._names and self._names[key] != name:
+            self._delete_name(self._names[key], txn)
+        txn.commit_async().result()
+        self._names[key], self._sizes[key] = name, len(data)
+        self.bytes_used += len(data) - old
+
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes, or None when absent or unreadable (a damaged store)."""
+        name = self._names.get(key)
+        if name is None:
+            return None
+        try:
+            r = self._kv.read(name).result()
+        except (ValueError, RuntimeError):
+            return None
+        return bytes(r.value) if r.state == "value" else None
+
+    def delete(self, key: str) -> None:
+        name = self._names.pop(key, None)
+        if name is not None:
+            self.bytes_used -= self._sizes.pop(key)
+            self._delete_name(name)
+
+    def _delete_name(self, name: str, txn: ts.Transaction | None = None) -> None:
+        kv = self._kv if txn is None else self._kv.with_transaction(txn)
+        kv.delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()

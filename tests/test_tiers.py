@@ -1,0 +1,75 @@
+"""Entry tiers: capacities are enforced, the persistent tier's index comes back from what is
+stored, and damaged stored bytes never come back as an intact entry."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jkv.store.codec import CorruptEntry, EntryInfo, decode, encode
+from jkv.store.tiers import HostTier, PersistentTier, TierFull
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 500), st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(0, 200),
+                                               st.booleans()), max_size=40))
+def test_host_tier_never_exceeds_its_capacity(capacity, ops):
+    tier = HostTier(capacity)
+    model: dict[str, int] = {}
+    for key, size, delete in ops:
+        if delete:
+            tier.delete(key)
+            model.pop(key, None)
+        elif sum(model.values()) - model.get(key, 0) + size > capacity:
+            with pytest.raises(TierFull):
+                tier.put(key, b"x" * size)
+        else:
+            tier.put(key, b"x" * size)
+            model[key] = size
+        assert tier.bytes_used == sum(model.values()) <= capacity
+        assert sorted(tier.keys()) == sorted(model)
+
+
+def test_persistent_tier_index_is_rebuilt_on_open(tmp_path):
+    tier = PersistentTier(tmp_path, 10_000)
+    tier.put("a", b"1" * 100)
+    tier.put("b", b"2" * 50)
+    tier.put("a", b"3" * 300)  # replaced: one entry, the new size
+    (tmp_path / "notes.txt").write_text("not an entry")
+    again = PersistentTier(tmp_path, 10_000)
+    assert sorted(again.keys()) == ["a", "b"] and again.bytes_used == 350
+    assert again.get("a") == b"3" * 300 and again.size("b") == 50 and again.get("c") is None
+    again.delete("b")
+    assert PersistentTier(tmp_path, 10_000).keys() == ["a"]
+    with pytest.raises(TierFull, match="capacity"):
+        again.put("c", b"4" * 9_701)
+    with pytest.raises(ValueError, match="keys"):
+        again.put("a/b", b"")
+
+
+def test_flipped_bytes_in_stored_files_never_decode(tmp_path):
+    info = EntryInfo("m", "auto", 16, 32, "k")
+    rng = np.random.default_rng()
+    data = encode(info, {"k": rng.standard_normal((2, 32, 64)).astype(np.float32)})
+    PersistentTier(tmp_path, 10**7).put("k", data)
+    holders = [p for p in (tmp_path / "d").iterdir() if data in p.read_bytes()]
+    assert len(holders) == 1  # OCDBT keeps the value's bytes as they are
+    raw = bytearray(holders[0].read_bytes())
+    start = raw.find(data)
+    for i in start + rng.choice(len(data), 3, replace=False):  # damage the entry itself
+        raw[i] ^= int(rng.integers(1, 256))
+    holders[0].write_bytes(bytes(raw))
+    got = PersistentTier(tmp_path, 10**7).get("k")
+    assert got != data
+    if got is not None:  # the store read it back damaged: the codec must refuse it
+        with pytest.raises(CorruptEntry):
+            decode(got)
+
+
+def test_bad_arguments_raise_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="capacity"):
+        HostTier(-1)
+    with pytest.raises(ValueError, match="capacity"):
+        PersistentTier(tmp_path, -1)
