@@ -73,3 +73,38 @@ def test_bad_arguments_raise_value_errors(tmp_path):
         HostTier(-1)
     with pytest.raises(ValueError, match="capacity"):
         PersistentTier(tmp_path, -1)
+
+
+@pytest.fixture
+def s3_spec(tmp_path, monkeypatch):
+    """A bucket on a local S3-compatible server (moto) on 127.0.0.1."""
+    boto3 = pytest.importorskip("boto3")
+    server = pytest.importorskip("moto.server")
+    credentials = tmp_path / "aws-credentials"
+    credentials.write_text("[default]\naws_access_key_id = test\naws_secret_access_key = test\n")
+    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"),
+                        ("AWS_REGION", "us-east-1"), ("AWS_SHARED_CREDENTIALS_FILE",
+                                                      str(credentials)),
+                        ("AWS_CONFIG_FILE", str(credentials))):
+        monkeypatch.setenv(name, value)
+    moto = server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    url = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(
+        Bucket="jkv-store")
+    yield {"driver": "s3", "bucket": "jkv-store", "path": "kv/", "endpoint": url,
+           "aws_region": "us-east-1"}
+    moto.stop()
+
+
+def test_persistent_tier_on_s3(s3_spec):
+    tier = PersistentTier(s3_spec, 10_000)
+    tier.put("a", b"1" * 100)
+    tier.put("b", b"2" * 20)
+    tier.put("a", b"3" * 30)
+    again = PersistentTier(s3_spec, 10_000)
+    assert sorted(again.keys()) == ["a", "b"] and again.bytes_used == 50
+    assert again.get("a") == b"3" * 30
+    again.delete("a")
+    assert PersistentTier(s3_spec, 10_000).keys() == ["b"]
