@@ -41,6 +41,7 @@ from jkv.cache.page_pool import (
     reserve,
 )
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
+from jkv.cache.transfer import gather_pages, scatter_pages, slot_page_ids
 from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, CacheConfig, ModelConfig
 from jkv.models.llama import Params, final_norm, forward, layer, lm_head
 from jkv.sampling import SamplingParams, sample, token_logprobs
@@ -132,6 +133,16 @@ class Sampled(NamedTuple):
 
 
 @dataclass
+class SavedPages:
+    """A sequence's first `num_blocks` full blocks as host arrays, in the pool's format:
+    `arrays[field]` is [num_blocks, layers, KV heads, page, ...] (`jkv.cache.transfer`)."""
+
+    num_blocks: int
+    arrays: dict[str, np.ndarray]
+    hashes: list[bytes]  # chained block hashes of its tokens (model, format, page size)
+
+
+@dataclass
 class EngineStats:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0  # steps with prefill rows
@@ -140,6 +151,7 @@ class EngineStats:
     steps: int = 0
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of which found on the device
+    restored_tokens: int = 0  # prompt tokens whose KV came from saved pages (`open(restore=)`)
     step_shapes: set = field(default_factory=set)  # (rows, tokens, width) buckets run
 
 
@@ -290,17 +302,21 @@ class Engine:
 
     # ------------------------------------------------------------------ sequences
 
-    def open(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def open(self, token_ids: Sequence[int],
+             restore: SavedPages | None = None) -> tuple[int, int]:
         """Take a free slot for a sequence whose prompt is `token_ids`.
 
         Returns (slot, cached): the first `cached` tokens are already held (prefix cache
-        hits); feed the rest with `step`.
+        hits, then the blocks of `restore` past them: saved pages of this prompt's first
+        blocks, written into new pages); feed the rest with `step`.
         """
         if not self._free_slots:
             raise RuntimeError("no free sequence slot")
         if not 1 <= len(token_ids) < self.max_model_len:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
                              f"got {len(token_ids)}")
+        if restore is not None:
+            self._restorable(restore, token_ids)  # raises before anything is taken
         slot = self._free_slots.pop()
         rows = self.prefix.lookup(self.prompt_hashes(token_ids))
         if self.enable_prefix_caching:
@@ -314,9 +330,56 @@ class Engine:
                                         jnp.asarray(padded), jnp.int32(len(rows)),
                                         jnp.int32(cached))
             self.stats.prefix_hit_tokens += cached
+        if restore is not None:
+            cached = self._restore(slot, len(rows), restore, token_ids)
         self.slot_tokens[slot] = list(token_ids[:cached])
         self._slot_rows[slot] = rows
         return slot, cached
+
+    def _restorable(self, saved: SavedPages, token_ids: Sequence[int]) -> int:
+        """Blocks of `saved` that `token_ids` can take; ValueError if they are another
+        prompt's (or another model's, format's or page size's: the hashes are seeded)."""
+        n = min(saved.num_blocks, (len(token_ids) - 1) // self.page_size)
+        if n and saved.hashes[n - 1] != block_hashes(token_ids, self.page_size,
+                                                     self._hash_seed, n)[n - 1]:
+            raise ValueError("the saved pages are not this prompt's (block hashes differ)")
+        return n
+
+    def _restore(self, slot: int, first: int, saved: SavedPages,
+                 token_ids: Sequence[int]) -> int:
+        """Write saved blocks [first, n) into new pages of `slot` (never the prompt's last
+        token: it is computed for its logits); returns the tokens the slot then holds."""
+        n = self._restorable(saved, token_ids)
+        need = self.pages_for(n * self.page_size) - self.pages_for(first * self.page_size)
+        if n <= first or not self._make_room(need):
+            return first * self.page_size  # nothing to add, or no room: recompute instead
+        new_len = np.zeros(self.max_num_seqs + 1, np.int32)
+        new_len[slot] = n * self.page_size
+        self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(new_len))
+        if not bool(ok):
+            raise RuntimeError("page reservation failed although the host count allowed it")
+        self.free_pages -= need
+        count = bucket(n - first)
+        ids = slot_page_ids(self.tables.pages, jnp.int32(slot), jnp.int32(first),
+                            jnp.int32(n), count=count)
+        pages = {}
+        for f, x in saved.arrays.items():
+            part = np.zeros((count, *x.shape[1:]), x.dtype)
+            part[: n - first] = x[first:n]
+            pages[f] = part
+        self.pool = scatter_pages(self.pool, ids, pages)
+        self.stats.restored_tokens += (n - first) * self.page_size
+        return n * self.page_size
+
+    def save_pages(self, slot: int) -> SavedPages:
+        """The full blocks `slot` holds, copied to the host (for the store)."""
+        n = len(self.slot_tokens[slot]) // self.page_size
+        count = bucket(n)
+        ids = slot_page_ids(self.tables.pages, jnp.int32(slot), jnp.int32(0), jnp.int32(n),
+                            count=count)
+        arrays = jax.device_get(gather_pages(self.pool, ids))
+        return SavedPages(n, {f: np.asarray(x[:n]) for f, x in arrays.items()},
+                          block_hashes(self.slot_tokens[slot], self.page_size, self._hash_seed))
 
     def close(self, slot: int) -> None:
         """End the sequence in `slot`: its full blocks go to the prefix cache (when on) and

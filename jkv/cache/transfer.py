@@ -8,6 +8,8 @@ of the same format. Both are one jitted gather / scatter each, no per-page Pytho
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -38,3 +40,14 @@ def scatter_pages(pool: PagePool, ids: jax.Array, pages: dict[str, jax.Array]) -
                              f"{old.dtype}{list(ids.shape + old.shape[1:])}")
         changes[f] = old.at[dest].set(new.reshape(-1, *old.shape[1:]), mode="drop")
     return pool.replace(**changes)
+
+
+@partial(jax.jit, static_argnames="count")
+def slot_page_ids(pages: jax.Array, slot: jax.Array, first: jax.Array, stop: jax.Array,
+                  count: int) -> jax.Array:
+    """Page ids of table columns [first, first + count) of `slot` as [count, L, H] (pages:
+    the tables' [S, L, H, W]); columns at or past `stop` (or the table's end) read as the
+    null page. `count` is static: callers pad it to a few sizes."""
+    cols = first + jnp.arange(count)
+    ids = jnp.take(pages[slot], cols, axis=-1, mode="fill", fill_value=NULL_PAGE)
+    return jnp.moveaxis(jnp.where(cols < stop, ids, NULL_PAGE), -1, 0)

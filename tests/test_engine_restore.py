@@ -1,0 +1,79 @@
+"""Saved pages restored into another engine give the tokens that recomputing gives."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.config import CacheConfig, KVFormat, ModelConfig
+from jkv.engine import Engine, Row
+from jkv.models.loaders import random_params
+from jkv.sampling import SamplingParams
+
+TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                   num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(TINY, seed=7, dtype=jnp.float32)
+
+
+def engine(params, kv_format="auto", **kw) -> Engine:
+    cache = CacheConfig(page_size=8, kv_cache_bytes=4_000_000,
+                        kv_format=KVFormat.parse(kv_format))
+    return Engine(TINY, params, cache=cache, max_model_len=128, max_num_seqs=2,
+                  prefill_chunk=16, **kw)
+
+
+def run(eng: Engine, prompt: list[int], restore=None, new: int = 8):
+    """Prefill what is not held, then decode greedily; returns (tokens, slot, cached)."""
+    slot, cached = eng.open(prompt, restore=restore)
+    key = eng.request_key(0)
+    out = []
+    while cached < len(prompt):
+        chunk = prompt[cached: cached + eng.prefill_chunk]
+        (s,), _ = eng.step([Row(slot, chunk, GREEDY, key, 0)], [])
+        cached += len(chunk)
+    out.append(s.token)
+    while len(out) < new:
+        _, (s,) = eng.step([], [Row(slot, [out[-1]], GREEDY, key, len(out))])
+        out.append(s.token)
+    return out, slot, cached
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "k8v4"])
+def test_restored_pages_give_the_recomputed_tokens(params, kv_format):
+    rng = np.random.default_rng()
+    history = rng.integers(0, 512, 45).tolist()
+    first = engine(params, kv_format)
+    reply, slot, _ = run(first, history)
+    saved = first.save_pages(slot)  # what a finishing request hands the store
+    assert saved.num_blocks == (45 + 7) // 8  # the prompt and the decoded tokens, whole blocks
+    follow_up = history + reply[:-1] + rng.integers(0, 512, 5).tolist()
+
+    fresh = engine(params, kv_format, enable_prefix_caching=False)
+    restored, _, _ = run(fresh, follow_up, restore=saved)
+    assert fresh.stats.restored_tokens == saved.num_blocks * 8
+    assert fresh.stats.prefill_tokens == len(follow_up) - saved.num_blocks * 8
+    recomputed, _, _ = run(engine(params, kv_format, enable_prefix_caching=False), follow_up)
+    assert restored == recomputed
+
+
+def test_restore_is_checked_against_the_prompt_and_partial_when_short(params):
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 512, 40).tolist()
+    first = engine(params)
+    _, slot, _ = run(first, prompt, new=1)
+    saved = first.save_pages(slot)
+    other = engine(params)
+    with pytest.raises(ValueError, match="not this prompt"):
+        other.open(prompt[:20] + [(prompt[20] + 1) % 512] + prompt[21:], restore=saved)
+    assert other.num_free_slots == 2  # nothing taken
+    # a prompt of 20 tokens takes 2 of the saved blocks (never its last token)
+    slot, cached = other.open(prompt[:20], restore=saved)
+    assert cached == 16 and other.stats.restored_tokens == 16
+    other.close(slot)
+    assert other.available_pages == other.total_pages
