@@ -3,9 +3,10 @@
 The engine owns the page pool, the page tables (one row per sequence *slot*), the filling
 pages and the device prefix cache. A step feeds some slots a chunk of prompt and others one
 decoded token; each kind runs as compiled calls whose shapes come from a small closed set
-(`Engine.shapes`): rows and prompt tokens padded to powers of four, prefill rows grouped so
-that rows x tokens stays under an area cap, and the page-table width fixed (the Pallas
-kernels stop at each row's length) or, for the xla backend, padded to powers of four pages.
+(`Engine.shapes`): rows and prompt tokens padded to powers of `shape_step` (4 on a GPU, 2 on
+CPU), prefill rows grouped so that rows x tokens stays under an area cap, and the page-table
+width fixed (the Pallas kernels stop at each row's length) or, for the xla backend, padded
+to powers of `shape_step` pages.
 `warmup` compiles the whole set, so a serving workload never stalls on a compilation.
 Which sequences run, and when one stops, is the scheduler's business (`jkv.scheduler`); the
 engine only checks that what it is asked to do fits.
@@ -52,11 +53,11 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
 
 
-def bucket4(n: int, minimum: int = 1) -> int:
-    """The smallest power of four >= max(n, minimum): few shapes, at most 4x padding."""
+def bucket_pow(n: int, minimum: int = 1, base: int = 2) -> int:
+    """The smallest power of `base` >= max(n, minimum)."""
     b = 1
     while b < max(n, minimum):
-        b *= 4
+        b *= base
     return b
 
 
@@ -162,7 +163,7 @@ class Engine:
                  max_model_len: int, max_num_seqs: int = 8, attention_backend: str = "xla",
                  prefill_chunk: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
                  device_cache_bytes: int | None = None, model_id: str = "",
-                 execution: str = "scan") -> None:
+                 execution: str = "scan", shape_step: int | None = None) -> None:
         attention_backend = resolve_backend(attention_backend)
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -200,6 +201,13 @@ class Engine:
             init_tables(slots, cfg.num_layers, cfg.num_kv_heads, self.max_pages),
             jax.devices()[0])
         self.attention_backend = attention_backend
+        # shapes grow by this factor: 4 on a GPU (few shapes, all compiled up front; padding
+        # is cheap there), 2 on CPU (padded work costs its full time there)
+        if shape_step is None:
+            shape_step = 4 if jax.default_backend() == "gpu" else 2
+        if shape_step not in (2, 4):
+            raise ValueError(f"shape_step must be 2 or 4, got {shape_step}")
+        self.shape_step = shape_step
         # a prefill call's padded rows x tokens stays under this (rows are split otherwise)
         self.prefill_area = 4 * prefill_chunk
         self.free_pages = self.total_pages  # host mirror of free.num_free
@@ -471,15 +479,15 @@ class Engine:
     # ------------------------------------------------------------------ shapes
 
     def _rows_bucket(self, n: int) -> int:
-        return min(bucket4(n), self.max_num_seqs)
+        return min(bucket_pow(n, 1, self.shape_step), self.max_num_seqs)
 
     def _tokens_bucket(self, n: int) -> int:
-        return 1 if n == 1 else min(self.prefill_chunk, bucket4(n, 16))
+        return 1 if n == 1 else min(self.prefill_chunk, bucket_pow(n, 16, self.shape_step))
 
     def _width(self, pages: int) -> int:
         if self.attention_backend == "pallas":
             return self.max_pages  # the kernels walk each row's pages only
-        return min(bucket4(pages, 4), self.max_pages)
+        return min(bucket_pow(pages, 4, self.shape_step), self.max_pages)
 
     def _prefill_groups(self, rows: Sequence[Row]) -> list[list[Row]]:
         """Prefill rows in calls whose padded rows x tokens stays within `prefill_area`:
@@ -497,9 +505,10 @@ class Engine:
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens, width) a step can run: decode rows, then prefill calls."""
-        row_buckets = sorted({self._rows_bucket(4 ** i) for i in range(10)})
-        token_buckets = sorted({self._tokens_bucket(16 * 4 ** i) for i in range(10)})
-        widths = sorted({self._width(4 ** i) for i in range(12)})
+        step = self.shape_step
+        row_buckets = sorted({self._rows_bucket(step ** i) for i in range(24)})
+        token_buckets = sorted({self._tokens_bucket(16 * step ** i) for i in range(24)})
+        widths = sorted({self._width(step ** i) for i in range(24)})
         out = [(b, 1, w) for b in row_buckets for w in widths]
         out += [(b, t, w) for t in token_buckets for b in row_buckets for w in widths
                 if b * t <= self.prefill_area]
