@@ -24,7 +24,7 @@ def gather_pages(pool: PagePool, ids: jax.Array) -> dict[str, jax.Array]:
     return {f: getattr(pool, f)[ids] for f in FIELDS if getattr(pool, f) is not None}
 
 
-@jax.jit
+@partial(jax.jit, donate_argnums=0)  # the pool is updated in place, never copied
 def scatter_pages(pool: PagePool, ids: jax.Array, pages: dict[str, jax.Array]) -> PagePool:
     """Write `pages` (as `gather_pages` returns them, leading shape that of `ids`) into page
     ids `ids`; ids equal to the null page are skipped."""
