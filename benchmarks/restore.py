@@ -18,9 +18,6 @@ Prints a table and writes benchmarks/results/restore-<device>-<date>.json and an
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -28,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+from results_io import write_results
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -181,19 +179,11 @@ def main() -> None:
               f"{r['speedup_host']:>8.1f}{r['speedup_disk']:>8.1f}  {r['same_first_token']}")
     device = jax.devices()[0]
     tag = "cpu" if device.platform == "cpu" else device.device_kind.replace(" ", "_").lower()
-    date = datetime.date.today().isoformat()
-    result = {"benchmark": "restore", "date": date, "device": device.device_kind,
-              "jax": jax.__version__, "platform": platform.platform(),
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"restore-{tag}-{date}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    svg = args.out / f"restore-{tag}-{date}.svg"
-    svg.write_text(svg_bars(rows, f"TTFT of a follow-up (+{args.new_tokens} tokens), "
-                                  f"{args.kv_format} KV, median of {args.repeats}"))
-    print(f"wrote {path} and {svg}")
-
+    svg = svg_bars(rows, f"TTFT of a follow-up (+{args.new_tokens} tokens), "
+                         f"{args.kv_format} KV, median of {args.repeats}")
+    write_results(args.out, f"restore-{tag}", {"benchmark": "restore",
+                                               "device": device.device_kind,
+                                               "jax": jax.__version__, "rows": rows}, svg, args)
 
 if __name__ == "__main__":
     main()

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import math
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -38,6 +36,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import sharegpt
+from results_io import write_results
 from tqdm import tqdm
 
 _WORDS = ("time way year work day part life case point group number world house area "
@@ -313,24 +312,16 @@ def main() -> None:
               f"{r['compilations']:>10.0f}{r['errors']:>8}")
     import jax
 
-    date = datetime.date.today().isoformat()
     tag = (device or "cpu").replace(" ", "_").lower()
-    result = {"benchmark": "serve", "date": date, "device": device, "jax": jax.__version__,
-              "platform": platform.platform(), "cpu_count": os.cpu_count(),
-              "args": {k: v for k, v in vars(args).items() if k != "out"},
+    result = {"benchmark": "serve", "device": device, "jax": jax.__version__,
+              "cpu_count": os.cpu_count(),
               "workload": {"conversations": len(convs), "turns": sum(turns),
                            "mean_turns": float(np.mean(turns)),
                            "multi_turn_fraction": float(np.mean([t > 1 for t in turns]))},
               "results": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"serve-{tag}-{date}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    svg = out / f"serve-{tag}-{date}.svg"
-    svg.write_text(svg_cdf({k: v["ttft_all_s"] for k, v in rows.items()},
-                           f"TTFT, multi-turn chat, {device}"))
-    print(f"wrote {path} and {svg}")
-
+    svg = svg_cdf({k: v["ttft_all_s"] for k, v in rows.items()},
+                  f"TTFT, multi-turn chat, {device}")
+    write_results(args.out, f"serve-{tag}", result, svg, args)
 
 if __name__ == "__main__":
     main()

@@ -22,10 +22,7 @@ benchmarks/results/store_sim-<date>.json and an SVG of the hit rates.
 from __future__ import annotations
 
 import argparse
-import datetime
 import heapq
-import json
-import platform
 import re
 import sys
 from collections import deque
@@ -33,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import sharegpt
+from results_io import write_results
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -243,18 +241,10 @@ def main() -> None:
                   f"{r['hit_rate']:>9.1%}{r['demoted']:>9}{r['dropped']:>9}"
                   f"{r['prefetched']:>11}")
 
-    date = datetime.date.today().isoformat()
-    result = {"benchmark": "store_sim", "date": date, "platform": platform.platform(),
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "trace": trace, "results": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"store_sim-{date}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    svg = args.out / f"store_sim-{date}.svg"
-    svg.write_text(svg_bars(rows, f"KV hit rates per tier, {args.model} ({args.kv_format}), "
-                                  f"{trace['sessions']} sessions"))
-    print(f"wrote {path} and {svg}")
-
+    svg = svg_bars(rows, f"KV hit rates per tier, {args.model} ({args.kv_format}), "
+                         f"{trace['sessions']} sessions")
+    write_results(args.out, "store_sim", {"benchmark": "store_sim", "trace": trace,
+                                          "results": rows}, svg, args)
 
 if __name__ == "__main__":
     main()
