@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from results_io import write_results
+from results_io import svg_legend, write_results
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -95,10 +95,7 @@ def svg_bars(rows: list[dict], title: str) -> str:
                        f'height="{v}" fill="{colors[k]}"/>')
         out.append(f'<text x="{x0 + 55}" y="{h - bottom + 16}" text-anchor="middle">'
                    f'{r["history_tokens"]} tokens</text>')
-    for i, k in enumerate(colors):
-        y = top + 10 + i * 18
-        out.append(f'<rect x="{w - 90}" y="{y - 10}" width="12" height="12" '
-                   f'fill="{colors[k]}"/><text x="{w - 72}" y="{y}">{k}</text>')
+    out += svg_legend(colors, w - 90, top)
     out.append("</svg>")
     return "\n".join(out)
 

@@ -22,3 +22,13 @@ def write_results(out: Path, stem: str, result: dict, svg: str,
     path.write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}-{date}.svg").write_text(svg)
     print(f"wrote {path} and {path.with_suffix('.svg')}")
+
+
+def svg_legend(colors: dict[str, str], x: float, top: float) -> list[str]:
+    """SVG elements of a legend: a colored square and its label per entry, one per line."""
+    out = []
+    for i, (label, color) in enumerate(colors.items()):
+        y = top + 10 + i * 18
+        out.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{color}"/>'
+                   f'<text x="{x + 18}" y="{y}">{label}</text>')
+    return out

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import sharegpt
-from results_io import write_results
+from results_io import svg_legend, write_results
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -176,10 +176,7 @@ def svg_bars(rows: dict[str, dict[str, dict]], title: str) -> str:
                        f'text-anchor="middle">{policy}</text>')
         out.append(f'<text x="{x0 + 60}" y="{h - bottom + 34}" text-anchor="middle">'
                    f'{cap}</text>')
-    for i, tier in enumerate(("dram", "disk")):
-        y = top + 10 + i * 18
-        out.append(f'<rect x="{w - 100}" y="{y - 10}" width="12" height="12" '
-                   f'fill="{colors[tier]}"/><text x="{w - 82}" y="{y}">{tier} hits</text>')
+    out += svg_legend({f"{t} hits": c for t, c in colors.items()}, w - 100, top)
     out.append("</svg>")
     return "\n".join(out)
 
