@@ -1,17 +1,24 @@
-"""Time to first token of a follow-up turn: its history restored from a store tier against
-recomputed, side by side in one run on the same engine and inputs.
+"""Time to first token of a follow-up turn: its history restored from the KV store against
+recomputed, side by side in one run on the same inputs; and how far layer-wise loading
+overlaps the restore with compute.
 
     python benchmarks/restore.py                       # SmolLM2 (embedded), 1K/2K/4K histories
     python benchmarks/restore.py --lengths 2048 --kv-format k8v4 --repeats 5
 
-For each history length: a first engine prefills the history and saves its full pages
-(`Engine.save_pages`), encoded as a store entry (`jkv.store.codec`) into the host tier and
-into a persistent tier (tensorstore OCDBT in a temporary directory). Then, on one engine with
-prefix caching off, the follow-up prompt (history + --new-tokens) is timed to its first token
-three ways: recomputing the whole prompt; reading the entry from the host tier, decoding it,
-writing the pages and prefilling the new tokens; the same from the persistent tier. Each is
-run once untimed first (compilation), then --repeats times; the median is reported.
+For each history length a first engine prefills the history and hands its full pages to two
+`jkv.store.KVStore`s, one with a host tier only and one with a persistent tier only
+(tensorstore OCDBT in a temporary directory). Then, with prefix caching off, the follow-up
+prompt (history + --new-tokens) is timed to its first token:
 
+- recompute: the whole prompt prefilled;
+- host, disk: the store's lookup and load (read, checksum and header checks), the pages
+  written into the pool, the new tokens prefilled (all layers in one compiled step);
+- layerwise: the same from the host tier with execution="layerwise", each layer's pages
+  copied to the device a read buffer of layers ahead of the layer computing;
+- load: the host-tier load and page writes alone; compute: the new tokens' prefill alone
+  (history already in place). Overlap is perfect when layerwise = max(load, compute).
+
+Each is run once untimed first (compilation), then --repeats times; the median is reported.
 Prints a table and writes benchmarks/results/restore-<device>-<date>.json and an SVG.
 """
 
@@ -32,51 +39,81 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jkv.config import CacheConfig, KVFormat  # noqa: E402
+from jkv.config import CacheConfig, KVFormat, StoreConfig  # noqa: E402
 from jkv.engine import Engine, Row, SavedPages  # noqa: E402
 from jkv.models.params_cache import load_params  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
-from jkv.store.codec import EntryInfo, decode, encode  # noqa: E402
-from jkv.store.tiers import HostTier, PersistentTier  # noqa: E402
+from jkv.store.store import KVStore  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0)
+PATHS = ("recompute", "host", "disk", "layerwise", "load", "compute")
 
 
-def first_token(eng: Engine, prompt: list[int], restore: SavedPages | None = None) -> int:
-    """Open, prefill what is not held, return the first sampled token; closes the slot."""
-    slot, cached = eng.open(prompt, restore=restore)
+def prefill(eng: Engine, slot: int, prompt: list[int], cached: int) -> int:
+    """Feed the prompt from `cached` on; returns the first sampled token."""
     key = eng.request_key(0)
     while cached < len(prompt):
         chunk = prompt[cached: cached + eng.prefill_chunk]
         (s,), _ = eng.step([Row(slot, chunk, GREEDY, key, 0)], [])
         cached += len(chunk)
-    eng.close(slot)
     return s.token
 
 
-def to_entry(saved: SavedPages, model: str, kv_format: str, page_size: int) -> bytes:
-    hashes = np.frombuffer(b"".join(saved.hashes), np.uint8).reshape(saved.num_blocks, -1)
-    info = EntryInfo(model, kv_format, page_size, saved.num_blocks * page_size,
-                     saved.hashes[-1].hex())
-    return encode(info, {**saved.arrays, "block_hashes": hashes})
+def restore(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[int, int]:
+    """Look the prompt up in `store`, load the hit and open a slot with it."""
+    hit = store.lookup(eng.prompt_hashes(prompt))
+    arrays, hashes = store.load(hit)
+    return eng.open(prompt, restore=SavedPages(hit.blocks, arrays, hashes))
 
 
-def from_entry(data: bytes, model: str, kv_format: str) -> SavedPages:
-    _, arrays = decode(data, model=model, kv_format=kv_format)
-    arrays = dict(arrays)
-    hashes = [row.tobytes() for row in arrays.pop("block_hashes")]
-    return SavedPages(len(hashes), arrays, hashes)
+def timed(fn, repeats: int) -> tuple[float, int]:
+    """(median ms of `repeats` runs after an untimed one, the untimed run's result)."""
+    first = fn()[1]
+    samples = [fn()[0] for _ in range(repeats)]
+    return float(np.median(samples)), first
 
 
-def restored(eng: Engine, prompt: list[int], tier, name: str, model: str,
-             kv_format: str) -> int:
-    """First token of `prompt` with its history read from `tier`, decoded and restored."""
-    return first_token(eng, prompt, restore=from_entry(tier.get(name), model, kv_format))
+def recompute_run(eng: Engine, prompt: list[int]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    slot, cached = eng.open(prompt)
+    token = prefill(eng, slot, prompt, cached)
+    ms = (time.perf_counter() - t0) * 1e3
+    eng.close(slot)
+    return ms, token
+
+
+def restore_run(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    slot, cached = restore(eng, store, prompt)
+    token = prefill(eng, slot, prompt, cached)
+    ms = (time.perf_counter() - t0) * 1e3
+    eng.close(slot)
+    return ms, token
+
+
+def load_run(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    slot, cached = restore(eng, store, prompt)  # all layers written, awaited (scan engine)
+    ms = (time.perf_counter() - t0) * 1e3
+    token = prefill(eng, slot, prompt, cached)
+    eng.close(slot)
+    return ms, token
+
+
+def compute_run(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[float, int]:
+    slot, cached = restore(eng, store, prompt)
+    jax.block_until_ready(eng.pool)
+    t0 = time.perf_counter()
+    token = prefill(eng, slot, prompt, cached)
+    ms = (time.perf_counter() - t0) * 1e3
+    eng.close(slot)
+    return ms, token
 
 
 def svg_bars(rows: list[dict], title: str) -> str:
-    colors = {"recompute": "#d62728", "host": "#1f77b4", "disk": "#ff7f0e"}
-    w, h, left, bottom, top, bar = 120 + 150 * len(rows), 320, 60, 50, 40, 34
+    colors = {"recompute": "#d62728", "host": "#1f77b4", "disk": "#ff7f0e",
+              "layerwise": "#2ca02c", "load": "#9467bd", "compute": "#8c564b"}
+    w, h, left, bottom, top, bar = 120 + 250 * len(rows), 320, 60, 50, 40, 34
     peak = max(r[f"{k}_ms"] for r in rows for k in colors)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
            'font-family="sans-serif" font-size="12">',
@@ -88,12 +125,12 @@ def svg_bars(rows: list[dict], title: str) -> str:
                    f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">'
                    f'{frac * peak:.0f} ms</text>')
     for g, r in enumerate(rows):
-        x0 = left + 15 + g * 150
+        x0 = left + 15 + g * 250
         for i, k in enumerate(colors):
             v = r[f"{k}_ms"] * scale
             out.append(f'<rect x="{x0 + i * (bar + 4)}" y="{h - bottom - v}" width="{bar}" '
                        f'height="{v}" fill="{colors[k]}"/>')
-        out.append(f'<text x="{x0 + 55}" y="{h - bottom + 16}" text-anchor="middle">'
+        out.append(f'<text x="{x0 + 110}" y="{h - bottom + 16}" text-anchor="middle">'
                    f'{r["history_tokens"]} tokens</text>')
     out += svg_legend(colors, w - 90, top)
     out.append("</svg>")
@@ -128,52 +165,55 @@ def main() -> None:
                       **kw)
 
     rng = np.random.default_rng(args.seed)
-    timed = make_engine(enable_prefix_caching=False)
-    model_id = f"{args.model}|{cfg}"
+    scan = make_engine(enable_prefix_caching=False)
+    layerwise = make_engine(enable_prefix_caching=False, execution="layerwise")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        host, disk = HostTier(2**34), PersistentTier(tmp, 2**40)
+        fmt_args = {"model": scan.fingerprint, "kv_format": scan.kv_format, "page_size": 16}
+        host = KVStore(StoreConfig(host_cache_bytes=2**35), **fmt_args)
+        disk = KVStore(StoreConfig(store_dir=tmp, disk_cache_bytes=2**40), **fmt_args)
         for length in tqdm(lengths, desc="history lengths"):
             history = rng.integers(0, cfg.vocab_size, length).tolist()
             follow_up = history + rng.integers(0, cfg.vocab_size, args.new_tokens).tolist()
             saver = make_engine()
-            slot, _ = saver.open(history)
-            key = saver.request_key(0)
-            for i in range(0, length, args.prefill_chunk):
-                saver.step([Row(slot, history[i: i + args.prefill_chunk], GREEDY, key, 0)], [])
-            saved = saver.save_pages(slot)
-            t0 = time.perf_counter()
-            data = to_entry(saved, model_id, fmt.name, 16)
-            encode_ms = (time.perf_counter() - t0) * 1e3
-            name = f"h{length}"
-            host.put(name, data)
-            disk.put(name, data)
-            del saver
+            slot, cached = saver.open(history)
+            prefill(saver, slot, history, cached)
+            saved = saver.gather(slot)
+            for store in (host, disk):
+                store.save(saved.num_blocks, saved.arrays, saved.hashes)
+                store.flush()
+            del saver, saved
 
-            runs = {"recompute": partial(first_token, timed, follow_up),
-                    "host": partial(restored, timed, follow_up, host, name, model_id, fmt.name),
-                    "disk": partial(restored, timed, follow_up, disk, name, model_id, fmt.name)}
+            runs = {"recompute": partial(recompute_run, scan, follow_up),
+                    "host": partial(restore_run, scan, host, follow_up),
+                    "disk": partial(restore_run, scan, disk, follow_up),
+                    "layerwise": partial(restore_run, layerwise, host, follow_up),
+                    "load": partial(load_run, scan, host, follow_up),
+                    "compute": partial(compute_run, scan, host, follow_up)}
             times, tokens = {}, {}
             for k, fn in runs.items():
-                tokens[k] = fn()  # compiles this path's shapes
-                samples = []
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    fn()
-                    samples.append((time.perf_counter() - t0) * 1e3)
-                times[k] = float(np.median(samples))
-            rows.append({"history_tokens": length, "entry_bytes": len(data),
-                         "encode_ms": encode_ms,
+                times[k], tokens[k] = timed(fn, args.repeats)
+            rows.append({"history_tokens": length,
+                         "entry_bytes": host.snapshot()["bytes"]["host"],
                          **{f"{k}_ms": v for k, v in times.items()},
                          "speedup_host": times["recompute"] / times["host"],
                          "speedup_disk": times["recompute"] / times["disk"],
+                         "speedup_layerwise": times["recompute"] / times["layerwise"],
+                         "read_buffer_layers": layerwise.read_buffer_layers(
+                             host.snapshot()["bytes"]["host"], args.new_tokens),
                          "same_first_token": len(set(tokens.values())) == 1})
-    print(f"{'history':>8}{'entry MB':>10}{'recompute':>11}{'host':>9}{'disk':>9}"
-          f"{'host x':>8}{'disk x':>8}  same token")
+            for store in (host, disk):  # the next length starts from empty stores
+                store.clear()
+        host.close()
+        disk.close()
+    print(f"{'history':>8}{'entry MB':>9}" + "".join(f"{k:>11}" for k in PATHS)
+          + f"{'host x':>8}{'disk x':>8}{'lw x':>7}{'buffer':>8}  same token")
     for r in rows:
-        print(f"{r['history_tokens']:>8}{r['entry_bytes'] / 1e6:>10.1f}"
-              f"{r['recompute_ms']:>9.0f}ms{r['host_ms']:>7.0f}ms{r['disk_ms']:>7.0f}ms"
-              f"{r['speedup_host']:>8.1f}{r['speedup_disk']:>8.1f}  {r['same_first_token']}")
+        print(f"{r['history_tokens']:>8}{r['entry_bytes'] / 1e6:>9.1f}"
+              + "".join(f"{r[k + '_ms']:>9.0f}ms" for k in PATHS)
+              + f"{r['speedup_host']:>8.1f}{r['speedup_disk']:>8.1f}"
+              f"{r['speedup_layerwise']:>7.1f}{r['read_buffer_layers']:>8}"
+              f"  {r['same_first_token']}")
     device = jax.devices()[0]
     tag = "cpu" if device.platform == "cpu" else device.device_kind.replace(" ", "_").lower()
     svg = svg_bars(rows, f"TTFT of a follow-up (+{args.new_tokens} tokens), "

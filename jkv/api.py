@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jkv.config import CacheConfig, KVFormat, SchedulerConfig
+from jkv.config import CacheConfig, KVFormat, SchedulerConfig, StoreConfig
 from jkv.engine import Engine
 from jkv.metrics import Metrics
 from jkv.models.loaders import default_model_path
@@ -21,6 +21,7 @@ from jkv.models.params_cache import load_params
 from jkv.models.tokenizer import eos_token_ids, load_tokenizer
 from jkv.sampling import SamplingParams
 from jkv.scheduler import Request, Scheduler, generate_all
+from jkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,14 @@ class LLM:
     prefill chunks together (None: prefill_chunk). execution: "scan" runs all layers in
     one compiled step; "layerwise" dispatches one compiled layer per layer (same outputs;
     the path that overlaps KV transfers with compute).
+
+    The KV store keeps finished requests' KV off the device so a later turn restores it
+    instead of recomputing it: host_cache_bytes of host DRAM (0: none), and a persistent
+    tier in store_dir (a directory, tensorstore OCDBT) or store_spec (any tensorstore
+    kvstore spec or URL, e.g. "s3://bucket/prefix/") of at most disk_cache_bytes, which
+    another process opening the same directory reuses. eviction_policy: "scheduler"
+    (CachedAttention's look-ahead windows over the waiting queue), "lru" or "fifo". Call
+    `close()` (or use `with LLM(...) as llm:`) so queued saves are written.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
@@ -137,7 +146,15 @@ class LLM:
                  kv_cache_bytes: int = CacheConfig.kv_cache_bytes, max_num_seqs: int = 8,
                  prefill_chunk: int = 512, params_cache: bool = True,
                  enable_prefix_caching: bool = True, device_cache_bytes: int | None = None,
-                 max_num_batched_tokens: int | None = None, execution: str = "scan") -> None:
+                 max_num_batched_tokens: int | None = None, execution: str = "scan",
+                 host_cache_bytes: int = StoreConfig.host_cache_bytes,
+                 disk_cache_bytes: int = StoreConfig.disk_cache_bytes,
+                 store_dir: str | os.PathLike | None = None, store_spec: str | dict | None = None,
+                 eviction_policy: str = StoreConfig.eviction_policy) -> None:
+        store_config = StoreConfig(host_cache_bytes=host_cache_bytes,
+                                   disk_cache_bytes=disk_cache_bytes,
+                                   store_dir=None if store_dir is None else str(store_dir),
+                                   store_spec=store_spec, eviction_policy=eviction_policy)
         cache = CacheConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
                             kv_format=KVFormat.parse(kv_format))
         path = default_model_path() if model is None else Path(model)
@@ -158,7 +175,12 @@ class LLM:
                              enable_prefix_caching=enable_prefix_caching,
                              device_cache_bytes=device_cache_bytes, model_id=str(path),
                              execution=execution)
-        self.scheduler = Scheduler(self.engine, SchedulerConfig(max_num_batched_tokens))
+        self.store = None
+        if store_config.enabled:
+            self.store = KVStore(store_config, model=self.engine.fingerprint,
+                                 kv_format=self.engine.kv_format, page_size=page_size)
+        self.scheduler = Scheduler(self.engine, SchedulerConfig(max_num_batched_tokens),
+                                   store=self.store)
         self.metrics = Metrics()
         self._loop: threading.Thread | None = None
         self.eos_ids = frozenset(eos_token_ids(self.tokenizer))
@@ -298,8 +320,23 @@ class LLM:
         self.scheduler.stop_all("abort")
 
     def stats(self) -> dict:
-        """Serving counters: the figures `/metrics` exports (see `jkv.metrics`)."""
+        """Serving counters: the figures `/metrics` exports (see `jkv.metrics`). With a KV
+        store, "store" holds its entries and bytes per tier and its event counters."""
         return self.scheduler.snapshot()
+
+    def close(self) -> None:
+        """Stop serving and write what the store still has queued; the host tier's entries
+        move to the persistent tier as far as it has room (then another process can reuse
+        them). The LLM cannot generate after this."""
+        self.stop_serving()
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | Sequence[int] | Iterable[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

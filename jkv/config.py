@@ -162,3 +162,44 @@ class SchedulerConfig:
         if n is not None and (not isinstance(n, int) or n < 1):
             raise ValueError(f"SchedulerConfig.max_num_batched_tokens must be a positive "
                              f"integer or None, got {n!r}")
+
+
+EVICTION_POLICIES = ("lru", "fifo", "scheduler")  # jkv.store.placement
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where finished requests' KV is kept off the device (`jkv.store`).
+
+    host_cache_bytes: the host DRAM tier's budget (0: no host tier). store_dir: a directory
+    for the persistent tier (tensorstore OCDBT); store_spec: any tensorstore kvstore spec or
+    URL instead (``s3://bucket/prefix/``, a dict). disk_cache_bytes: the persistent tier's
+    budget. eviction_policy: which entry a full tier gives up (`jkv.store.placement`).
+    """
+
+    host_cache_bytes: int = 0
+    disk_cache_bytes: int = 64 << 30
+    store_dir: str | None = None
+    store_spec: str | dict | None = None
+    eviction_policy: str = "scheduler"
+
+    def __post_init__(self) -> None:
+        for name in ("host_cache_bytes", "disk_cache_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"StoreConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.store_dir is not None and self.store_spec is not None:
+            raise ValueError("give StoreConfig.store_dir or StoreConfig.store_spec, not both")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"StoreConfig.eviction_policy must be one of {EVICTION_POLICIES}, "
+                             f"got {self.eviction_policy!r}")
+
+    @property
+    def persistent(self) -> str | dict | None:
+        """The persistent tier's location, or None."""
+        return self.store_dir if self.store_spec is None else self.store_spec
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_cache_bytes > 0 or (self.persistent is not None
+                                             and self.disk_cache_bytes > 0)

@@ -18,6 +18,7 @@ from the longest cached run of its prompt's blocks.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Sequence
@@ -124,6 +125,19 @@ class Row:
     num_generated: int = 0  # folded into the key: token i of a request has its own stream
 
 
+@dataclass
+class _Restore:
+    """Saved pages waiting to be written into the pool: `pages[field]` is [count, layers,
+    KV heads, ...] for page ids `ids` [count, layers, KV heads] (null ids: padding)."""
+
+    ids: np.ndarray
+    pages: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.pages.values())
+
+
 class Sampled(NamedTuple):
     """A row's new token, its log-probability and the most likely alternatives."""
 
@@ -135,12 +149,20 @@ class Sampled(NamedTuple):
 
 @dataclass
 class SavedPages:
-    """A sequence's first `num_blocks` full blocks as host arrays, in the pool's format:
-    `arrays[field]` is [num_blocks, layers, KV heads, page, ...] (`jkv.cache.transfer`)."""
+    """A sequence's first `num_blocks` full blocks in the pool's format: `arrays[field]` is
+    [>= num_blocks, layers, KV heads, page, ...] (`jkv.cache.transfer`), rows past
+    `num_blocks` padding. Host arrays, or device arrays still being gathered (`gather`)."""
 
     num_blocks: int
-    arrays: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray | jax.Array]
     hashes: list[bytes]  # chained block hashes of its tokens (model, format, page size)
+
+    def fetch(self) -> SavedPages:
+        """The same blocks as host arrays of exactly `num_blocks` rows (waits for the copy)."""
+        arrays = jax.device_get(self.arrays)
+        return SavedPages(self.num_blocks,
+                          {f: np.asarray(x)[: self.num_blocks] for f, x in arrays.items()},
+                          self.hashes[: self.num_blocks])
 
 
 @dataclass
@@ -228,12 +250,17 @@ class Engine:
         self.blocks = jnp.zeros((max(capacity, 1), cfg.num_layers, cfg.num_kv_heads), jnp.int32)
         self._hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
                            f"{cfg}").encode()
+        self.kv_format = cache.kv_format.name
+        # names the KV this engine writes (model, format, page size, shapes) in stored entries
+        self.fingerprint = hashlib.blake2b(self._hash_seed, digest_size=16).hexdigest()
 
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self._slot_rows: list[list[int]] = [[] for _ in range(max_num_seqs)]  # cache rows read
         self._seed, self._requests_seen = seed, 0
         self.stats = EngineStats()
+        self._restores: dict[int, _Restore] = {}  # slot -> saved pages not yet written
+        self.load_bytes_per_s = 0.0  # measured restore rate (host arrays into the pool)
 
     # ------------------------------------------------------------------ accounting
 
@@ -266,10 +293,9 @@ class Engine:
         return self.pages_for(held + num_tokens) - self.pages_for(held)
 
     def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Block hashes of the part of a prompt that could come from the prefix cache (all
-        full blocks but the last token: that one is always computed, for its logits)."""
-        if not self.enable_prefix_caching:
-            return []
+        """Block hashes of the part of a prompt that could come from the prefix cache or the
+        store (all full blocks but the last token: that one is always computed, for its
+        logits)."""
         n = (len(token_ids) - 1) // self.page_size
         return block_hashes(token_ids, self.page_size, self._hash_seed, n)
 
@@ -355,8 +381,9 @@ class Engine:
 
     def _restore(self, slot: int, first: int, saved: SavedPages,
                  token_ids: Sequence[int]) -> int:
-        """Write saved blocks [first, n) into new pages of `slot` (never the prompt's last
-        token: it is computed for its logits); returns the tokens the slot then holds."""
+        """Reserve new pages of `slot` for saved blocks [first, n) (never the prompt's last
+        token: it is computed for its logits) and queue their contents for writing
+        (`_Restore`); returns the tokens the slot then holds."""
         n = self._restorable(saved, token_ids)
         need = self.pages_for(n * self.page_size) - self.pages_for(first * self.page_size)
         if n <= first or not self._make_room(need):
@@ -375,23 +402,59 @@ class Engine:
             part = np.zeros((count, *x.shape[1:]), x.dtype)
             part[: n - first] = x[first:n]
             pages[f] = part
-        self.pool = scatter_pages(self.pool, ids, pages)
+        self._restores[slot] = _Restore(np.asarray(ids), pages)
+        if self.execution != "layerwise" or not self.load_bytes_per_s:
+            self._write_restores([slot])  # at once, timed (the first one measures the rate)
         self.stats.restored_tokens += (n - first) * self.page_size
         return n * self.page_size
 
-    def save_pages(self, slot: int) -> SavedPages:
-        """The full blocks `slot` holds, copied to the host (for the store)."""
+    def _write_restores(self, slots: Sequence[int]) -> None:
+        """Write the queued restores of `slots` into the pool, every layer at once."""
+        for slot in slots:
+            r = self._restores.pop(slot, None)
+            if r is not None:
+                t0 = time.perf_counter()
+                self.pool = jax.block_until_ready(scatter_pages(self.pool, r.ids, r.pages))
+                self._learn_load(r.nbytes, time.perf_counter() - t0)
+
+    def _learn_load(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            rate = nbytes / seconds
+            self.load_bytes_per_s = rate if not self.load_bytes_per_s else (
+                0.8 * self.load_bytes_per_s + 0.2 * rate)
+
+    def read_buffer_layers(self, load_bytes: int, new_tokens: int) -> int:
+        """Layers of restored KV to have in flight ahead of the layer computing
+        (CachedAttention 3.2.1): the buffer covers the gap between loading the history,
+        T_load * L_hist, and prefilling the new tokens, T_pref * L_new; at least one layer.
+        From measured rates; every layer until both have been measured."""
+        layers = self.cfg.num_layers
+        per_token = self.stats.prefill_seconds / max(self.stats.prefill_tokens, 1)
+        if not self.load_bytes_per_s or not per_token:
+            return layers
+        gap = load_bytes / self.load_bytes_per_s - per_token * new_tokens
+        buffer_bytes = self.load_bytes_per_s * max(gap, 0.0)  # S_buf = B (T_load L_hist - ...)
+        return min(layers, max(1, math.ceil(buffer_bytes / (load_bytes / layers))))
+
+    def gather(self, slot: int) -> SavedPages:
+        """The full blocks `slot` holds, as device arrays being copied out of the pool: the
+        copy is dispatched, not awaited, and later steps may reuse the pages (`fetch` it on
+        another thread: what the store's write-behind does)."""
+        self._write_restores([slot])
         n = len(self.slot_tokens[slot]) // self.page_size
-        count = bucket(n)
         ids = slot_page_ids(self.tables.pages, jnp.int32(slot), jnp.int32(0), jnp.int32(n),
-                            count=count)
-        arrays = jax.device_get(gather_pages(self.pool, ids))
-        return SavedPages(n, {f: np.asarray(x[:n]) for f, x in arrays.items()},
+                            count=bucket(n))
+        return SavedPages(n, gather_pages(self.pool, ids),
                           block_hashes(self.slot_tokens[slot], self.page_size, self._hash_seed))
+
+    def save_pages(self, slot: int) -> SavedPages:
+        """The full blocks `slot` holds, copied to the host."""
+        return self.gather(slot).fetch()
 
     def close(self, slot: int) -> None:
         """End the sequence in `slot`: its full blocks go to the prefix cache (when on) and
         its other pages back to the pool."""
+        self._write_restores([slot])  # the prefix cache may hand its pages to another
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
         keep = np.zeros((self.max_num_seqs + 1, self.max_pages), bool)
         keep[slot, : len(shared)] = True
@@ -451,6 +514,7 @@ class Engine:
             raise RuntimeError(f"the step needs {need} new KV pages and only "
                                f"{self.available_pages} can be had")
         t0 = time.perf_counter()
+        self._write_restores([s for s in list(self._restores) if s not in slots])
         self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(new_len))
         self.free_pages -= need
         groups = self._prefill_groups(prefill) + ([list(decode)] if decode else [])
@@ -563,11 +627,26 @@ class Engine:
                 positions, valid, last_idx, keys, num_generated, temperature, top_p, top_k,
                 width=width)
             return out
-        # one dispatch per layer, the same compiled layer each time: the seam where later
-        # work overlaps host and disk transfers with compute
+        # one dispatch per layer, the same compiled layer each time; restored KV is copied to
+        # the device a few layers ahead (the read buffer) while earlier layers compute
+        restores = [self._restores.pop(r.slot) for r in rows if r.slot in self._restores]
+        ahead = self.read_buffer_layers(sum(r.nbytes for r in restores),
+                                        sum(len(r.tokens) for r in rows)) if restores else 0
+        staged: dict[int, list] = {}
+
+        def stage(index: int) -> None:
+            staged[index] = [(r.ids[:, index], jax.device_put(
+                {f: x[:, index] for f, x in r.pages.items()})) for r in restores]
+
+        for index in range(min(ahead, self.cfg.num_layers)):
+            stage(index)
         x = self._embed(self.params, tokens)
         slots, positions, valid = jax.device_put((slots, positions, valid))
         for index in range(self.cfg.num_layers):
+            if restores and index + ahead < self.cfg.num_layers:
+                stage(index + ahead)
+            for ids, pages in staged.pop(index, ()):
+                self.pool = scatter_pages(self.pool, ids, pages)
             x, self.pool, self.filling = self._layer(
                 self.params, self.pool, self.filling, self.tables.pages, slots, x, positions,
                 valid, np.int32(index), width=width)

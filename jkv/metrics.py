@@ -12,6 +12,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TIERS = ("device", "host", "disk")
+_STORE_TIERS = ("host", "disk")
+_STORE_COUNTERS = (  # (key of stats()["store"], metric name, help)
+    ("corrupt_entries", "jkv_store_corrupt_entries",
+     "Stored KV entries that failed validation (served as misses, then deleted)."),
+    ("evictions", "jkv_store_evictions", "Stored KV entries dropped to make room."),
+    ("offloads", "jkv_store_offloads", "Stored KV entries moved from host to disk."),
+    ("prefetches", "jkv_store_prefetches",
+     "Stored KV entries moved from disk to host ahead of their request."),
+    ("saves", "jkv_store_saves", "KV entries written to the store."),
+)
 _GAUGES = (  # (stats key = metric name without the prefix, help)
     ("num_requests_running", "Requests holding a sequence slot."),
     ("num_requests_waiting", "Requests queued for admission."),
@@ -45,6 +55,14 @@ class Metrics:
         self.counters = {key: Counter(name, doc, registry=r) for key, name, doc in _COUNTERS}
         for tier in _TIERS:
             self.hits.labels(tier=tier)
+        self.store_bytes = Gauge("jkv_store_bytes", "Bytes of KV entries held, by store tier.",
+                                 ["tier"], registry=r)
+        self.store_capacity = Gauge("jkv_store_capacity_bytes", "Byte budget of each store "
+                                    "tier.", ["tier"], registry=r)
+        self.store_entries = Gauge("jkv_store_entries", "KV entries held, by store tier.",
+                                   ["tier"], registry=r)
+        self.store_counters = {key: Counter(name, doc, registry=r)
+                               for key, name, doc in _STORE_COUNTERS}
         self._seen: dict[str, float] = {}
 
     def _advance(self, counter, name: str, value: float) -> None:
@@ -62,6 +80,14 @@ class Metrics:
         for tier in _TIERS:
             self._advance(self.hits.labels(tier=tier), f"hit/{tier}",
                           stats["prefix_hit_tokens"][tier])
+        store = stats.get("store")
+        if store is not None:
+            for tier in _STORE_TIERS:
+                self.store_bytes.labels(tier=tier).set(store["bytes"][tier])
+                self.store_capacity.labels(tier=tier).set(store["capacity_bytes"][tier])
+                self.store_entries.labels(tier=tier).set(store["entries"][tier])
+            for key, counter in self.store_counters.items():
+                self._advance(counter, f"store/{key}", store[key])
 
     def observe_finished(self, request) -> None:
         """Latency histograms for a finished request (a `jkv.scheduler.Request`)."""

@@ -18,6 +18,12 @@ Policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 - while running decodes carry a TPOT target, prefill tokens per step are capped so the
   estimated step time stays within the tightest target, unless a waiting request is already
   past its TTFT deadline (then both promises are broken and the oldest one wins).
+
+With a KV store (`jkv.store.KVStore`): a waiting request's prompt is also looked up in the
+store; blocks found there past the device prefix cache's hit count as held (their pages as
+pages admission takes) and are restored into the pool when it is admitted; the store gets the
+waiting queue as its prefetch/eviction hint every step, and a finishing request's full blocks
+are handed to the store's write-behind.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jkv.config import SchedulerConfig
-from jkv.engine import Engine, Row, Sampled
+from jkv.engine import Engine, Row, Sampled, SavedPages
 from jkv.sampling import SamplingParams
+from jkv.store.store import Hit, KVStore
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +183,7 @@ class Request:
     _computed_before: int = field(default=0, repr=False)
     _key: np.ndarray | None = field(default=None, repr=False)
     _hashes: list[bytes] | None = field(default=None, repr=False)
+    _hit: Hit | None = field(default=None, repr=False)  # the store's blocks it would restore
 
     @property
     def tokens(self) -> list[int]:
@@ -192,15 +200,19 @@ class SchedulerStats:
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     finished: int = 0
     aborted: int = 0
+    restored_tokens: dict = field(default_factory=lambda: {"host": 0, "disk": 0})
+    store_misses: int = 0  # store hits that could not be restored (gone, corrupt): recomputed
 
 
 class Scheduler:
     """The serving loop's state. `add` and `abort` may be called from any thread; `step`
     from one thread only."""
 
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None,
+                 store: KVStore | None = None) -> None:
         self.engine = engine
         self.config = config or SchedulerConfig()
+        self.store = store
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -278,13 +290,13 @@ class Scheduler:
         eng, st = self.engine, self.engine.stats
         with self._lock:
             waiting = len(self.waiting) + len(self._incoming)
-        return {
+        out = {
             "num_requests_running": len(self.running),
             "num_requests_waiting": waiting,
             "kv_pages_used": eng.pages_used,
             "kv_pages_total": eng.total_pages,
             "kv_pages_cached": len(eng.prefix) * eng.block_pages,
-            "prefix_hit_tokens": {"device": st.prefix_hit_tokens, "host": 0, "disk": 0},
+            "prefix_hit_tokens": {"device": st.prefix_hit_tokens, **self.stats.restored_tokens},
             "prefix_query_tokens": st.prefix_query_tokens,
             "recomputed_tokens": self.stats.recomputed_tokens,
             "preemptions": self.stats.preemptions,
@@ -295,6 +307,9 @@ class Scheduler:
             "requests_finished": self.stats.finished,
             "requests_aborted": self.stats.aborted,
         }
+        if self.store is not None:
+            out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses}
+        return out
 
     # ------------------------------------------------------------------ one step
 
@@ -311,11 +326,52 @@ class Scheduler:
         if r._hashes is None:
             r._hashes = eng.prompt_hashes(tokens)
         cached, pinned = eng.lookup(r._hashes)
+        r._hit = None
+        if self.store is not None:
+            hit = self.store.lookup(r._hashes)
+            if hit is not None and hit.blocks * eng.page_size > cached:
+                # restoring takes new pages for the stored blocks past the device hit
+                pinned += eng.pages_for(hit.blocks * eng.page_size) - eng.pages_for(cached)
+                cached, r._hit = hit.blocks * eng.page_size, hit
         return Candidate(r.request_id, r.arrival, len(tokens) - cached, cached, False,
                          r.priority, pinned, ttft, tpot)
 
+    def _open(self, r: Request) -> int:
+        """Give `r` a slot; its held prefix comes from the device prefix cache and, for a
+        store hit, from the store (a hit that cannot be loaded is recomputed)."""
+        eng, hit = self.engine, r._hit
+        restore = None
+        if hit is not None:
+            loaded = self.store.load(hit)
+            if loaded is None:
+                self.stats.store_misses += 1
+            else:
+                restore = SavedPages(hit.blocks, *loaded)
+        before = eng.stats.restored_tokens
+        try:
+            r.slot, cached = eng.open(r.tokens, restore=restore)
+        except ValueError:  # the loaded blocks are not this prompt's: never serve them
+            log.exception("restoring request %s from the store failed; recomputing",
+                          r.request_id)
+            self.stats.store_misses += 1
+            r.slot, cached = eng.open(r.tokens)
+        if hit is not None:
+            self.stats.restored_tokens[hit.tier] += eng.stats.restored_tokens - before
+        r._hit = None
+        return cached
+
+    def _save(self, r: Request) -> None:
+        """Hand `r`'s full blocks to the store's write-behind (never fails the request)."""
+        try:
+            saved = self.engine.gather(r.slot)
+            self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id)
+        except Exception:
+            log.exception("could not queue request %s's KV for the store", r.request_id)
+
     def _finish(self, r: Request, reason: str) -> None:
         if r.slot is not None:
+            if self.store is not None and reason != "error":
+                self._save(r)
             self.engine.close(r.slot)
             r.slot = None
         r.finish_reason, r.finish_time = reason, time.monotonic()
@@ -368,8 +424,11 @@ class Scheduler:
             chunk=eng.prefill_chunk, page_size=eng.page_size, block_pages=eng.block_pages,
             now=now, decode_step_seconds=self._decode_s,
             prefill_token_seconds=self._prefill_token_s)
-        plan = plan_step([self._candidate(r, now) for r in self.running],
-                         [self._candidate(r, now) for r in self.waiting], budget)
+        waiting = [self._candidate(r, now) for r in self.waiting]
+        plan = plan_step([self._candidate(r, now) for r in self.running], waiting, budget)
+        if self.store is not None:
+            order = [by_id[c.request_id]._hit for c in sorted(waiting, key=_order)]
+            self.store.hint([hit.key for hit in order if hit is not None])
 
         for rid in plan.preempt:
             r = by_id[rid]
@@ -382,7 +441,7 @@ class Scheduler:
             self.waiting.append(r)
         for rid in plan.admit:
             r = by_id[rid]
-            r.slot, cached = eng.open(r.tokens)
+            cached = self._open(r)
             r.num_computed = cached
             self.stats.recomputed_tokens += max(0, r._computed_before - cached)
             r._computed_before = 0

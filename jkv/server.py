@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jkv.api import LLM
-from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, KV_FORMATS
+from jkv.config import ATTENTION_BACKENDS, EVICTION_POLICIES, EXECUTIONS, KV_FORMATS
 from jkv.models.params_cache import cache_home
 from jkv.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -266,7 +266,7 @@ class _Server:
 
     def close(self) -> None:
         self.closing.set()
-        self.llm.stop_serving()
+        self.llm.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def abort_all(self) -> None:
@@ -774,6 +774,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
                    help="tokens per step, decodes and prefill chunks together; default: "
                         "--prefill-chunk")
+    p.add_argument("--host-cache-bytes", type=int, default=d["host_cache_bytes"],
+                   help="host DRAM for the KV store: finished requests' KV kept off the "
+                        "device, restored (not recomputed) when a later turn needs it; 0 "
+                        "turns the host tier off")
+    p.add_argument("--store-dir", default=None,
+                   help="directory of the persistent KV tier (tensorstore OCDBT: atomic "
+                        "commits, reused by the next server started on it); default: none")
+    p.add_argument("--store-spec", default=None,
+                   help="the persistent KV tier as a tensorstore kvstore URL or JSON spec "
+                        "instead of --store-dir, e.g. s3://bucket/prefix/")
+    p.add_argument("--disk-cache-bytes", type=int, default=d["disk_cache_bytes"],
+                   help="most bytes the persistent KV tier holds")
+    p.add_argument("--eviction-policy", default=d["eviction_policy"],
+                   choices=list(EVICTION_POLICIES),
+                   help="which stored entry a full tier gives up: scheduler (keeps and "
+                        "prefetches the entries of queued requests, CachedAttention), lru, "
+                        "fifo")
     p.add_argument("--execution", default=d["execution"], choices=list(EXECUTIONS),
                    help="scan: every layer in one compiled step (fastest); layerwise: one "
                         "dispatch per layer (same outputs)")
@@ -808,7 +825,8 @@ def build_parser() -> argparse.ArgumentParser:
 _LLM_FLAGS = ("model", "dtype", "max_model_len", "attention_backend", "kv_format", "seed",
               "page_size", "kv_cache_bytes", "max_num_seqs", "prefill_chunk",
               "enable_prefix_caching", "device_cache_bytes", "max_num_batched_tokens",
-              "execution")
+              "execution", "host_cache_bytes", "disk_cache_bytes", "store_dir", "store_spec",
+              "eviction_policy")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -819,6 +837,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("jkv").setLevel(args.log_level.upper())
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+    if args.store_spec and args.store_spec.lstrip().startswith("{"):
+        try:
+            args.store_spec = json.loads(args.store_spec)
+        except ValueError as e:
+            parser.error(f"--store-spec is not valid JSON: {e}")
     try:
         llm = LLM(**{name: getattr(args, name) for name in _LLM_FLAGS})
     except (ValueError, FileNotFoundError) as e:

@@ -44,8 +44,9 @@ def run(eng: Engine, prompt: list[int], restore=None, new: int = 8):
     return out, slot, cached
 
 
-@pytest.mark.parametrize("kv_format", ["auto", "k8v4"])
-def test_restored_pages_give_the_recomputed_tokens(params, kv_format):
+@pytest.mark.parametrize("kv_format,execution", [("auto", "scan"), ("k8v4", "scan"),
+                                                ("auto", "layerwise"), ("k8v4", "layerwise")])
+def test_restored_pages_give_the_recomputed_tokens(params, kv_format, execution):
     rng = np.random.default_rng()
     history = rng.integers(0, 512, 45).tolist()
     first = engine(params, kv_format)
@@ -54,7 +55,9 @@ def test_restored_pages_give_the_recomputed_tokens(params, kv_format):
     assert saved.num_blocks == (45 + 7) // 8  # the prompt and the decoded tokens, whole blocks
     follow_up = history + reply[:-1] + rng.integers(0, 512, 5).tolist()
 
-    fresh = engine(params, kv_format, enable_prefix_caching=False)
+    fresh = engine(params, kv_format, enable_prefix_caching=False, execution=execution)
+    fresh.load_bytes_per_s = 1e9  # a rate known: layerwise restores go through the buffer,
+    fresh.read_buffer_layers = lambda *_: 1  # each layer's pages one layer ahead
     restored, _, _ = run(fresh, follow_up, restore=saved)
     assert fresh.stats.restored_tokens == saved.num_blocks * 8
     assert fresh.stats.prefill_tokens == len(follow_up) - saved.num_blocks * 8
@@ -77,3 +80,20 @@ def test_restore_is_checked_against_the_prompt_and_partial_when_short(params):
     assert cached == 16 and other.stats.restored_tokens == 16
     other.close(slot)
     assert other.available_pages == other.total_pages
+
+
+def test_read_buffer_follows_the_papers_formula(params):
+    eng = engine(params, execution="layerwise")
+    assert eng.read_buffer_layers(10**6, 100) == TINY.num_layers  # nothing measured yet
+    eng.load_bytes_per_s = 1e9  # 1 GB/s: a 10 MB history loads in 10 ms
+    eng.stats.prefill_tokens, eng.stats.prefill_seconds = 1000, 0.01  # 10 us per token
+    assert eng.read_buffer_layers(10**7, 1000) == 1  # prefill (10 ms) hides the load
+    # 40 ms of loading against 10 ms of prefill: a 30 MB buffer of 40 MB over 2 layers
+    assert eng.read_buffer_layers(4 * 10**7, 1000) == 2
+    eng = Engine(TINY.replace(num_layers=8), random_params(TINY.replace(num_layers=8)),
+                 cache=CacheConfig(page_size=8, kv_cache_bytes=8_000_000), max_model_len=128,
+                 execution="layerwise")
+    eng.load_bytes_per_s = 1e9
+    eng.stats.prefill_tokens, eng.stats.prefill_seconds = 1000, 0.01
+    # S_buf = B (T_load L_hist - T_pref L_new) = 1e9 * (0.04 - 0.025) = 15 MB = 3 of 8 layers
+    assert eng.read_buffer_layers(4 * 10**7, 2500) == 3

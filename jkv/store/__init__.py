@@ -1,8 +1,11 @@
-"""Host and persistent KV tiers: entry codec, DRAM and tensorstore tiers, placement."""
+"""Host and persistent KV tiers: entry codec, DRAM and tensorstore tiers, placement, and the
+store that puts them together."""
 
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode
 from jkv.store.placement import POLICIES, TIERS, Move, Placement
+from jkv.store.store import Hit, KVStore
 from jkv.store.tiers import HostTier, PersistentTier, TierFull
 
-__all__ = ["POLICIES", "TIERS", "CorruptEntry", "EntryInfo", "EntryMismatch", "HostTier",
-           "Move", "PersistentTier", "Placement", "TierFull", "decode", "encode"]
+__all__ = ["POLICIES", "TIERS", "CorruptEntry", "EntryInfo", "EntryMismatch", "Hit",
+           "HostTier", "KVStore", "Move", "PersistentTier", "Placement", "TierFull", "decode",
+           "encode"]

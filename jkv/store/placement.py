@@ -25,7 +25,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-POLICIES = ("lru", "fifo", "scheduler")
+from jkv.config import EVICTION_POLICIES as POLICIES
+
 TIERS = ("dram", "disk")
 
 
@@ -144,6 +145,28 @@ class Placement:
             self._add("dram", session, size, used=item.used)
             moves.append(Move(session, "disk", "dram"))
         return moves
+
+    def adopt(self, session: Hashable, size: int, tier: str) -> bool:
+        """Count an item already held in `tier` (a store reopened): False, and nothing
+        counted, if it does not fit."""
+        if self.where(session) is not None or self._used[tier] + size > self.capacity[tier]:
+            return False
+        self._add(tier, session, size)
+        return True
+
+    def spill(self, session: Hashable, queue: Sequence[Hashable] = ()) -> list[Move]:
+        """Move `session` from DRAM to disk (a store closing keeps what it can), making room
+        on disk by the policy; no moves if it is not in DRAM or cannot fit."""
+        if self.where(session) != "dram":
+            return []
+        size = self._tiers["dram"][session].size
+        moves: list[Move] = []
+        if size > self.capacity["disk"] or not self._make_room("disk", size, queue, moves,
+                                                              protect={session}):
+            return []
+        item = self._remove("dram", session)
+        self._add("disk", session, size, used=item.used)
+        return moves + [Move(session, "dram", "disk")]
 
     def drop(self, session: Hashable) -> None:
         """Forget `session` (its entry is gone: corrupt, or deleted by the store)."""

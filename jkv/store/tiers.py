@@ -7,7 +7,9 @@ store decides what to evict (`jkv.store.placement`) before it writes.
 The persistent tier is a tensorstore kvstore wrapped in the OCDBT driver, so every write is
 an atomic commit: a process killed mid-write leaves the previous state. Its index (keys and
 sizes) is rebuilt from the kvstore's listing when it opens: an entry's size is part of its
-stored name, `<key>@<bytes>`, so opening reads no entry.
+stored name, `<key>@<bytes>`, so opening reads no entry. An entry may carry a small `meta`
+record (the store keeps its block hashes there), committed with it as `<key>@<bytes>.meta`
+and read back in one batch by `metas()`; it is not counted against the capacity.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import tensorstore as ts
 
-_NAME = re.compile(r"(?P<key>[0-9A-Za-z_.:-]+)@(?P<size>\d+)")
+_NAME = re.compile(r"(?P<key>[0-9A-Za-z_.:-]+)@(?P<size>\d+)(?P<meta>\.meta)?")
 
 
 class TierFull(ValueError):
@@ -41,6 +43,7 @@ class HostTier:
             raise ValueError(f"host capacity must be >= 0 bytes, got {capacity}")
         self.capacity = capacity
         self._data: dict[str, bytes] = {}
+        self._meta: dict[str, bytes] = {}
         self.bytes_used = 0
 
     def __contains__(self, key: str) -> bool:
@@ -52,20 +55,27 @@ class HostTier:
     def size(self, key: str) -> int:
         return len(self._data[key])
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, meta: bytes = b"") -> None:
         _check_key(key)
         old = len(self._data.get(key, b""))
         if self.bytes_used - old + len(data) > self.capacity:
             raise TierFull(f"host tier: {len(data)} more bytes would exceed its capacity of "
                            f"{self.capacity} ({self.bytes_used} used)")
-        self._data[key] = bytes(data)
+        self._data[key], self._meta[key] = bytes(data), bytes(meta)
         self.bytes_used += len(data) - old
 
     def get(self, key: str) -> bytes | None:
         return self._data.get(key)
 
+    def meta(self, key: str) -> bytes | None:
+        return self._meta.get(key)
+
+    def metas(self) -> dict[str, bytes]:
+        return dict(self._meta)
+
     def delete(self, key: str) -> None:
         data = self._data.pop(key, None)
+        self._meta.pop(key, None)
         if data is not None:
             self.bytes_used -= len(data)
 
@@ -94,15 +104,20 @@ class PersistentTier:
             raise ValueError(f"cannot open the KV store at {spec!r}: {e}") from e
         self._names: dict[str, str] = {}  # key -> stored name
         self._sizes: dict[str, int] = {}
+        self._has_meta: set[str] = set()  # stored names with a meta record beside them
         self.bytes_used = 0
         self.foreign: list[str] = []  # stored names that are not entries (left alone)
         for n in names:
             m = _NAME.fullmatch(n)
             if m is None:
                 self.foreign.append(n)
-                continue
-            self._names[m["key"]], self._sizes[m["key"]] = n, int(m["size"])
-            self.bytes_used += int(m["size"])
+            elif m["meta"]:
+                self._has_meta.add(n[: -len(".meta")])
+            else:
+                self._names[m["key"]], self._sizes[m["key"]] = n, int(m["size"])
+                self.bytes_used += int(m["size"])
+        # a meta record without its entry cannot be left by an atomic commit: not ours
+        self.foreign += [f"{n}.meta" for n in self._has_meta - set(self._names.values())]
 
     def __contains__(self, key: str) -> bool:
         return key in self._names
@@ -113,38 +128,66 @@ class PersistentTier:
     def size(self, key: str) -> int:
         return self._sizes[key]
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, meta: bytes = b"") -> None:
         _check_key(key)
         old = self._sizes.get(key, 0)
         if self.bytes_used - old + len(data) > self.capacity:
             raise TierFull(f"disk tier: {len(data)} more bytes would exceed its capacity of "
                            f"{self.capacity} ({self.bytes_used} used)")
         name = f"{key}@{len(data)}"
-        txn = ts.Transaction(atomic=True)  # the new name and the old one's removal together
-        self._kv.with_transaction(txn).write(name, bytes(data)).result()
-        if key in self._names and self._names[key] != name:
+        txn = ts.Transaction(atomic=True)  # the new names and the old ones' removal together
+        kv = self._kv.with_transaction(txn)
+        if key in self._names:
             self._delete_name(self._names[key], txn)
+        kv.write(name, bytes(data)).result()
+        if meta:
+            kv.write(f"{name}.meta", bytes(meta)).result()
         txn.commit_async().result()
+        self._has_meta.discard(self._names.get(key))
+        if meta:
+            self._has_meta.add(name)
         self._names[key], self._sizes[key] = name, len(data)
         self.bytes_used += len(data) - old
 
-    def get(self, key: str) -> bytes | None:
-        """The stored bytes, or None when absent or unreadable (a damaged store)."""
-        name = self._names.get(key)
-        if name is None:
-            return None
+    def _read(self, name: str) -> bytes | None:
         try:
             r = self._kv.read(name).result()
         except (ValueError, RuntimeError):
             return None
         return bytes(r.value) if r.state == "value" else None
 
+    def meta(self, key: str) -> bytes | None:
+        name = self._names.get(key)
+        return None if name not in self._has_meta else self._read(f"{name}.meta")
+
+    def metas(self) -> dict[str, bytes]:
+        """Every entry's meta record, read in one batch of concurrent reads (entries without
+        one, or whose record cannot be read, are left out)."""
+        futures = {k: self._kv.read(f"{n}.meta") for k, n in self._names.items()
+                   if n in self._has_meta}
+        out = {}
+        for key, future in futures.items():
+            try:
+                r = future.result()
+            except (ValueError, RuntimeError):
+                continue
+            if r.state == "value":
+                out[key] = bytes(r.value)
+        return out
+
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes, or None when absent or unreadable (a damaged store)."""
+        name = self._names.get(key)
+        return None if name is None else self._read(name)
+
     def delete(self, key: str) -> None:
         name = self._names.pop(key, None)
         if name is not None:
             self.bytes_used -= self._sizes.pop(key)
+            self._has_meta.discard(name)
             self._delete_name(name)
 
     def _delete_name(self, name: str, txn: ts.Transaction | None = None) -> None:
+        """Delete an entry's name and its meta record (one range: both start with name)."""
         kv = self._kv if txn is None else self._kv.with_transaction(txn)
-        kv.delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+        kv.delete_range(ts.KvStore.KeyRange(name, name + ".meta\0")).result()

@@ -1,0 +1,386 @@
+"""The KV store: finished requests' pages kept in host DRAM and a persistent tier, found
+again by chained block hash, never served corrupt.
+
+An entry is the run of full blocks a request held when it finished (blocks 0..n-1 of its
+tokens), named by the hash of its last block. Every block hash of every entry is indexed, so
+a later prompt that shares any leading run of blocks with an entry (the next turn of a chat,
+a regenerated answer) finds it; a new entry that extends an older one (the next turn's save)
+replaces it. Which tier holds an entry, and what a full tier gives up, is `Placement`'s
+decision (LRU, FIFO or scheduler-aware, with the waiting queue as its hint).
+
+Threads: `lookup` and `load` run on the scheduler's thread; saving (the copy off the device,
+encoding, checksumming, writing) and moving entries between tiers run on one background
+writer, so a finishing request never waits for its save. The index is rebuilt from the
+persistent tier's meta records when the store opens. An entry that fails to decode (torn,
+flipped bytes, foreign) is a miss, counted in `corrupt_entries`, and deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from jkv.config import StoreConfig
+from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode
+from jkv.store.placement import Move, Placement
+from jkv.store.tiers import HostTier, PersistentTier, TierFull
+
+log = logging.getLogger(__name__)
+
+TIER_NAMES = {"dram": "host", "disk": "disk"}  # placement's tier names -> the store's
+HASHES = "block_hashes"  # the entry array holding its chained block hashes
+
+
+class Hit(NamedTuple):
+    """The longest stored run of a prompt's blocks: `blocks` blocks of entry `key`."""
+
+    key: str
+    blocks: int
+    tier: str  # "host" or "disk"
+
+
+@dataclass
+class _Entry:
+    hashes: list[bytes]
+    session: str | None
+
+
+@dataclass
+class StoreStats:
+    saves: int = 0  # entries written
+    save_failures: int = 0  # saves that raised (logged; the request was not affected)
+    loads: int = 0  # entries read for a restore
+    corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
+    evictions: int = 0  # entries dropped from the store to make room
+    offloads: int = 0  # entries moved host -> disk
+    prefetches: int = 0  # entries moved disk -> host ahead of their request
+    superseded: int = 0  # entries replaced by a longer one of the same prefix
+
+
+def _meta(model: str, session: str | None, hashes: Sequence[bytes]) -> bytes:
+    head = json.dumps({"model": model, "session": session, "blocks": len(hashes)})
+    return head.encode() + b"\n" + b"".join(hashes)
+
+
+def _parse_meta(data: bytes) -> tuple[str, str | None, list[bytes]] | None:
+    try:
+        head, _, raw = data.partition(b"\n")
+        h = json.loads(head)
+        n, size = int(h["blocks"]), len(raw) // max(int(h["blocks"]), 1)
+        if n < 1 or len(raw) != n * size or size not in (16, 32):
+            return None
+        return str(h["model"]), h.get("session"), [raw[i * size:(i + 1) * size]
+                                                   for i in range(n)]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class KVStore:
+    """Host and persistent tiers behind one index; see the module docstring.
+
+    model: the fingerprint of the KV written (`Engine.fingerprint`: model, format, page size);
+    entries of other fingerprints in a shared persistent tier are left alone.
+    """
+
+    def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
+                 page_size: int) -> None:
+        if not config.enabled:
+            raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
+                             "with disk_cache_bytes > 0")
+        self.config = config
+        self.model, self.kv_format, self.page_size = model, kv_format, page_size
+        self.host = HostTier(config.host_cache_bytes)
+        self.disk = (None if config.persistent is None
+                     else PersistentTier(config.persistent, config.disk_cache_bytes))
+        self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
+                                   0 if self.disk is None else config.disk_cache_bytes)
+        self.stats = StoreStats()
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._where: dict[bytes, dict[str, int]] = {}  # block hash -> {entry key: index}
+        self._queue: list[str] = []  # entry keys of the waiting requests, in run order
+        self._jobs: queue.Queue = queue.Queue()
+        self._closed = False
+        if self.disk is not None:
+            self._adopt_disk()
+        self._writer = threading.Thread(target=self._work, name="jkv-store-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------ opening
+
+    def _adopt_disk(self) -> None:
+        """Index what the persistent tier holds: entries of this KV by their meta records;
+        others counted against the capacity (while they fit) but never matched."""
+        metas = self.disk.metas()
+        ours, other = [], []
+        for key in self.disk.keys():
+            parsed = _parse_meta(metas.get(key, b""))
+            if parsed is not None and parsed[0] == self.model and parsed[2][-1].hex() == key:
+                ours.append((key, parsed))
+            else:
+                other.append(key)
+        for key, (_, session, hashes) in ours:
+            if self.placement.adopt(key, self.disk.size(key), "disk"):
+                self._index(key, _Entry(hashes, session))
+            else:
+                self.disk.delete(key)  # over the configured capacity: the store shrank
+        for key in other:
+            if not self.placement.adopt(key, self.disk.size(key), "disk"):
+                self.disk.delete(key)
+
+    # ------------------------------------------------------------------ index
+
+    def _index(self, key: str, entry: _Entry) -> None:
+        self._entries[key] = entry
+        for i, h in enumerate(entry.hashes):
+            self._where.setdefault(h, {})[key] = i
+
+    def _unindex(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        for h in entry.hashes:
+            holders = self._where.get(h)
+            if holders is not None:
+                holders.pop(key, None)
+                if not holders:
+                    del self._where[h]
+
+    def lookup(self, hashes: Sequence[bytes]) -> Hit | None:
+        """The longest run of `hashes` (a prompt's block hashes) that an entry holds, from
+        the host tier when two entries hold it; None when none does."""
+        with self._lock:
+            # an entry holding block i holds blocks 0..i of the same chain: the stored run
+            # is a prefix of `hashes`, found by bisection
+            lo, hi = 0, len(hashes)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid] in self._where:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo == 0:
+                return None
+            holders = self._where[hashes[lo - 1]]
+            tiers = {k: self.placement.where(k) for k in holders}
+            key = min(holders, key=lambda k: (tiers[k] != "dram", k))
+            if tiers[key] is None:
+                return None
+            return Hit(key, lo, TIER_NAMES[tiers[key]])
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes]] | None:
+        """The first `hit.blocks` blocks of entry `hit.key`: (arrays [blocks, ...] in the
+        pool's format, their block hashes), validated; None on a miss (gone, or corrupt:
+        then counted and deleted)."""
+        tiers = (self.host, self.disk) if hit.tier == "host" else (self.disk, self.host)
+        data = None
+        for tier in tiers:  # the entry may be moving between tiers right now
+            if tier is not None and (data := tier.get(hit.key)) is not None:
+                break
+        if data is None:
+            return None
+        with self._lock:
+            entry = self._entries.get(hit.key)
+        try:
+            if entry is None:
+                return None
+            _, arrays = decode(data, model=self.model, kv_format=self.kv_format,
+                               page_size=self.page_size)
+            stored = arrays.pop(HASHES, None)
+            if stored is None or [r.tobytes() for r in stored] != entry.hashes:
+                raise CorruptEntry("the entry's block hashes differ from its index record")
+        except (CorruptEntry, EntryMismatch) as e:
+            log.warning("stored KV entry %s is unusable (%s); recomputing", hit.key, e)
+            self.stats.corrupt_entries += 1
+            self._submit(lambda: self._delete(hit.key))
+            return None
+        with self._lock:
+            self.placement.access(hit.key)
+        self.stats.loads += 1
+        n = hit.blocks
+        return {f: x[:n] for f, x in arrays.items()}, entry.hashes[:n]
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
+             session: str | None = None) -> bool:
+        """Queue the first `num_blocks` blocks of a request (`arrays`: host or device arrays
+        with >= num_blocks rows, as `Engine.gather` returns them) for the writer. False
+        (nothing queued) when there is nothing new: no full block, or an entry already
+        holds these blocks."""
+        if num_blocks < 1 or self._closed:
+            return False
+        hashes = list(hashes[:num_blocks])
+        with self._lock:
+            if hashes[-1] in self._where:
+                return False
+        self._submit(lambda: self._write(num_blocks, arrays, hashes, session))
+        return True
+
+    def _write(self, n: int, arrays: Mapping[str, object], hashes: list[bytes],
+               session: str | None) -> None:
+        host = {f: np.asarray(x)[:n] for f, x in arrays.items()}  # waits for the device copy
+        key = hashes[-1].hex()
+        info = EntryInfo(self.model, self.kv_format, self.page_size, n * self.page_size, key)
+        digests = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, -1)
+        data = encode(info, {**host, HASHES: digests})
+        meta = _meta(self.model, session, hashes)
+        with self._lock:
+            if key in self._entries:
+                return
+            older = [h.hex() for h in hashes[:-1] if h.hex() in self._entries]
+        for old in older:  # a longer run of the same prefix replaces them
+            self._delete(old)
+            self.stats.superseded += 1
+        with self._lock:
+            moves = self.placement.put(key, len(data), self._queue)
+        if not self._apply(moves[:-1]) or moves[-1].dst is None:
+            with self._lock:
+                self.placement.drop(key)  # no room was made (or fits nowhere): not stored
+            return
+        try:
+            self._tier(moves[-1].dst).put(key, data, meta)
+        except BaseException:
+            with self._lock:
+                self.placement.drop(key)
+            raise
+        with self._lock:
+            self._index(key, _Entry(hashes, session))
+        self.stats.saves += 1
+
+    def _tier(self, name: str) -> HostTier | PersistentTier:
+        return self.host if name == "dram" else self.disk
+
+    def _apply(self, moves: Sequence[Move]) -> bool:
+        """Carry out placement moves of stored entries (in order: each makes the room the
+        next needs). False if one failed (that entry is then deleted)."""
+        ok = True
+        for m in moves:
+            if m.dst is None:
+                self._delete(m.session)
+                self.stats.evictions += 1
+                continue
+            src, dst = self._tier(m.src), self._tier(m.dst)
+            data, meta = src.get(m.session), src.meta(m.session)
+            try:
+                if data is None:
+                    raise KeyError(f"entry {m.session} vanished from the {m.src} tier")
+                dst.put(m.session, data, meta or b"")
+            except (TierFull, KeyError, ValueError, RuntimeError) as e:
+                log.warning("could not move KV entry %s %s -> %s: %s", m.session, m.src,
+                            m.dst, e)
+                self._delete(m.session)
+                ok = False
+                continue
+            src.delete(m.session)
+            if m.dst == "disk":
+                self.stats.offloads += 1
+            else:
+                self.stats.prefetches += 1
+        return ok
+
+    def _delete(self, key: str) -> None:
+        """Forget an entry and delete its bytes from every tier."""
+        with self._lock:
+            self._unindex(key)
+            self.placement.drop(key)
+        for tier in (self.host, self.disk):
+            if tier is not None and key in tier:
+                tier.delete(key)
+
+    def clear(self) -> None:
+        """Delete every entry of this store's KV (other fingerprints' are left alone)."""
+        self.flush()
+        with self._lock:
+            keys = list(self._entries)
+        for key in keys:
+            self._delete(key)
+
+    # ------------------------------------------------------------------ hints
+
+    def hint(self, waiting: Sequence[str]) -> None:
+        """The scheduler's queue: entry keys of the waiting requests in the order they will
+        run. Eviction keeps them; the scheduler-aware policy prefetches them disk -> host."""
+        waiting = list(waiting)
+        with self._lock:
+            if waiting == self._queue:
+                return
+            self._queue = waiting
+        if self.config.eviction_policy == "scheduler" and self.disk is not None:
+            self._submit(self._prefetch)
+
+    def _prefetch(self) -> None:
+        with self._lock:
+            moves = self.placement.prefetch(self._queue)
+        self._apply(moves)
+
+    # ------------------------------------------------------------------ the writer
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except Exception:  # a failed save must never reach the serving loop
+                log.exception("a KV store job failed")
+                self.stats.save_failures += 1
+            finally:
+                self._jobs.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued save and move is done."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Finish queued writes, move what the host tier holds to the persistent tier (most
+        recently used first, as capacity allows), and stop the writer."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.disk is not None:
+            self._submit(self._spill_all)
+        self._jobs.put(None)
+        self._writer.join()
+
+    def _spill_all(self) -> None:
+        with self._lock:
+            keys = list(reversed(self.placement.sessions("dram")))
+        for key in keys:
+            with self._lock:
+                moves = self.placement.spill(key, self._queue)
+            self._apply(moves)
+
+    # ------------------------------------------------------------------ figures
+
+    def snapshot(self) -> dict:
+        """Entries and bytes per tier and the event counters (`LLM.stats()["store"]`)."""
+        with self._lock:
+            entries = {TIER_NAMES[t]: len(self.placement.sessions(t)) for t in TIER_NAMES}
+            used = {TIER_NAMES[t]: self.placement.bytes_used(t) for t in TIER_NAMES}
+        st = self.stats
+        return {"entries": entries, "bytes": used,
+                "capacity_bytes": {"host": self.host.capacity,
+                                   "disk": 0 if self.disk is None else self.disk.capacity},
+                "corrupt_entries": st.corrupt_entries, "evictions": st.evictions,
+                "prefetches": st.prefetches, "offloads": st.offloads, "saves": st.saves,
+                "loads": st.loads, "superseded": st.superseded,
+                "save_failures": st.save_failures}

@@ -1,0 +1,80 @@
+"""Across processes on the embedded SmolLM2: a conversation one process wrote to the store is
+reused from disk by the next with the tokens recomputing gives, and a store whose entry bytes
+were damaged is answered from recomputation, the corruption counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from jkv import LLM, SamplingParams
+from jkv.store.tiers import PersistentTier
+
+pytestmark = pytest.mark.smollm2
+
+SETTINGS = {"max_model_len": 512, "max_num_seqs": 2, "kv_cache_bytes": 64 << 20,
+            "dtype": "float32"}
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+_PROCESS = textwrap.dedent("""
+    import json, sys
+    from jkv import LLM, SamplingParams
+    job = json.loads(sys.argv[1])
+    with LLM(store_dir=job["store_dir"], **job["settings"]) as llm:
+        out = llm.generate(job["prompt"], SamplingParams(max_tokens=10, temperature=0,
+                                                         ignore_eos=True))[0]
+        print(json.dumps({"tokens": out.token_ids, "stats": llm.stats()}))
+""")
+
+
+def in_new_process(store_dir, prompt: list[int]) -> dict:
+    job = json.dumps({"store_dir": str(store_dir), "settings": SETTINGS, "prompt": prompt})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", _PROCESS, job], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_conversation_survives_the_process_and_corruption_is_a_counted_miss(tmp_path):
+    first = in_new_process(tmp_path, _prompt())
+    assert first["stats"]["store"]["saves"] == 1
+    follow_up = _prompt() + first["tokens"] + _prompt(seed=1)[:40]
+    second = in_new_process(tmp_path, follow_up)
+    recompute = LLM(enable_prefix_caching=False, **SETTINGS)
+    assert second["tokens"] == recompute.generate(follow_up, GREEDY)[0].token_ids
+    restored = second["stats"]["prefix_hit_tokens"]["disk"]
+    assert restored == (len(_prompt()) + len(first["tokens"]) - 1) // 16 * 16
+    assert second["stats"]["prompt_tokens_computed"] == len(follow_up) - restored
+
+    # damage the newest entry's bytes where the OCDBT data files hold them
+    tier = PersistentTier(tmp_path, 1 << 40)
+    key = max(tier.keys(), key=tier.size)
+    data = tier.get(key)
+    rng = np.random.default_rng()
+    damaged = 0
+    for path in (tmp_path / "d").iterdir():
+        raw = bytearray(path.read_bytes())
+        at = raw.find(data[1 << 16: (1 << 16) + 4096])
+        if at >= 0:
+            for i in at + rng.choice(4096, 5, replace=False):
+                raw[i] ^= 0x5A
+            path.write_bytes(bytes(raw))
+            damaged += 1
+    assert damaged >= 1  # (a replaced entry may leave the same bytes in an older file)
+    third = in_new_process(tmp_path, follow_up + [28, 29, 30])
+    assert third["stats"]["store"]["corrupt_entries"] == 1
+    assert third["tokens"] == recompute.generate(follow_up + [28, 29, 30],
+                                                 GREEDY)[0].token_ids
+
+
+def _prompt(seed: int = 0) -> list[int]:
+    """A few hundred token ids of plain text-like ids (any ids do; fixed for the test)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, 40000, 200).tolist()

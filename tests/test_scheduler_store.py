@@ -1,0 +1,116 @@
+"""The scheduler with a KV store: later turns restore their history from the store and give
+the tokens recomputing gives; the host tier stays within its budget under 200 conversations."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.config import CacheConfig, ModelConfig, StoreConfig
+from jkv.engine import Engine
+from jkv.models.loaders import random_params
+from jkv.sampling import SamplingParams
+from jkv.scheduler import Request, Scheduler, generate_all
+from jkv.store.store import KVStore
+
+TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                   num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
+PAGE_BYTES = 8 * 64 * 4 * 2  # one float32 page of 8 tokens, keys and values
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(TINY, seed=11, dtype=jnp.float32)
+
+
+def engine(params, **kw) -> Engine:
+    kw = {"max_model_len": 96, "max_num_seqs": 4, "prefill_chunk": 16,
+          "enable_prefix_caching": False, **kw}
+    return Engine(TINY, params, cache=CacheConfig(page_size=8, kv_cache_bytes=512 * PAGE_BYTES),
+                  **kw)
+
+
+def kv_store(eng: Engine, **kw) -> KVStore:
+    return KVStore(StoreConfig(**kw), model=eng.fingerprint, kv_format=eng.kv_format,
+                   page_size=eng.page_size)
+
+
+def request(prompt, n: int = 6, session=None) -> Request:
+    return Request(list(prompt), SamplingParams(max_tokens=n, temperature=0),
+                   session_id=session)
+
+
+def test_later_turns_restore_from_the_store_and_match_recomputing(params, tmp_path):
+    rng = np.random.default_rng()
+    firsts = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(20, 40, 3)]
+    eng = engine(params)
+    store = kv_store(eng, host_cache_bytes=1 << 24, store_dir=str(tmp_path))
+    sched = Scheduler(eng, store=store)
+    turn1 = [request(p) for p in firsts]
+    generate_all(sched, turn1)
+    store.flush()
+    follow = [r.prompt + r.output + rng.integers(0, 512, 7).tolist() for r in turn1]
+    turn2 = [request(p) for p in follow]
+    generate_all(sched, turn2)
+    restored = sched.snapshot()["prefix_hit_tokens"]["host"]
+    # each history's full blocks (prompt and all but the last output token) came back
+    assert restored == sum((len(r.prompt) + len(r.output) - 1) // 8 * 8 for r in turn1)
+    reference = Scheduler(engine(params))
+    alone = [request(p) for p in follow]
+    generate_all(reference, alone)
+    assert [r.output for r in turn2] == [r.output for r in alone]
+    assert eng.stats.prefill_tokens < reference.engine.stats.prefill_tokens
+
+    # a new process: the same conversations from the disk tier
+    store.close()
+    eng2 = engine(params)
+    sched2 = Scheduler(eng2, store=kv_store(eng2, store_dir=str(tmp_path)))
+    again = [request(p) for p in follow]
+    generate_all(sched2, again)
+    # turn 2's saves replaced turn 1's: all of each prompt's full blocks but the last token's
+    assert sched2.snapshot()["prefix_hit_tokens"]["disk"] == sum((len(p) - 1) // 8 * 8
+                                                                 for p in follow)
+    assert [r.output for r in again] == [r.output for r in alone]
+    sched2.store.close()
+
+
+def test_host_tier_stays_within_budget_over_200_conversations(params):
+    rng = np.random.default_rng()
+    eng = engine(params)
+    budget = 12 * 5 * eng.block_pages * PAGE_BYTES  # about twelve 5-block histories
+    store = kv_store(eng, host_cache_bytes=budget, eviction_policy="lru")
+    sched = Scheduler(eng, store=store)
+    convs = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(17, 40, 200)]
+    finished: list[Request] = []  # first turns done, their follow-ups not yet sent
+    outputs: list[Request] = []  # follow-up turns
+    peak = 0
+    for start in range(0, len(convs), 5):  # five new conversations a round...
+        new = [request(p, n=4) for p in convs[start: start + 5]]
+        # ...and the next turn of four recent ones (some still stored, some evicted)
+        picks = sorted(rng.choice(min(len(finished), 10), min(len(finished), 4),
+                                  replace=False), reverse=True)
+        follow = [finished.pop(len(finished) - 1 - int(k)) for k in picks]
+        follow = [request(r.prompt + r.output + rng.integers(0, 512, 5).tolist(), n=4)
+                  for r in follow]
+        for r in new + follow:
+            sched.add(r)
+        while sched.num_unfinished:
+            sched.step()
+            peak = max(peak, store.host.bytes_used)
+        store.flush()
+        peak = max(peak, store.host.bytes_used)
+        finished += new
+        outputs += follow
+    snap = sched.snapshot()
+    assert peak <= budget and snap["store"]["bytes"]["host"] <= budget
+    assert snap["store"]["evictions"] > 100  # the budget was under pressure all along
+    assert snap["prefix_hit_tokens"]["host"] > 0
+    assert snap["store"]["corrupt_entries"] == 0
+    # restored or not, every follow-up turn says what recomputing it says
+    sample = [outputs[int(i)] for i in rng.choice(len(outputs), 12, replace=False)]
+    reference = Scheduler(engine(params))
+    alone = [request(r.prompt, n=4) for r in sample]
+    generate_all(reference, alone)
+    assert [r.output for r in sample] == [r.output for r in alone]
+    store.close()

@@ -1,0 +1,251 @@
+"""The KV store without a model: entries found by any leading run of block hashes, capacities
+held under load, the index rebuilt from disk, corrupt entries counted and dropped, a store
+killed mid-save reopened and used."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from jkv.config import StoreConfig
+from jkv.store.store import KVStore
+
+PAGE = 8
+ENTRY_FIELDS = {"k": ((2, 2, PAGE, 16), np.float32), "v": ((2, 2, PAGE, 16), np.float32)}
+
+
+def chain(tokens: list[int], seed: bytes = b"m") -> list[bytes]:
+    """Chained block hashes the way the engine makes them (any chain does for the store)."""
+    out, prev = [], hashlib.blake2b(seed, digest_size=16).digest()
+    for i in range(len(tokens) // PAGE):
+        prev = hashlib.blake2b(prev + np.asarray(tokens[i * PAGE:(i + 1) * PAGE],
+                                                 np.int64).tobytes(), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def blocks(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {f: rng.standard_normal((n, *shape)).astype(dt)
+            for f, (shape, dt) in ENTRY_FIELDS.items()}
+
+
+def store(tmp_path=None, model: str = "m", **kw) -> KVStore:
+    cfg = StoreConfig(store_dir=None if tmp_path is None else str(tmp_path), **kw)
+    return KVStore(cfg, model=model, kv_format="auto", page_size=PAGE)
+
+
+def entry_bytes(n: int) -> int:
+    """The encoded size of an n-block entry (the codec adds a header and a checksum)."""
+    s = store(host_cache_bytes=1 << 30)
+    tokens = list(range(n * PAGE))
+    s.save(n, blocks(n, np.random.default_rng(0)), chain(tokens))
+    s.flush()
+    size = s.snapshot()["bytes"]["host"]
+    s.close()
+    return size
+
+
+def test_any_leading_run_of_an_entry_is_found_and_a_longer_one_replaces_it():
+    rng = np.random.default_rng()
+    s = store(host_cache_bytes=1 << 24)
+    tokens = rng.integers(0, 1000, 6 * PAGE).tolist()
+    hashes, data = chain(tokens), blocks(6, rng)
+    assert s.save(4, data, hashes)  # the first turn: 4 blocks
+    s.flush()
+    assert not s.save(3, data, hashes)  # nothing new
+    hit = s.lookup(hashes)
+    assert hit is not None and hit.blocks == 4 and hit.tier == "host"
+    arrays, got = s.load(hit)
+    assert got == hashes[:4]
+    for f in data:
+        np.testing.assert_array_equal(arrays[f], data[f][:4])
+    # a prompt that leaves the history after block 2 takes 2 blocks
+    branch = tokens[: 2 * PAGE] + [t + 1 for t in tokens[2 * PAGE:]]
+    assert s.lookup(chain(branch)).blocks == 2
+    assert s.lookup(chain([t + 1 for t in tokens])) is None
+    s.save(6, data, hashes)  # the next turn: the longer run replaces the shorter one
+    s.flush()
+    snap = s.snapshot()
+    assert snap["entries"] == {"host": 1, "disk": 0} and snap["superseded"] == 1
+    hit = s.lookup(hashes)
+    assert hit.blocks == 6
+    np.testing.assert_array_equal(s.load(hit)[0]["v"], data["v"])
+    s.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "scheduler"])
+def test_capacities_hold_under_many_conversations(tmp_path, policy):
+    rng = np.random.default_rng()
+    one = entry_bytes(1)
+    host_cap, disk_cap = 7 * one, 20 * one
+    s = store(tmp_path, host_cache_bytes=host_cap, disk_cache_bytes=disk_cap,
+              eviction_policy=policy)
+    convs = [rng.integers(0, 1000, 4 * PAGE).tolist() for _ in range(30)]
+    for _ in range(60):
+        c = convs[int(rng.integers(len(convs)))]
+        n = int(rng.integers(1, 5))
+        s.save(n, blocks(n, rng), chain(c))
+        s.hint([h.hex() for h in (chain(convs[i])[-1] for i in rng.integers(0, 30, 3))])
+        s.flush()
+        snap = s.snapshot()
+        assert s.host.bytes_used == snap["bytes"]["host"] <= host_cap
+        assert s.disk.bytes_used == snap["bytes"]["disk"] <= disk_cap
+    assert snap["evictions"] > 0 and snap["offloads"] > 0
+    # everything indexed loads intact, from whichever tier holds it
+    for c in convs:
+        hit = s.lookup(chain(c))
+        if hit is not None:
+            assert s.load(hit) is not None
+    assert s.snapshot()["corrupt_entries"] == 0
+    s.close()
+
+
+def test_index_is_rebuilt_from_disk_and_close_keeps_the_host_tier(tmp_path):
+    rng = np.random.default_rng()
+    s = store(tmp_path, host_cache_bytes=1 << 24)
+    a, b = (rng.integers(0, 1000, 3 * PAGE).tolist() for _ in range(2))
+    da, db = blocks(3, rng), blocks(2, rng)
+    s.save(3, da, chain(a), session="chat-a")
+    s.save(2, db, chain(b))
+    s.flush()
+    assert s.snapshot()["entries"] == {"host": 2, "disk": 0}
+    s.close()  # the host tier moves to disk
+    again = store(tmp_path, host_cache_bytes=1 << 24)
+    assert again.snapshot()["entries"] == {"host": 0, "disk": 2}
+    hit = again.lookup(chain(a))
+    assert hit.tier == "disk" and hit.blocks == 3
+    np.testing.assert_array_equal(again.load(hit)[0]["k"], da["k"])
+    assert again.lookup(chain(b)).blocks == 2
+    again.close()
+    # another model's store directory: entries counted against the capacity, never matched
+    other = store(tmp_path, model="another", host_cache_bytes=0)
+    assert other.lookup(chain(a)) is None
+    assert other.snapshot()["entries"]["disk"] == 2
+    other.close()
+
+
+def test_prefetch_moves_queued_entries_to_the_host_tier(tmp_path):
+    rng = np.random.default_rng()
+    one = entry_bytes(2)
+    s = store(tmp_path, host_cache_bytes=3 * one, disk_cache_bytes=100 * one)
+    convs = [rng.integers(0, 1000, 2 * PAGE).tolist() for _ in range(8)]
+    for c in convs:
+        s.save(2, blocks(2, rng), chain(c))
+    s.flush()
+    first = chain(convs[0])
+    assert s.lookup(first).tier == "disk"  # the oldest went to disk
+    s.hint([first[-1].hex()])
+    s.flush()
+    assert s.lookup(first).tier == "host" and s.snapshot()["prefetches"] == 1
+    assert s.host.bytes_used <= 3 * one
+    s.close()
+
+
+def test_corrupt_entries_are_misses_counted_and_deleted(tmp_path):
+    rng = np.random.default_rng()
+    s = store(host_cache_bytes=1 << 24)
+    tokens = rng.integers(0, 1000, 2 * PAGE).tolist()
+    s.save(2, blocks(2, rng), chain(tokens))
+    s.flush()
+    hit = s.lookup(chain(tokens))
+    raw = bytearray(s.host.get(hit.key))
+    raw[len(raw) // 2] ^= 0x10  # one flipped bit in host memory
+    s.host._data[hit.key] = bytes(raw)
+    assert s.load(hit) is None
+    s.flush()
+    assert s.snapshot()["corrupt_entries"] == 1 and s.lookup(chain(tokens)) is None
+    assert s.host.bytes_used == 0
+    s.close()
+
+    # on disk: damage every data file of the OCDBT database
+    d = store(tmp_path, host_cache_bytes=0)
+    d.save(2, blocks(2, rng), chain(tokens))
+    d.flush()
+    d.close()
+    for path in (tmp_path / "d").iterdir():
+        raw = bytearray(path.read_bytes())
+        for i in rng.choice(len(raw), 8, replace=False):
+            raw[i] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    again = store(tmp_path, host_cache_bytes=0)  # opening a damaged store never raises
+    hit = again.lookup(chain(tokens))
+    if hit is not None:  # the index survived: the entry itself must be refused
+        assert again.load(hit) is None
+        assert again.snapshot()["corrupt_entries"] == 1
+    again.close()
+
+
+def test_a_meta_record_that_lies_is_caught_by_the_entry(tmp_path):
+    rng = np.random.default_rng()
+    s = store(tmp_path, host_cache_bytes=0)
+    a, b = (rng.integers(0, 1000, 2 * PAGE).tolist() for _ in range(2))
+    s.save(2, blocks(2, rng), chain(a))
+    s.flush()
+    key = chain(a)[-1].hex()
+    data, meta = s.disk.get(key), s.disk.meta(key)
+    head = meta.split(b"\n", 1)[0]
+    s.disk.put(key, data, head + b"\n" + chain(b)[0] + chain(a)[1])  # block 0 is b's
+    s.close()
+    again = store(tmp_path, host_cache_bytes=0)
+    hit = again.lookup(chain(b[:PAGE] + a[PAGE:]))
+    assert hit is not None and again.load(hit) is None
+    assert again.snapshot()["corrupt_entries"] == 1
+    again.close()
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_store import blocks, chain, store
+    s = store({path!r}, host_cache_bytes=0)
+    rng = np.random.default_rng()
+    print("ready", flush=True)
+    for i in range(10_000):
+        tokens = rng.integers(0, 1000, 16 * 8).tolist()
+        s.save(16, blocks(16, rng), chain(tokens))
+        s.flush()
+""")
+
+
+def test_a_store_killed_mid_save_opens_and_serves(tmp_path):
+    rng = np.random.default_rng()
+    script = _WRITER.format(tests=os.path.dirname(__file__), path=str(tmp_path))
+    for delay in rng.uniform(0.05, 0.6, 3):
+        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+        assert p.stdout.readline().strip() == b"ready"
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        s = store(tmp_path, host_cache_bytes=0)
+        entries = s.snapshot()["entries"]["disk"]
+        for key in s.disk.keys():  # every entry that made it is whole
+            hashes = s._entries[key].hashes
+            hit = s.lookup(hashes)
+            assert hit is not None and hit.blocks == len(hashes)
+            assert s.load(hit) is not None
+        tokens = rng.integers(0, 1000, 2 * PAGE).tolist()
+        s.save(2, blocks(2, rng), chain(tokens))  # and the store takes new ones
+        s.flush()
+        assert s.snapshot()["entries"]["disk"] == entries + 1
+        assert s.snapshot()["corrupt_entries"] == 0
+        s.close()
+
+
+def test_bad_configuration_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        StoreConfig(host_cache_bytes=-1)
+    with pytest.raises(ValueError, match="eviction_policy"):
+        StoreConfig(eviction_policy="random")
+    with pytest.raises(ValueError, match="not both"):
+        StoreConfig(store_dir=str(tmp_path), store_spec="s3://b/")
+    with pytest.raises(ValueError, match="needs"):
+        store()
