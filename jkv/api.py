@@ -20,7 +20,7 @@ from jkv.models.loaders import default_model_path
 from jkv.models.params_cache import load_params
 from jkv.models.tokenizer import eos_token_ids, load_tokenizer
 from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler, generate_all
+from jkv.scheduler import Request, Scheduler, Truncation, generate_all
 from jkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,9 @@ class LLM:
     tier in store_dir (a directory, tensorstore OCDBT) or store_spec (any tensorstore
     kvstore spec or URL, e.g. "s3://bucket/prefix/") of at most disk_cache_bytes, which
     another process opening the same directory reuses. eviction_policy: "scheduler"
-    (CachedAttention's look-ahead windows over the waiting queue), "lru" or "fifo". Call
+    (CachedAttention's look-ahead windows over the waiting queue), "lru" or "fifo".
+    restore_planning: restore a hit only while loading it is expected to beat recomputing it
+    (measured rates; False restores every hit). Call
     `close()` (or use `with LLM(...) as llm:`) so queued saves are written.
     """
 
@@ -150,7 +152,8 @@ class LLM:
                  host_cache_bytes: int = StoreConfig.host_cache_bytes,
                  disk_cache_bytes: int = StoreConfig.disk_cache_bytes,
                  store_dir: str | os.PathLike | None = None, store_spec: str | dict | None = None,
-                 eviction_policy: str = StoreConfig.eviction_policy) -> None:
+                 eviction_policy: str = StoreConfig.eviction_policy,
+                 restore_planning: bool = SchedulerConfig.restore_planning) -> None:
         store_config = StoreConfig(host_cache_bytes=host_cache_bytes,
                                    disk_cache_bytes=disk_cache_bytes,
                                    store_dir=None if store_dir is None else str(store_dir),
@@ -179,7 +182,8 @@ class LLM:
         if store_config.enabled:
             self.store = KVStore(store_config, model=self.engine.fingerprint,
                                  kv_format=self.engine.kv_format, page_size=page_size)
-        self.scheduler = Scheduler(self.engine, SchedulerConfig(max_num_batched_tokens),
+        self.scheduler = Scheduler(self.engine, SchedulerConfig(max_num_batched_tokens,
+                                                                restore_planning),
                                    store=self.store)
         self.metrics = Metrics()
         self._loop: threading.Thread | None = None
@@ -207,12 +211,48 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` under the model's chat template, ready for the reply."""
-        messages = _parse_messages(messages)
+        return self.encode(self._template_ids(_parse_messages(messages)))
+
+    def _template_ids(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a prompt")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)
-        return self.encode(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def session_prompt(self, messages: list[dict], reserve: int = 1
+                       ) -> tuple[list[int], Truncation | None]:
+        """Token ids of a session's `messages` (session mode). When they and `reserve` tokens
+        to generate exceed max_model_len, the oldest turns after the leading system messages
+        are dropped, whole, until the prompt fits and starts its kept turns with a user
+        message (CachedAttention 3.4); the `Truncation` then says how the prompt was cut
+        from the full history, so the KV stored for that history is reused, re-rotated to
+        the new positions, instead of recomputed. None when nothing was dropped (or the cut
+        is not a clean token splice, then the prompt is computed as any other)."""
+        messages = _parse_messages(messages)
+        full = self._template_ids(messages)
+        limit = self.max_model_len - max(reserve, 1)
+        if len(full) <= limit:
+            return self.encode(full), None
+        head = 0
+        while head < len(messages) and messages[head]["role"] in ("system", "developer"):
+            head += 1
+        for start in range(head + 1, len(messages)):
+            if messages[start]["role"] != "user":
+                continue
+            ids = self._template_ids(messages[:head] + messages[start:])
+            if len(ids) <= limit:
+                break
+        else:
+            raise ValueError(f"the conversation's last turn and system prompt alone do not fit "
+                             f"max_model_len={self.max_model_len} with {reserve} tokens to "
+                             f"generate")
+        keep = 0
+        while keep < len(ids) and ids[keep] == full[keep]:
+            keep += 1
+        drop = len(full) - len(ids)
+        spliced = full[keep + drop:] == ids[keep:]
+        return self.encode(ids), Truncation(tuple(full), keep, drop) if spliced else None
 
     # ------------------------------------------------------------------ generation
 
@@ -224,7 +264,8 @@ class LLM:
 
     def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
             on_delta: Callable[[int, str], None] | None = None,
-            session_id: str | None = None) -> list[_Tracker]:
+            session_id: str | None = None,
+            truncation: Truncation | None = None) -> list[_Tracker]:
         """Generate for token-id prompts, all of them in the scheduler at once, on this
         thread. on_delta(i, text) receives streamed text."""
         if self._loop is not None:
@@ -233,7 +274,7 @@ class LLM:
         requests = [
             self._request(ids, t, None if on_delta is None else
                           (lambda text, _entries, i=i: on_delta(i, text)),
-                          None, session_id=session_id)
+                          None, session_id=session_id, truncation=truncation)
             for i, (ids, t) in enumerate(zip(prompts, trackers, strict=True))]
         generate_all(self.scheduler, requests)
         self.metrics.sync(self.stats())
@@ -246,7 +287,8 @@ class LLM:
                on_finish: Callable[[_Tracker], None] | None = None, *,
                session_id: str | None = None, priority: int = 0,
                ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
-               timeout_s: float | None = None) -> Request:
+               timeout_s: float | None = None,
+               truncation: Truncation | None = None) -> Request:
         """Queue one token-id prompt for the serving loop (`start_serving`); returns its
         handle for `abort`. on_delta(text, logprob entries) streams text with the entries
         of the tokens since the last call (empty unless params.logprobs is set);
@@ -256,7 +298,7 @@ class LLM:
         request = self._request(ids, self._tracker(params), on_delta, on_finish,
                                 session_id=session_id, priority=priority,
                                 ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
-                                deadline=deadline)
+                                deadline=deadline, truncation=truncation)
         self.scheduler.add(request)
         return request
 
@@ -361,10 +403,17 @@ class LLM:
              session_id: str | None = None) -> RequestOutput:
         """Reply to a conversation (OpenAI-style messages) under the model's chat template.
 
-        session_id names the conversation; later releases use it for prefetch and eviction.
+        session_id names the conversation and turns on session mode: a history that outgrows
+        max_model_len loses its oldest turns after the system prompt, and the stored KV of
+        the turns kept is reused (`session_prompt`).
         """
-        ids = self.chat_prompt(messages)
-        t = self.run([ids], self._params_list(sampling_params, 1), session_id=session_id)[0]
+        params = self._params_list(sampling_params, 1)
+        truncation = None
+        if session_id is None:
+            ids = self.chat_prompt(messages)
+        else:
+            ids, truncation = self.session_prompt(messages, params[0].max_tokens)
+        t = self.run([ids], params, session_id=session_id, truncation=truncation)[0]
         return RequestOutput(prompt_token_ids=ids, text=t.text, token_ids=t.token_ids,
                              logprobs=t.logprob_dicts(),
                              finish_reason=t.finish_reason, session_id=session_id)

@@ -156,6 +156,9 @@ class SchedulerConfig:
     None: the engine's prefill chunk)."""
 
     max_num_batched_tokens: int | None = None
+    # restore a store hit only when loading it is expected to beat recomputing it (measured
+    # rates); False: restore every hit
+    restore_planning: bool = True
 
     def __post_init__(self) -> None:
         n = self.max_num_batched_tokens

@@ -43,9 +43,11 @@ from jkv.cache.page_pool import (
     reserve,
 )
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
+from jkv.cache.rebase import rebase_pages
 from jkv.cache.transfer import gather_pages, scatter_pages, slot_page_ids
 from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, CacheConfig, ModelConfig
 from jkv.models.llama import Params, final_norm, forward, layer, lm_head
+from jkv.models.rope import apply_rope, inv_frequencies
 from jkv.sampling import SamplingParams, sample, token_logprobs
 
 
@@ -251,6 +253,9 @@ class Engine:
         self._hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
                            f"{cfg}").encode()
         self.kv_format = cache.kv_format.name
+        self._format, self._dtype = cache.kv_format, dtype
+        self._rotate = partial(apply_rope, inv_freq=jnp.asarray(
+            inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
         # names the KV this engine writes (model, format, page size, shapes) in stored entries
         self.fingerprint = hashlib.blake2b(self._hash_seed, digest_size=16).hexdigest()
 
@@ -404,12 +409,13 @@ class Engine:
             pages[f] = part
         self._restores[slot] = _Restore(np.asarray(ids), pages)
         if self.execution != "layerwise" or not self.load_bytes_per_s:
-            self._write_restores([slot])  # at once, timed (the first one measures the rate)
+            self.write_restores([slot])  # at once, timed (the first one measures the rate)
         self.stats.restored_tokens += (n - first) * self.page_size
         return n * self.page_size
 
-    def _write_restores(self, slots: Sequence[int]) -> None:
-        """Write the queued restores of `slots` into the pool, every layer at once."""
+    def write_restores(self, slots: Sequence[int]) -> None:
+        """Write the queued restores of `slots` into the pool now, every layer at once
+        (layer-wise execution otherwise writes them layer by layer in the slot's next step)."""
         for slot in slots:
             r = self._restores.pop(slot, None)
             if r is not None:
@@ -440,12 +446,41 @@ class Engine:
         """The full blocks `slot` holds, as device arrays being copied out of the pool: the
         copy is dispatched, not awaited, and later steps may reuse the pages (`fetch` it on
         another thread: what the store's write-behind does)."""
-        self._write_restores([slot])
+        self.write_restores([slot])
         n = len(self.slot_tokens[slot]) // self.page_size
         ids = slot_page_ids(self.tables.pages, jnp.int32(slot), jnp.int32(0), jnp.int32(n),
                             count=bucket(n))
         return SavedPages(n, gather_pages(self.pool, ids),
                           block_hashes(self.slot_tokens[slot], self.page_size, self._hash_seed))
+
+    def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
+               drop: int) -> SavedPages:
+        """Saved pages of a sequence U moved for the prompt `token_ids` = U[:keep] +
+        U[keep + drop:] (a conversation whose oldest turns after its first `keep` tokens
+        were dropped): the tokens after `keep` move `drop` positions earlier, their keys
+        re-rotated (CachedAttention 3.4). Returns the prompt's full blocks that the saved
+        tokens cover (never its last token), hashed as the prompt's own; no blocks if none.
+        Their KV is the KV those tokens had in U: attention saw the dropped turns."""
+        if keep < 0 or drop < 0:
+            raise ValueError(f"keep and drop must be >= 0, got {keep} and {drop}")
+        ps = self.page_size
+        m = min((saved.num_blocks * ps - drop) // ps, (len(token_ids) - 1) // ps)
+        if m <= 0:
+            return SavedPages(0, {}, [])
+        t = np.arange(bucket(m) * ps)
+        moved = t >= keep
+        src = np.where(t < m * ps, t + drop * moved, 0).astype(np.int32)
+        shift = np.where(moved, -drop, 0).astype(np.int32)
+        rows = bucket(saved.num_blocks)
+        pages = {}
+        for f, x in saved.arrays.items():
+            padded = np.zeros((rows, *x.shape[1:]), x.dtype)
+            padded[: saved.num_blocks] = np.asarray(x)[: saved.num_blocks]
+            pages[f] = padded
+        out = rebase_pages(pages, src, shift, fmt=self._format,
+                           group=min(self._format.group, self.cfg.head_dim), dtype=self._dtype,
+                           rotate=self._rotate)
+        return SavedPages(m, jax.device_get(out), self.prompt_hashes(token_ids)[:m])
 
     def save_pages(self, slot: int) -> SavedPages:
         """The full blocks `slot` holds, copied to the host."""
@@ -454,7 +489,7 @@ class Engine:
     def close(self, slot: int) -> None:
         """End the sequence in `slot`: its full blocks go to the prefix cache (when on) and
         its other pages back to the pool."""
-        self._write_restores([slot])  # the prefix cache may hand its pages to another
+        self.write_restores([slot])  # the prefix cache may hand its pages to another
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
         keep = np.zeros((self.max_num_seqs + 1, self.max_pages), bool)
         keep[slot, : len(shared)] = True
@@ -514,7 +549,7 @@ class Engine:
             raise RuntimeError(f"the step needs {need} new KV pages and only "
                                f"{self.available_pages} can be had")
         t0 = time.perf_counter()
-        self._write_restores([s for s in list(self._restores) if s not in slots])
+        self.write_restores([s for s in list(self._restores) if s not in slots])
         self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(new_len))
         self.free_pages -= need
         groups = self._prefill_groups(prefill) + ([list(decode)] if decode else [])

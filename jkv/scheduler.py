@@ -23,7 +23,8 @@ With a KV store (`jkv.store.KVStore`): a waiting request's prompt is also looked
 store; blocks found there past the device prefix cache's hit count as held (their pages as
 pages admission takes) and are restored into the pool when it is admitted; the store gets the
 waiting queue as its prefetch/eviction hint every step, and a finishing request's full blocks
-are handed to the store's write-behind.
+are handed to the store's write-behind. A hit is restored only while loading it is expected
+to beat recomputing it (`restore_pays`, from measured rates), unless restore planning is off.
 """
 
 from __future__ import annotations
@@ -149,7 +150,29 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
     return plan
 
 
+def restore_pays(tokens: int, read_bytes: int, write_bytes: int, read_bytes_per_s: float,
+                 write_bytes_per_s: float, prefill_token_seconds: float) -> bool:
+    """Restore planning: is loading `tokens` tokens of KV (reading `read_bytes` from a store
+    tier, writing `write_bytes` into the pool) expected to beat recomputing them? From
+    measured rates; True until all three have been measured (loading is the usual winner)."""
+    if not (read_bytes_per_s and write_bytes_per_s and prefill_token_seconds):
+        return True
+    load = read_bytes / read_bytes_per_s + write_bytes / write_bytes_per_s
+    return load < tokens * prefill_token_seconds
+
+
 # ---------------------------------------------------------------------------- the loop
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """A prompt made by dropping the oldest turns of a conversation (session mode): it is
+    `source[:keep] + source[keep + drop:]`. The store's KV of `source` is reused for it by
+    re-rotating the kept tokens to their new positions (`Engine.rebase`)."""
+
+    source: tuple[int, ...]
+    keep: int
+    drop: int
 
 
 @dataclass(eq=False)
@@ -165,6 +188,7 @@ class Request:
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     session_id: str | None = None
+    truncation: Truncation | None = None  # how the prompt was cut from a longer history
     deadline: float | None = None  # time.monotonic() after which it is aborted
     on_token: Callable[[Request, int], bool] | None = None
     on_finish: Callable[[Request], None] | None = None
@@ -184,6 +208,9 @@ class Request:
     _key: np.ndarray | None = field(default=None, repr=False)
     _hashes: list[bytes] | None = field(default=None, repr=False)
     _hit: Hit | None = field(default=None, repr=False)  # the store's blocks it would restore
+    _declined: bool = field(default=False, repr=False)  # recomputing its hit was planned
+    _rebase: int = field(default=0, repr=False)  # blocks `_hit` gives after re-rotation
+    _source_hashes: list[bytes] | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:
@@ -202,6 +229,8 @@ class SchedulerStats:
     aborted: int = 0
     restored_tokens: dict = field(default_factory=lambda: {"host": 0, "disk": 0})
     store_misses: int = 0  # store hits that could not be restored (gone, corrupt): recomputed
+    restores_declined: int = 0  # store hits recomputed because that was expected faster
+    rebased_tokens: int = 0  # restored tokens re-rotated for a truncated conversation
 
 
 class Scheduler:
@@ -308,7 +337,9 @@ class Scheduler:
             "requests_aborted": self.stats.aborted,
         }
         if self.store is not None:
-            out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses}
+            out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses,
+                            "restores_declined": self.stats.restores_declined,
+                            "rebased_tokens": self.stats.rebased_tokens}
         return out
 
     # ------------------------------------------------------------------ one step
@@ -326,15 +357,45 @@ class Scheduler:
         if r._hashes is None:
             r._hashes = eng.prompt_hashes(tokens)
         cached, pinned = eng.lookup(r._hashes)
-        r._hit = None
+        r._hit, r._rebase = None, 0
         if self.store is not None:
-            hit = self.store.lookup(r._hashes)
-            if hit is not None and hit.blocks * eng.page_size > cached:
+            hit, rebase = self.store.lookup(r._hashes), False
+            blocks = 0 if hit is None else hit.blocks
+            moved = self._truncated_hit(r)
+            if moved is not None and moved[1] > blocks:
+                (hit, blocks), rebase = moved, True
+            if (hit is not None and blocks * eng.page_size > cached
+                    and self.config.restore_planning and not restore_pays(
+                        blocks * eng.page_size - cached, hit.entry_bytes, hit.blocks_bytes,
+                        self.store.read_bytes_per_s[hit.tier], eng.load_bytes_per_s,
+                        self._prefill_token_s)):
+                if not r._declined:
+                    self.stats.restores_declined += 1
+                    r._declined = True
+                hit = None
+            if hit is not None and blocks * eng.page_size > cached:
                 # restoring takes new pages for the stored blocks past the device hit
-                pinned += eng.pages_for(hit.blocks * eng.page_size) - eng.pages_for(cached)
-                cached, r._hit = hit.blocks * eng.page_size, hit
+                pinned += eng.pages_for(blocks * eng.page_size) - eng.pages_for(cached)
+                cached, r._hit = blocks * eng.page_size, hit
+                r._rebase = blocks if rebase else 0
         return Candidate(r.request_id, r.arrival, len(tokens) - cached, cached, False,
                          r.priority, pinned, ttft, tpot)
+
+    def _truncated_hit(self, r: Request) -> tuple[Hit, int] | None:
+        """For a truncated prompt: the store's entry of its untruncated source and how many
+        of the prompt's blocks it gives once moved (None when it gives none)."""
+        t = r.truncation
+        if t is None:
+            return None
+        eng = self.engine
+        if r._source_hashes is None:
+            r._source_hashes = eng.prompt_hashes(list(t.source))
+        hit = self.store.lookup(r._source_hashes)
+        if hit is None:
+            return None
+        ps = eng.page_size
+        blocks = min((hit.blocks * ps - t.drop) // ps, (len(r.tokens) - 1) // ps)
+        return (hit, blocks) if blocks * ps > t.keep else None
 
     def _open(self, r: Request) -> int:
         """Give `r` a slot; its held prefix comes from the device prefix cache and, for a
@@ -347,6 +408,9 @@ class Scheduler:
                 self.stats.store_misses += 1
             else:
                 restore = SavedPages(hit.blocks, *loaded)
+                if r._rebase:
+                    t = r.truncation
+                    restore = eng.rebase(restore, r.tokens, t.keep, t.drop)
         before = eng.stats.restored_tokens
         try:
             r.slot, cached = eng.open(r.tokens, restore=restore)
@@ -356,8 +420,11 @@ class Scheduler:
             self.stats.store_misses += 1
             r.slot, cached = eng.open(r.tokens)
         if hit is not None:
-            self.stats.restored_tokens[hit.tier] += eng.stats.restored_tokens - before
-        r._hit = None
+            restored = eng.stats.restored_tokens - before
+            self.stats.restored_tokens[hit.tier] += restored
+            if r._rebase:
+                self.stats.rebased_tokens += restored
+        r._hit, r._rebase = None, 0
         return cached
 
     def _save(self, r: Request) -> None:
@@ -504,4 +571,4 @@ def generate_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:
 
 
 __all__ = ["Budget", "Candidate", "Plan", "Request", "Scheduler", "SchedulerStats",
-           "generate_all", "plan_step"]
+           "Truncation", "generate_all", "plan_step", "restore_pays"]

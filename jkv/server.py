@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jkv.api import LLM
+from jkv.api import LLM, Truncation
 from jkv.config import ATTENTION_BACKENDS, EVICTION_POLICIES, EXECUTIONS, KV_FORMATS
 from jkv.models.params_cache import cache_home
 from jkv.sampling import MAX_LOGPROBS, SamplingParams
@@ -275,11 +275,13 @@ class _Server:
 
     # ------------------------------------------------------------ on the tokenizer pool
 
-    def _prepare(self, make_ids: Callable[[], list[int]], body: _SamplingRequest,
-                 max_tokens: int | None, default_max: int, param: str
-                 ) -> tuple[list[int], SamplingParams]:
+    def _prepare(self, make_ids: Callable[[int], tuple[list[int], Truncation | None]],
+                 body: _SamplingRequest, max_tokens: int | None, default_max: int, param: str
+                 ) -> tuple[list[int], SamplingParams, Truncation | None]:
+        # room a session's prompt keeps for the reply when its oldest turns must go
+        reserve = max_tokens or min(default_max, self.llm.max_model_len // 4)
         try:
-            ids = make_ids()
+            ids, truncation = make_ids(reserve)
         except (ValueError, _TemplateError) as e:
             raise APIError(400, str(e), param=param) from e
         room = self.llm.max_model_len - len(ids)
@@ -303,7 +305,7 @@ class _Server:
                 ignore_eos=body.ignore_eos, logprobs=body.logprobs_wanted())
         except ValueError as e:
             raise APIError(400, str(e)) from e
-        return ids, params
+        return ids, params, truncation
 
     # ------------------------------------------------------------ on the event loop
 
@@ -316,7 +318,7 @@ class _Server:
                            headers={"Retry-After": "1"})
 
     def _submit(self, ids: list[int], params: SamplingParams, body: _SamplingRequest,
-                queue: asyncio.Queue):
+                queue: asyncio.Queue, truncation: Truncation | None):
         loop = asyncio.get_running_loop()
 
         def put(item) -> None:  # from the scheduler's thread
@@ -327,7 +329,7 @@ class _Server:
             ids, params, on_delta=lambda text, entries: put((text, entries)),
             on_finish=lambda t: put((_END, t)),
             session_id=body.session_id, priority=body.priority or 0,
-            ttft_slo_ms=body.ttft_slo_ms, tpot_slo_ms=body.tpot_slo_ms,
+            ttft_slo_ms=body.ttft_slo_ms, tpot_slo_ms=body.tpot_slo_ms, truncation=truncation,
             timeout_s=self.request_timeout)
         self.in_flight.add(request)
         return request
@@ -355,10 +357,11 @@ class _Server:
                 "max_model_len": self.llm.max_model_len}
 
     async def complete(self, request: Request, body: _SamplingRequest, chat: bool,
-                       make_ids: Callable[[], list[int]], max_tokens: int | None):
+                       make_ids: Callable[[int], tuple[list[int], Truncation | None]],
+                       max_tokens: int | None):
         self.check_model(body.model)
         self._refuse_if_busy()
-        ids, params = await asyncio.get_running_loop().run_in_executor(
+        ids, params, truncation = await asyncio.get_running_loop().run_in_executor(
             self.executor, self._prepare, make_ids, body, max_tokens,
             CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, "messages" if chat else "prompt")
         self._refuse_if_busy()
@@ -366,7 +369,7 @@ class _Server:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         queue: asyncio.Queue = asyncio.Queue()
-        handle = self._submit(ids, params, body, queue)
+        handle = self._submit(ids, params, body, queue, truncation)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _Stream(self._stream(request, chat, rid, created, ids, handle, queue,
@@ -696,12 +699,18 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
-        return await server.complete(request, body, True,
-                                     lambda: llm.chat_prompt(messages), max_tokens)
+
+        def make_ids(reserve: int) -> tuple[list[int], Truncation | None]:
+            if body.session_id is None:
+                return llm.chat_prompt(messages), None
+            return llm.session_prompt(messages, reserve)  # session mode: may truncate
+
+        return await server.complete(request, body, True, make_ids, max_tokens)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await server.complete(request, body, False, lambda: llm.encode(body.prompt),
+        return await server.complete(request, body, False,
+                                     lambda _reserve: (llm.encode(body.prompt), None),
                                      body.max_tokens)
 
     app.add_middleware(_Guard, api_key=api_key)
@@ -791,6 +800,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which stored entry a full tier gives up: scheduler (keeps and "
                         "prefetches the entries of queued requests, CachedAttention), lru, "
                         "fifo")
+    p.add_argument("--restore-planning", action=argparse.BooleanOptionalAction,
+                   default=d["restore_planning"],
+                   help="restore a stored KV hit only while loading it is expected to beat "
+                        "recomputing it, from measured load and prefill rates; "
+                        "--no-restore-planning restores every hit")
     p.add_argument("--execution", default=d["execution"], choices=list(EXECUTIONS),
                    help="scan: every layer in one compiled step (fastest); layerwise: one "
                         "dispatch per layer (same outputs)")
@@ -826,7 +840,7 @@ _LLM_FLAGS = ("model", "dtype", "max_model_len", "attention_backend", "kv_format
               "page_size", "kv_cache_bytes", "max_num_seqs", "prefill_chunk",
               "enable_prefix_caching", "device_cache_bytes", "max_num_batched_tokens",
               "execution", "host_cache_bytes", "disk_cache_bytes", "store_dir", "store_spec",
-              "eviction_policy")
+              "eviction_policy", "restore_planning")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,3 +78,57 @@ def _prompt(seed: int = 0) -> list[int]:
     """A few hundred token ids of plain text-like ids (any ids do; fixed for the test)."""
     rng = np.random.default_rng(seed)
     return rng.integers(100, 40000, 200).tolist()
+
+
+@pytest.fixture(scope="module")
+def session_llm():
+    llm = LLM(host_cache_bytes=1 << 30, max_model_len=256, max_num_seqs=2,
+              kv_cache_bytes=64 << 20, dtype="float32")
+    yield llm
+    llm.close()
+
+
+def test_session_prompt_drops_the_oldest_turns_after_the_system_prompt(session_llm):
+    llm = session_llm
+    system = {"role": "system", "content": "You are a terse assistant."}
+    turns = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Question {i}: what is {i} times {i + 3}?"},
+                  {"role": "assistant", "content": f"It is {i * (i + 3)}. " * 3}]
+    messages = [system] + turns + [{"role": "user", "content": "And 7 times 9?"}]
+    ids, cut = llm.session_prompt(messages, reserve=40)
+    assert cut is not None and len(ids) + 40 <= llm.max_model_len
+    assert list(cut.source) == llm._template_ids(messages) and len(cut.source) > 256
+    assert list(cut.source[: cut.keep]) + list(cut.source[cut.keep + cut.drop:]) == ids
+    text = llm.tokenizer.decode(ids)
+    assert "terse assistant" in llm.tokenizer.decode(ids[: cut.keep])  # the system prompt
+    assert "Question 0:" not in text and "7 times 9" in text  # the oldest turns went
+    assert text.rstrip().endswith("assistant")
+    assert llm.session_prompt(messages[:3], reserve=40) == (llm.chat_prompt(messages[:3]),
+                                                            None)
+    with pytest.raises(ValueError, match="do not fit"):
+        llm.session_prompt([system, {"role": "user", "content": "word " * 400}])
+
+
+def test_an_overflowing_session_reuses_its_stored_kv_re_rotated(session_llm):
+    llm = session_llm
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    for topic in ("rivers", "mountains", "deserts", "oceans", "forests"):
+        messages.append({"role": "user", "content": f"Tell me a fact about {topic}."})
+        before = llm.stats()
+        out = llm.chat(messages, params, session_id="long-chat")
+        llm.store.flush()
+        messages.append({"role": "assistant", "content": out.text})
+        after = llm.stats()
+        if after["store"]["rebased_tokens"] > before["store"]["rebased_tokens"]:
+            break
+    else:
+        pytest.fail("the conversation never overflowed max_model_len with a stored history")
+    rebased = after["store"]["rebased_tokens"] - before["store"]["rebased_tokens"]
+    computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+    assert len(out.prompt_token_ids) < llm.max_model_len
+    assert computed + rebased + (after["prefix_hit_tokens"]["device"]
+                                 - before["prefix_hit_tokens"]["device"]) == len(
+        out.prompt_token_ids)
+    assert rebased >= 64 and out.text.strip()

@@ -1,24 +1,30 @@
-"""RoPE: un-apply inverts apply, and scores depend only on relative position."""
+"""RoPE: rotations compose (what moving stored keys relies on), and scores depend only on
+relative position."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jkv.config import RopeScaling
-from jkv.models.rope import apply_rope, inv_frequencies, unapply_rope
+from jkv.models.rope import apply_rope, inv_frequencies
 
 
 def _x(shape):
     return jnp.asarray(np.random.default_rng().normal(size=shape), jnp.float32)
 
 
-def test_unapply_inverts_apply():
+def test_rotating_by_a_shift_moves_a_key_to_its_new_position():
+    rng = np.random.default_rng()
     x = _x((2, 7, 3, 64))
-    pos = jnp.asarray(np.random.default_rng().integers(0, 8000, (2, 7)), jnp.int32)
-    inv = jnp.asarray(inv_frequencies(64, 1e5))
+    pos = jnp.asarray(rng.integers(0, 8000, (2, 7)), jnp.int32)
+    shift = jnp.asarray(rng.integers(-4000, 0, (2, 7)), jnp.int32)
+    inv = jnp.asarray(inv_frequencies(64, 1e5, RopeScaling()))
     y = apply_rope(x, pos, inv)
     assert not np.allclose(y, x)
-    np.testing.assert_allclose(unapply_rope(y, pos, inv), x, atol=2e-5)
+    # float32 angles of positions up to 8000 carry ~5e-4 rad of rounding either way
+    np.testing.assert_allclose(apply_rope(y, shift, inv), apply_rope(x, pos + shift, inv),
+                               atol=2e-3)
+    assert np.abs(apply_rope(y, shift + 1, inv) - apply_rope(x, pos + shift, inv)).max() > 0.1
 
 
 def test_scores_depend_on_relative_position_only():

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import CacheConfig, ModelConfig, StoreConfig
+from jkv.config import CacheConfig, ModelConfig, SchedulerConfig, StoreConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
 from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler, generate_all
+from jkv.scheduler import Request, Scheduler, generate_all, restore_pays
 from jkv.store.store import KVStore
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -46,7 +46,7 @@ def test_later_turns_restore_from_the_store_and_match_recomputing(params, tmp_pa
     firsts = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(20, 40, 3)]
     eng = engine(params)
     store = kv_store(eng, host_cache_bytes=1 << 24, store_dir=str(tmp_path))
-    sched = Scheduler(eng, store=store)
+    sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
     turn1 = [request(p) for p in firsts]
     generate_all(sched, turn1)
     store.flush()
@@ -65,7 +65,8 @@ def test_later_turns_restore_from_the_store_and_match_recomputing(params, tmp_pa
     # a new process: the same conversations from the disk tier
     store.close()
     eng2 = engine(params)
-    sched2 = Scheduler(eng2, store=kv_store(eng2, store_dir=str(tmp_path)))
+    sched2 = Scheduler(eng2, SchedulerConfig(restore_planning=False),
+                       store=kv_store(eng2, store_dir=str(tmp_path)))
     again = [request(p) for p in follow]
     generate_all(sched2, again)
     # turn 2's saves replaced turn 1's: all of each prompt's full blocks but the last token's
@@ -80,7 +81,7 @@ def test_host_tier_stays_within_budget_over_200_conversations(params):
     eng = engine(params)
     budget = 12 * 5 * eng.block_pages * PAGE_BYTES  # about twelve 5-block histories
     store = kv_store(eng, host_cache_bytes=budget, eviction_policy="lru")
-    sched = Scheduler(eng, store=store)
+    sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
     convs = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(17, 40, 200)]
     finished: list[Request] = []  # first turns done, their follow-ups not yet sent
     outputs: list[Request] = []  # follow-up turns
@@ -113,4 +114,27 @@ def test_host_tier_stays_within_budget_over_200_conversations(params):
     alone = [request(r.prompt, n=4) for r in sample]
     generate_all(reference, alone)
     assert [r.output for r in sample] == [r.output for r in alone]
+    store.close()
+
+
+def test_restore_planning_recomputes_when_that_is_faster(params):
+    assert restore_pays(100, 10**6, 10**6, 0.0, 0.0, 0.0)  # nothing measured: load
+    # 2 MB at 1 GB/s read and write = 2 ms, against 100 tokens at 10 us = 1 ms: recompute
+    assert not restore_pays(100, 10**6, 10**6, 1e9, 1e9, 1e-5)
+    assert restore_pays(1000, 10**6, 10**6, 1e9, 1e9, 1e-5)  # 10 ms of compute: load
+    rng = np.random.default_rng()
+    eng = engine(params)
+    store = kv_store(eng, host_cache_bytes=1 << 24)
+    sched = Scheduler(eng, store=store)
+    first = [request(rng.integers(0, 512, 40).tolist())]
+    generate_all(sched, first)
+    store.flush()
+    store.read_bytes_per_s["host"] = eng.load_bytes_per_s = 1.0  # loading: hopelessly slow
+    follow = [request(first[0].prompt + first[0].output + [1, 2, 3])]
+    generate_all(sched, follow)
+    snap = sched.snapshot()
+    assert snap["prefix_hit_tokens"]["host"] == 0 and snap["store"]["restores_declined"] == 1
+    reference = [request(follow[0].prompt)]
+    generate_all(Scheduler(engine(params)), reference)
+    assert follow[0].output == reference[0].output
     store.close()

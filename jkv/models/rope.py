@@ -1,7 +1,8 @@
 """Rotary position embedding in the rotate-half layout of Hugging Face checkpoints.
 
-`unapply_rope` exists because the store keeps keys before rotation (DESIGN.md): a key
-rotated to position p is brought back to pre-RoPE form and re-rotated elsewhere.
+Rotations compose: `apply_rope` at position d of a key already rotated to p gives the key at
+p + d. That is how stored keys move when a conversation's oldest turns are dropped
+(`jkv.cache.rebase`).
 """
 
 from __future__ import annotations
@@ -48,11 +49,3 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     xf = x.astype(jnp.float32)
     return (xf * cos + _rotate_half(xf) * sin).astype(x.dtype)
-
-
-def unapply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Inverse of `apply_rope`: rotate x [B, T, H, D] back from positions [B, T]."""
-    cos, sin = _cos_sin(positions, inv_freq)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    return (xf * cos - _rotate_half(xf) * sin).astype(x.dtype)

@@ -21,6 +21,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -39,11 +40,14 @@ HASHES = "block_hashes"  # the entry array holding its chained block hashes
 
 
 class Hit(NamedTuple):
-    """The longest stored run of a prompt's blocks: `blocks` blocks of entry `key`."""
+    """The longest stored run of a prompt's blocks: `blocks` blocks of entry `key`, which
+    takes `entry_bytes` to read and holds `blocks_bytes` for these blocks."""
 
     key: str
     blocks: int
     tier: str  # "host" or "disk"
+    entry_bytes: int = 0
+    blocks_bytes: int = 0
 
 
 @dataclass
@@ -102,6 +106,8 @@ class KVStore:
         self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
                                    0 if self.disk is None else config.disk_cache_bytes)
         self.stats = StoreStats()
+        # measured rate of `load` (read, checksum, checks) per tier, for restore planning
+        self.read_bytes_per_s = {"host": 0.0, "disk": 0.0}
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._where: dict[bytes, dict[str, int]] = {}  # block hash -> {entry key: index}
@@ -174,7 +180,9 @@ class KVStore:
             key = min(holders, key=lambda k: (tiers[k] != "dram", k))
             if tiers[key] is None:
                 return None
-            return Hit(key, lo, TIER_NAMES[tiers[key]])
+            size = self.placement.size(key)
+            return Hit(key, lo, TIER_NAMES[tiers[key]], size,
+                       size * lo // len(self._entries[key].hashes))
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -186,6 +194,7 @@ class KVStore:
         """The first `hit.blocks` blocks of entry `hit.key`: (arrays [blocks, ...] in the
         pool's format, their block hashes), validated; None on a miss (gone, or corrupt:
         then counted and deleted)."""
+        t0 = time.perf_counter()
         tiers = (self.host, self.disk) if hit.tier == "host" else (self.disk, self.host)
         data = None
         for tier in tiers:  # the entry may be moving between tiers right now
@@ -211,6 +220,9 @@ class KVStore:
         with self._lock:
             self.placement.access(hit.key)
         self.stats.loads += 1
+        rate = len(data) / max(time.perf_counter() - t0, 1e-9)
+        old = self.read_bytes_per_s[hit.tier]
+        self.read_bytes_per_s[hit.tier] = rate if not old else 0.8 * old + 0.2 * rate
         n = hit.blocks
         return {f: x[:n] for f, x in arrays.items()}, entry.hashes[:n]
 
