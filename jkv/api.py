@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,12 +177,15 @@ class LLM:
                              max_num_seqs=max_num_seqs, attention_backend=attention_backend,
                              prefill_chunk=prefill_chunk, seed=seed,
                              enable_prefix_caching=enable_prefix_caching,
-                             device_cache_bytes=device_cache_bytes, model_id=str(path),
+                             device_cache_bytes=device_cache_bytes,
+                             model_id=str(path.resolve()),
                              execution=execution)
         self.store = None
         if store_config.enabled:
             self.store = KVStore(store_config, model=self.engine.fingerprint,
                                  kv_format=self.engine.kv_format, page_size=page_size)
+            # an LLM never closed still writes its queue and keeps its host tier at exit
+            weakref.finalize(self, self.store.close)
         self.scheduler = Scheduler(self.engine, SchedulerConfig(max_num_batched_tokens,
                                                                 restore_planning),
                                    store=self.store)

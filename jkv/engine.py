@@ -44,7 +44,7 @@ from jkv.cache.page_pool import (
 )
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
 from jkv.cache.rebase import rebase_pages
-from jkv.cache.transfer import gather_pages, scatter_pages, slot_page_ids
+from jkv.cache.transfer import FIELDS, gather_pages, scatter_pages, slot_page_ids
 from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, CacheConfig, ModelConfig
 from jkv.models.llama import Params, final_norm, forward, layer, lm_head
 from jkv.models.rope import apply_rope, inv_frequencies
@@ -158,13 +158,16 @@ class SavedPages:
     num_blocks: int
     arrays: dict[str, np.ndarray | jax.Array]
     hashes: list[bytes]  # chained block hashes of its tokens (model, format, page size)
+    # blocks from this one on hold approximate KV (moved by `Engine.rebase`): usable by the
+    # prompt they were made for, never shared under their tokens' hashes
+    exact_blocks: int | None = None
 
     def fetch(self) -> SavedPages:
         """The same blocks as host arrays of exactly `num_blocks` rows (waits for the copy)."""
         arrays = jax.device_get(self.arrays)
         return SavedPages(self.num_blocks,
                           {f: np.asarray(x)[: self.num_blocks] for f, x in arrays.items()},
-                          self.hashes[: self.num_blocks])
+                          self.hashes[: self.num_blocks], self.exact_blocks)
 
 
 @dataclass
@@ -251,7 +254,7 @@ class Engine:
         self.prefix = PrefixCache(capacity, max_rows)
         self.blocks = jnp.zeros((max(capacity, 1), cfg.num_layers, cfg.num_kv_heads), jnp.int32)
         self._hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
-                           f"{cfg}").encode()
+                           f"{jnp.dtype(dtype).name}|{cfg}").encode()
         self.kv_format = cache.kv_format.name
         self._format, self._dtype = cache.kv_format, dtype
         self._rotate = partial(apply_rope, inv_freq=jnp.asarray(
@@ -265,6 +268,10 @@ class Engine:
         self._seed, self._requests_seen = seed, 0
         self.stats = EngineStats()
         self._restores: dict[int, _Restore] = {}  # slot -> saved pages not yet written
+        # slot -> first block whose KV is not its tokens' own: restored but not yet written,
+        # or moved by `rebase` (approximate); such blocks are never shared under their hashes
+        self._unwritten_from: dict[int, int] = {}
+        self._approx_from: dict[int, int] = {}
         self.load_bytes_per_s = 0.0  # measured restore rate (host arrays into the pool)
 
     # ------------------------------------------------------------------ accounting
@@ -371,9 +378,17 @@ class Engine:
             self.stats.prefix_hit_tokens += cached
         if restore is not None:
             cached = self._restore(slot, len(rows), restore, token_ids)
+            if restore.exact_blocks is not None and cached > restore.exact_blocks * self.page_size:
+                self._approx_from[slot] = max(restore.exact_blocks, len(rows))
         self.slot_tokens[slot] = list(token_ids[:cached])
         self._slot_rows[slot] = rows
         return slot, cached
+
+    def _shareable_blocks(self, slot: int) -> int:
+        """Full blocks of `slot` whose KV is exactly its tokens' (all but moved ones, and
+        none past a restore that was never written)."""
+        n = len(self.slot_tokens[slot]) // self.page_size
+        return min(n, self._unwritten_from.get(slot, n), self._approx_from.get(slot, n))
 
     def _restorable(self, saved: SavedPages, token_ids: Sequence[int]) -> int:
         """Blocks of `saved` that `token_ids` can take; ValueError if they are another
@@ -382,6 +397,15 @@ class Engine:
         if n and saved.hashes[n - 1] != block_hashes(token_ids, self.page_size,
                                                      self._hash_seed, n)[n - 1]:
             raise ValueError("the saved pages are not this prompt's (block hashes differ)")
+        pool = {f: getattr(self.pool, f) for f in FIELDS if getattr(self.pool, f) is not None}
+        if sorted(saved.arrays) != sorted(pool):
+            raise ValueError(f"the saved pages carry {sorted(saved.arrays)}, this pool's "
+                             f"format needs {sorted(pool)}")
+        for f, x in saved.arrays.items():
+            want = (self.cfg.num_layers, self.cfg.num_kv_heads, *pool[f].shape[1:])
+            if x.dtype != pool[f].dtype or tuple(x.shape[1:]) != want or x.shape[0] < n:
+                raise ValueError(f"saved pages[{f!r}] are {x.dtype}{list(x.shape)}, this pool "
+                                 f"needs {pool[f].dtype}[>={n}, {', '.join(map(str, want))}]")
         return n
 
     def _restore(self, slot: int, first: int, saved: SavedPages,
@@ -408,6 +432,7 @@ class Engine:
             part[: n - first] = x[first:n]
             pages[f] = part
         self._restores[slot] = _Restore(np.asarray(ids), pages)
+        self._unwritten_from[slot] = first  # until the pages are written (`_written`)
         if self.execution != "layerwise" or not self.load_bytes_per_s:
             self.write_restores([slot])  # at once, timed (the first one measures the rate)
         self.stats.restored_tokens += (n - first) * self.page_size
@@ -417,11 +442,20 @@ class Engine:
         """Write the queued restores of `slots` into the pool now, every layer at once
         (layer-wise execution otherwise writes them layer by layer in the slot's next step)."""
         for slot in slots:
-            r = self._restores.pop(slot, None)
+            r = self._restores.get(slot)
             if r is not None:
+                compiled = scatter_pages._cache_size()
                 t0 = time.perf_counter()
                 self.pool = jax.block_until_ready(scatter_pages(self.pool, r.ids, r.pages))
-                self._learn_load(r.nbytes, time.perf_counter() - t0)
+                if scatter_pages._cache_size() == compiled:  # a compile is not a load rate
+                    self._learn_load(r.nbytes, time.perf_counter() - t0)
+                self._written([slot])
+
+    def _written(self, slots: Sequence[int]) -> None:
+        """The restores of `slots` are in the pool: their blocks are the tokens' own again."""
+        for slot in slots:
+            self._restores.pop(slot, None)
+            self._unwritten_from.pop(slot, None)
 
     def _learn_load(self, nbytes: int, seconds: float) -> None:
         if seconds > 0:
@@ -447,7 +481,7 @@ class Engine:
         copy is dispatched, not awaited, and later steps may reuse the pages (`fetch` it on
         another thread: what the store's write-behind does)."""
         self.write_restores([slot])
-        n = len(self.slot_tokens[slot]) // self.page_size
+        n = self._shareable_blocks(slot)
         ids = slot_page_ids(self.tables.pages, jnp.int32(slot), jnp.int32(0), jnp.int32(n),
                             count=bucket(n))
         return SavedPages(n, gather_pages(self.pool, ids),
@@ -480,7 +514,8 @@ class Engine:
         out = rebase_pages(pages, src, shift, fmt=self._format,
                            group=min(self._format.group, self.cfg.head_dim), dtype=self._dtype,
                            rotate=self._rotate)
-        return SavedPages(m, jax.device_get(out), self.prompt_hashes(token_ids)[:m])
+        return SavedPages(m, jax.device_get(out), self.prompt_hashes(token_ids)[:m],
+                          exact_blocks=min(m, keep // ps))
 
     def save_pages(self, slot: int) -> SavedPages:
         """The full blocks `slot` holds, copied to the host."""
@@ -489,13 +524,16 @@ class Engine:
     def close(self, slot: int) -> None:
         """End the sequence in `slot`: its full blocks go to the prefix cache (when on) and
         its other pages back to the pool."""
-        self.write_restores([slot])  # the prefix cache may hand its pages to another
+        self._restores.pop(slot, None)  # never written (the request ended first)
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
+        shareable = max(self._shareable_blocks(slot), len(shared))
+        self._unwritten_from.pop(slot, None)
+        self._approx_from.pop(slot, None)
         keep = np.zeros((self.max_num_seqs + 1, self.max_pages), bool)
         keep[slot, : len(shared)] = True
         if self.enable_prefix_caching:
             self.prefix.release(shared)
-            hashes = block_hashes(tokens, self.page_size, self._hash_seed)
+            hashes = block_hashes(tokens, self.page_size, self._hash_seed, shareable)
             dest = np.full(self.max_pages, -1, np.int32)
             for i in range(len(shared), len(hashes)):
                 row, evicted = self.prefix.insert(hashes[i], i)
@@ -557,6 +595,7 @@ class Engine:
         ok, outs = jax.device_get((ok, outs))
         if not ok:
             raise RuntimeError("page reservation failed although the host count allowed it")
+        self._written(slots)  # layer-wise restores of these slots are in the pool now
         for r in rows:
             self.slot_tokens[r.slot].extend(int(t) for t in r.tokens)
         seconds = time.perf_counter() - t0
@@ -664,7 +703,7 @@ class Engine:
             return out
         # one dispatch per layer, the same compiled layer each time; restored KV is copied to
         # the device a few layers ahead (the read buffer) while earlier layers compute
-        restores = [self._restores.pop(r.slot) for r in rows if r.slot in self._restores]
+        restores = [self._restores[r.slot] for r in rows if r.slot in self._restores]
         ahead = self.read_buffer_layers(sum(r.nbytes for r in restores),
                                         sum(len(r.tokens) for r in rows)) if restores else 0
         staged: dict[int, list] = {}

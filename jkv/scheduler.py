@@ -150,6 +150,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
     return plan
 
 
+PROBE_EVERY = 16  # of the store hits restore planning declines, one is restored anyway
+
+
 def restore_pays(tokens: int, read_bytes: int, write_bytes: int, read_bytes_per_s: float,
                  write_bytes_per_s: float, prefill_token_seconds: float) -> bool:
     """Restore planning: is loading `tokens` tokens of KV (reading `read_bytes` from a store
@@ -209,6 +212,7 @@ class Request:
     _hashes: list[bytes] | None = field(default=None, repr=False)
     _hit: Hit | None = field(default=None, repr=False)  # the store's blocks it would restore
     _declined: bool = field(default=False, repr=False)  # recomputing its hit was planned
+    _probe: bool = field(default=False, repr=False)  # restore its hit anyway, to measure
     _rebase: int = field(default=0, repr=False)  # blocks `_hit` gives after re-rotation
     _source_hashes: list[bytes] | None = field(default=None, repr=False)
 
@@ -365,14 +369,18 @@ class Scheduler:
             if moved is not None and moved[1] > blocks:
                 (hit, blocks), rebase = moved, True
             if (hit is not None and blocks * eng.page_size > cached
-                    and self.config.restore_planning and not restore_pays(
+                    and self.config.restore_planning and not r._probe and not restore_pays(
                         blocks * eng.page_size - cached, hit.entry_bytes, hit.blocks_bytes,
                         self.store.read_bytes_per_s[hit.tier], eng.load_bytes_per_s,
                         self._prefill_token_s)):
                 if not r._declined:
                     self.stats.restores_declined += 1
                     r._declined = True
-                hit = None
+                    # every PROBE_EVERY-th declined hit is loaded anyway, so that rates
+                    # measured once (badly, or before the load changed) are measured again
+                    r._probe = self.stats.restores_declined % PROBE_EVERY == 0
+                if not r._probe:
+                    hit = None
             if hit is not None and blocks * eng.page_size > cached:
                 # restoring takes new pages for the stored blocks past the device hit
                 pinned += eng.pages_for(blocks * eng.page_size) - eng.pages_for(cached)
@@ -388,6 +396,10 @@ class Scheduler:
         if t is None:
             return None
         eng = self.engine
+        tokens, k, d = r.tokens, t.keep, t.drop
+        if (k > len(tokens) or list(t.source[:k]) != tokens[:k]
+                or list(t.source[k + d: len(tokens) + d]) != tokens[k: len(t.source) - d]):
+            return None  # not a cut of its source: nothing to move
         if r._source_hashes is None:
             r._source_hashes = eng.prompt_hashes(list(t.source))
         hit = self.store.lookup(r._source_hashes)
@@ -403,18 +415,22 @@ class Scheduler:
         eng, hit = self.engine, r._hit
         restore = None
         if hit is not None:
-            loaded = self.store.load(hit)
-            if loaded is None:
+            try:
+                loaded = self.store.load(hit)
+                if loaded is not None:
+                    restore = SavedPages(hit.blocks, *loaded)
+                    if r._rebase:
+                        t = r.truncation
+                        restore = eng.rebase(restore, r.tokens, t.keep, t.drop)
+            except Exception:  # a failed load or move is a miss, never a failed step
+                log.exception("could not restore request %s from the store", r.request_id)
+                restore = None
+            if restore is None:
                 self.stats.store_misses += 1
-            else:
-                restore = SavedPages(hit.blocks, *loaded)
-                if r._rebase:
-                    t = r.truncation
-                    restore = eng.rebase(restore, r.tokens, t.keep, t.drop)
         before = eng.stats.restored_tokens
         try:
             r.slot, cached = eng.open(r.tokens, restore=restore)
-        except ValueError:  # the loaded blocks are not this prompt's: never serve them
+        except ValueError:  # the loaded blocks do not fit this prompt: never serve them
             log.exception("restoring request %s from the store failed; recomputing",
                           r.request_id)
             self.stats.store_misses += 1

@@ -89,3 +89,35 @@ def test_no_move_is_the_identity(params):
         np.testing.assert_array_equal(moved.arrays[f][: moved.num_blocks], saved.arrays[f])
     with pytest.raises(ValueError, match="keep and drop"):
         eng.rebase(saved, history, keep=-1, drop=0)
+
+
+def test_moved_blocks_are_never_shared_under_their_tokens_hashes(params):
+    rng = np.random.default_rng()
+    history = rng.integers(0, 512, 64).tolist()
+    keep, drop = 8, 16
+    prompt = history[:keep] + history[keep + drop:] + rng.integers(0, 512, 9).tolist()
+    saved = prefilled(engine(params, "auto"), history)
+    cache = CacheConfig(page_size=8, kv_cache_bytes=4_000_000)
+    eng = Engine(TINY, params, cache=cache, max_model_len=128, max_num_seqs=2,
+                 prefill_chunk=32)  # prefix caching on
+    moved = eng.rebase(saved, prompt, keep, drop)
+    assert moved.num_blocks == 6 and moved.exact_blocks == 1
+    slot, cached = eng.open(prompt, restore=moved)
+    assert cached == 48
+    eng.step([Row(slot, prompt[cached:], GREEDY, eng.request_key(0))], [])
+    assert eng.gather(slot).num_blocks == 1  # what the store would be handed
+    eng.close(slot)
+    # only the block before the cut (exact KV) is in the device prefix cache
+    assert eng.lookup(eng.prompt_hashes(prompt))[0] == 8
+
+
+def test_pages_of_another_dtype_are_refused_before_anything_is_taken(params):
+    rng = np.random.default_rng()
+    history = rng.integers(0, 512, 40).tolist()
+    saved = prefilled(engine(params, "auto"), history)
+    wrong = type(saved)(saved.num_blocks, {f: x.astype(np.float16)
+                                           for f, x in saved.arrays.items()}, saved.hashes)
+    eng = engine(params, "auto")
+    with pytest.raises(ValueError, match="float16"):
+        eng.open(history + [1], restore=wrong)
+    assert eng.num_free_slots == 2 and eng.available_pages == eng.total_pages

@@ -37,9 +37,10 @@ def blocks(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
             for f, (shape, dt) in ENTRY_FIELDS.items()}
 
 
-def store(tmp_path=None, model: str = "m", **kw) -> KVStore:
+def store(tmp_path=None, model: str = "m", max_pending_bytes: int = 1 << 30, **kw) -> KVStore:
     cfg = StoreConfig(store_dir=None if tmp_path is None else str(tmp_path), **kw)
-    return KVStore(cfg, model=model, kv_format="auto", page_size=PAGE)
+    return KVStore(cfg, model=model, kv_format="auto", page_size=PAGE,
+                   max_pending_bytes=max_pending_bytes)
 
 
 def entry_bytes(n: int) -> int:
@@ -249,3 +250,13 @@ def test_bad_configuration_is_a_value_error(tmp_path):
         StoreConfig(store_dir=str(tmp_path), store_spec="s3://b/")
     with pytest.raises(ValueError, match="needs"):
         store()
+
+
+def test_saves_past_the_pending_budget_are_dropped_and_counted():
+    rng = np.random.default_rng()
+    s = store(host_cache_bytes=1 << 24, max_pending_bytes=0)
+    tokens = rng.integers(0, 1000, 2 * PAGE).tolist()
+    assert not s.save(2, blocks(2, rng), chain(tokens))
+    assert s.snapshot()["saves_dropped"] == 1 and s.lookup(chain(tokens)) is None
+    s.close()
+    assert not s.save(2, blocks(2, rng), chain(tokens))  # closed: nothing queued

@@ -80,6 +80,11 @@ class Placement:
     def sessions(self, tier: str) -> list[Hashable]:
         return list(self._tiers[tier])
 
+    def by_recency(self, tier: str) -> list[Hashable]:
+        """Sessions of `tier`, most recently used first."""
+        items = self._tiers[tier]
+        return sorted(items, key=lambda s: -items[s].used)
+
     def mean_item_bytes(self) -> float:
         n = len(self._tiers["dram"]) + len(self._tiers["disk"])
         return (self._used["dram"] + self._used["disk"]) / n if n else 0.0

@@ -31,7 +31,7 @@ import numpy as np
 from jkv.config import StoreConfig
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode
 from jkv.store.placement import Move, Placement
-from jkv.store.tiers import HostTier, PersistentTier, TierFull
+from jkv.store.tiers import HostTier, PersistentTier
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class _Entry:
 @dataclass
 class StoreStats:
     saves: int = 0  # entries written
+    saves_dropped: int = 0  # saves refused because the writer was too far behind
     save_failures: int = 0  # saves that raised (logged; the request was not affected)
     loads: int = 0  # entries read for a restore
     corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
@@ -90,18 +91,21 @@ class KVStore:
     """Host and persistent tiers behind one index; see the module docstring.
 
     model: the fingerprint of the KV written (`Engine.fingerprint`: model, format, page size);
-    entries of other fingerprints in a shared persistent tier are left alone.
+    entries of other fingerprints in a shared persistent tier are never matched; they count
+    against the capacity and are evicted like any other entry when room is needed.
+    max_pending_bytes: most bytes of saves waiting for the writer (each holds a device copy
+    of its pages until written); a save past it is dropped and counted.
     """
 
     def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
-                 page_size: int) -> None:
+                 page_size: int, max_pending_bytes: int = 2 << 30) -> None:
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
         self.config = config
         self.model, self.kv_format, self.page_size = model, kv_format, page_size
         self.host = HostTier(config.host_cache_bytes)
-        self.disk = (None if config.persistent is None
+        self.disk = (None if config.persistent is None or not config.disk_cache_bytes
                      else PersistentTier(config.persistent, config.disk_cache_bytes))
         self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
                                    0 if self.disk is None else config.disk_cache_bytes)
@@ -114,6 +118,8 @@ class KVStore:
         self._queue: list[str] = []  # entry keys of the waiting requests, in run order
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
+        self.max_pending_bytes = max_pending_bytes
+        self._pending: dict[str, int] = {}  # entry key -> bytes of saves not yet written
         if self.disk is not None:
             self._adopt_disk()
         self._writer = threading.Thread(target=self._work, name="jkv-store-writer",
@@ -138,9 +144,11 @@ class KVStore:
                 self._index(key, _Entry(hashes, session))
             else:
                 self.disk.delete(key)  # over the configured capacity: the store shrank
-        for key in other:
+        for key in other:  # another model's (or unreadable) entries: evicted like any other
             if not self.placement.adopt(key, self.disk.size(key), "disk"):
-                self.disk.delete(key)
+                # never deleted at opening; the room they take is not ours to use
+                self.placement.capacity["disk"] = max(
+                    0, self.placement.capacity["disk"] - self.disk.size(key))
 
     # ------------------------------------------------------------------ index
 
@@ -175,11 +183,11 @@ class KVStore:
                     hi = mid
             if lo == 0:
                 return None
-            holders = self._where[hashes[lo - 1]]
-            tiers = {k: self.placement.where(k) for k in holders}
-            key = min(holders, key=lambda k: (tiers[k] != "dram", k))
-            if tiers[key] is None:
+            tiers = {k: self.placement.where(k) for k in self._where[hashes[lo - 1]]}
+            tiers = {k: t for k, t in tiers.items() if t is not None}  # not mid-eviction
+            if not tiers:
                 return None
+            key = min(tiers, key=lambda k: (tiers[k] != "dram", k))
             size = self.placement.size(key)
             return Hit(key, lo, TIER_NAMES[tiers[key]], size,
                        size * lo // len(self._entries[key].hashes))
@@ -215,6 +223,8 @@ class KVStore:
         except (CorruptEntry, EntryMismatch) as e:
             log.warning("stored KV entry %s is unusable (%s); recomputing", hit.key, e)
             self.stats.corrupt_entries += 1
+            with self._lock:
+                self._unindex(hit.key)  # no second lookup finds it; the writer deletes it
             self._submit(lambda: self._delete(hit.key))
             return None
         with self._lock:
@@ -237,10 +247,27 @@ class KVStore:
         if num_blocks < 1 or self._closed:
             return False
         hashes = list(hashes[:num_blocks])
+        key = hashes[-1].hex()
+        nbytes = sum(getattr(x, "nbytes", 0) for x in arrays.values())
         with self._lock:
-            if hashes[-1] in self._where:
+            if hashes[-1] in self._where or key in self._pending:
                 return False
-        self._submit(lambda: self._write(num_blocks, arrays, hashes, session))
+            if sum(self._pending.values()) + nbytes > self.max_pending_bytes:
+                self.stats.saves_dropped += 1
+                return False
+            self._pending[key] = nbytes
+
+        def job() -> None:
+            try:
+                self._write(num_blocks, arrays, hashes, session)
+            finally:
+                with self._lock:
+                    self._pending.pop(key, None)
+
+        if not self._submit(job):
+            with self._lock:
+                self._pending.pop(key, None)
+            return False
         return True
 
     def _write(self, n: int, arrays: Mapping[str, object], hashes: list[bytes],
@@ -252,8 +279,8 @@ class KVStore:
         data = encode(info, {**host, HASHES: digests})
         meta = _meta(self.model, session, hashes)
         with self._lock:
-            if key in self._entries:
-                return
+            if key in self._entries or len(data) > max(self.placement.capacity.values()):
+                return  # already stored, or fits no tier (then the shorter runs stay)
             older = [h.hex() for h in hashes[:-1] if h.hex() in self._entries]
         for old in older:  # a longer run of the same prefix replaces them
             self._delete(old)
@@ -292,7 +319,7 @@ class KVStore:
                 if data is None:
                     raise KeyError(f"entry {m.session} vanished from the {m.src} tier")
                 dst.put(m.session, data, meta or b"")
-            except (TierFull, KeyError, ValueError, RuntimeError) as e:
+            except Exception as e:  # an I/O error of the tier as much as TierFull
                 log.warning("could not move KV entry %s %s -> %s: %s", m.session, m.src,
                             m.dst, e)
                 self._delete(m.session)
@@ -316,11 +343,15 @@ class KVStore:
 
     def clear(self) -> None:
         """Delete every entry of this store's KV (other fingerprints' are left alone)."""
+
+        def clear_all() -> None:
+            with self._lock:
+                keys = list(self._entries)
+            for key in keys:
+                self._delete(key)
+
+        self._submit(clear_all)
         self.flush()
-        with self._lock:
-            keys = list(self._entries)
-        for key in keys:
-            self._delete(key)
 
     # ------------------------------------------------------------------ hints
 
@@ -342,8 +373,13 @@ class KVStore:
 
     # ------------------------------------------------------------------ the writer
 
-    def _submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
+    def _submit(self, job: Callable[[], None]) -> bool:
+        """Queue a job for the writer; False once the store is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._jobs.put(job)
+            return True
 
     def _work(self) -> None:
         while True:
@@ -365,17 +401,18 @@ class KVStore:
     def close(self) -> None:
         """Finish queued writes, move what the host tier holds to the persistent tier (most
         recently used first, as capacity allows), and stop the writer."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.disk is not None:
-            self._submit(self._spill_all)
-        self._jobs.put(None)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self.disk is not None:
+                self._jobs.put(self._spill_all)
+            self._jobs.put(None)
         self._writer.join()
 
     def _spill_all(self) -> None:
         with self._lock:
-            keys = list(reversed(self.placement.sessions("dram")))
+            keys = self.placement.by_recency("dram")
         for key in keys:
             with self._lock:
                 moves = self.placement.spill(key, self._queue)
@@ -395,4 +432,4 @@ class KVStore:
                 "corrupt_entries": st.corrupt_entries, "evictions": st.evictions,
                 "prefetches": st.prefetches, "offloads": st.offloads, "saves": st.saves,
                 "loads": st.loads, "superseded": st.superseded,
-                "save_failures": st.save_failures}
+                "save_failures": st.save_failures, "saves_dropped": st.saves_dropped}
