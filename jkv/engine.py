@@ -662,7 +662,27 @@ class Engine:
             jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t, width=width))
             if progress is not None:
                 progress(i + 1, len(todo))
+        self.warmup_transfers()
         return self.num_compiles - before
+
+    def warmup_transfers(self) -> None:
+        """Compile the page copies a KV store uses (saving a slot's blocks, restoring them
+        at once or layer by layer) for every block count bucket, on null pages only."""
+        count = 1
+        while True:
+            ids = slot_page_ids(self.tables.pages, jnp.int32(self.scratch), jnp.int32(0),
+                                jnp.int32(0), count=count)  # all null: nothing is written
+            pages = gather_pages(self.pool, ids)
+            self.pool = scatter_pages(self.pool, np.zeros(ids.shape, np.int32),
+                                      jax.device_get(pages))
+            if self.execution == "layerwise":
+                self.pool = scatter_pages(self.pool, np.zeros(ids.shape[::2], np.int32),
+                                          jax.device_put({f: np.asarray(x)[:, 0]
+                                                          for f, x in pages.items()}))
+            if count >= self.max_pages:
+                break
+            count *= 2
+        jax.block_until_ready(self.pool)
 
     def _call(self, rows: Sequence[Row], *, padded_rows: int | None = None,
               padded_tokens: int | None = None, width: int | None = None) -> jax.Array:
