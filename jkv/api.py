@@ -22,7 +22,6 @@ from jkv.models.params_cache import load_params
 from jkv.models.tokenizer import eos_token_ids, load_tokenizer
 from jkv.sampling import SamplingParams
 from jkv.scheduler import Request, Scheduler, Truncation, generate_all
-from jkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -180,15 +179,12 @@ class LLM:
                              device_cache_bytes=device_cache_bytes,
                              model_id=str(path.resolve()),
                              execution=execution)
-        self.store = None
-        if store_config.enabled:
-            self.store = KVStore(store_config, model=self.engine.fingerprint,
-                                 kv_format=self.engine.kv_format, page_size=page_size)
-            # an LLM never closed still writes its queue and keeps its host tier at exit
-            weakref.finalize(self, self.store.close)
         self.scheduler = Scheduler(self.engine, SchedulerConfig(max_num_batched_tokens,
                                                                 restore_planning),
-                                   store=self.store)
+                                   store=store_config if store_config.enabled else None)
+        self.store = self.scheduler.store  # the KV store (jkv.store.KVStore) or None
+        # an LLM never closed still writes its queued saves and keeps its host tier at exit
+        weakref.finalize(self, self.scheduler.close)
         self.metrics = Metrics()
         self._loop: threading.Thread | None = None
         self.eos_ids = frozenset(eos_token_ids(self.tokenizer))
@@ -375,8 +371,7 @@ class LLM:
         move to the persistent tier as far as it has room (then another process can reuse
         them). The LLM cannot generate after this."""
         self.stop_serving()
-        if self.store is not None:
-            self.store.close()
+        self.scheduler.close()
 
     def __enter__(self) -> LLM:
         return self

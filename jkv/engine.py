@@ -14,6 +14,13 @@ engine only checks that what it is asked to do fits.
 Full pages outlive their sequence when prefix caching is on: on `close` a sequence's full
 blocks go to the prefix cache (`jkv.cache.prefix_cache`), and `open` starts a new sequence
 from the longest cached run of its prompt's blocks.
+
+Pages also leave the device and come back (the KV store, `jkv.store`): `gather` copies a
+slot's full blocks out (dispatched, not awaited), `open(restore=SavedPages)` writes saved
+blocks into new pages, all at once or, with execution="layerwise", layer by layer a read
+buffer of layers ahead of the layer computing, and `rebase` moves saved blocks to other
+positions for a truncated conversation. Blocks restored but not yet written, and moved
+blocks (approximate KV), are never shared under their tokens' hashes.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jkv.config import SchedulerConfig
+from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine import Engine, Row, Sampled, SavedPages
 from jkv.sampling import SamplingParams
 from jkv.store.store import Hit, KVStore
@@ -242,9 +242,12 @@ class Scheduler:
     from one thread only."""
 
     def __init__(self, engine: Engine, config: SchedulerConfig | None = None,
-                 store: KVStore | None = None) -> None:
+                 store: KVStore | StoreConfig | None = None) -> None:
         self.engine = engine
         self.config = config or SchedulerConfig()
+        if isinstance(store, StoreConfig):  # a store for this engine's KV
+            store = KVStore(store, model=engine.fingerprint, kv_format=engine.kv_format,
+                            page_size=engine.page_size)
         self.store = store
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -266,6 +269,11 @@ class Scheduler:
         with self._wake:
             self._incoming.append(request)
             self._wake.notify()
+
+    def close(self) -> None:
+        """Close the store (its queued saves are written); call after the loop stopped."""
+        if self.store is not None:
+            self.store.close()
 
     def abort(self, request: Request) -> None:
         """Stop a request at the next step; its pages are freed there."""
