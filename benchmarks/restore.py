@@ -74,18 +74,11 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return float(np.median(samples)), first
 
 
-def recompute_run(eng: Engine, prompt: list[int]) -> tuple[float, int]:
+def ttft_run(eng: Engine, prompt: list[int], store: KVStore | None = None
+             ) -> tuple[float, int]:
+    """Time to the first token of `prompt`: recomputed, or restored from `store`."""
     t0 = time.perf_counter()
-    slot, cached = eng.open(prompt)
-    token = prefill(eng, slot, prompt, cached)
-    ms = (time.perf_counter() - t0) * 1e3
-    eng.close(slot)
-    return ms, token
-
-
-def restore_run(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    slot, cached = restore(eng, store, prompt)
+    slot, cached = eng.open(prompt) if store is None else restore(eng, store, prompt)
     token = prefill(eng, slot, prompt, cached)
     ms = (time.perf_counter() - t0) * 1e3
     eng.close(slot)
@@ -187,10 +180,10 @@ def main() -> None:
                 store.flush()
             del saver, saved
 
-            runs = {"recompute": partial(recompute_run, scan, follow_up),
-                    "host": partial(restore_run, scan, host, follow_up),
-                    "disk": partial(restore_run, scan, disk, follow_up),
-                    "layerwise": partial(restore_run, layerwise, host, follow_up),
+            runs = {"recompute": partial(ttft_run, scan, follow_up),
+                    "host": partial(ttft_run, scan, follow_up, host),
+                    "disk": partial(ttft_run, scan, follow_up, disk),
+                    "layerwise": partial(ttft_run, layerwise, follow_up, host),
                     "load": partial(load_run, scan, host, follow_up),
                     "compute": partial(compute_run, scan, host, follow_up),
                     "compute_lw": partial(compute_run, layerwise, host, follow_up)}

@@ -192,10 +192,6 @@ class KVStore:
             return Hit(key, lo, TIER_NAMES[tiers[key]], size,
                        size * lo // len(self._entries[key].hashes))
 
-    def __contains__(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
-
     # ------------------------------------------------------------------ loading
 
     def load(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes]] | None:

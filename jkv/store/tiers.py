@@ -70,9 +70,6 @@ class HostTier:
     def meta(self, key: str) -> bytes | None:
         return self._meta.get(key)
 
-    def metas(self) -> dict[str, bytes]:
-        return dict(self._meta)
-
     def delete(self, key: str) -> None:
         data = self._data.pop(key, None)
         self._meta.pop(key, None)
