@@ -36,7 +36,9 @@ def resolve_dtype(dtype: str):
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
-_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+ROLES = ("system", "user", "assistant", "tool", "developer")  # chat message roles accepted
 
 
 @dataclass
@@ -111,8 +113,8 @@ def _parse_messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {_ROLES}")
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {ROLES}")
         if not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}].content must be a string")
     return messages
@@ -132,7 +134,8 @@ class LLM:
     the path that overlaps KV transfers with compute).
 
     The KV store keeps finished requests' KV off the device so a later turn restores it
-    instead of recomputing it: host_cache_bytes of host DRAM (0: none), and a persistent
+    instead of recomputing it: host_cache_bytes of host DRAM (0: none; None, the default: a
+    quarter of the memory available at start, at most 8 GiB), and a persistent
     tier in store_dir (a directory, tensorstore OCDBT) or store_spec (any tensorstore
     kvstore spec or URL, e.g. "s3://bucket/prefix/") of at most disk_cache_bytes, which
     another process opening the same directory reuses. eviction_policy: "scheduler"
@@ -149,7 +152,7 @@ class LLM:
                  prefill_chunk: int = 512, params_cache: bool = True,
                  enable_prefix_caching: bool = True, device_cache_bytes: int | None = None,
                  max_num_batched_tokens: int | None = None, execution: str = "scan",
-                 host_cache_bytes: int = StoreConfig.host_cache_bytes,
+                 host_cache_bytes: int | None = StoreConfig.host_cache_bytes,
                  disk_cache_bytes: int = StoreConfig.disk_cache_bytes,
                  store_dir: str | os.PathLike | None = None, store_spec: str | dict | None = None,
                  eviction_policy: str = StoreConfig.eviction_policy,

@@ -7,6 +7,7 @@ The same field names appear as `LLM(...)` keyword arguments and as server flags
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 
@@ -168,25 +169,40 @@ class SchedulerConfig:
 
 
 EVICTION_POLICIES = ("lru", "fifo", "scheduler")  # jkv.store.placement
+HOST_CACHE_SHARE = 4  # the default host tier: a quarter of the memory available at start,
+HOST_CACHE_CAP = 8 << 30  # at most 8 GiB
+
+
+def default_host_cache_bytes() -> int:
+    """A quarter of the host memory available now, at most 8 GiB (0 where unknown)."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return min(available // HOST_CACHE_SHARE, HOST_CACHE_CAP)
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     """Where finished requests' KV is kept off the device (`jkv.store`).
 
-    host_cache_bytes: the host DRAM tier's budget (0: no host tier). store_dir: a directory
+    host_cache_bytes: the host DRAM tier's budget (0: no host tier; None: a quarter of the
+    memory available at start, at most 8 GiB, so a chat's history survives device-cache
+    eviction out of the box). store_dir: a directory
     for the persistent tier (tensorstore OCDBT); store_spec: any tensorstore kvstore spec or
     URL instead (``s3://bucket/prefix/``, a dict). disk_cache_bytes: the persistent tier's
     budget. eviction_policy: which entry a full tier gives up (`jkv.store.placement`).
     """
 
-    host_cache_bytes: int = 0
+    host_cache_bytes: int | None = None
     disk_cache_bytes: int = 64 << 30
     store_dir: str | None = None
     store_spec: str | dict | None = None
     eviction_policy: str = "scheduler"
 
     def __post_init__(self) -> None:
+        if self.host_cache_bytes is None:
+            object.__setattr__(self, "host_cache_bytes", default_host_cache_bytes())
         for name in ("host_cache_bytes", "disk_cache_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

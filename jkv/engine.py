@@ -58,12 +58,7 @@ from jkv.models.rope import apply_rope, inv_frequencies
 from jkv.sampling import SamplingParams, sample, token_logprobs
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    return 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
-
-
-def bucket_pow(n: int, minimum: int = 1, base: int = 2) -> int:
+def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
     """The smallest power of `base` >= max(n, minimum)."""
     b = 1
     while b < max(n, minimum):
@@ -194,7 +189,7 @@ class Engine:
     """Runs steps over sequence slots; see `open`, `step` and `close`."""
 
     def __init__(self, cfg: ModelConfig, params: Params, *, cache: CacheConfig,
-                 max_model_len: int, max_num_seqs: int = 8, attention_backend: str = "xla",
+                 max_model_len: int, max_num_seqs: int = 8, attention_backend: str = "auto",
                  prefill_chunk: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
                  device_cache_bytes: int | None = None, model_id: str = "",
                  execution: str = "scan", shape_step: int | None = None) -> None:
@@ -624,15 +619,15 @@ class Engine:
     # ------------------------------------------------------------------ shapes
 
     def _rows_bucket(self, n: int) -> int:
-        return min(bucket_pow(n, 1, self.shape_step), self.max_num_seqs)
+        return min(bucket(n, 1, self.shape_step), self.max_num_seqs)
 
     def _tokens_bucket(self, n: int) -> int:
-        return 1 if n == 1 else min(self.prefill_chunk, bucket_pow(n, 16, self.shape_step))
+        return 1 if n == 1 else min(self.prefill_chunk, bucket(n, 16, self.shape_step))
 
     def _width(self, pages: int) -> int:
         if self.attention_backend == "pallas":
             return self.max_pages  # the kernels walk each row's pages only
-        return min(bucket_pow(pages, 4, self.shape_step), self.max_pages)
+        return min(bucket(pages, 4, self.shape_step), self.max_pages)
 
     def _prefill_groups(self, rows: Sequence[Row]) -> list[list[Row]]:
         """Prefill rows in calls whose padded rows x tokens stays within `prefill_area`:

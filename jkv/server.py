@@ -33,8 +33,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jkv.api import LLM, Truncation
-from jkv.config import ATTENTION_BACKENDS, EVICTION_POLICIES, EXECUTIONS, KV_FORMATS
+from jkv.api import LLM, ROLES, Truncation
+from jkv.config import (
+    ATTENTION_BACKENDS,
+    EVICTION_POLICIES,
+    EXECUTIONS,
+    KV_FORMATS,
+    default_host_cache_bytes,
+)
 from jkv.models.params_cache import cache_home
 from jkv.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -50,7 +56,6 @@ CHAT_MAX_TOKENS = 512  # chat default for max_tokens, when the room left allows 
 COMPLETION_MAX_TOKENS = 16  # completions default for max_tokens (OpenAI's)
 MAX_STOP = 4
 _INT64 = 1 << 63
-_ROLES = ("system", "user", "assistant", "tool", "developer")
 _END = object()  # end of a stream's deltas
 
 
@@ -126,7 +131,7 @@ def _text_content(value: Any) -> str:
 
 
 class ChatMessage(BaseModel):
-    role: Literal[_ROLES]
+    role: Literal[ROLES]
     content: str
     name: str | None = None
 
@@ -786,7 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-cache-bytes", type=int, default=d["host_cache_bytes"],
                    help="host DRAM for the KV store: finished requests' KV kept off the "
                         "device, restored (not recomputed) when a later turn needs it; 0 "
-                        "turns the host tier off")
+                        "turns the host tier off; default: a quarter of the memory available "
+                        f"at start, at most 8 GiB (here {default_host_cache_bytes() / 2**30:.1f} "
+                        "GiB)")
     p.add_argument("--store-dir", default=None,
                    help="directory of the persistent KV tier (tensorstore OCDBT: atomic "
                         "commits, reused by the next server started on it); default: none")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jkv import LLM, SamplingParams
+from jkv.config import HOST_CACHE_CAP
 from jkv.store.tiers import PersistentTier
 
 pytestmark = pytest.mark.smollm2
@@ -132,3 +133,18 @@ def test_an_overflowing_session_reuses_its_stored_kv_re_rotated(session_llm):
                                  - before["prefix_hit_tokens"]["device"]) == len(
         out.prompt_token_ids)
     assert rebased >= 64 and out.text.strip()
+
+
+def test_the_default_host_tier_keeps_a_chat_the_device_cache_dropped():
+    with LLM(max_model_len=512, max_num_seqs=1, device_cache_bytes=0) as llm:  # no store args
+        assert llm.store is not None
+        assert 0 < llm.store.host.capacity <= HOST_CACHE_CAP  # a quarter of available memory
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        messages = [{"role": "user", "content": "Tell me two facts about rivers. " * 8}]
+        first = llm.chat(messages, params)
+        llm.store.flush()
+        messages += [{"role": "assistant", "content": first.text},
+                     {"role": "user", "content": "And one about lakes?"}]
+        llm.chat(messages, params)
+        hits = llm.stats()["prefix_hit_tokens"]
+        assert hits["device"] == 0 and hits["host"] >= 64, hits

@@ -25,3 +25,8 @@ def test_research_example_runs():
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert int(namespace["logits"].argmax()) == 7042
+
+
+def test_the_readme_links_the_architecture_document():
+    assert "(docs/architecture.md)" in README
+    assert (ROOT / "docs" / "architecture.md").is_file()

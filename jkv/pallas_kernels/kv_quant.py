@@ -16,8 +16,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-QUANT_BITS = (8, 4, 2)
-
 
 def codes_per_byte(bits: int) -> int:
     return 8 // bits if bits < 8 else 1
