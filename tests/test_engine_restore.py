@@ -107,10 +107,11 @@ def test_after_warmup_saving_and_restoring_compile_nothing(params):
     fns = (gather_pages, scatter_pages, slot_page_ids)
     before = [f._cache_size() for f in fns]
     history = rng.integers(0, 512, int(rng.integers(9, 100))).tolist()
-    _, slot, _ = run(eng, history, new=2)
-    saved = eng.save_pages(slot)
+    reply, slot, _ = run(eng, history, new=2)
+    saved = eng.save_pages(slot)  # history + reply[0]: the tokens fed
     eng.close(slot)
-    run(eng, history + [1, 2], restore=saved, new=1)  # no rate yet: written at once
+    fed = history + reply[:1]
+    run(eng, fed + [1, 2], restore=saved, new=1)  # no rate yet: written at once
     eng.load_bytes_per_s = 1e9  # then layer by layer, through the read buffer
-    run(eng, history + [3, 4], restore=saved, new=1)
+    run(eng, fed + [3, 4], restore=saved, new=1)
     assert [f._cache_size() for f in fns] == before

@@ -249,7 +249,7 @@ def test_bad_configuration_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="not both"):
         StoreConfig(store_dir=str(tmp_path), store_spec="s3://b/")
     with pytest.raises(ValueError, match="needs"):
-        store()
+        store(host_cache_bytes=0)
 
 
 def test_saves_past_the_pending_budget_are_dropped_and_counted():
