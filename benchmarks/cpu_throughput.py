@@ -1,10 +1,19 @@
-"""Prefill and decode tokens/s of jkv against transformers generate, same prompts, same machine.
+"""Prefill time and decode rate of jkv against transformers on this CPU, side by side in one run.
 
-    python benchmarks/cpu_throughput.py [--new-tokens 64] [--prompt-tokens 128] [--prompts 4]
+    python benchmarks/cpu_throughput.py [--lengths 512,2048,4096] [--repeats 3]
+                                        [--new-tokens 64] [--decode-prompt-tokens 128]
+                                        [--batch 4] [--out benchmarks/results]
 
-Both run SmolLM2-135M-Instruct (the embedded default, GGUF dequantized to float32) greedily.
-Prefill time is the time to the first token; decode rate is the remaining tokens over the
-remaining time. Writes benchmarks/results/cpu_throughput-<date>.json.
+Both run SmolLM2-135M-Instruct (the embedded default, GGUF dequantized to float32) greedily on
+the same token ids. Prefill: the wall time of one prompt of each length up to its first
+generated token (jkv: `LLM.generate` with max_model_len=8192, prefix caching and the KV store
+off, every shape compiled before timing; transformers: `generate` of 1 new token, torch's
+default number of threads). Decode: single-stream tokens/s after a short prompt, N new tokens
+over the time of 1 + N tokens minus the time of 1. The two engines are timed alternately
+(which goes first alternates too), and each figure is the median of --repeats runs; the ratio
+is jkv's speed over transformers' (above 1: jkv is faster). With --batch N, jkv's decode
+throughput with N streams at once is measured too. Writes
+benchmarks/results/cpu_throughput-<date>.json (-2, -3, ... for later runs that day).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -32,85 +42,180 @@ TEXT = (
     "grows with the conversation, and deciding where it lives, how precisely it is stored and "
     "when it is brought back is most of the work of serving long chats efficiently. "
 )
+MAX_MODEL_LEN = 8192
+PAUSE_S = 0.5  # between the engines' runs, so one's worker threads are idle for the other
 
 
-def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    ids = tokenizer.encode(TEXT * (1 + 2 * length // 40), add_special_tokens=False)
-    return [ids[i * 7: i * 7 + length] for i in range(n)]
+def prompt_ids(tokenizer, length: int, offset: int = 0) -> list[int]:
+    """`length` token ids of the repeated TEXT, starting `offset` tokens in."""
+    ids = tokenizer.encode(TEXT * (2 + (length + offset) // 40), add_special_tokens=False)
+    if len(ids) < length + offset:
+        raise ValueError(f"the text gives {len(ids)} tokens, {length + offset} asked for")
+    return ids[offset: offset + length]
 
 
-def bench_transformers(ids_list, new_tokens: int) -> dict:
-    import torch
-    import transformers
-
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32).eval()
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-
-    def gen(ids, n):
-        x = torch.tensor([ids])
-        t = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
-        return time.perf_counter() - t, out.shape[1] - len(ids)
-
-    gen(ids_list[0], 4)  # warm-up
-    prefill_s = decode_s = 0.0
-    prefill_tok = decode_tok = 0
-    for ids in tqdm(ids_list, desc="transformers", leave=False):
-        t1, _ = gen(ids, 1)
-        tn, n = gen(ids, new_tokens)
-        prefill_s, prefill_tok = prefill_s + t1, prefill_tok + len(ids)
-        decode_s, decode_tok = decode_s + (tn - t1), decode_tok + n - 1
-    return {"prefill_tok_s": prefill_tok / prefill_s, "decode_tok_s": decode_tok / decode_s,
-            "torch": torch.__version__, "transformers": transformers.__version__}
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def bench_jkv(llm: LLM, ids_list, new_tokens: int, batch: int) -> dict:
-    sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    llm.generate(ids_list[:batch], sp)  # warm-up: compiles every shape bucket used below
-    llm.engine.stats.__init__()
-    for i in tqdm(range(0, len(ids_list), batch), desc=f"jkv batch {batch}", leave=False):
-        llm.generate(ids_list[i: i + batch], sp)
-    s = llm.engine.stats
-    return {"prefill_tok_s": s.prefill_tokens / s.prefill_seconds,
-            "decode_tok_s": s.decode_tokens / s.decode_seconds,
-            "compiled_shapes": len(s.step_shapes)}
+class Transformers:
+    """transformers' `generate`, greedy, EOS not special."""
+
+    name = "transformers"
+
+    def __init__(self) -> None:
+        import torch
+        import transformers
+
+        path = default_model_path()
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        self.versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "torch_threads": torch.get_num_threads()}
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        x = self.torch.tensor(prompts)
+        t0 = time.perf_counter()
+        with self.torch.no_grad():
+            out = self.model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+        seconds = time.perf_counter() - t0
+        return seconds, out[:, x.shape[1]:].tolist()
+
+
+class Jkv:
+    """jkv's offline `LLM.generate`, greedy, EOS ignored."""
+
+    name = "jkv"
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.llm = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
+                       enable_prefix_caching=False, host_cache_bytes=0)
+        self.tokenizer = self.llm.tokenizer
+        self.versions = {"attention_backend": self.llm.engine.attention_backend}
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, sp)
+        seconds = time.perf_counter() - t0
+        return seconds, [o.token_ids for o in outs]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
-    ap.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
-    ap.add_argument("--prompts", type=int, default=4, help="number of prompts")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--lengths", default="512,2048,4096",
+                    help="prompt lengths in tokens whose prefill time is measured, comma "
+                         f"separated (each below {MAX_MODEL_LEN})")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per figure and engine; the median is reported")
+    ap.add_argument("--new-tokens", type=int, default=64,
+                    help="tokens generated for the decode rates")
+    ap.add_argument("--decode-prompt-tokens", type=int, default=128,
+                    help="prompt length before the decode rates are measured")
+    ap.add_argument("--batch", type=int, default=4,
+                    help="also measure jkv's decode throughput with this many streams at once "
+                         "(0 or 1: skip)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
     args = ap.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",") if n]
+    if not lengths or min(lengths) < 1 or max(lengths) >= MAX_MODEL_LEN:
+        ap.error(f"--lengths must be in [1, {MAX_MODEL_LEN}), got {args.lengths!r}")
+    if args.repeats < 1 or args.new_tokens < 1 or args.decode_prompt_tokens < 1:
+        ap.error("--repeats, --new-tokens and --decode-prompt-tokens must be positive")
 
-    llm = LLM(dtype="float32", max_model_len=1024, max_num_seqs=args.prompts)
-    ids_list = prompts(llm.tokenizer, args.prompts, args.prompt_tokens)
-    rows = {
-        "transformers (batch 1)": bench_transformers(ids_list, args.new_tokens),
-        "jkv (batch 1)": bench_jkv(llm, ids_list, args.new_tokens, 1),
-        f"jkv (batch {args.prompts})": bench_jkv(llm, ids_list, args.new_tokens, args.prompts),
-    }
-    base = rows["transformers (batch 1)"]
-    print(f"\nSmolLM2-135M float32, {args.prompts} prompts x {args.prompt_tokens} tokens, "
-          f"{args.new_tokens} new tokens, greedy, on {jax.devices()[0].device_kind}")
-    print(f"{'engine':<24}{'prefill tok/s':>15}{'decode tok/s':>15}{'decode vs HF':>14}")
-    for name, r in rows.items():
-        print(f"{name:<24}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>15.1f}"
-              f"{r['decode_tok_s'] / base['decode_tok_s']:>13.2f}x")
+    jkv = Jkv(max(args.batch, 1))
+    hf = Transformers()
+    engines = [jkv, hf]
+    tok = jkv.tokenizer
+    decode_prompt = prompt_ids(tok, args.decode_prompt_tokens)
+    batch_prompts = [prompt_ids(tok, args.decode_prompt_tokens, 7 * i) for i in range(args.batch)]
+
+    # (label, engines, prompts, new tokens): runs whose times the figures are made of
+    runs = [(f"prefill {n}", engines, [prompt_ids(tok, n)], 1) for n in lengths]
+    runs += [("decode 1", engines, [decode_prompt], 1),
+             ("decode 1+n", engines, [decode_prompt], 1 + args.new_tokens)]
+    if args.batch > 1:
+        runs += [(f"batch {args.batch} 1", [jkv], batch_prompts, 1),
+                 (f"batch {args.batch} 1+n", [jkv], batch_prompts, 1 + args.new_tokens)]
+
+    times: dict[str, dict[str, list[float]]] = {r[0]: {e.name: [] for e in r[1]} for r in runs}
+    tokens: dict[str, dict[str, list[list[int]]]] = {r[0]: {} for r in runs}
+    total = sum(len(r[1]) for r in runs) * (args.repeats + 1)
+    with tqdm(total=total, desc="timing", unit="run") as bar:
+        for repeat in range(args.repeats + 1):  # repeat 0 warms up (compiles every shape)
+            for label, run_engines, prompts, new in runs:
+                order = run_engines if repeat % 2 else run_engines[::-1]
+                for engine in order:
+                    bar.set_postfix_str(f"{engine.name}: {label}")
+                    time.sleep(PAUSE_S)
+                    seconds, out = engine.run(prompts, new)
+                    if repeat:
+                        times[label][engine.name].append(seconds)
+                    tokens[label][engine.name] = out
+                    bar.update()
+
+    def median(label: str, name: str) -> float:
+        return statistics.median(times[label][name])
+
+    rows = []
+    for n in lengths:
+        label = f"prefill {n}"
+        j, h = median(label, "jkv"), median(label, "transformers")
+        rows.append({"row": f"prefill {n} tokens (s)", "jkv": j, "transformers": h,
+                     "speed_ratio": h / j,
+                     "same_first_token": tokens[label]["jkv"] == tokens[label]["transformers"]})
+
+    def rate(name: str, label: str, streams: int) -> float:
+        """Decode tokens/s from the medians of the 1-token and 1+n-token runs."""
+        return streams * args.new_tokens / (median(f"{label} 1+n", name)
+                                            - median(f"{label} 1", name))
+
+    j, h = rate("jkv", "decode", 1), rate("transformers", "decode", 1)
+    same = tokens["decode 1+n"]["jkv"] == tokens["decode 1+n"]["transformers"]
+    rows.append({"row": "decode, 1 stream (tok/s)", "jkv": j, "transformers": h,
+                 "speed_ratio": j / h, "same_tokens": same})
+    if args.batch > 1:
+        j = rate("jkv", f"batch {args.batch}", args.batch)
+        rows.append({"row": f"decode, {args.batch} streams (tok/s)", "jkv": j,
+                     "transformers": None, "speed_ratio": j / h,
+                     "note": "ratio against transformers' single stream"})
+
+    device = jax.devices()[0].device_kind
+    print(f"\nSmolLM2-135M float32, greedy, on {cpu_name()} ({os.cpu_count()} cores, jax "
+          f"device {device}); jax {jax.__version__}, torch {hf.versions['torch']} "
+          f"({hf.versions['torch_threads']} threads); median of {args.repeats} runs")
+    print(f"{'':<28}{'jkv':>10}{'transformers':>14}{'jkv/transformers':>18}")
+    for r in rows:
+        hf_text = "-" if r["transformers"] is None else f"{r['transformers']:.2f}"
+        print(f"{r['row']:<28}{r['jkv']:>10.2f}{hf_text:>14}{r['speed_ratio']:>17.2f}x")
+    print("(jkv/transformers: jkv's speed over transformers'; above 1, jkv is faster)")
+
     result = {
         "benchmark": "cpu_throughput", "date": datetime.date.today().isoformat(),
-        "device": jax.devices()[0].device_kind, "platform": platform.platform(),
-        "cpu_count": os.cpu_count(), "jax": jax.__version__, "numpy": np.__version__,
-        "args": {k: v for k, v in vars(args).items() if k != "out"}, "results": rows,
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": device, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "jax": jax.__version__, "numpy": np.__version__,
+        **hf.versions, **jkv.versions, "max_model_len": MAX_MODEL_LEN,
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "rows": rows, "times_s": times,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu_throughput-{result['date']}.json"
+    path, n = out / f"cpu_throughput-{result['date']}.json", 1
+    while path.exists():  # a second run the same day keeps the first
+        n += 1
+        path = out / f"cpu_throughput-{result['date']}-{n}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -30,10 +30,10 @@ from tqdm import tqdm  # noqa: E402
 
 from jkv.cache import init_filling, init_pool, init_tables, page_bytes, reserve  # noqa: E402
 from jkv.config import KV_FORMATS  # noqa: E402
-from jkv.engine import bucket  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
+from jkv.runner import bucket  # noqa: E402
 
 PROMPTS = [
     "The history of computing is a story of abstraction. Early machines were programmed by "

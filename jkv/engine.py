@@ -2,12 +2,9 @@
 
 The engine owns the page pool, the page tables (one row per sequence *slot*), the filling
 pages and the device prefix cache. A step feeds some slots a chunk of prompt and others one
-decoded token; each kind runs as compiled calls whose shapes come from a small closed set
-(`Engine.shapes`): rows and prompt tokens padded to powers of `shape_step` (4 on a GPU, 2 on
-CPU), prefill rows grouped so that rows x tokens stays under an area cap, and the page-table
-width fixed (the Pallas kernels stop at each row's length) or, for the xla backend, padded
-to powers of `shape_step` pages.
-`warmup` compiles the whole set, so a serving workload never stalls on a compilation.
+decoded token, as calls of the model runner (`jkv.runner`: compiled shapes, warmup, the only
+caller of the model). `execution` says how restored KV reaches the pool: "scan" writes it
+all before the step, "layerwise" layer by layer while earlier layers compute (below).
 Which sequences run, and when one stops, is the scheduler's business (`jkv.scheduler`); the
 engine only checks that what it is asked to do fits.
 
@@ -30,15 +27,14 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.averages import moving_average
 from jkv.cache.page_pool import (
-    FillingPages,
     export_blocks,
     free_pages,
     import_blocks,
@@ -53,17 +49,10 @@ from jkv.cache.prefix_cache import PrefixCache, block_hashes
 from jkv.cache.rebase import rebase_pages
 from jkv.cache.transfer import FIELDS, gather_pages, scatter_pages, slot_page_ids
 from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, CacheConfig, ModelConfig
-from jkv.models.llama import Params, final_norm, forward, layer, lm_head
-from jkv.models.rope import apply_rope, inv_frequencies
-from jkv.sampling import SamplingParams, sample, token_logprobs
-
-
-def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
-    """The smallest power of `base` >= max(n, minimum)."""
-    b = 1
-    while b < max(n, minimum):
-        b *= base
-    return b
+from jkv.models.family import ModelFamily
+from jkv.models.llama import LLAMA, Params
+from jkv.runner import ModelRunner, RowInput, bucket
+from jkv.sampling import SamplingParams
 
 
 def resolve_backend(name: str) -> str:
@@ -73,49 +62,6 @@ def resolve_backend(name: str) -> str:
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     return name
-
-
-def _step(params, pool, filling, table_pages, slots, tokens, positions, valid, last_idx,
-          keys, num_generated, temperature, top_p, top_k, *, cfg: ModelConfig, backend: str,
-          width: int):
-    pages = table_pages[slots][..., :width]
-    rows = FillingPages(k=filling.k[slots], v=filling.v[slots])
-    hidden, pool, rows = forward(params, cfg, tokens, positions, valid, pool, rows, pages,
-                                 backend)
-    # padding rows all point at the scratch slot; what they write there is never read
-    filling = FillingPages(k=filling.k.at[slots].set(rows.k), v=filling.v.at[slots].set(rows.v))
-    h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
-    return _sample(params, h_last, keys, num_generated, temperature, top_p, top_k), pool, \
-        filling
-
-
-def _sample(params, h_last, keys, num_generated, temperature, top_p, top_k):
-    logits = lm_head(params, h_last)
-    keys = jax.vmap(jax.random.fold_in)(keys, num_generated)  # one stream per request
-    tokens = sample(logits, keys, temperature, top_p, top_k)
-    return (tokens, *token_logprobs(logits, tokens))
-
-
-def _embed(params, tokens):
-    return params["embed"][tokens]
-
-
-def _layer_step(params, pool, filling, table_pages, slots, x, positions, valid, index, *,
-                cfg: ModelConfig, backend: str, width: int):
-    pages = jax.lax.dynamic_index_in_dim(table_pages[slots], index, axis=1,
-                                         keepdims=False)[..., :width]
-    fill_k, fill_v = filling.k[slots, index], filling.v[slots, index]
-    x, pool, fill_k, fill_v = layer(params, cfg, index, x, pool, fill_k, fill_v, pages,
-                                    positions, valid, backend)
-    filling = FillingPages(k=filling.k.at[slots, index].set(fill_k),
-                           v=filling.v.at[slots, index].set(fill_v))
-    return x, pool, filling
-
-
-def _head(params, x, last_idx, keys, num_generated, temperature, top_p, top_k, *,
-          cfg: ModelConfig):
-    h_last = jnp.take_along_axis(final_norm(params, cfg, x), last_idx[:, None, None], axis=1)
-    return _sample(params, h_last[:, 0], keys, num_generated, temperature, top_p, top_k)
 
 
 @dataclass
@@ -182,7 +128,7 @@ class EngineStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of which found on the device
     restored_tokens: int = 0  # prompt tokens whose KV came from saved pages (`open(restore=)`)
-    step_shapes: set = field(default_factory=set)  # (rows, tokens, width) buckets run
+    step_shapes: set = field(default_factory=set)  # (rows, tokens) buckets run
 
 
 class Engine:
@@ -192,7 +138,8 @@ class Engine:
                  max_model_len: int, max_num_seqs: int = 8, attention_backend: str = "auto",
                  prefill_chunk: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
                  device_cache_bytes: int | None = None, model_id: str = "",
-                 execution: str = "scan", shape_step: int | None = None) -> None:
+                 execution: str = "scan", shape_step: int | None = None,
+                 family: ModelFamily = LLAMA) -> None:
         attention_backend = resolve_backend(attention_backend)
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -225,28 +172,18 @@ class Engine:
         self.filling = init_filling(slots, cfg.num_layers, cfg.num_kv_heads, cache.page_size,
                                     cfg.head_dim, dtype)
         # committed like the step's outputs, so the first call compiles what later ones reuse
-        self.pool, self.filling = jax.device_put((self.pool, self.filling), jax.devices()[0])
+        self.pool, self.filling, self.free = jax.device_put((self.pool, self.filling, self.free),
+                                                            jax.devices()[0])
         self.tables = jax.device_put(
             init_tables(slots, cfg.num_layers, cfg.num_kv_heads, self.max_pages),
             jax.devices()[0])
         self.attention_backend = attention_backend
-        # shapes grow by this factor: 4 on a GPU (few shapes, all compiled up front; padding
-        # is cheap there), 2 on CPU (padded work costs its full time there)
-        if shape_step is None:
-            shape_step = 4 if jax.default_backend() == "gpu" else 2
-        if shape_step not in (2, 4):
-            raise ValueError(f"shape_step must be 2 or 4, got {shape_step}")
-        self.shape_step = shape_step
-        # a prefill call's padded rows x tokens stays under this (rows are split otherwise)
-        self.prefill_area = 4 * prefill_chunk
-        self.free_pages = self.total_pages  # host mirror of free.num_free
         self.execution = execution
-        self._step = jax.jit(partial(_step, cfg=cfg, backend=attention_backend),
-                             donate_argnums=(1, 2), static_argnames=("width",))
-        self._embed = jax.jit(_embed)
-        self._layer = jax.jit(partial(_layer_step, cfg=cfg, backend=attention_backend),
-                              donate_argnums=(1, 2), static_argnames=("width",))
-        self._head = jax.jit(partial(_head, cfg=cfg))
+        self.free_pages = self.total_pages  # host mirror of free.num_free
+        self.runner = ModelRunner(cfg, params, family, backend=attention_backend,
+                                  layer_by_layer=execution == "layerwise",
+                                  max_rows=max_num_seqs, scratch_slot=self.scratch,
+                                  prefill_chunk=prefill_chunk, shape_step=shape_step)
 
         self.enable_prefix_caching = enable_prefix_caching
         capacity = self.total_pages // self.block_pages if enable_prefix_caching else 0
@@ -259,8 +196,7 @@ class Engine:
                            f"{jnp.dtype(dtype).name}|{cfg}").encode()
         self.kv_format = cache.kv_format.name
         self._format, self._dtype = cache.kv_format, dtype
-        self._rotate = partial(apply_rope, inv_freq=jnp.asarray(
-            inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
+        self._rotate = family.rotate_keys(cfg)
         # names the KV this engine writes (model, format, page size, shapes) in stored entries
         self.fingerprint = hashlib.blake2b(self._hash_seed, digest_size=16).hexdigest()
 
@@ -281,7 +217,7 @@ class Engine:
     @property
     def num_compiles(self) -> int:
         """Compiled variants of the step functions (a steady workload must not add any)."""
-        return sum(f._cache_size() for f in (self._step, self._embed, self._layer, self._head))
+        return self.runner.num_compiles
 
     @property
     def num_free_slots(self) -> int:
@@ -462,8 +398,7 @@ class Engine:
     def _learn_load(self, nbytes: int, seconds: float) -> None:
         if seconds > 0:
             rate = nbytes / seconds
-            self.load_bytes_per_s = rate if not self.load_bytes_per_s else (
-                0.8 * self.load_bytes_per_s + 0.2 * rate)
+            self.load_bytes_per_s = moving_average(self.load_bytes_per_s, rate)
 
     def read_buffer_layers(self, load_bytes: int, new_tokens: int) -> int:
         """Layers of restored KV to have in flight ahead of the layer computing
@@ -592,7 +527,9 @@ class Engine:
         self.write_restores([s for s in list(self._restores) if s not in slots])
         self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(new_len))
         self.free_pages -= need
-        groups = self._prefill_groups(prefill) + ([list(decode)] if decode else [])
+        groups = [[prefill[i] for i in g]
+                  for g in self.runner.prefill_groups([len(r.tokens) for r in prefill])]
+        groups += [list(decode)] if decode else []
         outs = [self._call(g) for g in groups]
         ok, outs = jax.device_get((ok, outs))
         if not ok:
@@ -618,54 +555,23 @@ class Engine:
 
     # ------------------------------------------------------------------ shapes
 
-    def _rows_bucket(self, n: int) -> int:
-        return min(bucket(n, 1, self.shape_step), self.max_num_seqs)
-
-    def _tokens_bucket(self, n: int) -> int:
-        return 1 if n == 1 else min(self.prefill_chunk, bucket(n, 16, self.shape_step))
-
-    def _width(self, pages: int) -> int:
-        if self.attention_backend == "pallas":
-            return self.max_pages  # the kernels walk each row's pages only
-        return min(bucket(pages, 4, self.shape_step), self.max_pages)
-
-    def _prefill_groups(self, rows: Sequence[Row]) -> list[list[Row]]:
-        """Prefill rows in calls whose padded rows x tokens stays within `prefill_area`:
-        longest first, each call as many rows as fit under its longest row's bucket."""
-        groups: list[list[Row]] = []
-        for r in sorted(rows, key=lambda r: -len(r.tokens)):
-            if groups:
-                g = groups[-1]
-                t = self._tokens_bucket(len(g[0].tokens))
-                if self._rows_bucket(len(g) + 1) * t <= self.prefill_area:
-                    g.append(r)
-                    continue
-            groups.append([r])
-        return groups
-
-    def shapes(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens, width) a step can run: decode rows, then prefill calls."""
-        step = self.shape_step
-        row_buckets = sorted({self._rows_bucket(step ** i) for i in range(24)})
-        token_buckets = sorted({self._tokens_bucket(16 * step ** i) for i in range(24)})
-        widths = sorted({self._width(step ** i) for i in range(24)})
-        out = [(b, 1, w) for b in row_buckets for w in widths]
-        out += [(b, t, w) for t in token_buckets for b in row_buckets for w in widths
-                if b * t <= self.prefill_area]
-        return out
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, tokens) a step's calls can have (`ModelRunner.shapes`)."""
+        return self.runner.shapes()
 
     def warmup(self, progress=None) -> int:
         """Compile every step shape now, so serving never waits on a compilation (padding
         rows only: what they write is never read). `progress(done, total)` after each shape.
-        Returns how many compilations were new."""
-        before = self.num_compiles
-        todo = self.shapes()
-        for i, (b, t, width) in enumerate(todo):
-            jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t, width=width))
+        Returns how many of the shapes were not compiled yet."""
+        todo, new = self.shapes(), 0
+        for i, (b, t) in enumerate(todo):
+            before = self.num_compiles
+            jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t))
+            new += self.num_compiles > before
             if progress is not None:
                 progress(i + 1, len(todo))
         self.warmup_transfers()
-        return self.num_compiles - before
+        return new
 
     def warmup_transfers(self) -> None:
         """Compile the page copies a KV store uses (saving a slot's blocks, restoring them
@@ -687,64 +593,40 @@ class Engine:
         jax.block_until_ready(self.pool)
 
     def _call(self, rows: Sequence[Row], *, padded_rows: int | None = None,
-              padded_tokens: int | None = None, width: int | None = None) -> jax.Array:
+              padded_tokens: int | None = None) -> tuple:
         """Dispatch one compiled call for `rows`, padded with scratch rows to the bucket
         (or to the shape given, as `warmup` does with no rows at all)."""
-        b = padded_rows or self._rows_bucket(len(rows))
-        t = padded_tokens or self._tokens_bucket(max(len(r.tokens) for r in rows))
-        slots = np.full(b, self.scratch, np.int32)
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.zeros((b, t), np.int32)
-        valid = np.zeros((b, t), bool)
-        last_idx = np.zeros(b, np.int32)
-        keys = np.zeros((b, 2), np.uint32)
-        num_generated = np.zeros(b, np.uint32)
-        temperature = np.zeros(b, np.float32)
-        top_p = np.ones(b, np.float32)
-        top_k = np.zeros(b, np.int32)
-        upto = 1
-        for i, r in enumerate(rows):
-            held, m = len(self.slot_tokens[r.slot]), len(r.tokens)
-            slots[i] = r.slot
-            tokens[i, :m] = r.tokens
-            positions[i] = held + np.arange(t)
-            valid[i, :m] = True
-            last_idx[i] = m - 1
-            keys[i] = r.key
-            num_generated[i] = r.num_generated
-            s = r.sampling
-            temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, max(s.top_k, 0)
-            upto = max(upto, held + m)
-        width = width or self._width(-(-upto // self.page_size))
-        self.stats.step_shapes.add((b, t, width))
-        if self.execution == "scan":
-            out, self.pool, self.filling = self._step(
-                self.params, self.pool, self.filling, self.tables.pages, slots, tokens,
-                positions, valid, last_idx, keys, num_generated, temperature, top_p, top_k,
-                width=width)
-            return out
-        # one dispatch per layer, the same compiled layer each time; restored KV is copied to
-        # the device a few layers ahead (the read buffer) while earlier layers compute
+        batch = self.runner.batch(
+            [RowInput(r.slot, r.tokens, len(self.slot_tokens[r.slot]), r.sampling, r.key,
+                      r.num_generated) for r in rows],
+            padded_rows=padded_rows, padded_tokens=padded_tokens)
+        self.stats.step_shapes.add(batch.shape)
         restores = [self._restores[r.slot] for r in rows if r.slot in self._restores]
-        ahead = self.read_buffer_layers(sum(r.nbytes for r in restores),
-                                        sum(len(r.tokens) for r in rows)) if restores else 0
+        before_layer = self._stage_restores(restores, batch.valid.sum()) if restores else None
+        out, self.pool, self.filling = self.runner.run(self.pool, self.filling,
+                                                       self.tables.pages, batch, before_layer)
+        return out
+
+    def _stage_restores(self, restores: list[_Restore], new_tokens: int):
+        """A `before_layer` that writes restored layers into the pool: each layer's pages
+        are copied to the device a few layers ahead (the read buffer) while earlier layers
+        compute, and scattered just before their layer."""
+        layers = self.cfg.num_layers
+        ahead = self.read_buffer_layers(sum(r.nbytes for r in restores), int(new_tokens))
         staged: dict[int, list] = {}
 
         def stage(index: int) -> None:
             staged[index] = [(r.ids[:, index], jax.device_put(
                 {f: x[:, index] for f, x in r.pages.items()})) for r in restores]
 
-        for index in range(min(ahead, self.cfg.num_layers)):
+        for index in range(min(ahead, layers)):
             stage(index)
-        x = self._embed(self.params, tokens)
-        slots, positions, valid = jax.device_put((slots, positions, valid))
-        for index in range(self.cfg.num_layers):
-            if restores and index + ahead < self.cfg.num_layers:
+
+        def before_layer(index: int, pool):
+            if index + ahead < layers:
                 stage(index + ahead)
             for ids, pages in staged.pop(index, ()):
-                self.pool = scatter_pages(self.pool, ids, pages)
-            x, self.pool, self.filling = self._layer(
-                self.params, self.pool, self.filling, self.tables.pages, slots, x, positions,
-                valid, np.int32(index), width=width)
-        return self._head(self.params, x, last_idx, keys, num_generated, temperature, top_p,
-                          top_k)
+                pool = scatter_pages(pool, ids, pages)
+            return pool
+
+        return before_layer

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jkv.averages import moving_average
 from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine import Engine, Row, Sampled, SavedPages
 from jkv.sampling import SamplingParams
@@ -575,15 +576,12 @@ class Scheduler:
 
     def _learn(self, seconds: float, prefill_tokens: int, decoded: bool) -> None:
         """Exponential averages of the step cost model the SLO check uses."""
-        def average(old: float, new: float) -> float:
-            return new if not old else 0.8 * old + 0.2 * new
-
         if not prefill_tokens:
-            self._decode_s = average(self._decode_s, seconds)
+            self._decode_s = moving_average(self._decode_s, seconds)
         else:
             base = self._decode_s if decoded else 0.0
             per = max(seconds - base, 0.0) / prefill_tokens
-            self._prefill_token_s = average(self._prefill_token_s, per)
+            self._prefill_token_s = moving_average(self._prefill_token_s, per)
 
 
 def generate_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:

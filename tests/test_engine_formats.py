@@ -3,6 +3,7 @@ the same greedy tokens, and quantized formats stay close to the unquantized cach
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,3 +71,18 @@ def test_smollm2_pallas_and_xla_give_identical_greedy_tokens(smollm2, fmt):
     xla = greedy(make_engine(cfg, params, fmt, "xla", **kw), prompts, 24)
     pallas = greedy(make_engine(cfg, params, fmt, "pallas", **kw), prompts, 24)
     assert pallas == xla, f"{fmt}: pallas and xla greedy tokens differ"
+
+
+def test_cpu_layers_read_their_weights_in_place(tiny_params):
+    """On CPU each layer's weights are views into the stacked arrays: decode steps run layer
+    by layer on them, so no layer's weights are copied (XLA would, picking a layer by a
+    traced index) and no memory is added."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("views of the stacked weights exist on CPU only")
+    eng = make_engine(TINY, tiny_params, "auto", "xla")
+    views = eng.runner.views
+    assert views is not None and len(views) == TINY.num_layers
+    for name, w in tiny_params["layers"].items():
+        step = w.nbytes // TINY.num_layers
+        assert [v[name].unsafe_buffer_pointer() for v in views] == [
+            w.unsafe_buffer_pointer() + i * step for i in range(TINY.num_layers)], name

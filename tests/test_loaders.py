@@ -65,8 +65,8 @@ def test_bad_model_paths_raise_clear_errors(tmp_path):
 def test_random_params_have_the_preset_shapes():
     cfg = PRESETS["smollm2-135m"].replace(num_layers=2)
     p = random_params(cfg, dtype=jnp.float32)
-    assert p["layers"]["wq"].shape == (2, 576, 576)
-    assert p["layers"]["wk"].shape == (2, 576, 192)
+    assert p["layers"]["wqkv"].shape == (2, 576, 576 + 2 * 192)
+    assert p["layers"]["w_gate_up"].shape == (2, 576, 2 * 1536)
     assert "lm_head" not in p
     assert np.isfinite(np.asarray(p["layers"]["w_down"])).all()
 

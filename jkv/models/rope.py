@@ -32,7 +32,8 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = N
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, D] of positions [B, T]: what `apply_rope` rotates by."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [..., D]
     return jnp.cos(angles), jnp.sin(angles)
@@ -43,9 +44,14 @@ def _rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [B, T, H, D] to positions [B, T]."""
-    cos, sin = _cos_sin(positions, inv_freq)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+def rotate(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate x [B, T, H, D] by `rope_tables` [B, T, D] (computed once for every layer and
+    head: fused into a rotation, XLA would evaluate the cos and sin once per head)."""
+    cos, sin = tables[0][:, :, None, :], tables[1][:, :, None, :]
     xf = x.astype(jnp.float32)
     return (xf * cos + _rotate_half(xf) * sin).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate x [B, T, H, D] to positions [B, T]."""
+    return rotate(x, rope_tables(positions, inv_freq))

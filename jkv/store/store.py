@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jkv.averages import moving_average
 from jkv.config import StoreConfig
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode
 from jkv.store.placement import Move, Placement
@@ -227,8 +228,7 @@ class KVStore:
             self.placement.access(hit.key)
         self.stats.loads += 1
         rate = len(data) / max(time.perf_counter() - t0, 1e-9)
-        old = self.read_bytes_per_s[hit.tier]
-        self.read_bytes_per_s[hit.tier] = rate if not old else 0.8 * old + 0.2 * rate
+        self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
         n = hit.blocks
         return {f: x[:n] for f, x in arrays.items()}, entry.hashes[:n]
 

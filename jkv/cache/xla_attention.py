@@ -1,0 +1,217 @@
+"""Attention over a paged prefix and a full-precision window in plain jnp (the `xla` backend).
+
+The CPU path. `chunked_prefill_attention_reference` is the test oracle: it dequantizes every
+page of the table's width and materialises the whole score matrix, so its cost grows with
+the table width and with the square of the step. This computes the same function blockwise:
+an online softmax of all queries over blocks of the pages the rows hold (the loop stops at
+the longest row's held pages, whatever the table width; dequantization is fused into each
+block's gather), then, a block of queries at a time, over the part of the window those
+queries can see (causal by absolute position, so a prefill chunk computes a little more than
+half of its window's scores). Blocks of padding queries (past every row's `q_lengths`) skip
+the window. Everything is float32 at the default matmul precision.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jkv.pallas_kernels.kv_quant import dequantize_keys, dequantize_values
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _online_update(state: tuple, s: jax.Array, v: jax.Array,
+                   visible: jax.Array | None = None) -> tuple:
+    """Fold one block of keys into (acc [B, H, R, D], max [B, H, R], denominator [B, H, R]):
+    scores s [B, H, R, K], values v [B, H, K, D], `visible` broadcastable to s (None: all).
+
+    Masked scores become MASK_VALUE rather than -inf, so nothing is ever inf - inf: once a
+    row has seen a key, masked ones get probability exactly 0; while it has seen none, its
+    max is MASK_VALUE-ish and what it gathers (each probability at most 1) is wiped by the
+    first visible key (a factor exp(MASK_VALUE - max) = 0), or discarded at the end
+    (`_normalize`).
+    """
+    acc, m, denom = state
+    if visible is not None:
+        s = jnp.where(visible, s, MASK_VALUE)
+    m_next = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_next[..., None])
+    correction = jnp.exp(m - m_next)
+    acc = acc * correction[..., None] + jnp.einsum("bhrk,bhkd->bhrd", p, v,
+                                                   preferred_element_type=jnp.float32)
+    return acc, m_next, denom * correction + p.sum(axis=-1)
+
+
+def _normalize(state: tuple, real: jax.Array) -> jax.Array:
+    """acc / denominator; 0 for rows that saw no key (max still MASK_VALUE-ish or -inf) and
+    for rows not `real` (broadcastable to the max)."""
+    acc, m, denom = state
+    ok = real & (m > 0.5 * MASK_VALUE)
+    return jnp.where(ok[..., None], acc / jnp.where(ok, denom, 1.0)[..., None], 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("k_bits", "v_bits", "group", "sm_scale",
+                                             "block_q", "block_k", "block_w"))
+def xla_attention(
+    q: jax.Array,  # [B, T, Hq, D]
+    k_pages: jax.Array,  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
+    v_pages: jax.Array,  # [P, page, D // (8 // v_bits)] uint8, or [P, page, D] model dtype
+    page_table: jax.Array,  # int32 [B, Hkv, W]
+    page_lengths: jax.Array,  # int32 [B, Hkv]: tokens [0, page_lengths) held in pages
+    k_window: jax.Array,  # [B, Hkv, Tw, D]: token i at position window_start + i
+    v_window: jax.Array,  # [B, Hkv, Tw, D]
+    window_start: jax.Array,  # int32 [B]
+    window_len: jax.Array,  # int32 [B]
+    q_positions: jax.Array,  # int32 [B, T]
+    k_scale: jax.Array | None = None,  # f32 [P, D]
+    k_zero: jax.Array | None = None,  # f32 [P, D]
+    v_scale: jax.Array | None = None,  # f32 [P, page, D // group]
+    v_zero: jax.Array | None = None,  # f32 [P, page, D // group]
+    q_lengths: jax.Array | None = None,  # int32 [B]: real queries per row (default T)
+    *,
+    k_bits: int = 16,
+    v_bits: int = 16,
+    group: int = 64,
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    block_w: int | None = None,
+) -> jax.Array:
+    """`chunked_prefill_attention`'s function in jnp; returns float32 [B, T, Hq, D].
+
+    Query (b, t) sees every page token of its KV head and window token i when
+    i < window_len[b] and window_start[b] + i <= q_positions[b, t]; a query that sees
+    nothing gets 0, and so does a padding query t >= q_lengths[b]. Blocks: `block_q` queries
+    (all their query heads together), `block_k` page tokens, `block_w` window tokens; None
+    picks sizes that suit a CPU. `group` is implied by the scale shapes.
+    """
+    del group
+    b, t, hq, d = q.shape
+    _, hkv, w = page_table.shape
+    g = hq // hkv
+    page = k_pages.shape[1]
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    if q_lengths is None:
+        q_lengths = jnp.full((b,), t, jnp.int32)
+    if block_q is None:  # about 384 rows of queries per window block, at most 8 blocks
+        block_q = max(1 << max(0, round(math.log2(max(384 // g, 1)))), -(-t // 8))
+    block_q = min(1 << (block_q - 1).bit_length(), 1 << (t - 1).bit_length())
+    if block_k is None:  # the pages take all queries at once: bigger blocks for fewer rows
+        block_k = 512 if -(-t // block_q) * block_q * g <= 64 else 256
+    ppb = max(1, block_k // page)  # whole pages
+    if block_w is None:  # window tokens past a query block's span (outside the engine)
+        block_w = 64
+
+    # queries: [B, Hkv, Tp * G, D] (row t * G + g), scaled, in float32
+    qg = _pad_to(q.astype(jnp.float32).reshape(b, t, hkv, g, d) * sm_scale, 1, block_q)
+    tp = qg.shape[1]
+    nq, rows = tp // block_q, block_q * g
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, hkv, tp * g, d)
+    pos = _pad_to(q_positions.astype(jnp.int32), 1, block_q)  # [B, Tp]
+
+    table = _pad_to(page_table.astype(jnp.int32), 2, ppb)  # padding columns: the null page
+    lengths = jnp.minimum(page_lengths.astype(jnp.int32), w * page)
+    tw = k_window.shape[2]
+    q_lengths = q_lengths.astype(jnp.int32)
+
+    def gather_block(j: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Pages [j * ppb, (j + 1) * ppb) of every row, dequantized: [B, Hkv, ppb * page, D]."""
+        ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
+        if k_bits < 16:
+            k = dequantize_keys(k_pages[ids], k_scale[ids], k_zero[ids], k_bits)
+        else:
+            k = k_pages[ids].astype(jnp.float32)
+        if v_bits < 16:
+            v = dequantize_values(v_pages[ids], v_scale[ids], v_zero[ids], v_bits)
+        else:
+            v = v_pages[ids].astype(jnp.float32)
+        return k.reshape(b, hkv, ppb * page, d), v.reshape(b, hkv, ppb * page, d)
+
+    # (1) the held pages: every query of a row sees all of them, so all queries go at once.
+    # Blocks every row holds in full need no mask; the rest (ragged rows' last blocks) are
+    # masked by length. A row without real queries holds nothing here.
+    plen = jnp.where(q_lengths[:, None] > 0, lengths, 0)  # [B, Hkv]
+    block = ppb * page
+
+    def page_body(j, state, masked: bool):
+        k, v = gather_block(j)
+        s = jnp.einsum("bhrd,bhkd->bhrk", qg, k, preferred_element_type=jnp.float32)
+        if not masked:
+            return _online_update(state, s, v)
+        token = j * block + jnp.arange(block)
+        visible = (token[None, None, :] < plen[:, :, None])[:, :, None, :]
+        return _online_update(state, s, v, visible)
+
+    state = (jnp.zeros((b, hkv, tp * g, d), jnp.float32),
+             jnp.full((b, hkv, tp * g), -jnp.inf, jnp.float32),
+             jnp.zeros((b, hkv, tp * g), jnp.float32))
+    full = plen.min() // block
+    state = lax.fori_loop(0, full, functools.partial(page_body, masked=False), state)
+    state = lax.fori_loop(full, -(-plen.max() // block),
+                          functools.partial(page_body, masked=True), state)
+
+    # (2) the window, causal by absolute position, a block of queries at a time. Block i's
+    # queries see window tokens up to their own, so it attends at once to the span that the
+    # engine's layout lets it see (its queries are the window's last T tokens: window tokens
+    # [0, Tw - T + (i + 1) * block_q)), masked; a loop takes any window tokens past that span
+    # that its queries see (none in the engine's layout). A block of padding queries (past
+    # every row's q_lengths) is skipped.
+    win_len = jnp.minimum(window_len.astype(jnp.int32), tw)
+    start = window_start.astype(jnp.int32)
+    block_w = min(block_w, tw)
+
+    def window_keys(qb, state, row_pos, first: jax.Array | int, size: int) -> tuple:
+        """Window tokens [first, first + size) (a block that would end past the window is
+        moved back to end there, its tokens before `first` masked)."""
+        at = jnp.minimum(first, tw - size)
+        k = lax.dynamic_slice_in_dim(k_window, at, size, axis=2).astype(jnp.float32)
+        v = lax.dynamic_slice_in_dim(v_window, at, size, axis=2).astype(jnp.float32)
+        s = jnp.einsum("bhrd,bhkd->bhrk", qb, k, preferred_element_type=jnp.float32)
+        idx = at + jnp.arange(size)
+        visible = ((idx >= first)[None, None, :] & (idx[None, None, :] < win_len[:, None, None])
+                   & (start[:, None, None] + idx[None, None, :] <= row_pos[:, :, None]))
+        return _online_update(state, s, v, visible[:, None])
+
+    def query_block(i: int, qb: jax.Array, state: tuple) -> jax.Array:
+        """Output [B, Hkv, R, D] of query block i: queries qb [B, Hkv, R, D] and their state
+        after the pages."""
+        pb = pos[:, i * block_q:(i + 1) * block_q]  # [B, block_q]
+        real_q = i * block_q + jnp.arange(block_q)[None, :] < q_lengths[:, None]
+        row_pos = jnp.repeat(pb, g, axis=1)  # [B, R]
+        span = max(1, min(tw, tw - t + (i + 1) * block_q))
+        state = window_keys(qb, state, row_pos, 0, span)
+        top = jnp.where(real_q, pb, -1).max(axis=1)  # latest real query position
+        seen = jnp.clip(top - start + 1, 0, win_len)  # [B] (0 without real queries)
+        state = lax.fori_loop(
+            0, -(-jnp.maximum(seen.max() - span, 0) // block_w),
+            lambda j, state: window_keys(qb, state, row_pos, span + j * block_w, block_w),
+            state)
+        return _normalize(state, jnp.repeat(real_q, g, axis=1)[:, None, :])
+
+    outs = []
+    for i in range(nq):
+        rows_i = slice(i * rows, (i + 1) * rows)
+        qb, state_i = qg[:, :, rows_i], tuple(x[:, :, rows_i] for x in state)
+        if i == 0:  # the first block always holds real queries (or the whole step is padding)
+            outs.append(query_block(i, qb, state_i))
+        else:
+            outs.append(lax.cond((q_lengths > i * block_q).any(),
+                                 functools.partial(query_block, i),
+                                 lambda qb, state: jnp.zeros_like(qb), qb, state_i))
+    out = jnp.stack(outs)  # [nq, B, Hkv, R, D]
+    out = out.reshape(nq, b, hkv, block_q, g, d).transpose(1, 0, 3, 2, 4, 5)
+    return out.reshape(b, nq * block_q, hq, d)[:, :t]

@@ -1,0 +1,36 @@
+"""The interface between a model family and the engine's model runner (`jkv.runner`).
+
+A family (`jkv.models.llama.LLAMA`) is one module of pure functions over a params pytree
+whose per-layer weights are stacked under `params["layers"]`; the runner calls nothing else
+of it, so a new family is one file here plus a loader entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class ModelFamily(NamedTuple):
+    """What the runner calls (cfg: `jkv.config.ModelConfig`; KV through `jkv.cache`).
+
+    forward(params, cfg, tokens, positions, valid, pool, filling, pages, backend)
+        -> (final-normed hidden [B, T, D], pool, filling): every layer in one scan.
+    embed(params, tokens) -> x;  positional(cfg, positions) -> what every layer is given
+    layer_weights(params, index) -> one layer's weights (index may be traced)
+    layer(weights, cfg, x, pool, fill_k, fill_v, pages, positions, valid, positional,
+          backend) -> (x, pool, fill_k, fill_v)
+    final_norm(params, cfg, x) -> x;  logits(params, h) -> [B, V] float32
+    rotate_keys(cfg) -> f(k [B, T, H, D], positions [B, T]): keys re-rotated to positions
+        (`jkv.cache.rebase` moves saved KV with it)
+    """
+
+    name: str
+    forward: Callable
+    embed: Callable
+    positional: Callable
+    layer_weights: Callable
+    layer: Callable
+    final_norm: Callable
+    logits: Callable
+    rotate_keys: Callable

@@ -1,0 +1,250 @@
+"""The model runner: a step's compiled calls into a model family, and their shapes.
+
+The only module that calls a model family (`jkv.models.family.ModelFamily`). A call runs
+padded rows of tokens through the model over the page pool and samples one token per row.
+Its shapes come from a small closed set (`shapes`): rows and prompt tokens padded to powers
+of `shape_step` (4 on a GPU, 2 on CPU), prefill rows grouped so that rows x tokens stays
+under an area cap; the page-table width is always the whole table (both attention backends
+stop at each row's held pages). `warmup` compiles the whole set, so serving never stalls on
+a compilation.
+
+Two ways through the layers, with the same outputs: one compiled call that scans every
+layer (`_step`), or one dispatch of the same compiled layer per layer (`_layer_step`), which
+lets the caller write restored KV into the pool just before the layer that reads it
+(`run(before_layer=)`). On CPU the layer-by-layer way always runs, over each layer's own
+weight arrays (`_layer_views`): XLA there copies a layer's weights out of the stacked arrays
+whenever the layer is picked by a traced index, which costs as much as a decode step's
+matmuls (and 5 to 10% of a prefill chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.cache.page_pool import FillingPages, PagePool
+from jkv.config import ModelConfig
+from jkv.models.family import ModelFamily
+from jkv.sampling import SamplingParams, sample, token_logprobs
+
+Params = dict
+
+
+def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
+    """The smallest power of `base` times `minimum` that is >= n (shape buckets)."""
+    b = minimum
+    while b < n:
+        b *= base
+    return b
+
+
+class Batch(NamedTuple):
+    """One call's padded inputs (host arrays): `rows` x `tokens`."""
+
+    slots: np.ndarray  # int32 [B]; padding rows: the scratch slot
+    tokens: np.ndarray  # int32 [B, T]
+    positions: np.ndarray  # int32 [B, T]
+    valid: np.ndarray  # bool [B, T]
+    last_idx: np.ndarray  # int32 [B]: each row's last real token
+    keys: np.ndarray  # uint32 [B, 2]
+    num_generated: np.ndarray  # uint32 [B]
+    temperature: np.ndarray  # float32 [B]
+    top_p: np.ndarray  # float32 [B]
+    top_k: np.ndarray  # int32 [B]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape
+
+    @property
+    def sampling(self) -> tuple[np.ndarray, ...]:
+        return (self.last_idx, self.keys, self.num_generated, self.temperature, self.top_p,
+                self.top_k)
+
+
+class RowInput(NamedTuple):
+    """What a row feeds a call: `tokens` after `held` tokens, then one token sampled."""
+
+    slot: int
+    tokens: Sequence[int]
+    held: int
+    sampling: SamplingParams
+    key: np.ndarray
+    num_generated: int
+
+
+def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k):
+    logits = family.logits(params, h_last)
+    keys = jax.vmap(jax.random.fold_in)(keys, num_generated)  # one stream per request
+    tokens = sample(logits, keys, temperature, top_p, top_k)
+    return (tokens, *token_logprobs(logits, tokens))
+
+
+def _step(params, pool, filling, table_pages, slots, tokens, positions, valid, last_idx,
+          keys, num_generated, temperature, top_p, top_k, *, family: ModelFamily,
+          cfg: ModelConfig, backend: str):
+    pages = table_pages[slots]
+    rows = FillingPages(k=filling.k[slots], v=filling.v[slots])
+    hidden, pool, rows = family.forward(params, cfg, tokens, positions, valid, pool, rows,
+                                        pages, backend)
+    # padding rows all point at the scratch slot; what they write there is never read
+    filling = FillingPages(k=filling.k.at[slots].set(rows.k), v=filling.v.at[slots].set(rows.v))
+    h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
+    out = _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k)
+    return out, pool, filling
+
+
+def _embed(params, tokens, positions, *, family: ModelFamily, cfg: ModelConfig):
+    return family.embed(params, tokens), family.positional(cfg, positions)
+
+
+def _layer_step(weights, pool, filling, table_pages, slots, x, positional, positions, valid,
+                index, *, family: ModelFamily, cfg: ModelConfig, backend: str):
+    """Layer `index`; `weights` are its own, or the params (the layer taken at `index`)."""
+    if "layers" in weights:
+        weights = family.layer_weights(weights, index)
+    pages = jax.lax.dynamic_index_in_dim(table_pages[slots], index, axis=1, keepdims=False)
+    fill_k, fill_v = filling.k[slots, index], filling.v[slots, index]
+    x, pool, fill_k, fill_v = family.layer(weights, cfg, x, pool, fill_k, fill_v, pages,
+                                           positions, valid, positional, backend)
+    filling = FillingPages(k=filling.k.at[slots, index].set(fill_k),
+                           v=filling.v.at[slots, index].set(fill_v))
+    return x, pool, filling
+
+
+def _head(params, x, last_idx, keys, num_generated, temperature, top_p, top_k, *,
+          family: ModelFamily, cfg: ModelConfig):
+    h_last = jnp.take_along_axis(family.final_norm(params, cfg, x), last_idx[:, None, None],
+                                 axis=1)
+    return _sample(family, params, h_last[:, 0], keys, num_generated, temperature, top_p,
+                   top_k)
+
+
+def _layer_views(layers: Params, num_layers: int) -> list[Params] | None:
+    """Each layer's weights as arrays over the stacked arrays' memory, where that costs no copy
+    (CPU: a numpy view put on the device is used in place); None elsewhere."""
+    if jax.default_backend() != "cpu":
+        return None
+    host = {name: np.asarray(w) for name, w in layers.items()}
+    views = [{name: jax.device_put(w[i]) for name, w in host.items()} for i in range(num_layers)]
+    in_place = all(host[name].ctypes.data == w.unsafe_buffer_pointer()
+                   and views[i][name].unsafe_buffer_pointer() == host[name][i].ctypes.data
+                   for name, w in layers.items() for i in range(num_layers))
+    return views if in_place else None
+
+
+class ModelRunner:
+    """Compiled calls of one model over one page pool layout; see `batch` and `run`."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, family: ModelFamily, *,
+                 backend: str, layer_by_layer: bool, max_rows: int, scratch_slot: int,
+                 prefill_chunk: int, shape_step: int | None = None) -> None:
+        self.cfg, self.params, self.family = cfg, params, family
+        self.max_rows, self.scratch_slot, self.prefill_chunk = max_rows, scratch_slot, prefill_chunk
+        # shapes grow by this factor: 4 on a GPU (few shapes, all compiled up front; padding
+        # is cheap there), 2 on CPU (padded work costs its full time there)
+        if shape_step is None:
+            shape_step = 4 if jax.default_backend() == "gpu" else 2
+        if shape_step not in (2, 4):
+            raise ValueError(f"shape_step must be 2 or 4, got {shape_step}")
+        self.shape_step = shape_step
+        # a prefill call's padded rows x tokens stays under this (rows are split otherwise)
+        self.prefill_area = 4 * prefill_chunk
+        self.views = _layer_views(params["layers"], cfg.num_layers)
+        self.layer_by_layer = layer_by_layer or self.views is not None
+        static = dict(family=family, cfg=cfg)
+        self._step = jax.jit(partial(_step, **static, backend=backend), donate_argnums=(1, 2))
+        self._embed = jax.jit(partial(_embed, **static))
+        self._layer = jax.jit(partial(_layer_step, **static, backend=backend),
+                              donate_argnums=(1, 2))
+        self._head = jax.jit(partial(_head, **static))
+
+    @property
+    def num_compiles(self) -> int:
+        """Compiled variants of the step functions (a steady workload must not add any)."""
+        return sum(f._cache_size() for f in (self._step, self._embed, self._layer, self._head))
+
+    # ------------------------------------------------------------------ shapes
+
+    def rows_bucket(self, n: int) -> int:
+        return min(bucket(n, 1, self.shape_step), self.max_rows)
+
+    def tokens_bucket(self, n: int) -> int:
+        return 1 if n == 1 else min(self.prefill_chunk, bucket(n, 16, self.shape_step))
+
+    def prefill_groups(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Indices of prefill rows (of these token counts) in calls whose padded rows x
+        tokens stays within `prefill_area`: longest first, each call as many rows as fit
+        under its longest row's bucket."""
+        groups: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            if groups:
+                g = groups[-1]
+                t = self.tokens_bucket(lengths[g[0]])
+                if self.rows_bucket(len(g) + 1) * t <= self.prefill_area:
+                    g.append(i)
+                    continue
+            groups.append([i])
+        return groups
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, tokens) a call can have: decode rows, then prefill calls."""
+        step = self.shape_step
+        row_buckets = sorted({self.rows_bucket(step ** i) for i in range(24)})
+        token_buckets = sorted({self.tokens_bucket(16 * step ** i) for i in range(24)})
+        out = [(b, 1) for b in row_buckets]
+        out += [(b, t) for t in token_buckets for b in row_buckets if b * t <= self.prefill_area]
+        return out
+
+    # ------------------------------------------------------------------ calls
+
+    def batch(self, rows: Sequence[RowInput], *, padded_rows: int | None = None,
+              padded_tokens: int | None = None) -> Batch:
+        """`rows` padded with scratch rows to their bucket (or to the shape given)."""
+        b = padded_rows or self.rows_bucket(len(rows))
+        t = padded_tokens or self.tokens_bucket(max(len(r.tokens) for r in rows))
+        out = Batch(slots=np.full(b, self.scratch_slot, np.int32),
+                    tokens=np.zeros((b, t), np.int32), positions=np.zeros((b, t), np.int32),
+                    valid=np.zeros((b, t), bool), last_idx=np.zeros(b, np.int32),
+                    keys=np.zeros((b, 2), np.uint32), num_generated=np.zeros(b, np.uint32),
+                    temperature=np.zeros(b, np.float32), top_p=np.ones(b, np.float32),
+                    top_k=np.zeros(b, np.int32))
+        for i, r in enumerate(rows):
+            m = len(r.tokens)
+            out.slots[i] = r.slot
+            out.tokens[i, :m] = r.tokens
+            out.positions[i] = r.held + np.arange(t)
+            out.valid[i, :m] = True
+            out.last_idx[i] = m - 1
+            out.keys[i] = r.key
+            out.num_generated[i] = r.num_generated
+            s = r.sampling
+            out.temperature[i], out.top_p[i], out.top_k[i] = s.temperature, s.top_p, max(
+                s.top_k, 0)
+        return out
+
+    def run(self, pool: PagePool, filling: FillingPages, table_pages: jax.Array, batch: Batch,
+            before_layer: Callable[[int, PagePool], PagePool] | None = None
+            ) -> tuple[tuple, PagePool, FillingPages]:
+        """One call: returns ((tokens, logprobs, top ids, top logprobs), pool, filling),
+        dispatched, not awaited. `before_layer(index, pool)` (layer by layer only) may write
+        into the pool before layer `index` runs."""
+        if not self.layer_by_layer:
+            if before_layer is not None:
+                raise ValueError("before_layer needs layer-by-layer execution")
+            return self._step(self.params, pool, filling, table_pages, batch.slots,
+                              batch.tokens, batch.positions, batch.valid, *batch.sampling)
+        slots, positions, valid = jax.device_put((batch.slots, batch.positions, batch.valid))
+        x, positional = self._embed(self.params, batch.tokens, positions)
+        for index in range(self.cfg.num_layers):
+            if before_layer is not None:
+                pool = before_layer(index, pool)
+            weights = self.views[index] if self.views else self.params
+            x, pool, filling = self._layer(weights, pool, filling, table_pages, slots, x,
+                                           positional, positions, valid, np.int32(index))
+        return self._head(self.params, x, *batch.sampling), pool, filling

@@ -1,0 +1,167 @@
+"""The xla backend's attention against `chunked_prefill_attention_reference`, on fresh random
+inputs every run (the seed is in every failure message).
+
+Ragged rows: prefixes of different lengths per row and KV head (zero, partial pages, whole
+pages), windows of different lengths (empty included), queries past a row's window and below
+its start, padding queries past `q_lengths`, pages shuffled across the pool and a table
+wider than any row needs. What must not be read (the null page, page tokens past a row's
+length, window tokens past its length) is poisoned with large finite values, so a missing
+mask shows as a huge error.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.cache.xla_attention import xla_attention
+from jkv.config import KV_FORMATS
+from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attention_reference
+from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
+
+FORMATS = sorted({(f.k_bits, f.v_bits) for f in KV_FORMATS.values()}, reverse=True)
+PAGE, GROUP, POISON = 4, 16, 1e4
+# (T, query heads per KV head, head_dim, blocks): a padded prefill chunk in several query,
+# page (masked and unmasked) and window blocks, and a decode step with the engine's blocks
+CASES = [(7, 3, 32, dict(block_q=2, block_k=8, block_w=4)), (1, 2, 64, {})]
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    seed = int(np.random.SeedSequence().entropy) % (1 << 63)
+    return np.random.default_rng(seed), seed
+
+
+def make_case(rng, *, t: int, gqa: int, d: int, k_bits: int, v_bits: int, width: int = 12,
+              dtype=jnp.float32):
+    """Five rows x two KV heads with random ragged lengths; returns (args, kwargs, q_lengths).
+
+    Each row holds a random prefix per head (a zero one for some), a window of a random
+    length starting at a page boundary (row 4's is empty: a padding row), queries at random
+    positions around the window (some below its start: they see only the pages) and a random
+    number of real queries (0 for row 3).
+    """
+    b, hkv = 5, 2
+    max_pages = width - 2  # the table is wider than any row needs
+    plen = rng.integers(0, max_pages * PAGE + 1, size=(b, hkv))
+    plen[0, 0] = 0
+    plen[1] = [max_pages * PAGE, (max_pages // 2) * PAGE]  # whole pages
+    tw = PAGE + -(-t // PAGE) * PAGE
+    start = (plen.max(axis=1) // PAGE) * PAGE
+    wlen = rng.integers(0, tw + 1, size=b)
+    wlen[2] = rng.integers(0, PAGE) + t  # the engine's case: a filling page, then the chunk
+    wlen[4] = 0
+    pos = np.maximum(start[:, None] + rng.integers(-3, tw + 2, size=(b, t)), 0)
+    pos[2] = start[2] + wlen[2] - t + np.arange(t)
+    q_lengths = rng.integers(1, t + 1, size=b)
+    q_lengths[3] = 0
+    q_lengths[2] = t
+
+    num_pages = b * hkv * width + 1
+    k = rng.normal(size=(num_pages, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))  # outliers
+    v = rng.normal(size=(num_pages, PAGE, d))
+    table = (1 + rng.permutation(num_pages - 1)).reshape(b, hkv, width)
+    k[0], v[0] = POISON, -POISON  # the null page
+    for i in range(b):
+        for h in range(hkv):
+            n = plen[i, h]
+            for c in range(width):  # tokens past the prefix in its pages
+                lo = max(n - c * PAGE, 0)
+                k[table[i, h, c], lo:] = POISON
+                v[table[i, h, c], lo:] = -POISON
+            table[i, h, -(-n // PAGE):] = 0  # unused columns point at the null page
+    kw = rng.normal(size=(b, hkv, tw, d))
+    vw = rng.normal(size=(b, hkv, tw, d))
+    for i in range(b):
+        kw[i, :, wlen[i]:], vw[i, :, wlen[i]:] = POISON, -POISON
+    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    extra = {}
+    if k_bits < 16:
+        k, extra["k_scale"], extra["k_zero"] = quantize_keys(k, k_bits)
+    if v_bits < 16:
+        v, extra["v_scale"], extra["v_zero"] = quantize_values(v, v_bits, GROUP)
+    q = jnp.asarray(rng.normal(size=(b, t, hkv * gqa, d)), dtype)
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    args = (q, k, v, i32(table), i32(plen), jnp.asarray(kw, dtype), jnp.asarray(vw, dtype),
+            i32(start), i32(wlen), i32(pos))
+    return args, extra, i32(q_lengths)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("k_bits,v_bits", FORMATS)
+def test_matches_the_reference_on_ragged_rows(k_bits, v_bits):
+    rng, seed = fresh_rng()
+    for t, gqa, d, blocks in CASES:
+        args, extra, q_lengths = make_case(rng, t=t, gqa=gqa, d=d, k_bits=k_bits,
+                                           v_bits=v_bits)
+        bits = dict(k_bits=k_bits, v_bits=v_bits)
+        want = np.asarray(chunked_prefill_attention_reference(*args, **extra,
+                                                              q_lengths=q_lengths, **bits))
+        assert np.abs(want).max() < POISON / 10, f"seed {seed}: the case reads poison"
+        got = np.asarray(xla_attention(*args, **extra, q_lengths=q_lengths, **bits,
+                                       group=GROUP, **blocks))
+        assert got.shape == args[0].shape and got.dtype == np.float32
+        err = rel_err(got, want)
+        assert err < 1e-5, f"seed {seed} k{k_bits}v{v_bits} t={t} {blocks}: {err:.2e}"
+        for i, n in enumerate(np.asarray(q_lengths)):  # padding queries: exactly 0
+            assert (got[i, n:] == 0).all(), f"seed {seed}: row {i}'s padding queries not 0"
+
+
+def test_queries_that_see_nothing_give_zero():
+    rng, seed = fresh_rng()
+    args, extra, q_lengths = make_case(rng, t=6, gqa=2, d=32, k_bits=8, v_bits=4)
+    q, k, v, table, plen, kw, vw, start, wlen, pos = args
+    plen = plen.at[0].set(0)
+    pos = pos.at[0].set(start[0] - 1)  # row 0 sees neither pages nor window
+    plen = plen.at[4, 1].set(0)  # row 4 (empty window): head 1 sees nothing
+    out = np.asarray(xla_attention(q, k, v, table, plen, kw, vw, start, wlen, pos, **extra,
+                                   k_bits=8, v_bits=4, group=GROUP, block_q=2, block_k=8,
+                                   block_w=4))
+    ref = np.asarray(chunked_prefill_attention_reference(
+        q, k, v, table, plen, kw, vw, start, wlen, pos, **extra, k_bits=8, v_bits=4))
+    assert np.isfinite(out).all(), f"seed {seed}"
+    assert (out[0] == 0).all() and (out[4, :, 2:] == 0).all(), f"seed {seed}"
+    assert rel_err(out, ref) < 1e-5, f"seed {seed}"
+
+
+def test_table_width_and_block_sizes_do_not_change_the_result():
+    """Null columns appended to the table (a wider bucket) and other blocks: same output."""
+    rng, seed = fresh_rng()
+    args, extra, q_lengths = make_case(rng, t=5, gqa=3, d=32, k_bits=4, v_bits=2, width=6)
+    run = functools.partial(xla_attention, **extra, q_lengths=q_lengths, k_bits=4, v_bits=2,
+                            group=GROUP)
+    narrow = np.asarray(run(*args, block_q=1, block_k=4, block_w=4))
+    table = jnp.pad(args[3], ((0, 0), (0, 0), (0, 13)))
+    wide = np.asarray(run(*args[:3], table, *args[4:]))  # the engine's blocks
+    assert rel_err(wide, narrow) < 1e-6, f"seed {seed}"
+
+
+def test_bf16_inputs_compute_in_float32():
+    rng, seed = fresh_rng()
+    args, extra, q_lengths = make_case(rng, t=4, gqa=2, d=32, k_bits=16, v_bits=16,
+                                       dtype=jnp.bfloat16)
+    got = xla_attention(*args, q_lengths=q_lengths, block_q=2, block_k=4, block_w=4)
+    want = chunked_prefill_attention_reference(*args, q_lengths=q_lengths)
+    assert got.dtype == jnp.float32
+    assert rel_err(got, want) < 1e-5, f"seed {seed}"
+
+
+def test_engine_path_calls_no_reference_and_loops_over_blocks():
+    """The xla backend imports no `*_reference` function (they are test oracles), and its
+    attention walks key blocks in loops instead of one softmax over the table's width."""
+    from jkv.cache import attention, kv_write
+
+    for module in (attention, kv_write):
+        names = [n for n in vars(module) if n.endswith("_reference")]
+        assert not names, f"{module.__name__} imports {names}"
+    args, extra, q_lengths = make_case(np.random.default_rng(), t=2, gqa=2, d=32, k_bits=8,
+                                       v_bits=4)
+    run = functools.partial(xla_attention, k_bits=8, v_bits=4, group=GROUP)
+    assert str(jax.make_jaxpr(run)(*args, **extra, q_lengths=q_lengths)).count("while") >= 3
