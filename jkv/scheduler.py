@@ -1,36 +1,24 @@
-"""Which requests run in the next step: continuous batching with chunked prefill, admission
-under a page and token budget, preemption when pages run out, SLO-aware prefill admission.
+"""The serving loop around the scheduling policy: `Scheduler` keeps the waiting and running
+requests, asks `jkv.planning` what the next step does (`plan_step`) and whether a waiting
+request's store hit is restored (`plan_restore`), applies those decisions (engine slots,
+preemption, restores, statistics), runs the engine step and hands each new token to its
+request. The policies themselves are described in `jkv.planning`.
 
-The decision is `plan_step`, a pure function of what the queue looks like (`Candidate`s and
-a `Budget`), so policies can be unit-tested and simulated without a model. `Scheduler` is the
-loop around it: it keeps the waiting and running requests, turns a plan into an engine step,
-and hands each new token to its request.
-
-Policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
-- order is (priority, TTFT deadline, arrival): lower priority values go first; with no
-  priorities or SLOs that is first come, first served;
-- running decodes always get their token; when their pages do not fit, the least important
-  running request (the newest, among equals) is preempted: its pages are released (its full
-  blocks stay in the prefix cache when that is on) and it is recomputed later;
-- prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
-  before new ones are admitted; a new request is admitted only while a slot is free and its
-  first chunk's pages fit;
-- while running decodes carry a TPOT target, prefill tokens per step are capped so the
-  estimated step time stays within the tightest target, unless a waiting request is already
-  past its TTFT deadline (then both promises are broken and the oldest one wins).
+`Request` is what a caller gives and reads (prompt, sampling, SLOs, callbacks; outputs,
+finish reason, timing); what the scheduler keeps about a request it holds (slot, PRNG key,
+prompt hashes, planned restore) is its own `_Tracked` record.
 
 With a KV store (`jkv.store.KVStore`): a waiting request's prompt is also looked up in the
 store; blocks found there past the device prefix cache's hit count as held (their pages as
-pages admission takes) and are restored into the pool when it is admitted; the store gets the
-waiting queue as its prefetch/eviction hint every step, and a finishing request's full blocks
-are handed to the store's write-behind. A hit is restored only while loading it is expected
-to beat recomputing it (`restore_pays`, from measured rates), unless restore planning is off.
+pages admission takes) and are restored into the pool when it is admitted, unless restore
+planning expects recomputing them to be faster; the store gets the waiting queue as its
+prefetch/eviction hint every step, and a finishing request's full blocks are handed to the
+store's write-behind.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -42,131 +30,19 @@ import numpy as np
 from jkv.averages import moving_average
 from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine import Engine, Row, Sampled, SavedPages
+from jkv.planning import (
+    Budget,
+    Candidate,
+    RestoreDecision,
+    RestoreRates,
+    plan_restore,
+    plan_step,
+    queue_order,
+)
 from jkv.sampling import SamplingParams
 from jkv.store.store import Hit, KVStore
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------- the decision
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A request as the policy sees it."""
-
-    request_id: str
-    arrival: float
-    pending: int  # tokens to feed before its next token can be sampled
-    held: int  # tokens whose KV it holds (running) or would find cached (waiting)
-    running: bool
-    priority: int = 0
-    pin_pages: int = 0  # waiting: cached pages admission pins; running: pages preemption frees
-    ttft_deadline: float | None = None  # absolute seconds
-    tpot_slo: float | None = None  # seconds
-
-
-@dataclass(frozen=True)
-class Budget:
-    available_pages: int  # free pages plus unreferenced cached blocks
-    free_slots: int
-    max_tokens: int  # tokens per step, decode and prefill together
-    chunk: int  # most tokens one request feeds in one step
-    page_size: int
-    block_pages: int  # pages per page_size tokens of one sequence
-    now: float = 0.0
-    decode_step_seconds: float = 0.0  # cost model: a step of decodes alone
-    prefill_token_seconds: float = 0.0  # cost model: each prefill token on top
-
-
-@dataclass
-class Plan:
-    preempt: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    prefill: list[tuple[str, int]] = field(default_factory=list)  # (request, tokens to feed)
-    admit: list[str] = field(default_factory=list)  # waiting requests among `prefill`
-
-
-def _order(c: Candidate) -> tuple:
-    deadline = math.inf if c.ttft_deadline is None else c.ttft_deadline
-    return (c.priority, deadline, c.arrival, c.request_id)
-
-
-def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
-              budget: Budget) -> Plan:
-    """The next step's work; see the module docstring for the policy."""
-    ps, bp = budget.page_size, budget.block_pages
-
-    def grow(held: int, n: int) -> int:
-        return (-(-(held + n) // ps) - -(-held // ps)) * bp
-
-    def fits(held: int, want: int, pages: int) -> int:
-        """The most of `want` tokens that `pages` pages let a sequence holding `held` add."""
-        room = (-(-held // ps) + max(pages, 0) // bp) * ps - held
-        return max(0, min(want, room))
-
-    plan = Plan()
-    avail = budget.available_pages
-    keep = sorted(running, key=_order)
-    while True:
-        need = sum(grow(c.held, 1) for c in keep if c.pending == 1)
-        if need <= avail or not keep:
-            break
-        victim = keep.pop()
-        plan.preempt.append(victim.request_id)
-        avail += victim.pin_pages
-    decodes = [c for c in keep if c.pending == 1]
-    plan.decode = [c.request_id for c in decodes]
-    avail -= need
-    tokens = budget.max_tokens - len(decodes)
-
-    tpots = [c.tpot_slo for c in decodes if c.tpot_slo is not None]
-    if tpots and budget.prefill_token_seconds > 0:
-        late = any(c.ttft_deadline is not None and c.ttft_deadline <= budget.now
-                   for c in list(keep) + list(waiting) if c.pending > 1)
-        if not late:
-            spare = min(tpots) - budget.decode_step_seconds
-            tokens = min(tokens, max(0, int(spare / budget.prefill_token_seconds)))
-
-    for c in keep:
-        if c.pending > 1 and tokens > 0:
-            n = fits(c.held, min(c.pending, tokens, budget.chunk), avail)
-            if n > 0:
-                plan.prefill.append((c.request_id, n))
-                avail -= grow(c.held, n)
-                tokens -= n
-
-    slots = budget.free_slots + len(plan.preempt)
-    for c in sorted(waiting, key=_order):
-        if slots <= 0 or tokens <= 0:
-            break
-        n = min(c.pending, tokens, budget.chunk)
-        cost = grow(c.held, n) + c.pin_pages
-        if cost > avail:
-            break  # head of line waits for pages; later requests do not overtake it
-        plan.prefill.append((c.request_id, n))
-        plan.admit.append(c.request_id)
-        avail -= cost
-        tokens -= n
-        slots -= 1
-    return plan
-
-
-PROBE_EVERY = 16  # of the store hits restore planning declines, one is restored anyway
-
-
-def restore_pays(tokens: int, read_bytes: int, write_bytes: int, read_bytes_per_s: float,
-                 write_bytes_per_s: float, prefill_token_seconds: float) -> bool:
-    """Restore planning: is loading `tokens` tokens of KV (reading `read_bytes` from a store
-    tier, writing `write_bytes` into the pool) expected to beat recomputing them? From
-    measured rates; True until all three have been measured (loading is the usual winner)."""
-    if not (read_bytes_per_s and write_bytes_per_s and prefill_token_seconds):
-        return True
-    load = read_bytes / read_bytes_per_s + write_bytes / write_bytes_per_s
-    return load < tokens * prefill_token_seconds
-
-
-# ---------------------------------------------------------------------------- the loop
-
 
 @dataclass(frozen=True)
 class Truncation:
@@ -179,9 +55,11 @@ class Truncation:
     drop: int
 
 
+
 @dataclass(eq=False)
 class Request:
-    """A request in the scheduler. `on_token(request, token)` sees every new token and
+    """A request as its caller gives it and reads it back (the scheduler's own per-request
+    state is kept apart, in `_Tracked`). `on_token(request, token)` sees every new token and
     returns True when the request is finished (a stop string, say); `on_finish(request)` is
     called once at the end. Both run on the thread that calls `Scheduler.step`."""
 
@@ -206,16 +84,6 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     cancelled: bool = False  # set from any thread; the loop aborts it at its next step
-    slot: int | None = field(default=None, repr=False)
-    num_computed: int = field(default=0, repr=False)
-    _computed_before: int = field(default=0, repr=False)
-    _key: np.ndarray | None = field(default=None, repr=False)
-    _hashes: list[bytes] | None = field(default=None, repr=False)
-    _hit: Hit | None = field(default=None, repr=False)  # the store's blocks it would restore
-    _declined: bool = field(default=False, repr=False)  # recomputing its hit was planned
-    _probe: bool = field(default=False, repr=False)  # restore its hit anyway, to measure
-    _rebase: int = field(default=0, repr=False)  # blocks `_hit` gives after re-rotation
-    _source_hashes: list[bytes] | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:
@@ -224,6 +92,23 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """What the scheduler keeps about a request from its first step to its finish; callers
+    never see it, so it can change with the scheduler."""
+
+    key: np.ndarray  # its PRNG key
+    slot: int | None = None
+    num_computed: int = 0  # tokens whose KV its slot holds
+    computed_before: int = 0  # num_computed when it was last preempted
+    hashes: list[bytes] | None = None  # its prompt's block hashes (until preempted)
+    source_hashes: list[bytes] | None = None  # its truncation source's block hashes
+    hit: Hit | None = None  # the store's blocks admission restores (this step's plan)
+    rebase: int = 0  # blocks `hit` gives after re-rotation
+    declined: bool = False  # recomputing its hit was planned (counted once)
+    probe: bool = False  # restore its hit anyway, to measure
 
 
 @dataclass
@@ -256,6 +141,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._incoming: list[Request] = []
+        self._state: dict[Request, _Tracked] = {}  # every request it holds past `add`
         self._decode_s = 0.0
         self._prefill_token_s = 0.0
 
@@ -319,7 +205,7 @@ class Scheduler:
                     self._finish(r, reason)
                 except Exception:  # the engine may be what failed: free what can be freed
                     log.exception("could not finish request %s cleanly", r.request_id)
-                    r.slot, r.finish_reason = None, reason
+                    r.finish_reason = reason
         self.waiting, self.running = [], []
 
     @property
@@ -357,46 +243,33 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def _candidate(self, r: Request, now: float) -> Candidate:
-        eng = self.engine
+    def _candidate(self, r: Request, held: int, pin_pages: int) -> Candidate:
         ttft = (None if r.ttft_slo_ms is None or r.output
                 else r.arrival + r.ttft_slo_ms / 1000)
         tpot = None if r.tpot_slo_ms is None else r.tpot_slo_ms / 1000
-        if r.slot is not None:
-            return Candidate(r.request_id, r.arrival, len(r.tokens) - r.num_computed,
-                             r.num_computed, True, r.priority, eng.pages_freed_by_close(r.slot),
-                             ttft, tpot)
-        tokens = r.tokens
-        if r._hashes is None:
-            r._hashes = eng.prompt_hashes(tokens)
-        cached, pinned = eng.lookup(r._hashes)
-        r._hit, r._rebase = None, 0
+        return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held,
+                         self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot)
+
+    def _running(self, r: Request) -> Candidate:
+        st = self._state[r]
+        return self._candidate(r, st.num_computed, self.engine.pages_freed_by_close(st.slot))
+
+    def _waiting(self, r: Request, rates: RestoreRates,
+                 declined: int) -> tuple[Candidate, RestoreDecision]:
+        """`r` as the policy sees it, with the restore planned for it (not yet applied):
+        its prompt is looked up in the device prefix cache, then in the store."""
+        eng, st = self.engine, self._state[r]
+        if st.hashes is None:
+            st.hashes = eng.prompt_hashes(r.tokens)
+        cached, pinned = eng.lookup(st.hashes)
+        decision = RestoreDecision(cached)
         if self.store is not None:
-            hit, rebase = self.store.lookup(r._hashes), False
-            blocks = 0 if hit is None else hit.blocks
-            moved = self._truncated_hit(r)
-            if moved is not None and moved[1] > blocks:
-                (hit, blocks), rebase = moved, True
-            if (hit is not None and blocks * eng.page_size > cached
-                    and self.config.restore_planning and not r._probe and not restore_pays(
-                        blocks * eng.page_size - cached, hit.entry_bytes, hit.blocks_bytes,
-                        self.store.read_bytes_per_s[hit.tier], eng.load_bytes_per_s,
-                        self._prefill_token_s)):
-                if not r._declined:
-                    self.stats.restores_declined += 1
-                    r._declined = True
-                    # every PROBE_EVERY-th declined hit is loaded anyway, so that rates
-                    # measured once (badly, or before the load changed) are measured again
-                    r._probe = self.stats.restores_declined % PROBE_EVERY == 0
-                if not r._probe:
-                    hit = None
-            if hit is not None and blocks * eng.page_size > cached:
-                # restoring takes new pages for the stored blocks past the device hit
-                pinned += eng.pages_for(blocks * eng.page_size) - eng.pages_for(cached)
-                cached, r._hit = blocks * eng.page_size, hit
-                r._rebase = blocks if rebase else 0
-        return Candidate(r.request_id, r.arrival, len(tokens) - cached, cached, False,
-                         r.priority, pinned, ttft, tpot)
+            decision = plan_restore(
+                cached, self.store.lookup(st.hashes), self._truncated_hit(r), rates,
+                page_size=eng.page_size, block_pages=eng.block_pages,
+                planning=self.config.restore_planning, declined=st.declined,
+                probe=st.probe, declined_count=declined)
+        return self._candidate(r, decision.held, pinned + decision.extra_pages), decision
 
     def _truncated_hit(self, r: Request) -> tuple[Hit, int] | None:
         """For a truncated prompt: the store's entry of its untruncated source and how many
@@ -409,9 +282,10 @@ class Scheduler:
         if (k > len(tokens) or list(t.source[:k]) != tokens[:k]
                 or list(t.source[k + d: len(tokens) + d]) != tokens[k: len(t.source) - d]):
             return None  # not a cut of its source: nothing to move
-        if r._source_hashes is None:
-            r._source_hashes = eng.prompt_hashes(list(t.source))
-        hit = self.store.lookup(r._source_hashes)
+        st = self._state[r]
+        if st.source_hashes is None:
+            st.source_hashes = eng.prompt_hashes(list(t.source))
+        hit = self.store.lookup(st.source_hashes)
         if hit is None:
             return None
         ps = eng.page_size
@@ -421,14 +295,14 @@ class Scheduler:
     def _open(self, r: Request) -> int:
         """Give `r` a slot; its held prefix comes from the device prefix cache and, for a
         store hit, from the store (a hit that cannot be loaded is recomputed)."""
-        eng, hit = self.engine, r._hit
-        restore = None
+        eng, st = self.engine, self._state[r]
+        hit, restore = st.hit, None
         if hit is not None:
             try:
                 loaded = self.store.load(hit)
                 if loaded is not None:
                     restore = SavedPages(hit.blocks, *loaded)
-                    if r._rebase:
+                    if st.rebase:
                         t = r.truncation
                         restore = eng.rebase(restore, r.tokens, t.keep, t.drop)
             except Exception:  # a failed load or move is a miss, never a failed step
@@ -438,34 +312,34 @@ class Scheduler:
                 self.stats.store_misses += 1
         before = eng.stats.restored_tokens
         try:
-            r.slot, cached = eng.open(r.tokens, restore=restore)
+            st.slot, cached = eng.open(r.tokens, restore=restore)
         except ValueError:  # the loaded blocks do not fit this prompt: never serve them
             log.exception("restoring request %s from the store failed; recomputing",
                           r.request_id)
             self.stats.store_misses += 1
-            r.slot, cached = eng.open(r.tokens)
+            st.slot, cached = eng.open(r.tokens)
         if hit is not None:
             restored = eng.stats.restored_tokens - before
             self.stats.restored_tokens[hit.tier] += restored
-            if r._rebase:
+            if st.rebase:
                 self.stats.rebased_tokens += restored
-        r._hit, r._rebase = None, 0
+        st.hit, st.rebase = None, 0
         return cached
 
-    def _save(self, r: Request) -> None:
+    def _save(self, r: Request, slot: int) -> None:
         """Hand `r`'s full blocks to the store's write-behind (never fails the request)."""
         try:
-            saved = self.engine.gather(r.slot)
+            saved = self.engine.gather(slot)
             self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id)
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
 
     def _finish(self, r: Request, reason: str) -> None:
-        if r.slot is not None:
+        st = self._state.pop(r, None)  # none yet for a request `stop_all` took from incoming
+        if st is not None and st.slot is not None:
             if self.store is not None and reason != "error":
-                self._save(r)
-            self.engine.close(r.slot)
-            r.slot = None
+                self._save(r, st.slot)
+            self.engine.close(st.slot)
         r.finish_reason, r.finish_time = reason, time.monotonic()
         self.stats.finished += 1
         if reason in ("abort", "timeout", "error"):
@@ -492,11 +366,10 @@ class Scheduler:
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
         with self._lock:
-            self.waiting += self._incoming
-            self._incoming = []
-        for r in self.waiting:
-            if r._key is None:
-                r._key = self.engine.request_key(r.sampling.seed)
+            new, self._incoming = self._incoming, []
+            self.waiting += new
+        for r in new:
+            self._state[r] = _Tracked(self.engine.request_key(r.sampling.seed))
         finished: list[Request] = []
         now = time.monotonic()
         for r in self.waiting + self.running:
@@ -516,38 +389,53 @@ class Scheduler:
             chunk=eng.prefill_chunk, page_size=eng.page_size, block_pages=eng.block_pages,
             now=now, decode_step_seconds=self._decode_s,
             prefill_token_seconds=self._prefill_token_s)
-        waiting = [self._candidate(r, now) for r in self.waiting]
-        plan = plan_step([self._candidate(r, now) for r in self.running], waiting, budget)
+        rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
+                             eng.load_bytes_per_s, self._prefill_token_s)
+        waiting, decisions, declined = [], {}, self.stats.restores_declined
+        for r in self.waiting:
+            c, decisions[r.request_id] = self._waiting(r, rates, declined)
+            declined += decisions[r.request_id].newly_declined
+            waiting.append(c)
+        plan = plan_step([self._running(r) for r in self.running], waiting, budget)
+        for r in self.waiting:  # the restores planned: what admission loads, the hint, stats
+            st, d = self._state[r], decisions[r.request_id]
+            st.hit, st.rebase, st.probe = d.hit, d.rebase, d.probe
+            if d.newly_declined:
+                st.declined = True
+                self.stats.restores_declined += 1
         if self.store is not None:
-            order = [by_id[c.request_id]._hit for c in sorted(waiting, key=_order)]
+            order = [decisions[c.request_id].hit for c in sorted(waiting, key=queue_order)]
             self.store.hint([hit.key for hit in order if hit is not None])
 
         for rid in plan.preempt:
             r = by_id[rid]
-            r._computed_before = r.num_computed
-            eng.close(r.slot)
-            r.slot, r.num_computed, r._hashes = None, 0, None
+            st = self._state[r]
+            st.computed_before = st.num_computed
+            eng.close(st.slot)
+            st.slot, st.num_computed, st.hashes = None, 0, None
             r.num_preemptions += 1
             self.stats.preemptions += 1
             self.running.remove(r)
             self.waiting.append(r)
         for rid in plan.admit:
             r = by_id[rid]
-            cached = self._open(r)
-            r.num_computed = cached
-            self.stats.recomputed_tokens += max(0, r._computed_before - cached)
-            r._computed_before = 0
+            st = self._state[r]
+            st.num_computed = self._open(r)
+            self.stats.recomputed_tokens += max(0, st.computed_before - st.num_computed)
+            st.computed_before = 0
             self.waiting.remove(r)
             self.running.append(r)
 
         prefill, decode = [], []
         for rid, n in plan.prefill:
             r = by_id[rid]
-            chunk = r.tokens[r.num_computed: r.num_computed + n]
-            prefill.append((r, Row(r.slot, chunk, r.sampling, r._key, len(r.output))))
+            st = self._state[r]
+            chunk = r.tokens[st.num_computed: st.num_computed + n]
+            prefill.append((r, Row(st.slot, chunk, r.sampling, st.key, len(r.output))))
         for rid in plan.decode:
             r = by_id[rid]
-            decode.append((r, Row(r.slot, r.tokens[-1:], r.sampling, r._key, len(r.output))))
+            st = self._state[r]
+            decode.append((r, Row(st.slot, r.tokens[-1:], r.sampling, st.key, len(r.output))))
         # the plan's page arithmetic is the engine's; should they ever disagree, shed
         # prefill work rather than fail the step
         while prefill and sum(eng.pages_to_grow(row.slot, len(row.tokens))
@@ -562,11 +450,12 @@ class Scheduler:
                     bool(decode))
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
-            r.num_computed += len(row.tokens)
-            if r.num_computed == len(r.tokens):  # the chunk ended the pending tokens
+            st = self._state[r]
+            st.num_computed += len(row.tokens)
+            if st.num_computed == len(r.tokens):  # the chunk ended the pending tokens
                 self._emit(r, sampled, now)
         for (r, _), sampled in zip(decode, out_d, strict=True):
-            r.num_computed += 1
+            self._state[r].num_computed += 1
             self._emit(r, sampled, now)
         for r in self.running:
             if r.finished:
@@ -592,5 +481,4 @@ def generate_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:
         scheduler.step()
 
 
-__all__ = ["Budget", "Candidate", "Plan", "Request", "Scheduler", "SchedulerStats",
-           "Truncation", "generate_all", "plan_step", "restore_pays"]
+__all__ = ["Request", "Scheduler", "SchedulerStats", "Truncation", "generate_all"]

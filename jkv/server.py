@@ -14,9 +14,9 @@ import argparse
 import asyncio
 import contextlib
 import hmac
-import inspect
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -34,13 +34,7 @@ from pydantic import BaseModel, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jkv.api import LLM, ROLES, Truncation
-from jkv.config import (
-    ATTENTION_BACKENDS,
-    EVICTION_POLICIES,
-    EXECUTIONS,
-    KV_FORMATS,
-    default_host_cache_bytes,
-)
+from jkv.config import OPTIONS, Option
 from jkv.models.params_cache import cache_home
 from jkv.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -380,13 +374,19 @@ class _Server:
             return _Stream(self._stream(request, chat, rid, created, ids, handle, queue,
                                         include_usage), lambda: self._abort(handle))
         try:
+            checked = time.monotonic()
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), timeout=0.5)
                 except TimeoutError:
+                    item = None
+                # every half second, tokens arriving or not: a client gone stops generation
+                if time.monotonic() - checked >= 0.5 or item is None:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         log.info("client went away; aborting %s", rid)
                         self._abort(handle)
+                if item is None:
                     continue
                 if item[0] is _END:
                     t = item[1]
@@ -724,7 +724,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
 
 # ---------------------------------------------------------------------------- command line
 
-_LLM_DEFAULTS = {name: p.default for name, p in inspect.signature(LLM).parameters.items()}
+_OPTION_REF = re.compile(r"`(\w+)`")  # `name` in an option's help: another option
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -736,8 +736,41 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _flag_text(text: str) -> str:
+    """Help text for argparse: `name` references to options as --flag-name, % escaped."""
+    names = {o.name for o in OPTIONS}
+    text = _OPTION_REF.sub(lambda m: "--" + m[1].replace("_", "-") if m[1] in names
+                           else m[0], text)
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def _flag_help(option: Option) -> str:
+    """An option's help as a flag's, with a default resolved at start shown as it is here."""
+    note = "" if option.default_note is None else f" ({option.default_note()})"
+    return _flag_text(option.help + note)
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per `jkv.config.OPTIONS` entry, one group per config: --flag-name, its type,
+    default, choices and help; a bool is --x/--no-x."""
+    groups = {}
+    for o in OPTIONS:
+        if o.config not in groups:
+            summary = " ".join((o.config.__doc__ or "").split("\n\n")[0].split())
+            groups[o.config] = parser.add_argument_group(f"{o.config.__name__} options",
+                                                         _flag_text(summary))
+        kw: dict[str, Any] = {"default": o.default, "help": _flag_help(o)}
+        if o.value_type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = o.value_type
+            if o.choices is not None:
+                kw["choices"] = list(o.choices)
+        groups[o.config].add_argument(o.flag, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = _LLM_DEFAULTS
+    """The server's command line: its own flags, then one per LLM option (`add_option_flags`)."""
     p = argparse.ArgumentParser(
         prog="python -m jkv.server",
         description="Serve a model over an OpenAI-compatible HTTP API "
@@ -745,76 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--model", default=None,
-                   help="a .gguf file or a Hugging Face model directory; default: the "
-                        "embedded SmolLM2-135M-Instruct")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients name in requests; default: the model's file or "
                         "directory name")
-    p.add_argument("--dtype", default=d["dtype"],
-                   choices=["auto", "bfloat16", "float16", "float32"],
-                   help="dtype of the weights and the KV cache; auto: bfloat16 on an "
-                        "accelerator, float32 on CPU")
-    p.add_argument("--max-model-len", type=int, default=d["max_model_len"],
-                   help="longest sequence (prompt + generated tokens); default: the model's "
-                        "limit, at most 8192")
-    p.add_argument("--attention-backend", default=d["attention_backend"],
-                   choices=list(ATTENTION_BACKENDS),
-                   help="attention implementation: auto (pallas on a GPU, xla elsewhere), "
-                        "xla (plain jnp) or pallas (the Pallas kernels; interpreted, so slow, "
-                        "on CPU)")
-    p.add_argument("--kv-format", default=d["kv_format"], choices=sorted(KV_FORMATS),
-                   help="how KV pages are stored: auto/bf16 = the model dtype; int8, int4 "
-                        "(= k8v8, k4v4); k8v4, k4v2 = keys finer than values. Full pages are "
-                        "quantized, the page being filled stays in the model dtype")
-    p.add_argument("--seed", type=int, default=d["seed"],
-                   help="base PRNG seed, for requests that set no seed")
-    p.add_argument("--page-size", type=int, default=d["page_size"],
-                   help="tokens per KV cache page")
-    p.add_argument("--kv-cache-bytes", type=int, default=d["kv_cache_bytes"],
-                   help="device memory for the KV cache, in bytes")
-    p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
-                   help="most sequences decoded together in one batch")
-    p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"],
-                   help="longest prompt piece prefilled in one step (a power of two)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d["enable_prefix_caching"],
-                   help="keep finished requests' full KV pages on the device, keyed by "
-                        "chained block hashes, so a later prompt with the same prefix (the "
-                        "next turn of a chat) skips recomputing it")
-    p.add_argument("--device-cache-bytes", type=int, default=d["device_cache_bytes"],
-                   help="most device memory the prefix cache keeps for finished requests; "
-                        "default: whatever of --kv-cache-bytes running requests leave free")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
-                   help="tokens per step, decodes and prefill chunks together; default: "
-                        "--prefill-chunk")
-    p.add_argument("--host-cache-bytes", type=int, default=d["host_cache_bytes"],
-                   help="host DRAM for the KV store: finished requests' KV kept off the "
-                        "device, restored (not recomputed) when a later turn needs it; 0 "
-                        "turns the host tier off; default: a quarter of the memory available "
-                        f"at start, at most 8 GiB (here {default_host_cache_bytes() / 2**30:.1f} "
-                        "GiB)")
-    p.add_argument("--store-dir", default=None,
-                   help="directory of the persistent KV tier (tensorstore OCDBT: atomic "
-                        "commits, reused by the next server started on it); default: none")
-    p.add_argument("--store-spec", default=None,
-                   help="the persistent KV tier as a tensorstore kvstore URL or JSON spec "
-                        "instead of --store-dir, e.g. s3://bucket/prefix/")
-    p.add_argument("--disk-cache-bytes", type=int, default=d["disk_cache_bytes"],
-                   help="most bytes the persistent KV tier holds")
-    p.add_argument("--eviction-policy", default=d["eviction_policy"],
-                   choices=list(EVICTION_POLICIES),
-                   help="which stored entry a full tier gives up: scheduler (keeps and "
-                        "prefetches the entries of queued requests, CachedAttention), lru, "
-                        "fifo")
-    p.add_argument("--restore-planning", action=argparse.BooleanOptionalAction,
-                   default=d["restore_planning"],
-                   help="restore a stored KV hit only while loading it is expected to beat "
-                        "recomputing it, from measured load and prefill rates; "
-                        "--no-restore-planning restores every hit")
-    p.add_argument("--execution", default=d["execution"], choices=list(EXECUTIONS),
-                   help="scan: every layer in one compiled step (fastest); layerwise: one "
-                        "dispatch per layer (same outputs)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile every step shape before listening (with a progress bar), so "
                         "no request waits on a compilation; --no-precompile starts at once and "
@@ -840,14 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="logging level of the server and of uvicorn")
+    add_option_flags(p)
     return p
-
-
-_LLM_FLAGS = ("model", "dtype", "max_model_len", "attention_backend", "kv_format", "seed",
-              "page_size", "kv_cache_bytes", "max_num_seqs", "prefill_chunk",
-              "enable_prefix_caching", "device_cache_bytes", "max_num_batched_tokens",
-              "execution", "host_cache_bytes", "disk_cache_bytes", "store_dir", "store_spec",
-              "eviction_policy", "restore_planning")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -864,7 +824,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             parser.error(f"--store-spec is not valid JSON: {e}")
     try:
-        llm = LLM(**{name: getattr(args, name) for name in _LLM_FLAGS})
+        llm = LLM(**{o.name: getattr(args, o.name) for o in OPTIONS})
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     if args.precompile or args.precompile is None and jax.default_backend() != "cpu":

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import KV_FORMATS, CacheConfig, ModelConfig
+from jkv.config import KV_FORMATS, CacheConfig, EngineConfig, ModelConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
 from jkv.sampling import SamplingParams
@@ -28,8 +28,8 @@ def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
 def make_engine(cfg, params, fmt: str, backend: str, page_size: int = 8, **kw) -> Engine:
     cache = CacheConfig(page_size=page_size, kv_cache_bytes=8 << 20,
                         kv_format=KV_FORMATS[fmt])
-    return Engine(cfg, params, cache=cache, max_model_len=128, max_num_seqs=4,
-                  attention_backend=backend, prefill_chunk=16, **kw)
+    return Engine(cfg, params, cache=cache, config=EngineConfig(
+        max_model_len=128, max_num_seqs=4, attention_backend=backend, prefill_chunk=16, **kw))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import CacheConfig, KVFormat, ModelConfig
+from jkv.config import CacheConfig, EngineConfig, KVFormat, ModelConfig
 from jkv.engine import Engine, Row
 from jkv.models.loaders import random_params
 from jkv.sampling import SamplingParams
@@ -24,8 +24,8 @@ def params():
 def engine(params, kv_format="auto", **kw) -> Engine:
     cache = CacheConfig(page_size=8, kv_cache_bytes=4_000_000,
                         kv_format=KVFormat.parse(kv_format))
-    return Engine(TINY, params, cache=cache, max_model_len=128, max_num_seqs=2,
-                  prefill_chunk=16, **kw)
+    return Engine(TINY, params, cache=cache, config=EngineConfig(
+        max_model_len=128, max_num_seqs=2, prefill_chunk=16, **kw))
 
 
 def run(eng: Engine, prompt: list[int], restore=None, new: int = 8):
@@ -90,8 +90,8 @@ def test_read_buffer_follows_the_papers_formula(params):
     # 40 ms of loading against 10 ms of prefill: a 30 MB buffer of 40 MB over 2 layers
     assert eng.read_buffer_layers(4 * 10**7, 1000) == 2
     eng = Engine(TINY.replace(num_layers=8), random_params(TINY.replace(num_layers=8)),
-                 cache=CacheConfig(page_size=8, kv_cache_bytes=8_000_000), max_model_len=128,
-                 execution="layerwise")
+                 cache=CacheConfig(page_size=8, kv_cache_bytes=8_000_000),
+                 config=EngineConfig(max_model_len=128, execution="layerwise"))
     eng.load_bytes_per_s = 1e9
     eng.stats.prefill_tokens, eng.stats.prefill_seconds = 1000, 0.01
     # S_buf = B (T_load L_hist - T_pref L_new) = 1e9 * (0.04 - 0.025) = 15 MB = 3 of 8 layers

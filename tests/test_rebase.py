@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import CacheConfig, KVFormat, ModelConfig
+from jkv.config import CacheConfig, EngineConfig, KVFormat, ModelConfig
 from jkv.engine import Engine, Row
 from jkv.models.loaders import random_params
 from jkv.pallas_kernels.kv_quant import dequantize_keys, dequantize_values
@@ -27,8 +27,8 @@ def params():
 def engine(params, kv_format: str) -> Engine:
     cache = CacheConfig(page_size=8, kv_cache_bytes=4_000_000,
                         kv_format=KVFormat.parse(kv_format))
-    return Engine(TINY, params, cache=cache, max_model_len=128, max_num_seqs=2,
-                  prefill_chunk=32, enable_prefix_caching=False)
+    return Engine(TINY, params, cache=cache, config=EngineConfig(
+        max_model_len=128, max_num_seqs=2, prefill_chunk=32, enable_prefix_caching=False))
 
 
 def prefilled(eng: Engine, prompt: list[int]):
@@ -98,8 +98,8 @@ def test_moved_blocks_are_never_shared_under_their_tokens_hashes(params):
     prompt = history[:keep] + history[keep + drop:] + rng.integers(0, 512, 9).tolist()
     saved = prefilled(engine(params, "auto"), history)
     cache = CacheConfig(page_size=8, kv_cache_bytes=4_000_000)
-    eng = Engine(TINY, params, cache=cache, max_model_len=128, max_num_seqs=2,
-                 prefill_chunk=32)  # prefix caching on
+    eng = Engine(TINY, params, cache=cache, config=EngineConfig(
+        max_model_len=128, max_num_seqs=2, prefill_chunk=32))  # prefix caching on
     moved = eng.rebase(saved, prompt, keep, drop)
     assert moved.num_blocks == 6 and moved.exact_blocks == 1
     slot, cached = eng.open(prompt, restore=moved)

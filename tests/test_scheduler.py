@@ -1,105 +1,18 @@
-"""The scheduler: the pure admission policy (`plan_step`) and the serving loop on a tiny
-random model (continuous batching, prefix reuse, preemption, aborts, compile counts)."""
+"""The scheduler's serving loop on a tiny random model (continuous batching, prefix reuse,
+preemption, aborts, compile counts); its pure policies are tested in test_planning.py."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import CacheConfig, ModelConfig, SchedulerConfig
+from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
 from jkv.sampling import SamplingParams
-from jkv.scheduler import Budget, Candidate, Request, Scheduler, generate_all, plan_step
-
-PS, BP = 16, 4  # page size, pages per block
-
-
-def budget(**kw) -> Budget:
-    base = dict(available_pages=1000, free_slots=8, max_tokens=64, chunk=32, page_size=PS,
-                block_pages=BP)
-    return Budget(**{**base, **kw})
-
-
-def waiting(rid: str, pending: int, arrival: float = 0.0, **kw) -> Candidate:
-    return Candidate(rid, arrival, pending, 0, False, **kw)
-
-
-def running(rid: str, held: int, arrival: float = 0.0, pending: int = 1, **kw) -> Candidate:
-    kw.setdefault("pin_pages", -(-held // PS) * BP)
-    return Candidate(rid, arrival, pending, held, True, **kw)
-
-
-# ---------------------------------------------------------------------------- plan_step
-
-
-def test_fcfs_chunks_prefill_under_the_token_budget_after_decodes():
-    plan = plan_step([running("d1", 40), running("d2", 17)],
-                     [waiting("b", 100, arrival=2.0), waiting("a", 100, arrival=1.0)],
-                     budget(max_tokens=64, chunk=32))
-    assert plan.decode == ["d1", "d2"]
-    assert plan.prefill == [("a", 32), ("b", 30)]  # 64 - 2 decodes, first come first
-    assert plan.admit == ["a", "b"] and plan.preempt == []
-
-
-def test_partial_prefills_continue_before_new_admissions_and_slots_bound_admission():
-    plan = plan_step([running("p", 32, pending=50)], [waiting("w1", 10), waiting("w2", 10)],
-                     budget(max_tokens=100, chunk=64, free_slots=1))
-    assert plan.prefill == [("p", 50), ("w1", 10)]
-    assert plan.admit == ["w1"]
-
-
-def test_priority_and_ttft_deadline_order_the_queue():
-    plan = plan_step([], [waiting("late", 8, arrival=0.0, priority=1),
-                          waiting("slo", 8, arrival=2.0, ttft_deadline=3.0),
-                          waiting("fifo", 8, arrival=1.0)], budget())
-    assert plan.admit == ["slo", "fifo", "late"]
-
-
-def test_head_of_line_waits_for_pages_and_is_not_overtaken():
-    plan = plan_step([], [waiting("big", 64, arrival=0.0), waiting("small", 4, arrival=1.0)],
-                     budget(available_pages=3 * BP, chunk=64))
-    assert plan.admit == []
-    plan = plan_step([], [waiting("big", 64, arrival=0.0, pin_pages=BP)],
-                     budget(available_pages=4 * BP, chunk=64))
-    assert plan.admit == [], "pinning the cached blocks counts against the pages"
-
-
-def test_pages_short_for_decodes_preempt_the_newest_running_request():
-    # each decode crosses into a new page: 3 blocks needed, 2 available
-    run = [running("old", 32, arrival=0.0), running("mid", 48, arrival=1.0),
-           running("new", 64, arrival=2.0)]
-    plan = plan_step(run, [], budget(available_pages=2 * BP))
-    assert plan.preempt == ["new"]
-    assert plan.decode == ["old", "mid"]
-    # a low-priority request goes before a newer high-priority one
-    run[0] = running("old", 32, arrival=0.0, priority=5)
-    plan = plan_step(run, [], budget(available_pages=2 * BP))
-    assert plan.preempt == ["old"]
-
-
-def test_prefill_shrinks_to_the_pages_left():
-    plan = plan_step([running("p", 16, pending=100)], [], budget(available_pages=2 * BP,
-                                                                  chunk=64, max_tokens=64))
-    assert plan.prefill == [("p", 32)]  # two more pages of 16 tokens
-
-
-def test_tpot_targets_cap_prefill_tokens_unless_a_ttft_deadline_has_passed():
-    run = [running("d", 40, tpot_slo=0.05)]
-    cost = dict(decode_step_seconds=0.03, prefill_token_seconds=0.001, now=10.0)
-    plan = plan_step(run, [waiting("w", 100, arrival=9.0)], budget(max_tokens=256, chunk=256,
-                                                                   **cost))
-    assert plan.prefill == [("w", 20)]  # (0.05 - 0.03) / 0.001
-    plan = plan_step(run, [waiting("w", 100, arrival=9.0, ttft_deadline=9.5)],
-                     budget(max_tokens=256, chunk=256, **cost))
-    assert plan.prefill == [("w", 100)]
-    plan = plan_step([running("d", 40, tpot_slo=0.02)], [waiting("w", 100)],
-                     budget(**cost))
-    assert plan.prefill == [] and plan.decode == ["d"]
-
-
-# ---------------------------------------------------------------------------- the loop
+from jkv.scheduler import Request, Scheduler, generate_all
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
@@ -113,8 +26,9 @@ def params():
 
 def engine(params, pages: int = 512, **kw) -> Engine:
     kw = {"max_model_len": 64, "max_num_seqs": 4, "prefill_chunk": 16, **kw}
+    shape_step = kw.pop("shape_step", None)
     return Engine(TINY, params, cache=CacheConfig(page_size=8, kv_cache_bytes=pages * PAGE_BYTES),
-                  **kw)
+                  config=EngineConfig(**kw), shape_step=shape_step)
 
 
 def run(sched: Scheduler, prompts, n: int = 10, **kw) -> list[Request]:
@@ -233,6 +147,7 @@ def test_steady_workload_does_not_recompile(params):
 @pytest.mark.parametrize("shape_step", [2, 4])
 def test_warmup_compiles_every_shape_a_workload_uses(params, shape_step):
     eng = engine(params, shape_step=shape_step)
+    jax.clear_caches()  # engines share compilations: start from none
     assert eng.warmup() == len(eng.shapes())  # each listed shape is its own compilation
     compiles = eng.num_compiles
     rng = np.random.default_rng()

@@ -1,0 +1,226 @@
+"""The scheduler's decisions as pure functions: which requests run in the next step
+(`plan_step`) and whether a waiting request's store hit is restored or recomputed
+(`plan_restore`). They take plain numbers (`Candidate`s, a `Budget`, `RestoreRates`) and return
+records the scheduler applies, so policies can be unit-tested and simulated without a model or
+an engine; nothing here imports the engine or the store at run time.
+
+Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
+- order is (priority, TTFT deadline, arrival): lower priority values go first; with no
+  priorities or SLOs that is first come, first served;
+- running decodes always get their token; when their pages do not fit, the least important
+  running request (the newest, among equals) is preempted: its pages are released (its full
+  blocks stay in the prefix cache when that is on) and it is recomputed later;
+- prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
+  before new ones are admitted; a new request is admitted only while a slot is free and its
+  first chunk's pages fit;
+- while running decodes carry a TPOT target, prefill tokens per step are capped so the
+  estimated step time stays within the tightest target, unless a waiting request is already
+  past its TTFT deadline (then both promises are broken and the oldest one wins).
+
+Restore policy: a store hit past the device prefix cache's hit is restored only while loading
+it is expected to beat recomputing it (`restore_pays`, from measured rates); every
+`PROBE_EVERY`-th declined hit is restored anyway, so that rates measured once (badly, or
+before the load changed) are measured again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jkv.store.store import Hit
+
+# ---------------------------------------------------------------------------- the step
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request as the policy sees it."""
+
+    request_id: str
+    arrival: float
+    pending: int  # tokens to feed before its next token can be sampled
+    held: int  # tokens whose KV it holds (running) or would find cached (waiting)
+    running: bool
+    priority: int = 0
+    pin_pages: int = 0  # waiting: cached pages admission pins; running: pages preemption frees
+    ttft_deadline: float | None = None  # absolute seconds
+    tpot_slo: float | None = None  # seconds
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one step may use, and the cost model the TPOT cap estimates step time with."""
+
+    available_pages: int  # free pages plus unreferenced cached blocks
+    free_slots: int
+    max_tokens: int  # tokens per step, decode and prefill together
+    chunk: int  # most tokens one request feeds in one step
+    page_size: int
+    block_pages: int  # pages per page_size tokens of one sequence
+    now: float = 0.0
+    decode_step_seconds: float = 0.0  # cost model: a step of decodes alone
+    prefill_token_seconds: float = 0.0  # cost model: each prefill token on top
+
+
+@dataclass
+class Plan:
+    """The next step's work by request id; the scheduler turns it into an engine step."""
+
+    preempt: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    prefill: list[tuple[str, int]] = field(default_factory=list)  # (request, tokens to feed)
+    admit: list[str] = field(default_factory=list)  # waiting requests among `prefill`
+
+
+def queue_order(c: Candidate) -> tuple:
+    """Sort key of the queue (most important first); the store's hint follows it too."""
+    deadline = math.inf if c.ttft_deadline is None else c.ttft_deadline
+    return (c.priority, deadline, c.arrival, c.request_id)
+
+
+def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
+              budget: Budget) -> Plan:
+    """The next step's work; see the module docstring for the policy."""
+    ps, bp = budget.page_size, budget.block_pages
+
+    def grow(held: int, n: int) -> int:
+        return (-(-(held + n) // ps) - -(-held // ps)) * bp
+
+    def fits(held: int, want: int, pages: int) -> int:
+        """The most of `want` tokens that `pages` pages let a sequence holding `held` add."""
+        room = (-(-held // ps) + max(pages, 0) // bp) * ps - held
+        return max(0, min(want, room))
+
+    plan = Plan()
+    avail = budget.available_pages
+    keep = sorted(running, key=queue_order)
+    while True:
+        need = sum(grow(c.held, 1) for c in keep if c.pending == 1)
+        if need <= avail or not keep:
+            break
+        victim = keep.pop()
+        plan.preempt.append(victim.request_id)
+        avail += victim.pin_pages
+    decodes = [c for c in keep if c.pending == 1]
+    plan.decode = [c.request_id for c in decodes]
+    avail -= need
+    tokens = budget.max_tokens - len(decodes)
+
+    tpots = [c.tpot_slo for c in decodes if c.tpot_slo is not None]
+    if tpots and budget.prefill_token_seconds > 0:
+        late = any(c.ttft_deadline is not None and c.ttft_deadline <= budget.now
+                   for c in list(keep) + list(waiting) if c.pending > 1)
+        if not late:
+            spare = min(tpots) - budget.decode_step_seconds
+            tokens = min(tokens, max(0, int(spare / budget.prefill_token_seconds)))
+
+    for c in keep:
+        if c.pending > 1 and tokens > 0:
+            n = fits(c.held, min(c.pending, tokens, budget.chunk), avail)
+            if n > 0:
+                plan.prefill.append((c.request_id, n))
+                avail -= grow(c.held, n)
+                tokens -= n
+
+    slots = budget.free_slots + len(plan.preempt)
+    for c in sorted(waiting, key=queue_order):
+        if slots <= 0 or tokens <= 0:
+            break
+        n = min(c.pending, tokens, budget.chunk)
+        cost = grow(c.held, n) + c.pin_pages
+        if cost > avail:
+            break  # head of line waits for pages; later requests do not overtake it
+        plan.prefill.append((c.request_id, n))
+        plan.admit.append(c.request_id)
+        avail -= cost
+        tokens -= n
+        slots -= 1
+    return plan
+
+
+# ---------------------------------------------------------------------------- restores
+
+PROBE_EVERY = 16  # of the store hits restore planning declines, one is restored anyway
+
+
+def restore_pays(tokens: int, read_bytes: int, write_bytes: int, read_bytes_per_s: float,
+                 write_bytes_per_s: float, prefill_token_seconds: float) -> bool:
+    """Restore planning: is loading `tokens` tokens of KV (reading `read_bytes` from a store
+    tier, writing `write_bytes` into the pool) expected to beat recomputing them? From
+    measured rates; True until all three have been measured (loading is the usual winner)."""
+    if not (read_bytes_per_s and write_bytes_per_s and prefill_token_seconds):
+        return True
+    load = read_bytes / read_bytes_per_s + write_bytes / write_bytes_per_s
+    return load < tokens * prefill_token_seconds
+
+
+@dataclass(frozen=True)
+class RestoreRates:
+    """The measured rates restore planning weighs; 0.0 means not measured yet."""
+
+    read_bytes_per_s: Mapping[str, float]  # reading an entry, per store tier ("host", "disk")
+    write_bytes_per_s: float  # host arrays into the pool (`Engine.load_bytes_per_s`)
+    prefill_token_seconds: float  # computing one prompt token
+
+
+@dataclass(frozen=True)
+class RestoreDecision:
+    """Restore planning's answer for one waiting request; the scheduler applies it after the
+    step is planned (and counts `newly_declined`)."""
+
+    held: int  # tokens it would hold on admission: the device hit's, or the restored blocks'
+    hit: Hit | None = None  # the store entry to restore on admission; None: none
+    extra_pages: int = 0  # pages restoring takes past those of the device hit
+    rebase: int = 0  # blocks `hit` gives once re-rotated (a truncated prompt); 0: in place
+    newly_declined: bool = False  # recomputing the hit was planned for the first time
+    probe: bool = False  # the request's probe flag from now on: restore anyway, to measure
+
+    @property
+    def restore(self) -> bool:
+        return self.hit is not None
+
+
+def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
+                 rates: RestoreRates, *, page_size: int, block_pages: int,
+                 planning: bool = True, declined: bool = False, probe: bool = False,
+                 declined_count: int = 0) -> RestoreDecision:
+    """Whether a waiting request restores a store hit, as a pure function so it can be
+    tested and the scheduler can count its statistics after planning.
+
+    `cached`: tokens the device prefix cache holds of its prompt; `hit`: the store's run of
+    its blocks; `moved`: for a truncated prompt, its source's entry and the prompt blocks it
+    gives once re-rotated (used when it gives more than `hit`). `planning=False` restores
+    every hit that adds blocks. `declined`/`probe`: the request's earlier decisions (a
+    decline is counted once; a probe restores without weighing rates); `declined_count`:
+    declines counted so far, which picks every `PROBE_EVERY`-th one as a probe."""
+    blocks, rebase = (0 if hit is None else hit.blocks), False
+    if moved is not None and moved[1] > blocks:
+        (hit, blocks), rebase = moved, True
+    tokens = blocks * page_size
+    newly = False
+    if (hit is not None and tokens > cached and planning and not probe and not restore_pays(
+            tokens - cached, hit.entry_bytes, hit.blocks_bytes,
+            rates.read_bytes_per_s[hit.tier], rates.write_bytes_per_s,
+            rates.prefill_token_seconds)):
+        if not declined:
+            newly = True
+            probe = (declined_count + 1) % PROBE_EVERY == 0
+        if not probe:
+            hit = None
+    if hit is None or tokens <= cached:
+        return RestoreDecision(cached, newly_declined=newly, probe=probe)
+
+    def pages(n: int) -> int:
+        return -(-n // page_size) * block_pages
+
+    # restoring takes new pages for the stored blocks past the device hit
+    return RestoreDecision(tokens, hit, pages(tokens) - pages(cached),
+                           blocks if rebase else 0, newly, probe)
+
+
+__all__ = ["PROBE_EVERY", "Budget", "Candidate", "Plan", "RestoreDecision", "RestoreRates",
+           "plan_restore", "plan_step", "queue_order", "restore_pays"]

@@ -1,0 +1,195 @@
+"""The scheduler's pure policies: which requests run next (`plan_step`) and whether a store
+hit is restored or recomputed (`restore_pays`, `plan_restore`); no model, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from jkv.planning import (
+    PROBE_EVERY,
+    Budget,
+    Candidate,
+    RestoreDecision,
+    RestoreRates,
+    plan_restore,
+    plan_step,
+    restore_pays,
+)
+from jkv.store.store import Hit
+
+PS, BP = 16, 4  # page size, pages per block
+
+
+def budget(**kw) -> Budget:
+    base = dict(available_pages=1000, free_slots=8, max_tokens=64, chunk=32, page_size=PS,
+                block_pages=BP)
+    return Budget(**{**base, **kw})
+
+
+def waiting(rid: str, pending: int, arrival: float = 0.0, **kw) -> Candidate:
+    return Candidate(rid, arrival, pending, 0, False, **kw)
+
+
+def running(rid: str, held: int, arrival: float = 0.0, pending: int = 1, **kw) -> Candidate:
+    kw.setdefault("pin_pages", -(-held // PS) * BP)
+    return Candidate(rid, arrival, pending, held, True, **kw)
+
+
+# ---------------------------------------------------------------------------- plan_step
+
+
+def test_fcfs_chunks_prefill_under_the_token_budget_after_decodes():
+    plan = plan_step([running("d1", 40), running("d2", 17)],
+                     [waiting("b", 100, arrival=2.0), waiting("a", 100, arrival=1.0)],
+                     budget(max_tokens=64, chunk=32))
+    assert plan.decode == ["d1", "d2"]
+    assert plan.prefill == [("a", 32), ("b", 30)]  # 64 - 2 decodes, first come first
+    assert plan.admit == ["a", "b"] and plan.preempt == []
+
+
+def test_partial_prefills_continue_before_new_admissions_and_slots_bound_admission():
+    plan = plan_step([running("p", 32, pending=50)], [waiting("w1", 10), waiting("w2", 10)],
+                     budget(max_tokens=100, chunk=64, free_slots=1))
+    assert plan.prefill == [("p", 50), ("w1", 10)]
+    assert plan.admit == ["w1"]
+
+
+def test_priority_and_ttft_deadline_order_the_queue():
+    plan = plan_step([], [waiting("late", 8, arrival=0.0, priority=1),
+                          waiting("slo", 8, arrival=2.0, ttft_deadline=3.0),
+                          waiting("fifo", 8, arrival=1.0)], budget())
+    assert plan.admit == ["slo", "fifo", "late"]
+
+
+def test_head_of_line_waits_for_pages_and_is_not_overtaken():
+    plan = plan_step([], [waiting("big", 64, arrival=0.0), waiting("small", 4, arrival=1.0)],
+                     budget(available_pages=3 * BP, chunk=64))
+    assert plan.admit == []
+    plan = plan_step([], [waiting("big", 64, arrival=0.0, pin_pages=BP)],
+                     budget(available_pages=4 * BP, chunk=64))
+    assert plan.admit == [], "pinning the cached blocks counts against the pages"
+
+
+def test_pages_short_for_decodes_preempt_the_newest_running_request():
+    # each decode crosses into a new page: 3 blocks needed, 2 available
+    run = [running("old", 32, arrival=0.0), running("mid", 48, arrival=1.0),
+           running("new", 64, arrival=2.0)]
+    plan = plan_step(run, [], budget(available_pages=2 * BP))
+    assert plan.preempt == ["new"]
+    assert plan.decode == ["old", "mid"]
+    # a low-priority request goes before a newer high-priority one
+    run[0] = running("old", 32, arrival=0.0, priority=5)
+    plan = plan_step(run, [], budget(available_pages=2 * BP))
+    assert plan.preempt == ["old"]
+
+
+def test_prefill_shrinks_to_the_pages_left():
+    plan = plan_step([running("p", 16, pending=100)], [], budget(available_pages=2 * BP,
+                                                                  chunk=64, max_tokens=64))
+    assert plan.prefill == [("p", 32)]  # two more pages of 16 tokens
+
+
+def test_tpot_targets_cap_prefill_tokens_unless_a_ttft_deadline_has_passed():
+    run = [running("d", 40, tpot_slo=0.05)]
+    cost = dict(decode_step_seconds=0.03, prefill_token_seconds=0.001, now=10.0)
+    plan = plan_step(run, [waiting("w", 100, arrival=9.0)], budget(max_tokens=256, chunk=256,
+                                                                   **cost))
+    assert plan.prefill == [("w", 20)]  # (0.05 - 0.03) / 0.001
+    plan = plan_step(run, [waiting("w", 100, arrival=9.0, ttft_deadline=9.5)],
+                     budget(max_tokens=256, chunk=256, **cost))
+    assert plan.prefill == [("w", 100)]
+    plan = plan_step([running("d", 40, tpot_slo=0.02)], [waiting("w", 100)],
+                     budget(**cost))
+    assert plan.prefill == [] and plan.decode == ["d"]
+
+
+# ---------------------------------------------------------------------------- restores
+
+MB = 10**6
+FAST = RestoreRates({"host": 1e9, "disk": 1e9}, 1e9, 1e-5)  # loading 2 MB: 4 ms
+UNMEASURED = RestoreRates({"host": 0.0, "disk": 0.0}, 0.0, 0.0)
+
+
+def hit(blocks: int, tier: str = "host", key: str = "e") -> Hit:
+    return Hit(key, blocks, tier, entry_bytes=2 * MB, blocks_bytes=2 * MB)
+
+
+def restore(cached: int, found: Hit | None, moved=None, rates: RestoreRates = FAST,
+            **kw) -> RestoreDecision:
+    return plan_restore(cached, found, moved, rates, page_size=PS, block_pages=BP, **kw)
+
+
+def test_restore_pays_weighs_loading_against_recomputing():
+    assert restore_pays(100, MB, MB, 0.0, 0.0, 0.0)  # nothing measured: load
+    assert restore_pays(100, MB, MB, 1e9, 0.0, 1e-5)  # the pool writes not measured: load
+    # 2 MB at 1 GB/s read and write = 2 ms, against 100 tokens at 10 us = 1 ms: recompute
+    assert not restore_pays(100, MB, MB, 1e9, 1e9, 1e-5)
+    assert restore_pays(1000, MB, MB, 1e9, 1e9, 1e-5)  # 10 ms of compute: load
+
+
+def test_a_hit_worth_loading_is_restored_and_its_new_pages_counted():
+    d = restore(16, hit(30))  # 480 tokens, 464 past the device hit: 4.6 ms of compute
+    assert d == RestoreDecision(held=30 * PS, hit=hit(30), extra_pages=(30 - 1) * BP)
+    assert d.restore and not d.newly_declined and not d.probe
+    # a device hit ending mid-block: its last page is already counted
+    assert restore(20, hit(30)).extra_pages == (30 - 2) * BP
+
+
+def test_a_hit_cheaper_to_recompute_is_declined_once():
+    d = restore(16, hit(10))  # 144 tokens: 1.4 ms of compute against 4 ms of loading
+    assert d == RestoreDecision(held=16, newly_declined=True)
+    # declined before: not counted again, still recomputed
+    assert restore(16, hit(10), declined=True) == RestoreDecision(held=16)
+    # the rates changed so that loading now wins: restored after all
+    assert restore(16, hit(10), rates=RestoreRates({"host": 1e10}, 1e10, 1e-5),
+                   declined=True).restore
+
+
+def test_rates_not_measured_yet_restore():
+    d = restore(0, hit(10), rates=UNMEASURED)
+    assert d.restore and d.held == 10 * PS and not d.newly_declined
+    assert restore(0, hit(10), rates=RestoreRates({"host": 1e9}, 0.0, 1e-5)).restore
+
+
+@pytest.mark.parametrize("count", [0, PROBE_EVERY - 2, PROBE_EVERY, 2 * PROBE_EVERY - 1])
+def test_every_probe_every_th_decline_is_restored_anyway(count):
+    d = restore(16, hit(10), declined_count=count)
+    probe = (count + 1) % PROBE_EVERY == 0
+    assert d.newly_declined and d.probe == probe and d.restore == probe
+    if probe:  # restored as a hit worth loading would be
+        assert (d.held, d.extra_pages) == (10 * PS, 9 * BP)
+        # a probing request restores from then on, rates unweighed, counted no more
+        again = restore(16, hit(10), declined=True, probe=True)
+        assert again.restore and again.probe and not again.newly_declined
+
+
+def test_planning_off_restores_every_hit_that_adds_blocks():
+    d = restore(16, hit(10), planning=False)
+    assert d.restore and not d.newly_declined
+
+
+def test_nothing_to_restore_past_the_device_hit():
+    assert restore(7, None) == RestoreDecision(held=7)
+    # the device already holds as much: neither restored nor counted as declined
+    assert restore(10 * PS, hit(10)) == RestoreDecision(held=10 * PS)
+    assert restore(12 * PS, hit(10), planning=False) == RestoreDecision(held=12 * PS)
+
+
+def test_each_tier_is_weighed_at_its_own_read_rate():
+    rates = RestoreRates({"host": 1e10, "disk": 1e7}, 1e10, 1e-5)
+    assert restore(0, hit(10, "host"), rates=rates).restore
+    assert not restore(0, hit(10, "disk"), rates=rates).restore
+
+
+def test_a_truncated_prompt_rebases_its_source_when_that_gives_more_blocks():
+    source = hit(12, "disk", key="source")
+    d = restore(0, hit(3), (source, 6), planning=False)
+    assert (d.hit, d.held, d.rebase, d.extra_pages) == (source, 6 * PS, 6, 6 * BP)
+    for found in (hit(6), hit(8)):  # the prompt's own entry gives as many or more: in place
+        d = restore(0, found, (source, 6), planning=False)
+        assert d.hit == found and d.rebase == 0
+    d = restore(0, None, (source, 6), planning=False)
+    assert d.hit == source and d.rebase == 6
+    # the moved hit is weighed like any other (its entry's bytes, its tier's rate)
+    d = restore(0, None, (source, 6), rates=RestoreRates({"disk": 1e9}, 1e9, 1e-6))
+    assert not d.restore and d.rebase == 0 and d.newly_declined
