@@ -51,8 +51,7 @@ from jkv.cache.transfer import FIELDS, gather_pages, scatter_pages, slot_page_id
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
-from jkv.runner import ModelRunner, RowInput, bucket
-from jkv.sampling import SamplingParams
+from jkv.runner import ModelRunner, Row, bucket
 
 
 def resolve_backend(name: str) -> str:
@@ -60,17 +59,6 @@ def resolve_backend(name: str) -> str:
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     return name
-
-
-@dataclass
-class Row:
-    """One sequence's work in a step: feed `tokens` to `slot`, then sample one token."""
-
-    slot: int
-    tokens: Sequence[int]
-    sampling: SamplingParams
-    key: np.ndarray  # uint32[2]: the request's PRNG key (`Engine.request_key`)
-    num_generated: int = 0  # folded into the key: token i of a request has its own stream
 
 
 @dataclass
@@ -591,10 +579,8 @@ class Engine:
               padded_tokens: int | None = None) -> tuple:
         """Dispatch one compiled call for `rows`, padded with scratch rows to the bucket
         (or to the shape given, as `warmup` does with no rows at all)."""
-        batch = self.runner.batch(
-            [RowInput(r.slot, r.tokens, len(self.slot_tokens[r.slot]), r.sampling, r.key,
-                      r.num_generated) for r in rows],
-            padded_rows=padded_rows, padded_tokens=padded_tokens)
+        batch = self.runner.batch(rows, [len(self.slot_tokens[r.slot]) for r in rows],
+                                  padded_rows=padded_rows, padded_tokens=padded_tokens)
         self.stats.step_shapes.add(batch.shape)
         restores = [self._restores[r.slot] for r in rows if r.slot in self._restores]
         before_layer = self._stage_restores(restores, batch.valid.sum()) if restores else None

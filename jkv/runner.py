@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -68,15 +69,16 @@ class Batch(NamedTuple):
                 self.top_k)
 
 
-class RowInput(NamedTuple):
-    """What a row feeds a call: `tokens` after `held` tokens, then one token sampled."""
+@dataclass
+class Row:
+    """One sequence's work in a step: feed `tokens` to `slot`, then sample one token."""
 
     slot: int
     tokens: Sequence[int]
-    held: int
     sampling: SamplingParams
-    key: np.ndarray
-    num_generated: int
+    key: np.ndarray  # uint32[2]: the request's PRNG key (`Engine.request_key`)
+    num_generated: int = 0  # folded into the key: token i of a request has its own stream
+
 
 
 def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k):
@@ -212,9 +214,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ calls
 
-    def batch(self, rows: Sequence[RowInput], *, padded_rows: int | None = None,
-              padded_tokens: int | None = None) -> Batch:
-        """`rows` padded with scratch rows to their bucket (or to the shape given)."""
+    def batch(self, rows: Sequence[Row], held: Sequence[int], *,
+              padded_rows: int | None = None, padded_tokens: int | None = None) -> Batch:
+        """`rows` (after `held` tokens each) padded with scratch rows to their bucket (or to
+        the shape given)."""
         b = padded_rows or self.rows_bucket(len(rows))
         t = padded_tokens or self.tokens_bucket(max(len(r.tokens) for r in rows))
         out = Batch(slots=np.full(b, self.scratch_slot, np.int32),
@@ -223,11 +226,11 @@ class ModelRunner:
                     keys=np.zeros((b, 2), np.uint32), num_generated=np.zeros(b, np.uint32),
                     temperature=np.zeros(b, np.float32), top_p=np.ones(b, np.float32),
                     top_k=np.zeros(b, np.int32))
-        for i, r in enumerate(rows):
+        for i, (r, n) in enumerate(zip(rows, held, strict=True)):
             m = len(r.tokens)
             out.slots[i] = r.slot
             out.tokens[i, :m] = r.tokens
-            out.positions[i] = r.held + np.arange(t)
+            out.positions[i] = n + np.arange(t)
             out.valid[i, :m] = True
             out.last_idx[i] = m - 1
             out.keys[i] = r.key

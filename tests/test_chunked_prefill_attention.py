@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_inputs import paged_attention_inputs
 
 from jkv.config import KV_FORMATS
 from jkv.pallas_kernels.chunked_prefill_attention import (
     chunked_prefill_attention,
     chunked_prefill_attention_reference,
 )
-from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
 from jkv.pallas_kernels.paged_decode_attention import dequantized_rows
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -39,8 +39,6 @@ def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32):
     prefix and a window holding the partly filled page before the chunk. Row 3: a padding row
     (window_len 0) whose heads hold 1 and 0 tokens, so head 1's queries see nothing at all.
     """
-    b, hkv = 4, 2
-    tw = PAGE + -(-t // PAGE) * PAGE
     partial = int(rng.choice([n for n in range(1, 5 * PAGE) if n % PAGE]))
     filled = int(rng.integers(1, PAGE))  # tokens of the partly filled page in row 2's window
     plen = np.array([[0, partial], [4 * PAGE, 2 * PAGE], [PAGE, PAGE], [1, 0]])
@@ -51,34 +49,9 @@ def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32):
     pos[1, 0] = start[1]
     pos[1, 1::2] = start[1] + 1 + np.arange(1, t, 2)  # past the window's end: sees token 0
 
-    num_pages = b * hkv * WIDTH + 1
-    k = rng.normal(size=(num_pages, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))  # outliers
-    v = rng.normal(size=(num_pages, PAGE, d))
-    table = (1 + rng.permutation(num_pages - 1)).reshape(b, hkv, WIDTH)
-    k[0], v[0] = POISON, -POISON  # the null page
-    for i in range(b):
-        for h in range(hkv):
-            n = plen[i, h]
-            for c in range(WIDTH):  # tokens past the prefix in its pages
-                lo = max(n - c * PAGE, 0)
-                k[table[i, h, c], lo:] = POISON
-                v[table[i, h, c], lo:] = -POISON
-            table[i, h, -(-n // PAGE):] = 0  # unused columns point at the null page
-    kw = rng.normal(size=(b, hkv, tw, d))
-    vw = rng.normal(size=(b, hkv, tw, d))
-    for i in range(b):
-        kw[i, :, wlen[i]:], vw[i, :, wlen[i]:] = POISON, -POISON
-    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-    extra = {}
-    if k_bits < 16:
-        k, extra["k_scale"], extra["k_zero"] = quantize_keys(k, k_bits)
-    if v_bits < 16:
-        v, extra["v_scale"], extra["v_zero"] = quantize_values(v, v_bits, GROUP)
-    q = jnp.asarray(rng.normal(size=(b, t, hkv * gqa, d)), dtype)
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    args = (q, k, v, i32(table), i32(plen), jnp.asarray(kw, dtype), jnp.asarray(vw, dtype),
-            i32(start), i32(wlen), i32(pos))
-    return args, extra
+    return paged_attention_inputs(rng, plen, start, wlen, pos, t=t, gqa=gqa, d=d,
+                                  k_bits=k_bits, v_bits=v_bits, width=WIDTH, page=PAGE,
+                                  group=GROUP, poison=POISON, dtype=dtype)
 
 
 def float64_reference(args, extra, k_bits, v_bits):

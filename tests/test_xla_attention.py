@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_inputs import paged_attention_inputs
 
 from jkv.cache.xla_attention import xla_attention
 from jkv.config import KV_FORMATS
 from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attention_reference
-from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
 
 FORMATS = sorted({(f.k_bits, f.v_bits) for f in KV_FORMATS.values()}, reverse=True)
 PAGE, GROUP, POISON = 4, 16, 1e4
@@ -60,34 +60,10 @@ def make_case(rng, *, t: int, gqa: int, d: int, k_bits: int, v_bits: int, width:
     q_lengths[3] = 0
     q_lengths[2] = t
 
-    num_pages = b * hkv * width + 1
-    k = rng.normal(size=(num_pages, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))  # outliers
-    v = rng.normal(size=(num_pages, PAGE, d))
-    table = (1 + rng.permutation(num_pages - 1)).reshape(b, hkv, width)
-    k[0], v[0] = POISON, -POISON  # the null page
-    for i in range(b):
-        for h in range(hkv):
-            n = plen[i, h]
-            for c in range(width):  # tokens past the prefix in its pages
-                lo = max(n - c * PAGE, 0)
-                k[table[i, h, c], lo:] = POISON
-                v[table[i, h, c], lo:] = -POISON
-            table[i, h, -(-n // PAGE):] = 0  # unused columns point at the null page
-    kw = rng.normal(size=(b, hkv, tw, d))
-    vw = rng.normal(size=(b, hkv, tw, d))
-    for i in range(b):
-        kw[i, :, wlen[i]:], vw[i, :, wlen[i]:] = POISON, -POISON
-    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-    extra = {}
-    if k_bits < 16:
-        k, extra["k_scale"], extra["k_zero"] = quantize_keys(k, k_bits)
-    if v_bits < 16:
-        v, extra["v_scale"], extra["v_zero"] = quantize_values(v, v_bits, GROUP)
-    q = jnp.asarray(rng.normal(size=(b, t, hkv * gqa, d)), dtype)
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    args = (q, k, v, i32(table), i32(plen), jnp.asarray(kw, dtype), jnp.asarray(vw, dtype),
-            i32(start), i32(wlen), i32(pos))
-    return args, extra, i32(q_lengths)
+    args, extra = paged_attention_inputs(rng, plen, start, wlen, pos, t=t, gqa=gqa, d=d,
+                                         k_bits=k_bits, v_bits=v_bits, width=width,
+                                         page=PAGE, group=GROUP, poison=POISON, dtype=dtype)
+    return args, extra, jnp.asarray(q_lengths, jnp.int32)
 
 
 def rel_err(a, b) -> float:
