@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jkv.config import KV_FORMATS
-from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
+from jkv.config import KV_FORMATS, KVFormat
+from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -88,26 +88,21 @@ def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int, num_war
     rows = []
     for fmt in formats:
         f = KV_FORMATS[fmt]
-        kp, vp, extra = k, v, {}
-        if f.k_bits < 16:
-            kp, extra["k_scale"], extra["k_zero"] = quantize_keys(k, f.k_bits)
-        if f.v_bits < 16:
-            vp, extra["v_scale"], extra["v_zero"] = quantize_values(v, f.v_bits, GROUP)
-        fn = jax.jit(functools.partial(paged_decode_attention, k_bits=f.k_bits, v_bits=f.v_bits,
-                                       group=GROUP, k_splits=splits, pages_per_block=ppb,
-                                       num_warps=num_warps, num_stages=num_stages,
-                                       interpret=interpret))
-        t = timeit(fn, q, kp, vp, table, lengths, **extra)
+        pages = KVPages.from_dense(k, v, KVFormat(f.k_bits, f.v_bits, GROUP))
+        fn = jax.jit(functools.partial(paged_decode_attention, k_splits=splits,
+                                       pages_per_block=ppb, num_warps=num_warps,
+                                       num_stages=num_stages, interpret=interpret))
+        t = timeit(fn, q, pages, table, lengths)
         rows.append({"impl": f"jkv {fmt}", "seconds": t, "num_warps": num_warps,
                      "num_stages": num_stages, "pages_per_block": ppb,
                      "kv_bytes": kv_bytes(fmt, batch * context, batch * width)})
-        del kp, vp, extra
+        del pages
     if not baselines:
         return rows
     if not interpret:
         rows += bench_jax_baseline(q, k, v, table, batch, context, ppb)
     xla = jax.jit(functools.partial(paged_decode_attention_reference, dtype=jnp.bfloat16))
-    t = timeit(xla, q, k, v, table, lengths)
+    t = timeit(xla, q, KVPages(k, v), table, lengths)
     rows.append({"impl": "xla bf16", "seconds": t, "kv_bytes": kv_bytes("bf16", batch * context,
                                                                         batch * width)})
     return rows

@@ -28,12 +28,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jkv.cache import init_filling, init_pool, init_tables, page_bytes, reserve  # noqa: E402
+from jkv.buckets import bucket  # noqa: E402
+from jkv.cache import (  # noqa: E402
+    KVPages,
+    init_filling,
+    init_free,
+    init_tables,
+    page_bytes,
+    reserve,
+)
 from jkv.config import KV_FORMATS  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
-from jkv.runner import bucket  # noqa: E402
 
 PROMPTS = [
     "The history of computing is a story of abstraction. Early machines were programmed by "
@@ -59,7 +66,8 @@ def replay(cfg, params, kv_format, prompts, n, backend, feed=None):
     width = bucket(-(-int(plen.max() + n) // PAGE), 4)
     dtype = params["embed"].dtype
     per_row = cfg.num_layers * cfg.num_kv_heads * width
-    pool, free = init_pool(b * per_row + 1, PAGE, cfg.head_dim, dtype, kv_format)
+    pool = KVPages.zeros(b * per_row + 1, PAGE, cfg.head_dim, dtype, kv_format)
+    free = init_free(b * per_row + 1, PAGE)
     filling = init_filling(b, cfg.num_layers, cfg.num_kv_heads, PAGE, cfg.head_dim, dtype)
     tables = init_tables(b, cfg.num_layers, cfg.num_kv_heads, width)
     free, tables, ok = reserve(free, tables, jnp.asarray(plen + n, jnp.int32))

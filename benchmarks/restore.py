@@ -62,7 +62,7 @@ def prefill(eng: Engine, slot: int, prompt: list[int], cached: int) -> int:
 
 def restore(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[int, int]:
     """Look the prompt up in `store`, load the hit and open a slot with it."""
-    hit = store.lookup(eng.prompt_hashes(prompt))
+    hit = store.lookup(eng.cache.prompt_hashes(prompt))
     arrays, hashes = store.load(hit)
     return eng.open(prompt, restore=SavedPages(hit.blocks, arrays, hashes))
 
@@ -96,8 +96,8 @@ def load_run(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[float, int
 
 def compute_run(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[float, int]:
     slot, cached = restore(eng, store, prompt)
-    eng.write_restores([slot])  # the history in place before the clock starts
-    jax.block_until_ready(eng.pool)
+    eng.connector.write([slot])  # the history in place before the clock starts
+    jax.block_until_ready(eng.cache.pool)
     t0 = time.perf_counter()
     token = prefill(eng, slot, prompt, cached)
     ms = (time.perf_counter() - t0) * 1e3

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -77,12 +79,19 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# Scales and zero points of quantized pages are computed in float32 and stored in float16:
+# half the bytes of float32, and codes are computed against the stored values, so the
+# quantization error stays that of float32 scales (`kv_quant.quantize_codes`).
+SCALE_DTYPE = np.dtype(np.float16)
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """How one page stores keys and values. Bits in {16, 8, 4, 2}; 16 means the model dtype.
 
     Quantized keys carry a scale and zero point per (page, channel); quantized values per
-    (token, group of `group` channels). `group` is capped at head_dim where it is used.
+    (token, group of `group` channels), both in `SCALE_DTYPE`. `group` is capped at head_dim
+    where it is used. The arrays themselves: `jkv.pallas_kernels.kv_pages.KVPages`.
     """
 
     k_bits: int = 16
@@ -120,11 +129,12 @@ class KVFormat:
         k = head_dim * dtype_bytes if self.k_bits == 16 else head_dim * self.k_bits / 8
         v = head_dim * dtype_bytes if self.v_bits == 16 else head_dim * self.v_bits / 8
         if self.v_bits < 16:
-            v += 2 * 4 * head_dim // group  # f32 scale and zero per group
+            v += 2 * SCALE_DTYPE.itemsize * head_dim // group  # scale and zero per group
         return k + v  # key scales are per page: `key_page_overhead_bytes`
 
     def key_page_overhead_bytes(self, head_dim: int) -> int:
-        return 2 * 4 * head_dim if self.k_bits < 16 else 0
+        """Bytes of a page's key scales and zero points (one each per channel)."""
+        return 2 * SCALE_DTYPE.itemsize * head_dim if self.k_bits < 16 else 0
 
 
 KV_FORMATS: dict[str, KVFormat] = {

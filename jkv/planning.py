@@ -2,7 +2,8 @@
 (`plan_step`) and whether a waiting request's store hit is restored or recomputed
 (`plan_restore`). They take plain numbers (`Candidate`s, a `Budget`, `RestoreRates`) and return
 records the scheduler applies, so policies can be unit-tested and simulated without a model or
-an engine; nothing here imports the engine or the store at run time.
+an engine; nothing here imports the engine or the store at run time. Page counts come from the
+KV cache manager's `PageCost` (in the `Budget`), never from a formula of this module.
 
 Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 - order is (priority, TTFT deadline, arrival): lower priority values go first; with no
@@ -29,6 +30,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from jkv.cache.page_cost import PageCost
 
 if TYPE_CHECKING:
     from jkv.store.store import Hit
@@ -59,8 +62,7 @@ class Budget:
     free_slots: int
     max_tokens: int  # tokens per step, decode and prefill together
     chunk: int  # most tokens one request feeds in one step
-    page_size: int
-    block_pages: int  # pages per page_size tokens of one sequence
+    cost: PageCost  # the KV cache manager's: pages that tokens take
     now: float = 0.0
     decode_step_seconds: float = 0.0  # cost model: a step of decodes alone
     prefill_token_seconds: float = 0.0  # cost model: each prefill token on top
@@ -85,16 +87,7 @@ def queue_order(c: Candidate) -> tuple:
 def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
               budget: Budget) -> Plan:
     """The next step's work; see the module docstring for the policy."""
-    ps, bp = budget.page_size, budget.block_pages
-
-    def grow(held: int, n: int) -> int:
-        return (-(-(held + n) // ps) - -(-held // ps)) * bp
-
-    def fits(held: int, want: int, pages: int) -> int:
-        """The most of `want` tokens that `pages` pages let a sequence holding `held` add."""
-        room = (-(-held // ps) + max(pages, 0) // bp) * ps - held
-        return max(0, min(want, room))
-
+    grow, fits = budget.cost.grow, budget.cost.fits
     plan = Plan()
     avail = budget.available_pages
     keep = sorted(running, key=queue_order)
@@ -185,7 +178,7 @@ class RestoreDecision:
 
 
 def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
-                 rates: RestoreRates, *, page_size: int, block_pages: int,
+                 rates: RestoreRates, *, cost: PageCost,
                  planning: bool = True, declined: bool = False, probe: bool = False,
                  declined_count: int = 0) -> RestoreDecision:
     """Whether a waiting request restores a store hit, as a pure function so it can be
@@ -200,7 +193,7 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
     blocks, rebase = (0 if hit is None else hit.blocks), False
     if moved is not None and moved[1] > blocks:
         (hit, blocks), rebase = moved, True
-    tokens = blocks * page_size
+    tokens = blocks * cost.page_size
     newly = False
     if (hit is not None and tokens > cached and planning and not probe and not restore_pays(
             tokens - cached, hit.entry_bytes, hit.blocks_bytes,
@@ -213,12 +206,8 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
             hit = None
     if hit is None or tokens <= cached:
         return RestoreDecision(cached, newly_declined=newly, probe=probe)
-
-    def pages(n: int) -> int:
-        return -(-n // page_size) * block_pages
-
     # restoring takes new pages for the stored blocks past the device hit
-    return RestoreDecision(tokens, hit, pages(tokens) - pages(cached),
+    return RestoreDecision(tokens, hit, cost.grow(cached, tokens - cached),
                            blocks if rebase else 0, newly, probe)
 
 

@@ -29,20 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.cache.page_pool import FillingPages, PagePool
+from jkv.buckets import bucket
+from jkv.cache.page_pool import FillingPages
 from jkv.config import ModelConfig
 from jkv.models.family import ModelFamily
+from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.sampling import SamplingParams, sample, token_logprobs
 
 Params = dict
-
-
-def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
-    """The smallest power of `base` times `minimum` that is >= n (shape buckets)."""
-    b = minimum
-    while b < n:
-        b *= base
-    return b
 
 
 class Batch(NamedTuple):
@@ -240,9 +234,9 @@ class ModelRunner:
                 s.top_k, 0)
         return out
 
-    def run(self, pool: PagePool, filling: FillingPages, table_pages: jax.Array, batch: Batch,
-            before_layer: Callable[[int, PagePool], PagePool] | None = None
-            ) -> tuple[tuple, PagePool, FillingPages]:
+    def run(self, pool: KVPages, filling: FillingPages, table_pages: jax.Array, batch: Batch,
+            before_layer: Callable[[int, KVPages], KVPages] | None = None
+            ) -> tuple[tuple, KVPages, FillingPages]:
         """One call: returns ((tokens, logprobs, top ids, top logprobs), pool, filling),
         dispatched, not awaited. `before_layer(index, pool)` (layer by layer only) may write
         into the pool before layer `index` runs."""

@@ -221,9 +221,9 @@ class Scheduler:
         out = {
             "num_requests_running": len(self.running),
             "num_requests_waiting": waiting,
-            "kv_pages_used": eng.pages_used,
-            "kv_pages_total": eng.total_pages,
-            "kv_pages_cached": len(eng.prefix) * eng.block_pages,
+            "kv_pages_used": eng.cache.pages_used,
+            "kv_pages_total": eng.cache.total_pages,
+            "kv_pages_cached": eng.cache.pages_cached,
             "prefix_hit_tokens": {"device": st.prefix_hit_tokens, **self.stats.restored_tokens},
             "prefix_query_tokens": st.prefix_query_tokens,
             "recomputed_tokens": self.stats.recomputed_tokens,
@@ -252,7 +252,8 @@ class Scheduler:
 
     def _running(self, r: Request) -> Candidate:
         st = self._state[r]
-        return self._candidate(r, st.num_computed, self.engine.pages_freed_by_close(st.slot))
+        return self._candidate(r, st.num_computed,
+                               self.engine.cache.pages_freed_by_close(st.slot))
 
     def _waiting(self, r: Request, rates: RestoreRates,
                  declined: int) -> tuple[Candidate, RestoreDecision]:
@@ -260,14 +261,13 @@ class Scheduler:
         its prompt is looked up in the device prefix cache, then in the store."""
         eng, st = self.engine, self._state[r]
         if st.hashes is None:
-            st.hashes = eng.prompt_hashes(r.tokens)
-        cached, pinned = eng.lookup(st.hashes)
+            st.hashes = eng.cache.prompt_hashes(r.tokens)
+        cached, pinned = eng.cache.lookup(st.hashes)
         decision = RestoreDecision(cached)
         if self.store is not None:
             decision = plan_restore(
                 cached, self.store.lookup(st.hashes), self._truncated_hit(r), rates,
-                page_size=eng.page_size, block_pages=eng.block_pages,
-                planning=self.config.restore_planning, declined=st.declined,
+                cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
                 probe=st.probe, declined_count=declined)
         return self._candidate(r, decision.held, pinned + decision.extra_pages), decision
 
@@ -284,7 +284,7 @@ class Scheduler:
             return None  # not a cut of its source: nothing to move
         st = self._state[r]
         if st.source_hashes is None:
-            st.source_hashes = eng.prompt_hashes(list(t.source))
+            st.source_hashes = eng.cache.prompt_hashes(list(t.source))
         hit = self.store.lookup(st.source_hashes)
         if hit is None:
             return None
@@ -384,13 +384,13 @@ class Scheduler:
         eng = self.engine
         by_id = {r.request_id: r for r in self.waiting + self.running}
         budget = Budget(
-            available_pages=eng.available_pages, free_slots=eng.num_free_slots,
+            available_pages=eng.cache.available_pages, free_slots=eng.cache.num_free_slots,
             max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,
-            chunk=eng.prefill_chunk, page_size=eng.page_size, block_pages=eng.block_pages,
+            chunk=eng.prefill_chunk, cost=eng.cache.cost,
             now=now, decode_step_seconds=self._decode_s,
             prefill_token_seconds=self._prefill_token_s)
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
-                             eng.load_bytes_per_s, self._prefill_token_s)
+                             eng.connector.load_bytes_per_s, self._prefill_token_s)
         waiting, decisions, declined = [], {}, self.stats.restores_declined
         for r in self.waiting:
             c, decisions[r.request_id] = self._waiting(r, rates, declined)
@@ -436,12 +436,6 @@ class Scheduler:
             r = by_id[rid]
             st = self._state[r]
             decode.append((r, Row(st.slot, r.tokens[-1:], r.sampling, st.key, len(r.output))))
-        # the plan's page arithmetic is the engine's; should they ever disagree, shed
-        # prefill work rather than fail the step
-        while prefill and sum(eng.pages_to_grow(row.slot, len(row.tokens))
-                              for _, row in prefill + decode) > eng.available_pages:
-            log.warning("plan exceeds the pages available; deferring a prefill chunk")
-            prefill.pop()
         if not prefill and not decode:
             return finished
         t0 = time.perf_counter()

@@ -8,14 +8,16 @@ import functools
 
 import jax.numpy as jnp
 
-from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
+from jkv.config import KVFormat
+from jkv.pallas_kernels.kv_pages import KVPages
 
 
 def paged_attention_inputs(rng, plen, start, wlen, pos, *, t: int, gqa: int, d: int,
                            k_bits: int, v_bits: int, width: int, page: int, group: int,
-                           poison: float, dtype=jnp.float32) -> tuple[tuple, dict]:
-    """(args, scale kwargs) of `chunked_prefill_attention` for rows holding `plen` [B, Hkv]
-    page tokens, windows of `wlen` [B] tokens from `start` [B] and queries at `pos` [B, t].
+                           poison: float, dtype=jnp.float32) -> tuple:
+    """The arguments of `chunked_prefill_attention` for rows holding `plen` [B, Hkv] page
+    tokens, windows of `wlen` [B] tokens from `start` [B] and queries at `pos` [B, t]; the
+    pages are in format (k_bits, v_bits, group).
 
     Pages are shuffled across the pool; the null page, page tokens past a row's length,
     table columns past its pages (pointed at the null page) and window tokens past its
@@ -40,14 +42,9 @@ def paged_attention_inputs(rng, plen, start, wlen, pos, *, t: int, gqa: int, d: 
     vw = rng.normal(size=(b, hkv, tw, d))
     for i in range(b):
         kw[i, :, wlen[i]:], vw[i, :, wlen[i]:] = poison, -poison
-    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-    extra = {}
-    if k_bits < 16:
-        k, extra["k_scale"], extra["k_zero"] = quantize_keys(k, k_bits)
-    if v_bits < 16:
-        v, extra["v_scale"], extra["v_zero"] = quantize_values(v, v_bits, group)
+    pages = KVPages.from_dense(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                               KVFormat(k_bits, v_bits, group))
     q = jnp.asarray(rng.normal(size=(b, t, hkv * gqa, d)), dtype)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    args = (q, k, v, i32(table), i32(plen), jnp.asarray(kw, dtype), jnp.asarray(vw, dtype),
+    return (q, pages, i32(table), i32(plen), jnp.asarray(kw, dtype), jnp.asarray(vw, dtype),
             i32(start), i32(wlen), i32(pos))
-    return args, extra

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from paged_inputs import paged_attention_inputs
 
-from jkv.config import KV_FORMATS
+from jkv.config import KV_FORMATS, KVFormat
 from jkv.pallas_kernels.chunked_prefill_attention import (
     chunked_prefill_attention,
     chunked_prefill_attention_reference,
@@ -54,10 +54,10 @@ def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32):
                                   group=GROUP, poison=POISON, dtype=dtype)
 
 
-def float64_reference(args, extra, k_bits, v_bits):
+def float64_reference(args):
     """Attention in float64 (numpy, a loop over queries) over the same dequantized pages."""
-    q, k, v, table, plen, kw, vw, start, wlen, pos = args
-    kd, vd = dequantized_rows(k, v, table, **extra, k_bits=k_bits, v_bits=v_bits)
+    q, pages, table, plen, kw, vw, start, wlen, pos = args
+    kd, vd = dequantized_rows(pages, table)
     f64 = functools.partial(np.asarray, dtype=np.float64)
     kd = np.concatenate([f64(kd), f64(kw.astype(jnp.float32))], axis=2)
     vd = np.concatenate([f64(vd), f64(vw.astype(jnp.float32))], axis=2)
@@ -96,13 +96,12 @@ TILINGS = ((16, 8, 2, 8), (1, 16, 4, 16))
 def test_kernel_matches_float64_reference(k_bits, v_bits, gqa, d):
     rng = np.random.default_rng()
     for t, block_q, ppb, block_w in TILINGS:
-        args, extra = make_case(rng, gqa=gqa, d=d, t=t, k_bits=k_bits, v_bits=v_bits)
-        want = float64_reference(args, extra, k_bits, v_bits)
+        args = make_case(rng, gqa=gqa, d=d, t=t, k_bits=k_bits, v_bits=v_bits)
+        want = float64_reference(args)
         assert np.abs(want[3, :, gqa:]).max() == 0  # row 3, head 1 sees nothing
-        ref = chunked_prefill_attention_reference(*args, **extra, k_bits=k_bits, v_bits=v_bits)
+        ref = chunked_prefill_attention_reference(*args)
         assert rel_err(ref, want) < 1e-5
-        out = chunked_prefill_attention(*args, **extra, k_bits=k_bits, v_bits=v_bits,
-                                        group=GROUP, block_q=block_q, pages_per_block=ppb,
+        out = chunked_prefill_attention(*args, block_q=block_q, pages_per_block=ppb,
                                         block_w=block_w, interpret=INTERPRET)
         assert out.shape == args[0].shape and out.dtype == args[0].dtype
         assert np.isfinite(np.asarray(out)).all()
@@ -112,11 +111,11 @@ def test_kernel_matches_float64_reference(k_bits, v_bits, gqa, d):
 
 def test_query_that_sees_nothing_gives_zero():
     rng = np.random.default_rng()
-    args, _ = make_case(rng, gqa=2, d=64, t=8, k_bits=16, v_bits=16)
-    q, k, v, table, plen, kw, vw, start, wlen, pos = args
+    args = make_case(rng, gqa=2, d=64, t=8, k_bits=16, v_bits=16)
+    q, pages, table, plen, kw, vw, start, wlen, pos = args
     plen = plen.at[1].set(0)
     pos = pos.at[1].set(start[1] - 1)  # row 1 sees neither pages nor window
-    out = chunked_prefill_attention(q, k, v, table, plen, kw, vw, start, wlen, pos,
+    out = chunked_prefill_attention(q, pages, table, plen, kw, vw, start, wlen, pos,
                                     block_q=8, pages_per_block=2, block_w=8,
                                     interpret=INTERPRET)
     out = np.asarray(out)
@@ -129,15 +128,13 @@ def test_padding_queries_give_zero_and_leave_real_ones_alone():
     """q_lengths: queries past a row's real ones (whole tiles of them skip all work) give 0;
     the real ones are exactly what the kernel gives without q_lengths."""
     rng = np.random.default_rng()
-    args, extra = make_case(rng, gqa=2, d=64, t=32, k_bits=8, v_bits=4)
+    args = make_case(rng, gqa=2, d=64, t=32, k_bits=8, v_bits=4)
     q_lengths = jnp.asarray([0, int(rng.integers(1, 8)), int(rng.integers(9, 32)), 32],
                             jnp.int32)
-    run = functools.partial(chunked_prefill_attention, *args, **extra, k_bits=8, v_bits=4,
-                            group=GROUP, block_q=8, pages_per_block=2, block_w=8,
-                            interpret=INTERPRET)
+    run = functools.partial(chunked_prefill_attention, *args, block_q=8, pages_per_block=2,
+                            block_w=8, interpret=INTERPRET)
     full, padded = np.asarray(run()), np.asarray(run(q_lengths=q_lengths))
-    ref = chunked_prefill_attention_reference(*args, **extra, q_lengths=q_lengths, k_bits=8,
-                                              v_bits=4)
+    ref = chunked_prefill_attention_reference(*args, q_lengths=q_lengths)
     for i, n in enumerate(np.asarray(q_lengths)):
         np.testing.assert_array_equal(padded[i, :n], full[i, :n])
         assert (padded[i, n:] == 0).all() and (np.asarray(ref)[i, n:] == 0).all()
@@ -148,37 +145,35 @@ def test_padding_queries_give_zero_and_leave_real_ones_alone():
 def test_bf16(k_bits, v_bits):
     """bf16 queries, pages (before quantization) and window: bf16 tensor-core operands."""
     rng = np.random.default_rng()
-    args, extra = make_case(rng, gqa=4, d=64, t=16, k_bits=k_bits, v_bits=v_bits,
-                            dtype=jnp.bfloat16)
-    out = chunked_prefill_attention(*args, **extra, k_bits=k_bits, v_bits=v_bits, group=GROUP,
-                                    block_q=16, pages_per_block=2, block_w=8,
+    args = make_case(rng, gqa=4, d=64, t=16, k_bits=k_bits, v_bits=v_bits, dtype=jnp.bfloat16)
+    out = chunked_prefill_attention(*args, block_q=16, pages_per_block=2, block_w=8,
                                     interpret=INTERPRET)
     assert out.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert rel_err(out, float64_reference(args, extra, k_bits, v_bits)) < 2e-2
+    assert rel_err(out, float64_reference(args)) < 2e-2
 
 
 def test_bad_shapes_raise_value_errors():
     rng = np.random.default_rng()
-    args, extra = make_case(rng, gqa=2, d=64, t=8, k_bits=8, v_bits=8)
-    run = functools.partial(chunked_prefill_attention, k_bits=8, v_bits=8, group=GROUP,
-                            interpret=True)
+    args = make_case(rng, gqa=2, d=64, t=8, k_bits=8, v_bits=8)
+    q, pages, rest = args[0], args[1], args[2:]
+    run = functools.partial(chunked_prefill_attention, interpret=True)
     with pytest.raises(ValueError, match="k_scale"):
-        run(*args)
+        run(q, pages.replace(k_scale=None, k_zero=None, v_scale=None, v_zero=None), *rest)
     with pytest.raises(ValueError, match="v_scale"):
-        run(*args, k_scale=extra["k_scale"], k_zero=extra["k_zero"])
+        run(q, pages.replace(v_scale=None, v_zero=None), *rest)
     with pytest.raises(ValueError, match="T=8"):
-        run(*args, **extra, block_q=3, block_w=8)
+        run(*args, block_q=3, block_w=8)
     with pytest.raises(ValueError, match="Tw=16"):
-        run(*args, **extra, block_w=32)
+        run(*args, block_w=32)
     with pytest.raises(ValueError, match="W=8"):
-        run(*args, **extra, block_w=8, pages_per_block=3)
+        run(*args, block_w=8, pages_per_block=3)
     with pytest.raises(ValueError, match="head_dim"):
-        run(*args, **{**extra, "k_bits": 4}, block_w=8)
+        run(q, pages.replace(kv_format=KVFormat(4, 8, GROUP)), *rest, block_w=8)
     with pytest.raises(ValueError, match="query heads"):
-        run(args[0][:, :, :3], *args[1:], **extra, block_w=8)
+        run(args[0][:, :, :3], *args[1:], block_w=8)
     with pytest.raises(ValueError, match="q_positions"):
-        run(*args[:-1], args[-1][:, :4], **extra, block_w=8)
+        run(*args[:-1], args[-1][:, :4], block_w=8)
 
 
 @pytest.mark.parametrize("k_bits,v_bits", FORMATS)
@@ -187,20 +182,18 @@ def test_lowers_for_cuda_with_triton(k_bits, v_bits, dtype):
     """Runs the Pallas-to-Triton lowering on any machine, so lowering errors fail CI here."""
     rng = np.random.default_rng()
     for t, gqa, block_q, ppb, block_w in ((16, 3, 16, 4, 8), (1, 8, 16, 2, 16)):
-        args, extra = make_case(rng, gqa=gqa, d=128, t=t, k_bits=k_bits, v_bits=v_bits,
-                                dtype=dtype)
-        run = functools.partial(chunked_prefill_attention, k_bits=k_bits, v_bits=v_bits,
-                                group=GROUP, block_q=block_q, pages_per_block=ppb,
-                                block_w=block_w)
-        lowered = jax.jit(run).trace(*args, **extra).lower(lowering_platforms=("cuda",))
+        args = make_case(rng, gqa=gqa, d=128, t=t, k_bits=k_bits, v_bits=v_bits, dtype=dtype)
+        run = functools.partial(chunked_prefill_attention, block_q=block_q,
+                                pages_per_block=ppb, block_w=block_w)
+        lowered = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
 def test_cuda_lowering_catches_triton_errors():
     """The route above really lowers: a head_dim that is not a power of two is refused."""
     rng = np.random.default_rng()
-    args, extra = make_case(rng, gqa=2, d=96, t=16, k_bits=16, v_bits=16)
+    args = make_case(rng, gqa=2, d=96, t=16, k_bits=16, v_bits=16)
     run = functools.partial(chunked_prefill_attention, block_q=16, pages_per_block=2,
                             block_w=8)
     with pytest.raises(Exception, match="power of 2"):
-        jax.jit(run).trace(*args, **extra).lower(lowering_platforms=("cuda",))
+        jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",))

@@ -55,8 +55,9 @@ def test_restored_pages_give_the_recomputed_tokens(params, kv_format, execution)
     follow_up = history + reply[:-1] + rng.integers(0, 512, 5).tolist()
 
     fresh = engine(params, kv_format, enable_prefix_caching=False, execution=execution)
-    fresh.load_bytes_per_s = 1e9  # a rate known: layerwise restores go through the buffer,
-    fresh.read_buffer_layers = lambda *_: 1  # each layer's pages one layer ahead
+    # a rate known: layerwise restores go through the buffer,
+    fresh.connector.load_bytes_per_s = 1e9
+    fresh.connector.read_buffer_layers = lambda *_: 1  # each layer's pages one layer ahead
     restored, _, _ = run(fresh, follow_up, restore=saved)
     assert fresh.stats.restored_tokens == saved.num_blocks * 8
     assert fresh.stats.prefill_tokens == len(follow_up) - saved.num_blocks * 8
@@ -73,18 +74,18 @@ def test_restore_is_checked_against_the_prompt_and_partial_when_short(params):
     other = engine(params)
     with pytest.raises(ValueError, match="not this prompt"):
         other.open(prompt[:20] + [(prompt[20] + 1) % 512] + prompt[21:], restore=saved)
-    assert other.num_free_slots == 2  # nothing taken
+    assert other.cache.num_free_slots == 2  # nothing taken
     # a prompt of 20 tokens takes 2 of the saved blocks (never its last token)
     slot, cached = other.open(prompt[:20], restore=saved)
     assert cached == 16 and other.stats.restored_tokens == 16
     other.close(slot)
-    assert other.available_pages == other.total_pages
+    assert other.cache.available_pages == other.cache.total_pages
 
 
 def test_read_buffer_follows_the_papers_formula(params):
     eng = engine(params, execution="layerwise")
     assert eng.read_buffer_layers(10**6, 100) == TINY.num_layers  # nothing measured yet
-    eng.load_bytes_per_s = 1e9  # 1 GB/s: a 10 MB history loads in 10 ms
+    eng.connector.load_bytes_per_s = 1e9  # 1 GB/s: a 10 MB history loads in 10 ms
     eng.stats.prefill_tokens, eng.stats.prefill_seconds = 1000, 0.01  # 10 us per token
     assert eng.read_buffer_layers(10**7, 1000) == 1  # prefill (10 ms) hides the load
     # 40 ms of loading against 10 ms of prefill: a 30 MB buffer of 40 MB over 2 layers
@@ -92,7 +93,7 @@ def test_read_buffer_follows_the_papers_formula(params):
     eng = Engine(TINY.replace(num_layers=8), random_params(TINY.replace(num_layers=8)),
                  cache=CacheConfig(page_size=8, kv_cache_bytes=8_000_000),
                  config=EngineConfig(max_model_len=128, execution="layerwise"))
-    eng.load_bytes_per_s = 1e9
+    eng.connector.load_bytes_per_s = 1e9
     eng.stats.prefill_tokens, eng.stats.prefill_seconds = 1000, 0.01
     # S_buf = B (T_load L_hist - T_pref L_new) = 1e9 * (0.04 - 0.025) = 15 MB = 3 of 8 layers
     assert eng.read_buffer_layers(4 * 10**7, 2500) == 3
@@ -103,7 +104,7 @@ def test_after_warmup_saving_and_restoring_compile_nothing(params):
 
     rng = np.random.default_rng()
     eng = engine(params, execution="layerwise", enable_prefix_caching=False)
-    eng.warmup_transfers()
+    eng.connector.warmup()
     fns = (gather_pages, scatter_pages, slot_page_ids)
     before = [f._cache_size() for f in fns]
     history = rng.integers(0, 512, int(rng.integers(9, 100))).tolist()
@@ -112,6 +113,6 @@ def test_after_warmup_saving_and_restoring_compile_nothing(params):
     eng.close(slot)
     fed = history + reply[:1]
     run(eng, fed + [1, 2], restore=saved, new=1)  # no rate yet: written at once
-    eng.load_bytes_per_s = 1e9  # then layer by layer, through the read buffer
+    eng.connector.load_bytes_per_s = 1e9  # then layer by layer, through the read buffer
     run(eng, fed + [3, 4], restore=saved, new=1)
     assert [f._cache_size() for f in fns] == before

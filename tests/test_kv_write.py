@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.cache import append_kv, init_pool, init_tables, page_bytes, reserve
+from jkv.cache import KVPages, append_kv, init_free, init_tables, page_bytes, reserve
 from jkv.config import KV_FORMATS, KVFormat
 from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values, unpack
 
@@ -48,7 +48,8 @@ def test_chunked_appends_store_each_full_page_once(fmt, backend):
     total = np.array([int(rng.integers(1, WIDTH * PAGE)), WIDTH * PAGE])  # ragged, full row
     k_all = rng.normal(size=(b, WIDTH * PAGE, HEADS, D)).astype(np.float32)
     v_all = rng.normal(size=(b, WIDTH * PAGE, HEADS, D)).astype(np.float32)
-    pool, free = init_pool(b * HEADS * WIDTH + 1, PAGE, D, jnp.float32, fmt)
+    pool = KVPages.zeros(b * HEADS * WIDTH + 1, PAGE, D, jnp.float32, fmt)
+    free = init_free(b * HEADS * WIDTH + 1, PAGE)
     tables = init_tables(b, 1, HEADS, WIDTH)
     fill_k = jnp.full((b, HEADS, PAGE, D), 7.0, jnp.float32)  # stale content is never kept
     fill_v = jnp.full((b, HEADS, PAGE, D), -7.0, jnp.float32)
@@ -110,19 +111,17 @@ def test_chunked_appends_store_each_full_page_once(fmt, backend):
 def test_pool_shapes_and_bytes_follow_the_format():
     for name in ("auto", "int8", "int4", "k8v4", "k4v2"):
         fmt = KV_FORMATS[name]
-        pool, _ = init_pool(5, 16, 128, jnp.bfloat16, fmt)
-        arrays = [x for x in (pool.k, pool.v, pool.k_scale, pool.k_zero, pool.v_scale,
-                              pool.v_zero) if x is not None]
-        measured = sum(x.nbytes for x in arrays) / 5
-        assert measured == page_bytes(fmt, 16, 128, jnp.bfloat16), name
+        pool = KVPages.zeros(5, 16, 128, jnp.bfloat16, fmt)
+        assert pool.num_pages == 5
+        assert pool.nbytes / 5 == page_bytes(fmt, 16, 128, jnp.bfloat16), name
         assert pool.head_dim == 128
     assert page_bytes(KV_FORMATS["k4v2"], 16, 128, jnp.bfloat16) < page_bytes(
         KV_FORMATS["int8"], 16, 128, jnp.bfloat16) < page_bytes(KV_FORMATS["auto"], 16, 128,
                                                                 jnp.bfloat16)
 
 
-def test_init_pool_rejects_formats_that_do_not_fit():
+def test_a_pool_rejects_formats_that_do_not_fit():
     with pytest.raises(ValueError, match="head_dim"):
-        init_pool(4, 16, 6, jnp.float32, KVFormat(2, 2, group=2))
+        KVPages.zeros(4, 16, 6, jnp.float32, KVFormat(2, 2, group=2))
     with pytest.raises(ValueError, match="group"):
-        init_pool(4, 16, 96, jnp.float32, KVFormat(8, 4, group=64))
+        KVPages.zeros(4, 16, 96, jnp.float32, KVFormat(8, 4, group=64))

@@ -12,7 +12,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jkv import LLM, SamplingParams  # noqa: E402
-from jkv.cache import init_filling, init_pool, init_tables, reserve  # noqa: E402
+from jkv.cache import KVPages, init_filling, init_free, init_tables, reserve  # noqa: E402
+from jkv.config import KVFormat  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 
@@ -50,8 +51,9 @@ def jkv_logits(cfg, params, ids: list[int], page_size: int = 16) -> np.ndarray:
     t = len(ids)
     width = -(-t // page_size)
     dtype = params["embed"].dtype
-    pool, free = init_pool(width * cfg.num_layers * cfg.num_kv_heads + 1, page_size,
-                           cfg.head_dim, dtype)
+    num_pages = width * cfg.num_layers * cfg.num_kv_heads + 1
+    pool = KVPages.zeros(num_pages, page_size, cfg.head_dim, dtype, KVFormat())
+    free = init_free(num_pages, page_size)
     filling = init_filling(1, cfg.num_layers, cfg.num_kv_heads, page_size, cfg.head_dim, dtype)
     tables = init_tables(1, cfg.num_layers, cfg.num_kv_heads, width)
     free, tables, ok = reserve(free, tables, jnp.asarray([t], jnp.int32))

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import KV_FORMATS
+from jkv.config import KV_FORMATS, KVFormat
+from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
 from jkv.pallas_kernels.paged_decode_attention import (
-    PagedTier,
     dequantized_rows,
     merge_softmax_states,
     normalize_softmax_state,
@@ -40,19 +40,14 @@ def make_case(rng, *, b, hkv, gqa, d, width, lengths, k_bits, v_bits, dtype=jnp.
                                         np.asarray(lengths).reshape(-1), strict=True)
                     for p in row[-(-n // PAGE):]]
     k[unread], v[unread] = 1e4, -1e4
-    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-    table = jnp.asarray(table, jnp.int32)
-    extra = {}
-    if k_bits < 16:
-        k, extra["k_scale"], extra["k_zero"] = quantize_keys(k, k_bits)
-    if v_bits < 16:
-        v, extra["v_scale"], extra["v_zero"] = quantize_values(v, v_bits, GROUP)
-    return q, k, v, table, jnp.asarray(lengths, jnp.int32), extra
+    pages = KVPages.from_dense(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                               KVFormat(k_bits, v_bits, GROUP))
+    return q, pages, jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
-def float64_reference(q, k, v, table, lengths, extra, k_bits, v_bits):
+def float64_reference(q, pages, table, lengths):
     """Attention in float64 (numpy) over the very same dequantized pages."""
-    kd, vd = dequantized_rows(k, v, table, **extra, k_bits=k_bits, v_bits=v_bits)
+    kd, vd = dequantized_rows(pages, table)
     kd, vd = np.asarray(kd, np.float64), np.asarray(vd, np.float64)
     b, hq, d = q.shape
     hkv = table.shape[1]
@@ -77,17 +72,15 @@ def test_kernel_matches_float64_reference(k_bits, v_bits, gqa, d):
     width = 8  # pages per row: 64 tokens
     # ragged: a single token, exact page multiples, partial pages, a full row
     lengths = [[1, 2 * PAGE], [width * PAGE, 1 + int(rng.integers(1, width * PAGE - 1))]]
-    q, k, v, table, lengths, extra = make_case(rng, b=2, hkv=2, gqa=gqa, d=d, width=width,
-                                               lengths=lengths, k_bits=k_bits, v_bits=v_bits)
-    want = float64_reference(q, k, v, table, lengths, extra, k_bits, v_bits)
-    ref = paged_decode_attention_reference(q, k, v, table, lengths, **extra, k_bits=k_bits,
-                                           v_bits=v_bits)
+    q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=gqa, d=d, width=width,
+                                         lengths=lengths, k_bits=k_bits, v_bits=v_bits)
+    want = float64_reference(q, pages, table, lengths)
+    ref = paged_decode_attention_reference(q, pages, table, lengths)
     assert rel_err(ref, want) < 1e-5
     for splits, ppb in ((1, 2), (4, 2), (2, 4)):  # unsplit and split-K
-        run = functools.partial(paged_decode_attention, k_bits=k_bits, v_bits=v_bits,
-                                group=GROUP, k_splits=splits, pages_per_block=ppb,
+        run = functools.partial(paged_decode_attention, k_splits=splits, pages_per_block=ppb,
                                 interpret=INTERPRET)
-        out = run(q, k, v, table, lengths, **extra)
+        out = run(q, pages, table, lengths)
         assert out.shape == q.shape and out.dtype == q.dtype
         assert np.isfinite(np.asarray(out)).all()
         err = rel_err(out, want)
@@ -97,26 +90,28 @@ def test_kernel_matches_float64_reference(k_bits, v_bits, gqa, d):
 def test_scales_are_separate_from_pages():
     """A second layer reading the same pages through its own scales (cross-layer sharing)."""
     rng = np.random.default_rng()
-    q, k, v, table, lengths, extra = make_case(rng, b=1, hkv=2, gqa=4, d=64, width=4,
-                                               lengths=[[20, 32]], k_bits=4, v_bits=2)
-    other = {name: a * jnp.asarray(rng.uniform(0.5, 2.0, a.shape), jnp.float32)
-             for name, a in extra.items()}
-    run = functools.partial(paged_decode_attention, k_bits=4, v_bits=2, group=GROUP,
-                            pages_per_block=2, interpret=INTERPRET)
-    mine, theirs = run(q, k, v, table, lengths, **extra), run(q, k, v, table, lengths, **other)
-    assert rel_err(theirs, float64_reference(q, k, v, table, lengths, other, 4, 2)) < 1e-5
+    q, pages, table, lengths = make_case(rng, b=1, hkv=2, gqa=4, d=64, width=4,
+                                         lengths=[[20, 32]], k_bits=4, v_bits=2)
+    def scaled(a):
+        return (a * rng.uniform(0.5, 2.0, a.shape)).astype(a.dtype)
+
+    other = pages.replace(k_scale=scaled(pages.k_scale), k_zero=scaled(pages.k_zero),
+                          v_scale=scaled(pages.v_scale), v_zero=scaled(pages.v_zero))
+    run = functools.partial(paged_decode_attention, pages_per_block=2, interpret=INTERPRET)
+    mine, theirs = run(q, pages, table, lengths), run(q, other, table, lengths)
+    assert rel_err(theirs, float64_reference(q, other, table, lengths)) < 1e-5
     assert rel_err(mine, theirs) > 1e-3
 
 
 def test_bf16_pages():
     rng = np.random.default_rng()
-    q, k, v, table, lengths, extra = make_case(rng, b=2, hkv=2, gqa=4, d=64, width=4,
-                                               lengths=[[5, 32], [17, 1]], k_bits=16,
-                                               v_bits=16, dtype=jnp.bfloat16)
-    out = paged_decode_attention(q, k, v, table, lengths, pages_per_block=2,
+    q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=4, d=64, width=4,
+                                         lengths=[[5, 32], [17, 1]], k_bits=16, v_bits=16,
+                                         dtype=jnp.bfloat16)
+    out = paged_decode_attention(q, pages, table, lengths, pages_per_block=2,
                                  interpret=INTERPRET)
     assert out.dtype == jnp.bfloat16
-    assert rel_err(out, float64_reference(q, k, v, table, lengths, extra, 16, 16)) < 2e-2
+    assert rel_err(out, float64_reference(q, pages, table, lengths)) < 2e-2
 
 
 @pytest.mark.parametrize("k_bits,v_bits", FORMATS)
@@ -139,15 +134,20 @@ def test_quantization_error_per_format(k_bits, v_bits):
 
 def test_bad_shapes_raise_value_errors():
     rng = np.random.default_rng()
-    q, k, v, table, lengths, extra = make_case(rng, b=1, hkv=2, gqa=2, d=64, width=4,
-                                               lengths=[[4, 4]], k_bits=8, v_bits=8)
+    q, pages, table, lengths = make_case(rng, b=1, hkv=2, gqa=2, d=64, width=4,
+                                         lengths=[[4, 4]], k_bits=8, v_bits=8)
     with pytest.raises(ValueError, match="k_scale"):
-        paged_decode_attention(q, k, v, table, lengths, k_bits=8, v_bits=8, interpret=True)
+        paged_decode_attention(q, KVPages(pages.k, pages.v, kv_format=pages.kv_format), table,
+                               lengths, interpret=True)
     with pytest.raises(ValueError, match="multiple of k_splits"):
-        paged_decode_attention(q, k, v, table, lengths, **extra, k_bits=8, v_bits=8,
-                               k_splits=3, interpret=True)
+        paged_decode_attention(q, pages, table, lengths, k_splits=3, interpret=True)
     with pytest.raises(ValueError, match="head_dim"):
-        paged_decode_attention(q, k, v, table, lengths, **extra, k_bits=4, v_bits=8,
+        paged_decode_attention(q, pages.replace(kv_format=KVFormat(4, 8, GROUP)), table,
+                               lengths, interpret=True)
+    low = pages.replace(k=pages.k[:, :4], v=pages.v[:, :4], v_scale=pages.v_scale[:, :4],
+                        v_zero=pages.v_zero[:, :4])
+    with pytest.raises(ValueError, match="low tier's page size 4"):
+        paged_decode_attention(q, pages, table, lengths, low_tier=low, low_lengths=lengths,
                                interpret=True)
 
 
@@ -156,25 +156,23 @@ def test_bad_shapes_raise_value_errors():
 def test_lowers_for_cuda_with_triton(k_bits, v_bits, dtype):
     """Runs the Pallas-to-Triton lowering on any machine, so lowering errors fail CI here."""
     rng = np.random.default_rng()
-    q, k, v, table, lengths, extra = make_case(rng, b=2, hkv=2, gqa=4, d=128, width=8,
-                                               lengths=[[1, 9], [64, 30]], k_bits=k_bits,
-                                               v_bits=v_bits, dtype=dtype)
+    q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=4, d=128, width=8,
+                                         lengths=[[1, 9], [64, 30]], k_bits=k_bits,
+                                         v_bits=v_bits, dtype=dtype)
     q = q.astype(dtype)
-    run = functools.partial(paged_decode_attention, k_bits=k_bits, v_bits=v_bits, group=GROUP,
-                            k_splits=2, pages_per_block=4)
-    lowered = jax.jit(run).trace(q, k, v, table, lengths, **extra).lower(
-        lowering_platforms=("cuda",))
+    run = functools.partial(paged_decode_attention, k_splits=2, pages_per_block=4)
+    lowered = jax.jit(run).trace(q, pages, table, lengths).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
 def test_cuda_lowering_catches_triton_errors():
     """The route above really lowers: a non-power-of-two block is refused."""
     rng = np.random.default_rng()
-    q, k, v, table, lengths, extra = make_case(rng, b=1, hkv=1, gqa=4, d=64, width=6,
-                                               lengths=[[9]], k_bits=16, v_bits=16)
+    q, pages, table, lengths = make_case(rng, b=1, hkv=1, gqa=4, d=64, width=6,
+                                         lengths=[[9]], k_bits=16, v_bits=16)
     run = functools.partial(paged_decode_attention, pages_per_block=3)
     with pytest.raises(Exception, match="power of 2"):
-        jax.jit(run).trace(q, k, v, table, lengths).lower(lowering_platforms=("cuda",))
+        jax.jit(run).trace(q, pages, table, lengths).lower(lowering_platforms=("cuda",))
 
 
 def make_tier(rng, num_pages, d, k_bits, v_bits, dtype=jnp.float32):
@@ -182,13 +180,8 @@ def make_tier(rng, num_pages, d, k_bits, v_bits, dtype=jnp.float32):
     k = rng.normal(size=(num_pages, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))
     v = rng.normal(size=(num_pages, PAGE, d))
     k[0], v[0] = 1e4, -1e4
-    k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
-    extra = {}
-    if k_bits < 16:
-        k, extra["k_scale"], extra["k_zero"] = quantize_keys(k, k_bits)
-    if v_bits < 16:
-        v, extra["v_scale"], extra["v_zero"] = quantize_values(v, v_bits, GROUP)
-    return PagedTier(k, v, **extra)
+    return KVPages.from_dense(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                              KVFormat(k_bits, v_bits, GROUP))
 
 
 TIER_PAIRS = [((16, 16), (8, 4)), ((8, 8), (4, 2)), ((8, 4), (4, 2)), ((4, 4), (8, 8))]
@@ -217,8 +210,8 @@ def test_two_tiers_in_one_row(hi, lo, gqa, d):
     table, hl, ll = jnp.asarray(tables), jnp.asarray(lens[..., 0]), jnp.asarray(lens[..., 1])
 
     # float64 reference: both tiers dequantized, the low one read right to left
-    kh, vh = dequantized_rows(*high[:2], table, *high[2:], k_bits=hi[0], v_bits=hi[1])
-    kl, vl = dequantized_rows(*low[:2], table[..., ::-1], *low[2:], k_bits=lo[0], v_bits=lo[1])
+    kh, vh = dequantized_rows(high, table)
+    kl, vl = dequantized_rows(low, table[..., ::-1])
     k = np.concatenate([kh, kl], axis=2).astype(np.float64)
     v = np.concatenate([vh, vl], axis=2).astype(np.float64)
     pos = np.arange(width * PAGE)
@@ -228,14 +221,12 @@ def test_two_tiers_in_one_row(hi, lo, gqa, d):
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("bhgs,bhsd->bhgd", p / p.sum(-1, keepdims=True), v).reshape(b, -1, d)
 
-    tier_args = dict(low_tier=low, low_lengths=ll, low_k_bits=lo[0], low_v_bits=lo[1])
-    ref = paged_decode_attention_reference(q, *high[:2], table, hl, *high[2:], k_bits=hi[0],
-                                           v_bits=hi[1], **tier_args)
+    tier_args = dict(low_tier=low, low_lengths=ll)
+    ref = paged_decode_attention_reference(q, high, table, hl, **tier_args)
     assert rel_err(ref, want) < 1e-5
     for splits, ppb in ((1, 2), (2, 2), (4, 2), (1, 8)):
-        out = paged_decode_attention(q, *high[:2], table, hl, *high[2:], k_bits=hi[0],
-                                     v_bits=hi[1], group=GROUP, k_splits=splits,
-                                     pages_per_block=ppb, interpret=INTERPRET, **tier_args)
+        out = paged_decode_attention(q, high, table, hl, k_splits=splits, pages_per_block=ppb,
+                                     interpret=INTERPRET, **tier_args)
         err = rel_err(out, want)
         assert err < 1e-5, f"{hi}+{lo} splits={splits} ppb={ppb}: {err:.2e}"
 
@@ -243,15 +234,13 @@ def test_two_tiers_in_one_row(hi, lo, gqa, d):
 def test_softmax_states_merge_to_the_whole():
     """Attention over a row equals the merge of attention over its two halves."""
     rng = np.random.default_rng()
-    q, k, v, table, lengths, extra = make_case(rng, b=2, hkv=2, gqa=4, d=64, width=8,
-                                               lengths=[[64, 40], [33, 64]], k_bits=8,
-                                               v_bits=4)
-    run = functools.partial(paged_decode_attention, k_bits=8, v_bits=4, group=GROUP,
-                            pages_per_block=2, interpret=INTERPRET, **extra)
-    whole = run(q, k, v, table, lengths)
-    first = run(q, k, v, table[..., :4], jnp.minimum(lengths, 4 * PAGE),
+    q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=4, d=64, width=8,
+                                         lengths=[[64, 40], [33, 64]], k_bits=8, v_bits=4)
+    run = functools.partial(paged_decode_attention, pages_per_block=2, interpret=INTERPRET)
+    whole = run(q, pages, table, lengths)
+    first = run(q, pages, table[..., :4], jnp.minimum(lengths, 4 * PAGE),
                 return_softmax_state=True)
-    second = run(q, k, v, table[..., 4:], jnp.maximum(lengths - 4 * PAGE, 0),
+    second = run(q, pages, table[..., 4:], jnp.maximum(lengths - 4 * PAGE, 0),
                  return_softmax_state=True)
     states = (jnp.stack(x) for x in zip(first, second, strict=True))
     o, denom, _ = merge_softmax_states(*states, axis=0)
@@ -264,9 +253,7 @@ def test_two_tiers_lower_for_cuda_with_triton():
     q = jnp.asarray(rng.normal(size=(2, 8, 128)), jnp.bfloat16)
     table = jnp.asarray(rng.integers(1, 9, (2, 2, 8)), jnp.int32)
     hl, ll = jnp.full((2, 2), 20, jnp.int32), jnp.full((2, 2), 9, jnp.int32)
-    run = functools.partial(paged_decode_attention, k_bits=8, v_bits=8, group=GROUP,
-                            k_splits=2, pages_per_block=2, low_tier=low, low_lengths=ll,
-                            low_k_bits=4, low_v_bits=2)
-    lowered = jax.jit(run).trace(q, *high[:2], table, hl, *high[2:]).lower(
-        lowering_platforms=("cuda",))
+    run = functools.partial(paged_decode_attention, k_splits=2, pages_per_block=2,
+                            low_tier=low, low_lengths=ll)
+    lowered = jax.jit(run).trace(q, high, table, hl).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from jkv.cache.page_cost import PageCost
 from jkv.planning import (
     PROBE_EVERY,
     Budget,
@@ -21,8 +22,8 @@ PS, BP = 16, 4  # page size, pages per block
 
 
 def budget(**kw) -> Budget:
-    base = dict(available_pages=1000, free_slots=8, max_tokens=64, chunk=32, page_size=PS,
-                block_pages=BP)
+    base = dict(available_pages=1000, free_slots=8, max_tokens=64, chunk=32,
+                cost=PageCost(PS, BP))
     return Budget(**{**base, **kw})
 
 
@@ -116,7 +117,7 @@ def hit(blocks: int, tier: str = "host", key: str = "e") -> Hit:
 
 def restore(cached: int, found: Hit | None, moved=None, rates: RestoreRates = FAST,
             **kw) -> RestoreDecision:
-    return plan_restore(cached, found, moved, rates, page_size=PS, block_pages=BP, **kw)
+    return plan_restore(cached, found, moved, rates, cost=PageCost(PS, BP), **kw)
 
 
 def test_restore_pays_weighs_loading_against_recomputing():

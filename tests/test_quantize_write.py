@@ -17,29 +17,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.pallas_kernels.kv_quant import dequantize_keys, dequantize_values, unpack
+from jkv.config import SCALE_DTYPE, KVFormat
+from jkv.pallas_kernels.kv_pages import KVPages
+from jkv.pallas_kernels.kv_quant import unpack
 from jkv.pallas_kernels.quantize_write import quantize_write, quantize_write_reference
 
 INTERPRET = jax.default_backend() == "cpu"
 FORMATS = [(16, 16), (8, 8), (4, 4), (8, 4), (4, 2), (8, 16)]
-NAMES = ("k_pages", "v_pages", "k_scale", "k_zero", "v_scale", "v_zero")
 
 
 def poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, dtype=jnp.float32):
-    """Pool arrays in the layout `quantize_write` takes, filled with garbage."""
+    """A pool in the layout `quantize_write` takes, filled with garbage (built by hand, so a
+    test can also build one that does not fit its format)."""
     def side(bits):
         if bits == 16:
             return jnp.asarray(1e4 + rng.normal(size=(num_pages, page, d)), dtype)
         return jnp.asarray(rng.integers(0, 256, (num_pages, page, d * bits // 8)), jnp.uint8)
 
     g = min(group, d)
-    scale = lambda *shape: jnp.asarray(rng.normal(size=shape) - 7.0, jnp.float32)  # noqa: E731
-    zero = lambda *shape: jnp.full(shape, jnp.nan, jnp.float32)  # noqa: E731
-    return (side(k_bits), side(v_bits),
-            scale(num_pages, d) if k_bits < 16 else None,
-            zero(num_pages, d) if k_bits < 16 else None,
-            scale(num_pages, page, d // g) if v_bits < 16 else None,
-            zero(num_pages, page, d // g) if v_bits < 16 else None)
+    scale = lambda *shape: jnp.asarray(rng.normal(size=shape) - 7.0, SCALE_DTYPE)  # noqa: E731
+    zero = lambda *shape: jnp.full(shape, jnp.nan, SCALE_DTYPE)  # noqa: E731
+    return KVPages(side(k_bits), side(v_bits),
+                   scale(num_pages, d) if k_bits < 16 else None,
+                   zero(num_pages, d) if k_bits < 16 else None,
+                   scale(num_pages, page, d // g) if v_bits < 16 else None,
+                   zero(num_pages, page, d // g) if v_bits < 16 else None,
+                   kv_format=KVFormat(k_bits, v_bits, group))
 
 
 def sources(rng, n, page, d, dtype=jnp.float32):
@@ -63,7 +66,7 @@ def check_written(name, got, want, k_bits, v_bits, ties=None):
     code may differ by 1 where the exact value sits on a rounding tie (`ties`, from the
     reference's scales in float64); everywhere else codes are exact."""
     assert got.dtype == want.dtype and got.shape == want.shape, name
-    if INTERPRET or name.endswith("zero") or got.dtype != np.uint8 and name.endswith("pages"):
+    if INTERPRET or name.endswith("zero") or got.dtype != np.uint8 and name in ("k", "v"):
         np.testing.assert_array_equal(got, want, err_msg=name)
     elif got.dtype == np.uint8:
         diff = np.abs(codes_of(name, got, k_bits, v_bits) - codes_of(name, want, k_bits, v_bits))
@@ -92,18 +95,19 @@ def check_call(rng, *, k_bits, v_bits, d, page, group, ids, num_pages, dtype=jnp
                pool_dtype=jnp.float32):
     """One call on a poisoned pool against the reference, then the untouched pages."""
     pool = poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, pool_dtype)
-    before = [None if x is None else np.asarray(x) for x in pool]
+    before = {name: np.asarray(x) for name, x in pool.arrays().items()}
     k, v = sources(rng, len(ids), page, d, dtype)
     ids = jnp.asarray(ids, jnp.int32)
-    ref = quantize_write_reference(k, v, ids, *pool, k_bits=k_bits, v_bits=v_bits, group=group)
-    out = quantize_write(k, v, ids, *pool, k_bits=k_bits, v_bits=v_bits, group=group,
-                         interpret=INTERPRET)
+    ref = quantize_write_reference(k, v, ids, pool)
+    out = quantize_write(k, v, ids, pool, interpret=INTERPRET)
+    assert out.kv_format == pool.kv_format and sorted(out.arrays()) == sorted(before)
     written = np.unique(np.asarray(ids)[np.asarray(ids) != 0])
     untouched = np.setdiff1d(np.arange(1, num_pages), written)
     ties = {}
-    for name, x, (scale, zero) in (("k_pages", k, ref[2:4]), ("v_pages", v, ref[4:6])):
+    for name, x, scale, zero in (("k", k, ref.k_scale, ref.k_zero),
+                                 ("v", v, ref.v_scale, ref.v_zero)):
         if scale is not None and not INTERPRET:
-            grp = None if name == "k_pages" else d // scale.shape[-1]
+            grp = None if name == "k" else d // scale.shape[-1]
             mask = np.zeros((num_pages, page, d), bool)
             for j, pid in enumerate(np.asarray(ids)):
                 if pid:
@@ -111,11 +115,8 @@ def check_call(rng, *, k_bits, v_bits, d, page, group, ids, num_pages, dtype=jnp
                                               np.asarray(scale)[pid:pid + 1],
                                               np.asarray(zero)[pid:pid + 1], grp)[0]
             ties[name] = mask[written]
-    for name, want, got, old in zip(NAMES, ref, out, before, strict=True):
-        if want is None:
-            assert got is None, name
-            continue
-        want, got = np.asarray(want), np.asarray(got)
+    for name, want in ref.arrays().items():
+        want, got, old = np.asarray(want), np.asarray(getattr(out, name)), before[name]
         assert np.isfinite(want[written].astype(np.float32)).all(), name
         check_written(name, got[written], want[written], k_bits, v_bits, ties.get(name))
         np.testing.assert_array_equal(got[untouched], old[untouched], err_msg=f"{name} untouched")
@@ -155,13 +156,7 @@ def test_round_trip_error_is_ordered_by_bits():
     errs = {}
     for bits in (16, 8, 4, 2):
         pool = poisoned_pool(rng, n + 1, page, d, bits, bits, 32)
-        kp, vp, ks, kz, vs, vz = quantize_write(k, v, ids, *pool, k_bits=bits, v_bits=bits,
-                                                group=32, interpret=INTERPRET)
-        if bits == 16:
-            kd, vd = kp[ids], vp[ids]
-        else:
-            kd = dequantize_keys(kp[ids], ks[ids], kz[ids], bits)
-            vd = dequantize_values(vp[ids], vs[ids], vz[ids], bits)
+        kd, vd = quantize_write(k, v, ids, pool, interpret=INTERPRET).take(ids).dense()
         errs[bits] = tuple(float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
                            for x, y in ((kd, k), (vd, v)))
         print(f"k{bits}v{bits}: key relative error {errs[bits][0]:.3e}, "
@@ -180,9 +175,9 @@ def test_bf16_source_pages(k_bits, v_bits):
                                 ids=[2, 5, 0], num_pages=6, dtype=jnp.bfloat16,
                                 pool_dtype=jnp.bfloat16)
     if k_bits == 16:
-        assert out[0].dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(out[0][ids[:2]]), np.asarray(k[:2]))
-        np.testing.assert_array_equal(np.asarray(out[1][ids[:2]]), np.asarray(v[:2]))
+        assert out.k.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out.k[ids[:2]]), np.asarray(k[:2]))
+        np.testing.assert_array_equal(np.asarray(out.v[ids[:2]]), np.asarray(v[:2]))
 
 
 def test_f32_source_into_bf16_pool_is_cast():
@@ -197,35 +192,39 @@ def test_bad_inputs_raise_value_errors():
     k, v = sources(rng, 2, 8, 64)
     ids = jnp.asarray([1, 2], jnp.int32)
     run = functools.partial(quantize_write, interpret=True)
-    good = dict(k_bits=8, v_bits=4, group=32)
-    run(k, v, ids, *pool, **good)  # the baseline is accepted
+    run(k, v, ids, pool)  # the baseline is accepted
     with pytest.raises(ValueError, match="page_ids"):
-        run(k, v, ids[:1], *pool, **good)
+        run(k, v, ids[:1], pool)
     with pytest.raises(ValueError, match="page_ids"):
-        run(k, v, ids.astype(jnp.float32), *pool, **good)
+        run(k, v, ids.astype(jnp.float32), pool)
     with pytest.raises(ValueError, match="k_src and v_src"):
-        run(k, v[:1], ids, *pool, **good)
-    with pytest.raises(ValueError, match="v_scale and v_zero"):
-        run(k, v, ids, *pool[:4], **good)
-    with pytest.raises(ValueError, match="k_scale and k_zero"):
-        run(k, v, ids, *pool, k_bits=16, v_bits=4, group=32)
-    with pytest.raises(ValueError, match="k_pages"):
-        run(k, v, ids, *pool, k_bits=4, v_bits=4, group=32)
+        run(k, v[:1], ids, pool)
+    with pytest.raises(ValueError, match="v_scale and pages.v_zero are required"):
+        run(k, v, ids, pool.replace(v_scale=None, v_zero=None))
+    with pytest.raises(ValueError, match="k_scale and pages.k_zero are required"):
+        run(k, v, ids, pool.replace(kv_format=KVFormat(16, 4, 32)))
+    with pytest.raises(ValueError, match="pages.k is"):
+        run(k, v, ids, pool.replace(kv_format=KVFormat(4, 4, 32)))
     with pytest.raises(ValueError, match="k_bits must be"):
-        run(k, v, ids, *pool, k_bits=3, v_bits=4, group=32)
-    with pytest.raises(ValueError, match="group 24 does not divide"):
-        run(k, v, ids, *pool, k_bits=8, v_bits=4, group=24)
-    with pytest.raises(ValueError, match="v_scale must be float32"):
-        run(k, v, ids, *pool, k_bits=8, v_bits=4, group=16)
-    with pytest.raises(ValueError, match="k_zero must be float32"):
-        run(k, v, ids, *pool[:3], pool[3][:, :32], *pool[4:], **good)
+        run(k, v, ids, pool.replace(kv_format=KVFormat(3, 4, 32)))
+    k96, v96 = sources(rng, 2, 8, 96)
+    with pytest.raises(ValueError, match="group 64 does not divide head_dim 96"):
+        run(k96, v96, ids, poisoned_pool(rng, 6, 8, 96, 8, 4, 64))
+    with pytest.raises(ValueError, match="pages.v_scale is"):
+        run(k, v, ids, pool.replace(kv_format=KVFormat(8, 4, 16)))
+    with pytest.raises(ValueError, match="pages.k_zero is"):
+        run(k, v, ids, pool.replace(k_zero=pool.k_zero[:, :32]))
+    with pytest.raises(ValueError, match="pages.k_scale is float32"):
+        run(k, v, ids, pool.replace(k_scale=pool.k_scale.astype(jnp.float32)))
     with pytest.raises(ValueError, match="uint8"):
-        run(k, v, ids, pool[0].astype(jnp.int8), *pool[1:], **good)
+        run(k, v, ids, pool.replace(k=pool.k.astype(jnp.int8)))
+    with pytest.raises(ValueError, match="pages hold 16 tokens"):
+        run(k, v, ids, poisoned_pool(rng, 6, 16, 64, 8, 4, 32))
     # 34 channels: fine for 8-bit keys, not a multiple of the 4 codes per byte of 2-bit values
     k34, v34 = sources(rng, 2, 8, 34)
     pool34 = poisoned_pool(rng, 6, 8, 34, 8, 2, 64)
     with pytest.raises(ValueError, match="head_dim 34 is not a multiple of 4 codes per byte"):
-        run(k34, v34, ids, *pool34, k_bits=8, v_bits=2, group=64)
+        run(k34, v34, ids, pool34)
 
 
 @pytest.mark.parametrize("k_bits,v_bits", FORMATS)
@@ -237,8 +236,7 @@ def test_lowers_for_cuda_with_triton(k_bits, v_bits, dtype, d, page, group):
     pool = poisoned_pool(rng, 9, page, d, k_bits, v_bits, group, dtype)
     k, v = sources(rng, 4, page, d, dtype)
     ids = jnp.asarray([1, 3, 0, 7], jnp.int32)
-    run = functools.partial(quantize_write, k_bits=k_bits, v_bits=v_bits, group=group)
-    lowered = jax.jit(run).trace(k, v, ids, *pool).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(quantize_write).trace(k, v, ids, pool).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert f"jkv_quantize_write_k{k_bits}v{v_bits}" in text
@@ -249,7 +247,6 @@ def test_cuda_lowering_catches_triton_errors():
     rng = np.random.default_rng()
     pool = poisoned_pool(rng, 5, 12, 64, 8, 8, 32)
     k, v = sources(rng, 2, 12, 64)
-    run = functools.partial(quantize_write, k_bits=8, v_bits=8, group=32)
     with pytest.raises(Exception, match="power of 2"):
-        jax.jit(run).trace(k, v, jnp.asarray([1, 2], jnp.int32), *pool).lower(
+        jax.jit(quantize_write).trace(k, v, jnp.asarray([1, 2], jnp.int32), pool).lower(
             lowering_platforms=("cuda",))

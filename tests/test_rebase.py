@@ -58,7 +58,7 @@ def test_moved_layer0_kv_is_what_the_truncated_prompt_computes(params, kv_format
     eng = engine(params, kv_format)
     moved = eng.rebase(saved, prompt, keep, drop)
     assert moved.num_blocks == min((70 // 8 * 8 - drop) // 8, (len(prompt) - 1) // 8)
-    assert moved.hashes == eng.prompt_hashes(prompt)[: moved.num_blocks]
+    assert moved.hashes == eng.cache.prompt_hashes(prompt)[: moved.num_blocks]
     fresh = prefilled(engine(params, kv_format), prompt)
     n = moved.num_blocks
     k, v = dense({f: x[:n] for f, x in moved.arrays.items()}, fmt)
@@ -108,7 +108,7 @@ def test_moved_blocks_are_never_shared_under_their_tokens_hashes(params):
     assert eng.gather(slot).num_blocks == 1  # what the store would be handed
     eng.close(slot)
     # only the block before the cut (exact KV) is in the device prefix cache
-    assert eng.lookup(eng.prompt_hashes(prompt))[0] == 8
+    assert eng.cache.lookup(eng.cache.prompt_hashes(prompt))[0] == 8
 
 
 def test_pages_of_another_dtype_are_refused_before_anything_is_taken(params):
@@ -120,4 +120,4 @@ def test_pages_of_another_dtype_are_refused_before_anything_is_taken(params):
     eng = engine(params, "auto")
     with pytest.raises(ValueError, match="float16"):
         eng.open(history + [1], restore=wrong)
-    assert eng.num_free_slots == 2 and eng.available_pages == eng.total_pages
+    assert eng.cache.num_free_slots == 2 and eng.cache.available_pages == eng.cache.total_pages

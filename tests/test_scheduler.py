@@ -52,7 +52,7 @@ def test_continuous_batching_matches_one_request_at_a_time(params):
     together = run(sched, prompts)  # 6 requests, 4 slots: some join as others leave
     assert [r.output for r in together[:3]] == alone
     assert all(r.finish_reason == "length" and len(r.output) == 10 for r in together)
-    assert eng.free_pages == eng.total_pages and eng.num_free_slots == 4
+    assert eng.cache.free_pages == eng.cache.total_pages and eng.cache.num_free_slots == 4
 
 
 def test_a_follow_up_turn_reuses_the_history_and_gives_the_same_tokens(params):
@@ -72,16 +72,17 @@ def test_a_follow_up_turn_reuses_the_history_and_gives_the_same_tokens(params):
             want = sum((len(p) + len(r.output) - 1) // 8 * 8
                        for p, r in zip(prompts, first, strict=True))
             assert eng.stats.prefix_hit_tokens - hits == want
-            assert eng.pages_used == len(eng.prefix) * eng.block_pages  # only cache holds any
+            # only the cache holds any
+            assert eng.cache.pages_used == eng.cache.pages_cached
         else:
-            assert eng.stats.prefix_hit_tokens == 0 and eng.pages_used == 0
+            assert eng.stats.prefix_hit_tokens == 0 and eng.cache.pages_used == 0
     assert outputs[True] == outputs[False]
 
 
 def test_device_cache_bytes_bounds_the_cached_blocks(params):
     eng = engine(params, device_cache_bytes=3 * 4 * PAGE_BYTES)  # three blocks
     run(Scheduler(eng), prompts_of((40, 40)))
-    assert len(eng.prefix) == 3 and eng.pages_used == 3 * eng.block_pages
+    assert len(eng.cache.prefix) == 3 and eng.cache.pages_used == 3 * eng.cache.block_pages
 
 
 def test_out_of_pages_preempts_and_recomputes_with_the_same_tokens(params):
@@ -94,7 +95,7 @@ def test_out_of_pages_preempts_and_recomputes_with_the_same_tokens(params):
     small = run(sched, prompts, n=20)
     assert sched.stats.preemptions > 0 and sched.stats.recomputed_tokens > 0
     assert [r.output for r in small] == [r.output for r in big]
-    assert eng.free_pages == eng.total_pages
+    assert eng.cache.free_pages == eng.cache.total_pages
 
 
 def test_abort_and_deadline_free_the_slot_and_pages(params):
@@ -106,13 +107,13 @@ def test_abort_and_deadline_free_the_slot_and_pages(params):
     sched.add(b)
     for _ in range(4):
         sched.step()
-    assert eng.num_free_slots == 2
+    assert eng.cache.num_free_slots == 2
     sched.abort(a)
     b.deadline = 0.0  # long past
     finished = sched.step()
     assert {r.finish_reason for r in finished} == {"abort", "timeout"}
-    assert sched.num_unfinished == 0 and eng.num_free_slots == 4
-    assert eng.available_pages == eng.total_pages
+    assert sched.num_unfinished == 0 and eng.cache.num_free_slots == 4
+    assert eng.cache.available_pages == eng.cache.total_pages
 
 
 def test_on_token_stop_and_context_limit(params):

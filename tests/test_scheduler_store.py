@@ -83,7 +83,7 @@ def test_later_turns_restore_from_the_store_and_match_recomputing(params, tmp_pa
 def test_host_tier_stays_within_budget_over_200_conversations(params):
     rng = np.random.default_rng()
     eng = engine(params)
-    budget = 12 * 4 * eng.block_pages * PAGE_BYTES  # about twelve 4-block histories
+    budget = 12 * 4 * eng.cache.block_pages * PAGE_BYTES  # about twelve 4-block histories
     store = kv_store(eng, host_cache_bytes=budget, eviction_policy="lru")
     sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
     convs = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(9, 33, 200)]
@@ -130,7 +130,8 @@ def test_restore_planning_recomputes_when_that_is_faster(params):
     first = [request(rng.integers(0, 512, 40).tolist())]
     generate_all(sched, first)
     store.flush()
-    store.read_bytes_per_s["host"] = eng.load_bytes_per_s = 1.0  # loading: hopelessly slow
+    # loading: hopelessly slow
+    store.read_bytes_per_s["host"] = eng.connector.load_bytes_per_s = 1.0
     follow = [request(first[0].prompt + first[0].output + [1, 2, 3])]
     generate_all(sched, follow)
     snap = sched.snapshot()

@@ -462,7 +462,7 @@ def test_metrics_endpoint_exports_the_serving_figures(srv):
                  "jkv_preemptions_total", "jkv_compilations_total"):
         assert name in text, name
     total = [ln for ln in text.splitlines() if ln.startswith("jkv_kv_pages_total ")]
-    assert float(total[0].split()[1]) == srv.llm.engine.total_pages
+    assert float(total[0].split()[1]) == srv.llm.engine.cache.total_pages
 
 
 def test_api_key_guards_v1_routes_only(srv):

@@ -1,4 +1,6 @@
-"""Pages gathered from one pool and scattered into another are bit-exact; nothing else moves."""
+"""Pages gathered from one pool and scattered into another are bit-exact; nothing else moves.
+`KVPages` itself: take / put round trips, null ids dropped, named arrays at the store's
+boundary, and a field that does not fit is named."""
 
 from __future__ import annotations
 
@@ -6,23 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.cache.page_pool import init_pool
-from jkv.cache.transfer import FIELDS, gather_pages, scatter_pages
+from jkv.cache.transfer import gather_pages, scatter_pages
 from jkv.config import KV_FORMATS
+from jkv.pallas_kernels.kv_pages import KVPages
 
 
-def random_pool(rng, fmt, num_pages=40, page=8, d=64, dtype=jnp.float32):
-    pool, _ = init_pool(num_pages, page, d, dtype, fmt)
-    changes = {}
-    for f in FIELDS:
-        x = getattr(pool, f)
-        if x is None:
-            continue
-        if x.dtype == jnp.uint8:
-            changes[f] = jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
-        else:
-            changes[f] = jnp.asarray(rng.standard_normal(x.shape), x.dtype)
-    return pool.replace(**changes)
+def random_like(rng, x):
+    if x.dtype == jnp.uint8:
+        return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
+    return jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+
+
+def random_pool(rng, fmt, num_pages=40, page=8, d=64, dtype=jnp.float32) -> KVPages:
+    pool = KVPages.zeros(num_pages, page, d, dtype, fmt)
+    return pool.replace(**{f: random_like(rng, x) for f, x in pool.arrays().items()})
 
 
 @pytest.mark.parametrize("name", ["auto", "int8", "k8v4", "k4v2"])
@@ -32,14 +31,14 @@ def test_gather_then_scatter_is_exact_and_touches_only_its_pages(name):
     src, dst = random_pool(rng, fmt), random_pool(rng, fmt)
     ids = jnp.asarray(1 + rng.permutation(39)[:24].reshape(3, 2, 4), jnp.int32)
     pages = gather_pages(src, ids)
-    assert sorted(pages) == sorted(f for f in FIELDS if getattr(src, f) is not None)
+    assert pages.kv_format == fmt and list(pages.arrays()) == list(src.arrays())
     to = np.asarray(1 + rng.permutation(39)[:24].reshape(3, 2, 4), np.int32)
     to[0, 0, 0] = 0  # a null id is skipped
-    before = {f: np.asarray(getattr(dst, f)) for f in pages}
+    before = {f: np.asarray(x) for f, x in dst.arrays().items()}
     out = scatter_pages(dst, jnp.asarray(to), pages)  # donates dst
     written = to.reshape(-1)[to.reshape(-1) > 0]
     untouched = np.setdiff1d(np.arange(40), written)
-    for f, x in pages.items():
+    for f, x in pages.arrays().items():
         got = np.asarray(getattr(out, f))
         want = np.asarray(x).reshape(24, *got.shape[1:])
         np.testing.assert_array_equal(got[to.reshape(-1)[1:]], want[1:])
@@ -51,7 +50,67 @@ def test_scatter_checks_format_and_shapes():
     pool = random_pool(rng, KV_FORMATS["k8v4"])
     ids = jnp.asarray([[1, 2]], jnp.int32)
     pages = gather_pages(pool, ids)
-    with pytest.raises(ValueError, match="format needs"):
+    with pytest.raises(ValueError, match="format"):
         scatter_pages(random_pool(rng, KV_FORMATS["auto"]), ids, pages)
     with pytest.raises(ValueError, match="expected"):
         scatter_pages(pool, jnp.asarray([1, 2], jnp.int32), pages)
+
+
+@pytest.mark.parametrize("name", ["k8v4", "k4v2"])
+def test_take_put_round_trip_is_bit_exact_and_drops_null_ids(name):
+    rng = np.random.default_rng()
+    fmt = KV_FORMATS[name]
+    src = random_pool(rng, fmt, dtype=jnp.bfloat16)
+    ids = jnp.asarray(1 + rng.permutation(39)[:12].reshape(2, 3, 2), jnp.int32)
+    pages = src.take(ids)  # [blocks, layers, heads, page, ...]
+    assert pages.num_pages == 12 and pages.page_size == 8 and pages.head_dim == 64
+    for f, x in pages.arrays().items():
+        assert x.shape == (2, 3, 2, *getattr(src, f).shape[1:]), f
+
+    dst = KVPages.zeros(40, 8, 64, jnp.bfloat16, fmt)
+    out = dst.put(ids, pages)
+    back = out.take(ids)
+    for f, x in pages.arrays().items():
+        np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(x), err_msg=f)
+    others = np.setdiff1d(np.arange(40), np.asarray(ids).reshape(-1))
+    for f, x in out.arrays().items():
+        assert not np.asarray(x)[others].any(), f"{f}: a page not listed was written"
+
+    # null ids are dropped: their pages land nowhere, page 0 included
+    some = np.asarray(ids).copy()
+    some[0, 1] = 0
+    out = dst.put(jnp.asarray(some), pages)
+    written = some.reshape(-1)[some.reshape(-1) > 0]
+    for f, x in out.arrays().items():
+        x = np.asarray(x)
+        assert not np.delete(x, written, axis=0).any(), f"{f}: a null id was written"
+        np.testing.assert_array_equal(x[written], np.asarray(getattr(pages, f)).reshape(
+            12, *x.shape[1:])[some.reshape(-1) > 0], err_msg=f)
+
+
+def test_named_arrays_round_trip_and_mismatches_are_named():
+    rng = np.random.default_rng()
+    fmt = KV_FORMATS["k8v4"]
+    pool = random_pool(rng, fmt)
+    pages = pool.take(jnp.asarray([[3, 5], [7, 0]], jnp.int32))
+    again = KVPages.from_arrays(fmt, pages.arrays())
+    assert again.kv_format == fmt and again.nbytes == pages.nbytes
+    for f, x in pages.arrays().items():
+        np.testing.assert_array_equal(np.asarray(getattr(again, f)), np.asarray(x))
+    with pytest.raises(ValueError, match="needs"):
+        KVPages.from_arrays(fmt, {f: x for f, x in pages.arrays().items() if f != "k_zero"})
+    with pytest.raises(ValueError, match="needs"):
+        KVPages.from_arrays(KV_FORMATS["auto"], pages.arrays())
+
+    ids = jnp.asarray([1, 2], jnp.int32)
+    two = pool.take(ids)
+    with pytest.raises(ValueError, match="pages.v_scale is float32"):
+        pool.put(ids, two.replace(v_scale=two.v_scale.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="pages.k is"):
+        pool.put(ids, two.replace(k=two.k[:, :4]))
+    saved = {f: np.asarray(x)[:, None] for f, x in two.arrays().items()}  # [rows, 1, ...]
+    pool.check_saved(saved, (1,), 2)
+    with pytest.raises(ValueError, match="'k_scale'"):
+        pool.check_saved({**saved, "k_scale": saved["k_scale"].astype(np.float32)}, (1,), 2)
+    with pytest.raises(ValueError, match=">=3"):
+        pool.check_saved(saved, (1,), 3)

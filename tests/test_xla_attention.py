@@ -37,7 +37,7 @@ def fresh_rng() -> tuple[np.random.Generator, int]:
 
 def make_case(rng, *, t: int, gqa: int, d: int, k_bits: int, v_bits: int, width: int = 12,
               dtype=jnp.float32):
-    """Five rows x two KV heads with random ragged lengths; returns (args, kwargs, q_lengths).
+    """Five rows x two KV heads with random ragged lengths; returns (args, q_lengths).
 
     Each row holds a random prefix per head (a zero one for some), a window of a random
     length starting at a page boundary (row 4's is empty: a padding row), queries at random
@@ -60,10 +60,10 @@ def make_case(rng, *, t: int, gqa: int, d: int, k_bits: int, v_bits: int, width:
     q_lengths[3] = 0
     q_lengths[2] = t
 
-    args, extra = paged_attention_inputs(rng, plen, start, wlen, pos, t=t, gqa=gqa, d=d,
-                                         k_bits=k_bits, v_bits=v_bits, width=width,
-                                         page=PAGE, group=GROUP, poison=POISON, dtype=dtype)
-    return args, extra, jnp.asarray(q_lengths, jnp.int32)
+    args = paged_attention_inputs(rng, plen, start, wlen, pos, t=t, gqa=gqa, d=d, k_bits=k_bits,
+                                  v_bits=v_bits, width=width, page=PAGE, group=GROUP,
+                                  poison=POISON, dtype=dtype)
+    return args, jnp.asarray(q_lengths, jnp.int32)
 
 
 def rel_err(a, b) -> float:
@@ -75,14 +75,10 @@ def rel_err(a, b) -> float:
 def test_matches_the_reference_on_ragged_rows(k_bits, v_bits):
     rng, seed = fresh_rng()
     for t, gqa, d, blocks in CASES:
-        args, extra, q_lengths = make_case(rng, t=t, gqa=gqa, d=d, k_bits=k_bits,
-                                           v_bits=v_bits)
-        bits = dict(k_bits=k_bits, v_bits=v_bits)
-        want = np.asarray(chunked_prefill_attention_reference(*args, **extra,
-                                                              q_lengths=q_lengths, **bits))
+        args, q_lengths = make_case(rng, t=t, gqa=gqa, d=d, k_bits=k_bits, v_bits=v_bits)
+        want = np.asarray(chunked_prefill_attention_reference(*args, q_lengths=q_lengths))
         assert np.abs(want).max() < POISON / 10, f"seed {seed}: the case reads poison"
-        got = np.asarray(xla_attention(*args, **extra, q_lengths=q_lengths, **bits,
-                                       group=GROUP, **blocks))
+        got = np.asarray(xla_attention(*args, q_lengths=q_lengths, **blocks))
         assert got.shape == args[0].shape and got.dtype == np.float32
         err = rel_err(got, want)
         assert err < 1e-5, f"seed {seed} k{k_bits}v{v_bits} t={t} {blocks}: {err:.2e}"
@@ -92,16 +88,15 @@ def test_matches_the_reference_on_ragged_rows(k_bits, v_bits):
 
 def test_queries_that_see_nothing_give_zero():
     rng, seed = fresh_rng()
-    args, extra, q_lengths = make_case(rng, t=6, gqa=2, d=32, k_bits=8, v_bits=4)
-    q, k, v, table, plen, kw, vw, start, wlen, pos = args
+    args, q_lengths = make_case(rng, t=6, gqa=2, d=32, k_bits=8, v_bits=4)
+    q, pages, table, plen, kw, vw, start, wlen, pos = args
     plen = plen.at[0].set(0)
     pos = pos.at[0].set(start[0] - 1)  # row 0 sees neither pages nor window
     plen = plen.at[4, 1].set(0)  # row 4 (empty window): head 1 sees nothing
-    out = np.asarray(xla_attention(q, k, v, table, plen, kw, vw, start, wlen, pos, **extra,
-                                   k_bits=8, v_bits=4, group=GROUP, block_q=2, block_k=8,
-                                   block_w=4))
+    out = np.asarray(xla_attention(q, pages, table, plen, kw, vw, start, wlen, pos, block_q=2,
+                                   block_k=8, block_w=4))
     ref = np.asarray(chunked_prefill_attention_reference(
-        q, k, v, table, plen, kw, vw, start, wlen, pos, **extra, k_bits=8, v_bits=4))
+        q, pages, table, plen, kw, vw, start, wlen, pos))
     assert np.isfinite(out).all(), f"seed {seed}"
     assert (out[0] == 0).all() and (out[4, :, 2:] == 0).all(), f"seed {seed}"
     assert rel_err(out, ref) < 1e-5, f"seed {seed}"
@@ -110,19 +105,18 @@ def test_queries_that_see_nothing_give_zero():
 def test_table_width_and_block_sizes_do_not_change_the_result():
     """Null columns appended to the table (a wider bucket) and other blocks: same output."""
     rng, seed = fresh_rng()
-    args, extra, q_lengths = make_case(rng, t=5, gqa=3, d=32, k_bits=4, v_bits=2, width=6)
-    run = functools.partial(xla_attention, **extra, q_lengths=q_lengths, k_bits=4, v_bits=2,
-                            group=GROUP)
+    args, q_lengths = make_case(rng, t=5, gqa=3, d=32, k_bits=4, v_bits=2, width=6)
+    run = functools.partial(xla_attention, q_lengths=q_lengths)
     narrow = np.asarray(run(*args, block_q=1, block_k=4, block_w=4))
-    table = jnp.pad(args[3], ((0, 0), (0, 0), (0, 13)))
-    wide = np.asarray(run(*args[:3], table, *args[4:]))  # the engine's blocks
+    table = jnp.pad(args[2], ((0, 0), (0, 0), (0, 13)))
+    wide = np.asarray(run(*args[:2], table, *args[3:]))  # the engine's blocks
     assert rel_err(wide, narrow) < 1e-6, f"seed {seed}"
 
 
 def test_bf16_inputs_compute_in_float32():
     rng, seed = fresh_rng()
-    args, extra, q_lengths = make_case(rng, t=4, gqa=2, d=32, k_bits=16, v_bits=16,
-                                       dtype=jnp.bfloat16)
+    args, q_lengths = make_case(rng, t=4, gqa=2, d=32, k_bits=16, v_bits=16,
+                                dtype=jnp.bfloat16)
     got = xla_attention(*args, q_lengths=q_lengths, block_q=2, block_k=4, block_w=4)
     want = chunked_prefill_attention_reference(*args, q_lengths=q_lengths)
     assert got.dtype == jnp.float32
@@ -137,7 +131,5 @@ def test_engine_path_calls_no_reference_and_loops_over_blocks():
     for module in (attention, kv_write):
         names = [n for n in vars(module) if n.endswith("_reference")]
         assert not names, f"{module.__name__} imports {names}"
-    args, extra, q_lengths = make_case(np.random.default_rng(), t=2, gqa=2, d=32, k_bits=8,
-                                       v_bits=4)
-    run = functools.partial(xla_attention, k_bits=8, v_bits=4, group=GROUP)
-    assert str(jax.make_jaxpr(run)(*args, **extra, q_lengths=q_lengths)).count("while") >= 3
+    args, q_lengths = make_case(np.random.default_rng(), t=2, gqa=2, d=32, k_bits=8, v_bits=4)
+    assert str(jax.make_jaxpr(xla_attention)(*args, q_lengths=q_lengths)).count("while") >= 3

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jkv.cache.kv_write import Window
-from jkv.cache.page_pool import PagePool
 from jkv.cache.xla_attention import xla_attention
 from jkv.config import ATTENTION_BACKENDS
 from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attention
+from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import (
     merge_softmax_states,
     normalize_softmax_state,
@@ -55,22 +55,18 @@ def window_softmax_state(q: jax.Array, window: Window, q_positions: jax.Array,
     return o.reshape(b, hq, d), p.sum(axis=-1).reshape(b, hq), m.reshape(b, hq)
 
 
-def paged_attention(q: jax.Array, pool: PagePool, pages: jax.Array, window: Window,
+def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Window,
                     q_positions: jax.Array, sm_scale: float, backend: str = "xla") -> jax.Array:
     """q [B, T, Hq, D] at `q_positions` [B, T] over one layer's pages [B, Hkv, W] (tokens
     [0, window.start) of each row) and the window; returns [B, T, Hq, D] in q's dtype."""
     b, t, hq, d = q.shape
     hkv = pages.shape[1]
-    fmt = pool.kv_format
     prefix = jnp.broadcast_to(window.start[:, None], (b, hkv)).astype(jnp.int32)
     # the step's real tokens end where the window does; the rest of a row is padding
     q_lengths = jnp.clip(window.start + window.length - q_positions[:, 0], 0, t)
-    scales = (pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero)
-    bits = dict(k_bits=fmt.k_bits, v_bits=fmt.v_bits)
     if backend == "xla":
-        out = xla_attention(
-            q, pool.k, pool.v, pages, prefix, window.k, window.v, window.start, window.length,
-            q_positions, *scales, q_lengths, **bits, group=pool.group, sm_scale=sm_scale)
+        out = xla_attention(q, pool, pages, prefix, window.k, window.v, window.start,
+                            window.length, q_positions, q_lengths, sm_scale=sm_scale)
         return out.astype(q.dtype)
     if backend != "pallas":
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
@@ -79,14 +75,13 @@ def paged_attention(q: jax.Array, pool: PagePool, pages: jax.Array, window: Wind
         w = pages.shape[-1]
         splits = 1 if interpret else decode_splits(b, hkv, w)
         state = paged_decode_attention(
-            q[:, 0], pool.k, pool.v, pages, prefix, *scales, **bits, group=pool.group,
-            sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK, k_splits=splits,
-            return_softmax_state=True, interpret=interpret)
+            q[:, 0], pool, pages, prefix, sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK,
+            k_splits=splits, return_softmax_state=True, interpret=interpret)
         tail = window_softmax_state(q[:, 0], window, q_positions[:, 0], sm_scale)
         o, denom, _ = merge_softmax_states(*(jnp.stack(x) for x in zip(state, tail,
                                                                        strict=True)), axis=0)
         return normalize_softmax_state(o, denom)[:, None].astype(q.dtype)
     return chunked_prefill_attention(
-        q, pool.k, pool.v, pages, prefix, window.k, window.v, window.start, window.length,
-        q_positions, *scales, q_lengths, **bits, group=pool.group, sm_scale=sm_scale,
-        pages_per_block=PAGES_PER_BLOCK, block_w=min(16, pool.page_size), interpret=interpret)
+        q, pool, pages, prefix, window.k, window.v, window.start, window.length, q_positions,
+        q_lengths, sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK,
+        block_w=min(16, pool.page_size), interpret=interpret)

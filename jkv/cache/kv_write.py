@@ -13,8 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jkv.cache.page_pool import NULL_PAGE, PagePool
-from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
+from jkv.pallas_kernels.kv_pages import NULL_PAGE, KVPages
 from jkv.pallas_kernels.quantize_write import quantize_write
 
 
@@ -27,40 +26,20 @@ class Window(NamedTuple):
     length: jax.Array  # int32 [B]: valid window tokens
 
 
-def write_pages(pool: PagePool, k_src: jax.Array, v_src: jax.Array, page_ids: jax.Array,
-                backend: str) -> PagePool:
+def write_pages(pool: KVPages, k_src: jax.Array, v_src: jax.Array, page_ids: jax.Array,
+                backend: str) -> KVPages:
     """Store whole pages k_src, v_src [N, page, D] at `page_ids` [N] (0: dropped)."""
-    fmt = pool.kv_format
     if backend == "pallas":
-        out = quantize_write(k_src, v_src, page_ids, pool.k, pool.v, pool.k_scale, pool.k_zero,
-                             pool.v_scale, pool.v_zero, k_bits=fmt.k_bits, v_bits=fmt.v_bits,
-                             group=pool.group, interpret=jax.default_backend() == "cpu")
-        k, v, k_scale, k_zero, v_scale, v_zero = out
-        return pool.replace(k=k, v=v, k_scale=k_scale, k_zero=k_zero, v_scale=v_scale,
-                            v_zero=v_zero)
+        return quantize_write(k_src, v_src, page_ids, pool,
+                              interpret=jax.default_backend() == "cpu")
     # xla: `kv_quant`'s codes scattered to the ids; ids 0 (pages not full) are dropped, so
     # the pool's other pages (the null page included) are left as they were
-    ids = jnp.where(page_ids == NULL_PAGE, pool.k.shape[0], page_ids)
-    put = lambda dst, x: dst.at[ids].set(x.astype(dst.dtype), mode="drop")  # noqa: E731
-    out = {}
-    if fmt.k_bits < 16:
-        codes, scale, zero = quantize_keys(k_src, fmt.k_bits)
-        out.update(k=put(pool.k, codes), k_scale=put(pool.k_scale, scale),
-                   k_zero=put(pool.k_zero, zero))
-    else:
-        out["k"] = put(pool.k, k_src)
-    if fmt.v_bits < 16:
-        codes, scale, zero = quantize_values(v_src, fmt.v_bits, pool.group)
-        out.update(v=put(pool.v, codes), v_scale=put(pool.v_scale, scale),
-                   v_zero=put(pool.v_zero, zero))
-    else:
-        out["v"] = put(pool.v, v_src)
-    return pool.replace(**out)
+    return pool.put(page_ids, KVPages.from_dense(k_src, v_src, pool.kv_format, pool.dtype))
 
 
-def append_kv(pool: PagePool, filling_k: jax.Array, filling_v: jax.Array, pages: jax.Array,
+def append_kv(pool: KVPages, filling_k: jax.Array, filling_v: jax.Array, pages: jax.Array,
               k_new: jax.Array, v_new: jax.Array, start: jax.Array, count: jax.Array,
-              backend: str = "xla") -> tuple[PagePool, jax.Array, jax.Array, Window]:
+              backend: str = "xla") -> tuple[KVPages, jax.Array, jax.Array, Window]:
     """Append `count` [B] new tokens k_new, v_new [B, T, Hkv, D] at positions start + t.
 
     `start` [B] is each sequence's length before the step and `pages` [B, Hkv, W] its page

@@ -5,7 +5,7 @@ are keyed by chained hashes (the hash of a block's token ids and of the block be
 seeded with the model, the KV format and the page size), so two requests that share a
 prefix share its blocks whatever else they say. This module is the host-side index: block
 rows, reference counts and LRU order. The page ids themselves sit on the device in a
-[rows, layers, heads] array owned by the engine (`export_blocks`, `import_blocks`).
+[rows, layers, heads] array owned by the KV cache manager (`jkv.cache.kv_cache`).
 
 A row with no reference is *evictable*: its pages count as free for admission and are
 returned to the pool, least recently used first, when pages run short or when the cache
@@ -74,6 +74,10 @@ class PrefixCache:
     def num_sole(self, rows: Sequence[int]) -> int:
         """Rows held by exactly one reference (they become evictable when it goes)."""
         return sum(1 for r in rows if self._rows[r].refs == 1)
+
+    def holds(self, row: int) -> bool:
+        """Whether `row` holds a block (it may have been evicted since it was looked up)."""
+        return row in self._rows
 
     def touch(self, rows: Sequence[int]) -> None:
         """Rows used together get one age, so eviction takes their deepest block first."""

@@ -18,46 +18,17 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jkv.config import KVFormat
-from jkv.pallas_kernels.kv_quant import (
-    dequantize_keys,
-    dequantize_values,
-    quantize_keys,
-    quantize_values,
-)
+from jkv.pallas_kernels.kv_pages import KVPages
 
 
-def _dense(pages: dict[str, jax.Array], fmt: KVFormat) -> tuple[jax.Array, jax.Array]:
-    """Keys and values of saved pages [B, L, H, page, ...] as float32 [B, L, H, page, D]."""
-    k, v = pages["k"].astype(jnp.float32), pages["v"].astype(jnp.float32)
-    if fmt.k_bits < 16:
-        k = dequantize_keys(pages["k"], pages["k_scale"], pages["k_zero"], fmt.k_bits)
-    if fmt.v_bits < 16:
-        v = dequantize_values(pages["v"], pages["v_scale"], pages["v_zero"], fmt.v_bits)
-    return k, v
-
-
-def _pack(k: jax.Array, v: jax.Array, fmt: KVFormat, group: int, dtype) -> dict:
-    out = {}
-    if fmt.k_bits < 16:
-        out["k"], out["k_scale"], out["k_zero"] = quantize_keys(k, fmt.k_bits)
-    else:
-        out["k"] = k.astype(dtype)
-    if fmt.v_bits < 16:
-        out["v"], out["v_scale"], out["v_zero"] = quantize_values(v, fmt.v_bits, group)
-    else:
-        out["v"] = v.astype(dtype)
-    return out
-
-
-@partial(jax.jit, static_argnames=("fmt", "group", "dtype", "rotate"))
-def rebase_pages(pages: dict[str, jax.Array], src: jax.Array, shift: jax.Array, *,
-                 fmt: KVFormat, group: int, dtype, rotate: Callable) -> dict[str, jax.Array]:
+@partial(jax.jit, static_argnames="rotate")
+def rebase_pages(pages: KVPages, src: jax.Array, shift: jax.Array, *,
+                 rotate: Callable) -> KVPages:
     """Pages for new token positions: new token t (of `src.shape[0]`, whole pages) is saved
-    token `src[t]` (an index into the saved pages' tokens, in order) with its key rotated by
-    `shift[t]` positions. `rotate(keys [L, T, H, D], shift [L, T])` is the model's rotation.
-    Returns arrays [T // page, L, H, page, ...] in the same format as `pages`."""
-    k, v = _dense(pages, fmt)
+    token `src[t]` (an index into the saved pages [B, L, H, page, ...]'s tokens, in order)
+    with its key rotated by `shift[t]` positions. `rotate(keys [L, T, H, D], shift [L, T])`
+    is the model's rotation. Returns pages [T // page, L, H, page, ...] in the same format."""
+    k, v = pages.dense()
     b, layers, heads, page, d = k.shape
     n = src.shape[0] // page
 
@@ -72,4 +43,4 @@ def rebase_pages(pages: dict[str, jax.Array], src: jax.Array, shift: jax.Array, 
         x = jnp.swapaxes(x, 1, 2).reshape(layers, heads, n, page, d)
         return jnp.moveaxis(x, 2, 0)
 
-    return _pack(paged(k), paged(v), fmt, group, dtype)
+    return KVPages.from_dense(paged(k), paged(v), pages.kv_format, pages.dtype)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jkv.pallas_kernels.kv_quant import dequantize_keys, dequantize_values
+from jkv.pallas_kernels.kv_pages import KVPages
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -64,12 +64,10 @@ def _normalize(state: tuple, real: jax.Array) -> jax.Array:
     return jnp.where(ok[..., None], acc / jnp.where(ok, denom, 1.0)[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("k_bits", "v_bits", "group", "sm_scale",
-                                             "block_q", "block_k", "block_w"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "block_w"))
 def xla_attention(
     q: jax.Array,  # [B, T, Hq, D]
-    k_pages: jax.Array,  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
-    v_pages: jax.Array,  # [P, page, D // (8 // v_bits)] uint8, or [P, page, D] model dtype
+    pages: KVPages,  # the pool [P, page, ...]
     page_table: jax.Array,  # int32 [B, Hkv, W]
     page_lengths: jax.Array,  # int32 [B, Hkv]: tokens [0, page_lengths) held in pages
     k_window: jax.Array,  # [B, Hkv, Tw, D]: token i at position window_start + i
@@ -77,15 +75,8 @@ def xla_attention(
     window_start: jax.Array,  # int32 [B]
     window_len: jax.Array,  # int32 [B]
     q_positions: jax.Array,  # int32 [B, T]
-    k_scale: jax.Array | None = None,  # f32 [P, D]
-    k_zero: jax.Array | None = None,  # f32 [P, D]
-    v_scale: jax.Array | None = None,  # f32 [P, page, D // group]
-    v_zero: jax.Array | None = None,  # f32 [P, page, D // group]
     q_lengths: jax.Array | None = None,  # int32 [B]: real queries per row (default T)
     *,
-    k_bits: int = 16,
-    v_bits: int = 16,
-    group: int = 64,
     sm_scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -97,13 +88,12 @@ def xla_attention(
     i < window_len[b] and window_start[b] + i <= q_positions[b, t]; a query that sees
     nothing gets 0, and so does a padding query t >= q_lengths[b]. Blocks: `block_q` queries
     (all their query heads together), `block_k` page tokens, `block_w` window tokens; None
-    picks sizes that suit a CPU. `group` is implied by the scale shapes.
+    picks sizes that suit a CPU.
     """
-    del group
     b, t, hq, d = q.shape
     _, hkv, w = page_table.shape
     g = hq // hkv
-    page = k_pages.shape[1]
+    page = pages.page_size
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if q_lengths is None:
         q_lengths = jnp.full((b,), t, jnp.int32)
@@ -131,14 +121,7 @@ def xla_attention(
     def gather_block(j: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Pages [j * ppb, (j + 1) * ppb) of every row, dequantized: [B, Hkv, ppb * page, D]."""
         ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
-        if k_bits < 16:
-            k = dequantize_keys(k_pages[ids], k_scale[ids], k_zero[ids], k_bits)
-        else:
-            k = k_pages[ids].astype(jnp.float32)
-        if v_bits < 16:
-            v = dequantize_values(v_pages[ids], v_scale[ids], v_zero[ids], v_bits)
-        else:
-            v = v_pages[ids].astype(jnp.float32)
+        k, v = pages.take(ids).dense()
         return k.reshape(b, hkv, ppb * page, d), v.reshape(b, hkv, ppb * page, d)
 
     # (1) the held pages: every query of a row sees all of them, so all queries go at once.

@@ -29,10 +29,11 @@ import numpy as np
 
 from jkv.cache.attention import paged_attention
 from jkv.cache.kv_write import append_kv
-from jkv.cache.page_pool import FillingPages, PagePool
+from jkv.cache.page_pool import FillingPages
 from jkv.config import ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.rope import apply_rope, inv_frequencies, rope_tables, rotate
+from jkv.pallas_kernels.kv_pages import KVPages
 
 Params = dict
 
@@ -63,8 +64,8 @@ def fuse_projections(layers: dict) -> dict:
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            valid: jax.Array, pool: PagePool, filling: FillingPages, page_table: jax.Array,
-            attention_backend: str = "xla") -> tuple[jax.Array, PagePool, FillingPages]:
+            valid: jax.Array, pool: KVPages, filling: FillingPages, page_table: jax.Array,
+            attention_backend: str = "xla") -> tuple[jax.Array, KVPages, FillingPages]:
     """Run tokens [B, T] at `positions` [B, T] through every layer over a paged KV cache.
 
     Each row's valid tokens come first and continue its sequence: positions[b, t] =
@@ -104,7 +105,7 @@ def positional_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array
     return rope_tables(positions, inv_freq)
 
 
-def layer(weights: Params, cfg: ModelConfig, x: jax.Array, pool: PagePool, fill_k: jax.Array,
+def layer(weights: Params, cfg: ModelConfig, x: jax.Array, pool: KVPages, fill_k: jax.Array,
           fill_v: jax.Array, pages: jax.Array, positions: jax.Array, valid: jax.Array,
           rope: tuple[jax.Array, jax.Array], attention_backend: str = "xla"):
     """One layer with its own `weights` (`layer_weights`) on hidden states x [B, T, D];

@@ -21,25 +21,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.kv_quant import codes_per_byte
 from jkv.pallas_kernels.paged_decode_attention import (
     MIN_DOT,
-    PagedTier,
     _attend_pages,
-    _check_tier,
     _dot_t,
     _online_update,
-    _take_tier,
     dequantized_rows,
 )
 
 
-def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, block_w: int,
-            heads: int, sm_scale: float):
+def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, heads: int,
+            sm_scale: float):
     refs = list(refs)
     q_ref = refs.pop(0)  # [rows = block_q * heads, D]
     pos_ref = refs.pop(0)  # [block_q]: absolute positions of the tile's queries
-    tier = _take_tier(refs, *bits)  # pages [P, page, D // parts] (+ scales), as in decode
+    tier = KVPages.from_operands(kv_format, refs)  # the pool's refs [P, page, ...]
     table_ref = refs.pop(0)  # [W]
     plen_ref = refs.pop(0)  # [1]: tokens held in this row's pages
     kw_ref = refs.pop(0)  # [Tw, D] window keys, model dtype
@@ -49,7 +47,7 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, 
 
     rows, d = q_ref.shape
     block_q = pos_ref.shape[0]
-    page = tier[0].shape[1]
+    page = tier.page_size
     ppb = pages_per_block
     nk, nv = parts
     dk, dv = d // nk, d // nv
@@ -65,8 +63,7 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, 
 
     # (1) the paged prefix: every query sees every held token
     plen = jnp.where(active, plen_ref[0], 0)
-    attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, group=group,
-                               compute=compute)
+    attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, compute=compute)
 
     def page_body(j, carry):
         col = j * ppb
@@ -109,12 +106,11 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int, 
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "k_bits", "v_bits", "group", "sm_scale", "block_q", "pages_per_block", "block_w",
-    "num_warps", "num_stages", "interpret"))
+    "sm_scale", "block_q", "pages_per_block", "block_w", "num_warps", "num_stages",
+    "interpret"))
 def chunked_prefill_attention(
     q: jax.Array,  # [B, T, Hq, D]
-    k_pages: jax.Array,  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
-    v_pages: jax.Array,  # [P, page, D // (8 // v_bits)] uint8, or [P, page, D] model dtype
+    pages: KVPages,  # the pool [P, page, ...]
     page_table: jax.Array,  # int32 [B, Hkv, W]
     page_lengths: jax.Array,  # int32 [B, Hkv]: tokens [0, page_lengths) held in pages
     k_window: jax.Array,  # [B, Hkv, Tw, D]: token i at position window_start + i
@@ -122,15 +118,8 @@ def chunked_prefill_attention(
     window_start: jax.Array,  # int32 [B]
     window_len: jax.Array,  # int32 [B]
     q_positions: jax.Array,  # int32 [B, T]
-    k_scale: jax.Array | None = None,  # f32 [P, D]
-    k_zero: jax.Array | None = None,  # f32 [P, D]
-    v_scale: jax.Array | None = None,  # f32 [P, page, D // group]
-    v_zero: jax.Array | None = None,  # f32 [P, page, D // group]
     q_lengths: jax.Array | None = None,  # int32 [B]: real queries per row (default T)
     *,
-    k_bits: int = 16,
-    v_bits: int = 16,
-    group: int = 64,
     sm_scale: float | None = None,
     block_q: int = 16,
     pages_per_block: int = 4,
@@ -161,7 +150,7 @@ def chunked_prefill_attention(
     if window_start.shape != (b,) or window_len.shape != (b,) or q_positions.shape != (b, t):
         raise ValueError(f"window_start, window_len must be [B={b}] and q_positions [B, T={t}], "
                          f"got {window_start.shape}, {window_len.shape}, {q_positions.shape}")
-    page = k_pages.shape[1]
+    page = pages.page_size
     if not interpret:
         # Triton's tensor-core dots give wrong sums (bf16: twice the value) when a contracted
         # dimension is below 16, so the window is walked in blocks of at least 16 tokens
@@ -177,9 +166,9 @@ def chunked_prefill_attention(
         if blk < 1 or blk & (blk - 1) or n % blk:
             raise ValueError(f"{name}={n} must be a multiple of its block size {blk}, a power "
                              "of two")
-    tier = PagedTier(k_pages, v_pages, k_scale, k_zero, v_scale, v_zero)
-    _check_tier("", tier, k_bits, v_bits, d)
-    parts = tuple(codes_per_byte(x) if x < 16 else 1 for x in (k_bits, v_bits))
+    pages.check(d)
+    fmt = pages.kv_format
+    parts = tuple(codes_per_byte(x) if x < 16 else 1 for x in (fmt.k_bits, fmt.v_bits))
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     g = hq // hkv
     heads = max(pl.next_power_of_2(g), 16 // block_q)  # rows per query token, padded
@@ -192,10 +181,8 @@ def chunked_prefill_attention(
     args = [qg, q_positions.astype(jnp.int32)]
     specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0)),
              pl.BlockSpec((None, block_q), lambda i, h, s: (i, s))]
-    for x in (k_pages, k_scale, k_zero, v_pages, v_scale, v_zero):  # `_take_tier` order
-        if x is not None:
-            args.append(x)
-            specs.append(full(x))
+    args += pages.operands()  # read back by `KVPages.from_operands`
+    specs += [full(x) for x in pages.operands()]
     if q_lengths is None:
         q_lengths = jnp.full((b,), t, jnp.int32)
     elif q_lengths.shape != (b,):
@@ -208,7 +195,7 @@ def chunked_prefill_attention(
               pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
               pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
               pl.BlockSpec((None, 3), lambda i, h, s: (i, 0))]
-    kernel = functools.partial(_kernel, bits=(k_bits, v_bits), parts=parts, group=group,
+    kernel = functools.partial(_kernel, kv_format=fmt, parts=parts,
                                pages_per_block=pages_per_block, block_w=block_w, heads=heads,
                                sm_scale=sm_scale)
     out = pl.pallas_call(
@@ -219,7 +206,7 @@ def chunked_prefill_attention(
         out_shape=jax.ShapeDtypeStruct((b, hkv, t * heads, d), q.dtype),
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"jkv_chunked_prefill_k{k_bits}v{v_bits}",
+        name=f"jkv_chunked_prefill_k{fmt.k_bits}v{fmt.v_bits}",
     )(*args)
     out = out.reshape(b, hkv, t, heads, d)[:, :, :, :g]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
@@ -227,8 +214,7 @@ def chunked_prefill_attention(
 
 def chunked_prefill_attention_reference(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    pages: KVPages,
     page_table: jax.Array,
     page_lengths: jax.Array,
     k_window: jax.Array,
@@ -236,27 +222,18 @@ def chunked_prefill_attention_reference(
     window_start: jax.Array,
     window_len: jax.Array,
     q_positions: jax.Array,
-    k_scale: jax.Array | None = None,
-    k_zero: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-    v_zero: jax.Array | None = None,
     q_lengths: jax.Array | None = None,
     *,
-    k_bits: int = 16,
-    v_bits: int = 16,
-    group: int = 64,
     sm_scale: float | None = None,
     dtype=jnp.float32,
 ) -> jax.Array:
     """The same function in plain jnp: dequantize every page, append the window, one masked
-    softmax. `group` is implied by the scale shapes; it is accepted for a common signature."""
-    del group
+    softmax."""
     b, t, hq, d = q.shape
     hkv = page_table.shape[1]
     tw = k_window.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    k, v = dequantized_rows(k_pages, v_pages, page_table, k_scale, k_zero, v_scale, v_zero,
-                            k_bits=k_bits, v_bits=v_bits)  # [B, Hkv, W * page, D]
+    k, v = dequantized_rows(pages, page_table)  # [B, Hkv, W * page, D]
     k = jnp.concatenate([k, k_window.astype(jnp.float32)], axis=2).astype(dtype)
     v = jnp.concatenate([v, v_window.astype(jnp.float32)], axis=2).astype(dtype)
     s_pages = k.shape[2] - tw

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jkv.pallas_kernels.kv_quant import codes_per_byte, dequantize_keys, dequantize_values
+from jkv.pallas_kernels.kv_pages import KVPages
+from jkv.pallas_kernels.kv_quant import codes_per_byte
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_DOT = 16  # compiled Triton dots need every dimension >= 16
@@ -82,14 +82,15 @@ def _online_update(carry, logits, visible, values, compute):
     return new_parts, m_next, l_next
 
 
-def _attend_pages(carry, tier, pages, visible, *, q_parts, page, group, compute):
-    """One online-softmax step over the pages `pages` [ppb] of one tier.
+def _attend_pages(carry, tier: KVPages, pages, visible, *, q_parts, page, compute):
+    """One online-softmax step over the pages `pages` [ppb] of one tier (a KVPages of the
+    pool's refs).
 
     `visible` [rows or 1, ppb * page] masks keys (masked pages may be the null page). q and
     the output are cut into channel parts (`q_parts`, carry[0]) at least as fine as the
     tier's packing.
     """
-    k_ref, ks_ref, kz_ref, v_ref, vs_ref, vz_ref, k_bits, v_bits = tier
+    k_bits, v_bits = tier.kv_format.k_bits, tier.kv_format.v_bits
     block_h = q_parts[0].shape[0]
     block_k = pages.shape[0] * page
     dk, dv = q_parts[0].shape[1], carry[0][0].shape[1]
@@ -98,26 +99,27 @@ def _attend_pages(carry, tier, pages, visible, *, q_parts, page, group, compute)
     loaded: dict = {}
     logits = jnp.zeros((block_h, block_k), jnp.float32)
     for i, q_i in enumerate(q_parts):
-        k_i = _load_part(k_ref, pages, k_bits, i, dk, loaded)
+        k_i = _load_part(tier.k, pages, k_bits, i, dk, loaded)
         if k_bits < 16:
             k_i = k_i.astype(jnp.float32)
-            scale = _expand_pages(ks_ref[pages, pl.ds(i * dk, dk)], page)
-            zero = _expand_pages(kz_ref[pages, pl.ds(i * dk, dk)], page)
-            k_i = k_i * scale + zero
+            scale = _expand_pages(tier.k_scale[pages, pl.ds(i * dk, dk)], page)
+            zero = _expand_pages(tier.k_zero[pages, pl.ds(i * dk, dk)], page)
+            k_i = k_i * scale.astype(jnp.float32) + zero.astype(jnp.float32)
         logits += _dot_t(q_i, k_i.astype(compute))
 
-    g = min(group, d)
+    g = min(tier.kv_format.group, d)
     n = max(dv // g, 1)  # value groups inside one channel part
     width = min(g, dv)
     v_loaded: dict = {}
 
     def values(i):
-        v_i = _load_part(v_ref, pages, v_bits, i, dv, v_loaded)
+        v_i = _load_part(tier.v, pages, v_bits, i, dv, v_loaded)
         if v_bits < 16:
             v_i = v_i.astype(jnp.float32)
             first = (i * dv) // g
-            scale = vs_ref[pages, :, pl.ds(first, n)].reshape(block_k, n)
-            zero = vz_ref[pages, :, pl.ds(first, n)].reshape(block_k, n)
+            scale = tier.v_scale[pages, :, pl.ds(first, n)].reshape(block_k, n)
+            zero = tier.v_zero[pages, :, pl.ds(first, n)].reshape(block_k, n)
+            scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
             scale = jnp.broadcast_to(scale[:, :, None], (block_k, n, width)).reshape(block_k, dv)
             zero = jnp.broadcast_to(zero[:, :, None], (block_k, n, width)).reshape(block_k, dv)
             v_i = v_i * scale + zero
@@ -126,25 +128,17 @@ def _attend_pages(carry, tier, pages, visible, *, q_parts, page, group, compute)
     return _online_update(carry, logits, visible, values, compute)
 
 
-def _take_tier(refs: list, k_bits: int, v_bits: int) -> tuple:
-    k_ref = refs.pop(0)  # [P, page, D // (8 // k_bits)] codes, or [P, page, D] model dtype
-    ks_ref, kz_ref = (refs.pop(0), refs.pop(0)) if k_bits < 16 else (None, None)  # [P, D]
-    v_ref = refs.pop(0)  # [P, page, D // (8 // v_bits)], or [P, page, D]
-    vs_ref, vz_ref = (refs.pop(0), refs.pop(0)) if v_bits < 16 else (None, None)  # [P, page, G]
-    return k_ref, ks_ref, kz_ref, v_ref, vs_ref, vz_ref, k_bits, v_bits
-
-
-def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int,
-            sm_scale: float):
+def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale: float):
     refs = list(refs)
     q_ref = refs.pop(0)  # [block_h, D]
-    tiers = [_take_tier(refs, *b) for b in bits]  # high tier, then the low tier if any
+    # the pool refs [P, page, ...] of the high tier, then of the low tier if any
+    tiers = [KVPages.from_operands(f, refs) for f in formats]
     table_ref = refs.pop(0)  # [W]: the whole page-table row of this (sequence, KV head)
     len_ref = refs.pop(0)  # [2]: tokens in the high tier, tokens in the low tier
     o_ref, l_ref, m_ref = refs  # [block_h, D] f32, [block_h], [block_h]
 
     block_h, d = q_ref.shape
-    page = tiers[0][0].shape[1]
+    page = tiers[0].page_size
     w = table_ref.shape[0]
     ppb = pages_per_block
     per_split = w // pl.num_programs(2)
@@ -155,8 +149,7 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int,
     compute = q_ref.dtype  # bf16 operands use the tensor cores; f32 ones stay IEEE
     q_parts = [(q_ref[:, pl.ds(i * dk, dk)].astype(jnp.float32) * sm_scale).astype(compute)
                for i in range(nk)]
-    attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, group=group,
-                               compute=compute)
+    attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, compute=compute)
     carry = (tuple(jnp.zeros((block_h, dv), jnp.float32) for _ in range(nv)),
              jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32))
 
@@ -195,63 +188,22 @@ def _kernel(*refs, bits: tuple, parts: tuple, group: int, pages_per_block: int,
     m_ref[...] = m
 
 
-class PagedTier(NamedTuple):
-    """One tier's pages and, when quantized, its scales and zero points (see `kv_quant`)."""
-
-    k_pages: jax.Array  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
-    v_pages: jax.Array  # [P, page, D // (8 // v_bits)] uint8, or [P, page, D] model dtype
-    k_scale: jax.Array | None = None  # f32 [P, D]
-    k_zero: jax.Array | None = None  # f32 [P, D]
-    v_scale: jax.Array | None = None  # f32 [P, page, D // group]
-    v_zero: jax.Array | None = None  # f32 [P, page, D // group]
-
-
-def _check_tier(name: str, tier: PagedTier, k_bits: int, v_bits: int, d: int) -> None:
-    for side, bits, pages in (("k", k_bits, tier.k_pages), ("v", v_bits, tier.v_pages)):
-        per = codes_per_byte(bits) if bits < 16 else 1
-        if pages.shape[-1] * per != d:
-            raise ValueError(f"{name}{side}_pages last dim {pages.shape[-1]} does not hold "
-                             f"head_dim {d} at {bits} bits")
-        if bits < 16 and pages.dtype != jnp.uint8:
-            raise ValueError(f"{name}{side}_pages must be uint8 codes at {bits} bits, "
-                             f"got {pages.dtype}")
-    if (k_bits < 16) != (tier.k_scale is not None and tier.k_zero is not None):
-        raise ValueError(f"{name}k_scale and {name}k_zero are required exactly when "
-                         f"{name}k_bits < 16")
-    if (v_bits < 16) != (tier.v_scale is not None and tier.v_zero is not None):
-        raise ValueError(f"{name}v_scale and {name}v_zero are required exactly when "
-                         f"{name}v_bits < 16")
-    if tier.k_pages.shape[1] != tier.v_pages.shape[1]:
-        raise ValueError(f"{name}k_pages and {name}v_pages page sizes differ: "
-                         f"{tier.k_pages.shape} vs {tier.v_pages.shape}")
-
-
 @functools.partial(jax.jit, static_argnames=(
-    "k_bits", "v_bits", "group", "sm_scale", "pages_per_block", "k_splits", "num_warps",
-    "num_stages", "low_k_bits", "low_v_bits", "return_softmax_state", "interpret"))
+    "sm_scale", "pages_per_block", "k_splits", "num_warps", "num_stages",
+    "return_softmax_state", "interpret"))
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
-    k_pages: jax.Array,  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
-    v_pages: jax.Array,  # [P, page, D // (8 // v_bits)] uint8, or [P, page, D] model dtype
+    pages: KVPages,  # the pool [P, page, ...]
     page_table: jax.Array,  # int32 [B, Hkv, W]
     lengths: jax.Array,  # int32 [B, Hkv]: tokens per (sequence, KV head)
-    k_scale: jax.Array | None = None,  # f32 [P, D]
-    k_zero: jax.Array | None = None,  # f32 [P, D]
-    v_scale: jax.Array | None = None,  # f32 [P, page, D // group]
-    v_zero: jax.Array | None = None,  # f32 [P, page, D // group]
     *,
-    k_bits: int = 16,
-    v_bits: int = 16,
-    group: int = 64,
     sm_scale: float | None = None,
     pages_per_block: int = 4,
     k_splits: int = 1,
     num_warps: int = 4,
     num_stages: int = 2,
-    low_tier: PagedTier | None = None,
+    low_tier: KVPages | None = None,  # a second pool [P', page, ...], in its own format
     low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
-    low_k_bits: int = 16,
-    low_v_bits: int = 16,
     return_softmax_state: bool = False,
     interpret: bool = False,
 ):
@@ -273,25 +225,24 @@ def paged_decode_attention(
     if w % (k_splits * pages_per_block):
         raise ValueError(f"page-table width {w} must be a multiple of k_splits * "
                          f"pages_per_block = {k_splits * pages_per_block}")
-    if not interpret and pages_per_block * k_pages.shape[1] < MIN_DOT:
-        raise ValueError(f"pages_per_block * page = {pages_per_block} * {k_pages.shape[1]} "
+    if not interpret and pages_per_block * pages.page_size < MIN_DOT:
+        raise ValueError(f"pages_per_block * page = {pages_per_block} * {pages.page_size} "
                          f"must be >= {MIN_DOT} on a GPU (Triton dots need 16 along each "
                          "dimension)")
-    tiers = [PagedTier(k_pages, v_pages, k_scale, k_zero, v_scale, v_zero)]
-    bits = [(k_bits, v_bits)]
-    _check_tier("", tiers[0], k_bits, v_bits, d)
+    pages.check(d)
+    tiers = [pages]
     if low_tier is not None:
         if low_lengths is None or low_lengths.shape != (b, hkv):
             raise ValueError(f"low_lengths must be [B={b}, Hkv={hkv}] with low_tier, got "
                              f"{None if low_lengths is None else low_lengths.shape}")
-        _check_tier("low_tier.", low_tier, low_k_bits, low_v_bits, d)
-        if low_tier.k_pages.shape[1] != k_pages.shape[1]:
-            raise ValueError(f"the low tier's page size {low_tier.k_pages.shape[1]} differs "
-                             f"from the high tier's {k_pages.shape[1]}")
+        low_tier.check(d, "low_tier")
+        if low_tier.page_size != pages.page_size:
+            raise ValueError(f"the low tier's page size {low_tier.page_size} differs "
+                             f"from the high tier's {pages.page_size}")
         tiers.append(low_tier)
-        bits.append((low_k_bits, low_v_bits))
     else:
         low_lengths = jnp.zeros_like(lengths)
+    bits = [(t.kv_format.k_bits, t.kv_format.v_bits) for t in tiers]
     parts = tuple(max(codes_per_byte(b_[i]) if b_[i] < 16 else 1 for b_ in bits)
                   for i in range(2))
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -303,19 +254,17 @@ def paged_decode_attention(
 
     args = [qg]
     specs = [pl.BlockSpec((None, None, block_h, d), lambda i, h, s: (i, h, 0, 0))]
-    for tier in tiers:  # in the order `_take_tier` reads them
-        for x in (tier.k_pages, tier.k_scale, tier.k_zero, tier.v_pages, tier.v_scale,
-                  tier.v_zero):
-            if x is not None:
-                args.append(x)
-                specs.append(full(x))
+    for tier in tiers:  # in the order the kernel reads them back (`from_operands`)
+        args += tier.operands()
+        specs += [full(x) for x in tier.operands()]
     lens = jnp.stack([lengths, low_lengths], axis=-1).astype(jnp.int32)
     args += [page_table.astype(jnp.int32), lens]
     specs += [pl.BlockSpec((None, None, w), lambda i, h, s: (i, h, 0)),
               pl.BlockSpec((None, None, 2), lambda i, h, s: (i, h, 0))]
 
-    kernel = functools.partial(_kernel, bits=tuple(bits), parts=parts, group=group,
-                               pages_per_block=pages_per_block, sm_scale=sm_scale)
+    kernel = functools.partial(_kernel, formats=tuple(t.kv_format for t in tiers),
+                               parts=parts, pages_per_block=pages_per_block,
+                               sm_scale=sm_scale)
     name = "_".join(f"k{kb}v{vb}" for kb, vb in bits)
     o, denom, m = pl.pallas_call(
         kernel,
@@ -363,21 +312,20 @@ def normalize_softmax_state(o: jax.Array, denom: jax.Array) -> jax.Array:
     return o / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, k_scale=None,
-                                     k_zero=None, v_scale=None, v_zero=None, *, k_bits=16,
-                                     v_bits=16, sm_scale=None, low_tier=None, low_lengths=None,
-                                     low_k_bits=16, low_v_bits=16, dtype=jnp.float32):
+def paged_decode_attention_reference(q: jax.Array, pages: KVPages, page_table: jax.Array,
+                                     lengths: jax.Array, *, sm_scale: float | None = None,
+                                     low_tier: KVPages | None = None,
+                                     low_lengths: jax.Array | None = None,
+                                     dtype=jnp.float32) -> jax.Array:
     """The same function in plain jnp: dequantize every page of every row (the low tier's
     read right to left), one masked softmax over both tiers."""
     b, hq, d = q.shape
     hkv = page_table.shape[1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    k, v = dequantized_rows(k_pages, v_pages, page_table, k_scale, k_zero, v_scale, v_zero,
-                            k_bits=k_bits, v_bits=v_bits)
+    k, v = dequantized_rows(pages, page_table)
     visible = jnp.arange(k.shape[2])[None, None, :] < lengths[:, :, None]
     if low_tier is not None:
-        k_lo, v_lo = dequantized_rows(*low_tier[:2], page_table[..., ::-1], *low_tier[2:],
-                                      k_bits=low_k_bits, v_bits=low_v_bits)
+        k_lo, v_lo = dequantized_rows(low_tier, page_table[..., ::-1])
         k, v = jnp.concatenate([k, k_lo], axis=2), jnp.concatenate([v, v_lo], axis=2)
         visible = jnp.concatenate(
             [visible, jnp.arange(k_lo.shape[2])[None, None, :] < low_lengths[:, :, None]], -1)
@@ -390,18 +338,8 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, k
     return out.reshape(b, hq, d)
 
 
-def dequantized_rows(k_pages, v_pages, page_table, k_scale=None, k_zero=None, v_scale=None,
-                     v_zero=None, *, k_bits=16, v_bits=16):
+def dequantized_rows(pages: KVPages, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Every row's pages dequantized to float32, in table order: ([B, Hkv, W*page, D]) x 2."""
     b, hkv, w = page_table.shape
-    page = k_pages.shape[1]
-    if k_bits < 16:
-        k = dequantize_keys(k_pages[page_table], k_scale[page_table], k_zero[page_table], k_bits)
-    else:
-        k = k_pages[page_table].astype(jnp.float32)
-    if v_bits < 16:
-        v = dequantize_values(v_pages[page_table], v_scale[page_table], v_zero[page_table],
-                              v_bits)
-    else:
-        v = v_pages[page_table].astype(jnp.float32)
-    return k.reshape(b, hkv, w * page, -1), v.reshape(b, hkv, w * page, -1)
+    k, v = pages.take(page_table).dense()
+    return k.reshape(b, hkv, w * pages.page_size, -1), v.reshape(b, hkv, w * pages.page_size, -1)

@@ -17,12 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jkv.pallas_kernels.kv_quant import (
-    codes_per_byte,
-    quantize_codes,
-    quantize_keys,
-    quantize_values,
-)
+from jkv.pallas_kernels.kv_pages import KVPages
+from jkv.pallas_kernels.kv_quant import codes_per_byte, quantize_codes
 
 
 def _write_keys(src_ref, pid, out_ref, scale_ref, zero_ref, bits: int) -> None:
@@ -36,10 +32,10 @@ def _write_keys(src_ref, pid, out_ref, scale_ref, zero_ref, bits: int) -> None:
     for i in range(parts):
         x = src_ref[:, pl.ds(i * dp, dp)].astype(jnp.float32)  # [page, dp]
         lo, hi = x.min(axis=0, keepdims=True), x.max(axis=0, keepdims=True)  # per channel
-        codes, scale = quantize_codes(x, lo, hi, bits)
+        codes, scale, zero = quantize_codes(x, lo, hi, bits)
         packed = packed | (codes << (bits * i)) if parts > 1 else codes
         scale_ref[pid, pl.ds(i * dp, dp)] = scale.reshape(dp)
-        zero_ref[pid, pl.ds(i * dp, dp)] = lo.reshape(dp)
+        zero_ref[pid, pl.ds(i * dp, dp)] = zero.reshape(dp)
     out_ref[pid] = packed
 
 
@@ -60,30 +56,25 @@ def _write_values(src_ref, pid, out_ref, scale_ref, zero_ref, bits: int, group: 
         g = g.reshape(page, n, group)
         lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)  # [page, n, 1]
         x = src_ref[:, pl.ds(i * dp, dp)].astype(jnp.float32).reshape(page, n, width)
-        codes, scale = quantize_codes(x, lo, hi, bits)
+        codes, scale, zero = quantize_codes(x, lo, hi, bits)
         codes = codes.reshape(page, dp)
         packed = packed | (codes << (bits * i)) if parts > 1 else codes
         scale_ref[pid, :, pl.ds(first_group, n)] = scale.reshape(page, n)
-        zero_ref[pid, :, pl.ds(first_group, n)] = lo.reshape(page, n)
+        zero_ref[pid, :, pl.ds(first_group, n)] = zero.reshape(page, n)
     out_ref[pid] = packed
 
 
-def _kernel(*refs, k_bits: int, v_bits: int, group: int):
+def _kernel(*refs, kv_format, group: int):
     refs = list(refs)
     k_src_ref, v_src_ref, ids_ref = refs[:3]  # [page, D], [page, D], [N]
     n_in = (len(refs) - 3) // 2
-    outs = refs[3 + n_in:]  # the aliased pool arrays, in the input order
-    k_out = outs.pop(0)  # [P, page, D // (8 // k_bits)] or [P, page, D]
-    ks_out, kz_out = (outs.pop(0), outs.pop(0)) if k_bits < 16 else (None, None)  # [P, D]
-    v_out = outs.pop(0)  # [P, page, D // (8 // v_bits)] or [P, page, D]
-    vs_out, vz_out = (outs.pop(0), outs.pop(0)) if v_bits < 16 else (None, None)  # [P, page, G]
+    out = KVPages.from_operands(kv_format, refs[3 + n_in:])  # the aliased pool arrays
     pid = ids_ref[pl.program_id(0)]
-    _write_keys(k_src_ref, pid, k_out, ks_out, kz_out, k_bits)
-    _write_values(v_src_ref, pid, v_out, vs_out, vz_out, v_bits, group)
+    _write_keys(k_src_ref, pid, out.k, out.k_scale, out.k_zero, kv_format.k_bits)
+    _write_values(v_src_ref, pid, out.v, out.v_scale, out.v_zero, kv_format.v_bits, group)
 
 
-def _check(k_src, v_src, page_ids, k_pages, v_pages, k_scale, k_zero, v_scale, v_zero,
-           k_bits, v_bits, group) -> None:
+def _check(k_src, v_src, page_ids, pages: KVPages) -> None:
     """Shapes and dtypes the kernel relies on: a mismatch would otherwise write out of place
     or fail deep inside the lowering."""
     if k_src.ndim != 3 or k_src.shape != v_src.shape:
@@ -93,70 +84,35 @@ def _check(k_src, v_src, page_ids, k_pages, v_pages, k_scale, k_zero, v_scale, v
     if page_ids.shape != (n,) or not jnp.issubdtype(page_ids.dtype, jnp.integer):
         raise ValueError(f"page_ids must be integer [N={n}], got {page_ids.dtype} "
                          f"{page_ids.shape}")
-    if group < 1 or d % group:
-        raise ValueError(f"group {group} does not divide head_dim {d}")
-    num_pages = k_pages.shape[0]
-    for side, bits, pages, scale, zero in (("k", k_bits, k_pages, k_scale, k_zero),
-                                           ("v", v_bits, v_pages, v_scale, v_zero)):
-        if bits not in (16, 8, 4, 2):
-            raise ValueError(f"{side}_bits must be one of 16, 8, 4, 2, got {bits}")
-        per = codes_per_byte(bits) if bits < 16 else 1
-        if d % per:
-            raise ValueError(f"head_dim {d} is not a multiple of {per} codes per byte at "
-                             f"{side}_bits={bits}")
-        if pages.shape != (num_pages, page, d // per):
-            raise ValueError(f"{side}_pages {pages.shape} cannot hold {num_pages} pages of "
-                             f"{page} tokens x {d} channels at {bits} bits")
-        if bits < 16 and pages.dtype != jnp.uint8:
-            raise ValueError(f"{side}_pages must be uint8 codes at {bits} bits, got {pages.dtype}")
-        if (bits < 16) != (scale is not None and zero is not None):
-            raise ValueError(f"{side}_scale and {side}_zero are required exactly when "
-                             f"{side}_bits < 16")
-        if bits < 16:
-            want = (num_pages, d) if side == "k" else (num_pages, page, d // group)
-            for name, x in ((f"{side}_scale", scale), (f"{side}_zero", zero)):
-                if x.shape != want or x.dtype != jnp.float32:
-                    raise ValueError(f"{name} must be float32 {want}, got {x.dtype} {x.shape}")
-            dp = d // per
-            if side == "v" and dp % group and group % dp:
-                raise ValueError(f"value group {group} and the {dp} channels of one packed "
-                                 f"part must divide one another")
+    pages.check(d)
+    if pages.page_size != page:
+        raise ValueError(f"the pool's pages hold {pages.page_size} tokens, k_src's {page}")
 
 
-@functools.partial(jax.jit, static_argnames=("k_bits", "v_bits", "group", "num_warps",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_warps", "interpret"))
 def quantize_write(
     k_src: jax.Array,  # [N, page, D] model dtype: whole pages of keys
     v_src: jax.Array,  # [N, page, D]
     page_ids: jax.Array,  # int32 [N]: destination pages (0: the null page)
-    k_pages: jax.Array,  # [P, page, D // (8 // k_bits)] uint8, or [P, page, D] model dtype
-    v_pages: jax.Array,  # [P, page, D // (8 // v_bits)] uint8, or [P, page, D] model dtype
-    k_scale: jax.Array | None = None,  # f32 [P, D]
-    k_zero: jax.Array | None = None,  # f32 [P, D]
-    v_scale: jax.Array | None = None,  # f32 [P, page, D // group]
-    v_zero: jax.Array | None = None,  # f32 [P, page, D // group]
+    pages: KVPages,  # the pool [P, page, ...]
     *,
-    k_bits: int = 16,
-    v_bits: int = 16,
-    group: int = 64,
     num_warps: int = 4,
     interpret: bool = False,
-) -> tuple:
-    """Quantize pages and store them at `page_ids`; returns the six pool arrays (None stays
-    None). Non-zero ids must be distinct; id 0 (padding) may repeat.
+) -> KVPages:
+    """Quantize pages into `pages`' format and store them at `page_ids`; returns the pool.
+    Non-zero ids must be distinct; id 0 (padding) may repeat.
 
     The pool operands are aliased to the outputs, so inside a jit that donates the pool the
     write is in place (no copy of the pool); called on its own, XLA copies the pool first.
     """
-    group = min(group, k_src.shape[-1])
-    _check(k_src, v_src, page_ids, k_pages, v_pages, k_scale, k_zero, v_scale, v_zero,
-           k_bits, v_bits, group)
+    _check(k_src, v_src, page_ids, pages)
+    fmt = pages.kv_format
     n, page, d = k_src.shape
-    pool = [x for x in (k_pages, k_scale, k_zero, v_pages, v_scale, v_zero) if x is not None]
+    pool = pages.operands()
     full = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
     src_spec = pl.BlockSpec((None, page, d), lambda i: (i, 0, 0))
     outs = pl.pallas_call(
-        functools.partial(_kernel, k_bits=k_bits, v_bits=v_bits, group=group),
+        functools.partial(_kernel, kv_format=fmt, group=pages.group),
         grid=(n,),
         in_specs=[src_spec, src_spec, full(page_ids)] + [full(x) for x in pool],
         out_specs=[full(x) for x in pool],
@@ -164,33 +120,13 @@ def quantize_write(
         input_output_aliases={3 + i: i for i in range(len(pool))},
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"jkv_quantize_write_k{k_bits}v{v_bits}",
+        name=f"jkv_quantize_write_k{fmt.k_bits}v{fmt.v_bits}",
     )(k_src, v_src, page_ids.astype(jnp.int32), *pool)
-    outs = list(outs)
-    k_pages = outs.pop(0)
-    k_scale, k_zero = (outs.pop(0), outs.pop(0)) if k_bits < 16 else (None, None)
-    v_pages = outs.pop(0)
-    v_scale, v_zero = (outs.pop(0), outs.pop(0)) if v_bits < 16 else (None, None)
-    return k_pages, v_pages, k_scale, k_zero, v_scale, v_zero
+    return KVPages.from_operands(fmt, list(outs))
 
 
-def quantize_write_reference(k_src, v_src, page_ids, k_pages, v_pages, k_scale=None,
-                             k_zero=None, v_scale=None, v_zero=None, *, k_bits=16, v_bits=16,
-                             group=64) -> tuple:
+def quantize_write_reference(k_src: jax.Array, v_src: jax.Array, page_ids: jax.Array,
+                             pages: KVPages) -> KVPages:
     """The same in plain jnp: `kv_quant` quantization, then a scatter to `page_ids`."""
-    group = min(group, k_src.shape[-1])
-    _check(k_src, v_src, page_ids, k_pages, v_pages, k_scale, k_zero, v_scale, v_zero,
-           k_bits, v_bits, group)
-    if k_bits < 16:
-        codes, scale, zero = quantize_keys(k_src, k_bits)
-        k_pages = k_pages.at[page_ids].set(codes)
-        k_scale, k_zero = k_scale.at[page_ids].set(scale), k_zero.at[page_ids].set(zero)
-    else:
-        k_pages = k_pages.at[page_ids].set(k_src.astype(k_pages.dtype))
-    if v_bits < 16:
-        codes, scale, zero = quantize_values(v_src, v_bits, group)
-        v_pages = v_pages.at[page_ids].set(codes)
-        v_scale, v_zero = v_scale.at[page_ids].set(scale), v_zero.at[page_ids].set(zero)
-    else:
-        v_pages = v_pages.at[page_ids].set(v_src.astype(v_pages.dtype))
-    return k_pages, v_pages, k_scale, k_zero, v_scale, v_zero
+    _check(k_src, v_src, page_ids, pages)
+    return pages.put(page_ids, KVPages.from_dense(k_src, v_src, pages.kv_format, pages.dtype))

@@ -1,0 +1,267 @@
+"""KV leaving the pool and coming back: what the store saves, restores and moves.
+
+`gather` copies a slot's full blocks out of the pool (dispatched, not awaited: the store's
+write-behind fetches them on another thread). `restore` gives a slot new pages for saved
+blocks and queues their contents: written at once, or with layer-wise execution layer by
+layer a read buffer of layers ahead of the layer computing (`stage`, CachedAttention 3.2.1).
+`rebase` moves saved blocks to other positions for a truncated conversation (3.4).
+
+Each slot has at most one `_Pending` record: the saved pages not yet written, and the first
+block whose KV is not its tokens' own (restored but unwritten, or moved and so approximate).
+Such blocks are never shared under their tokens' hashes (`shareable_blocks`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jkv.averages import moving_average
+from jkv.buckets import bucket
+from jkv.cache.kv_cache import KVCacheManager
+from jkv.cache.prefix_cache import block_hashes
+from jkv.cache.rebase import rebase_pages
+from jkv.cache.transfer import gather_pages, scatter_pages
+from jkv.pallas_kernels.kv_pages import KVPages
+
+
+@dataclass
+class SavedPages:
+    """A sequence's first `num_blocks` full blocks in the pool's format: `arrays` as
+    `KVPages.arrays()` names them, each [>= num_blocks, layers, KV heads, page, ...], rows past
+    `num_blocks` padding. Host arrays, or device arrays still being gathered (`gather`)."""
+
+    num_blocks: int
+    arrays: dict[str, np.ndarray | jax.Array]
+    hashes: list[bytes]  # chained block hashes of its tokens (model, format, page size)
+    # blocks from this one on hold approximate KV (moved by `rebase`): usable by the prompt
+    # they were made for, never shared under their tokens' hashes
+    exact_blocks: int | None = None
+
+    def fetch(self) -> SavedPages:
+        """The same blocks as host arrays of exactly `num_blocks` rows (waits for the copy)."""
+        arrays = jax.device_get(self.arrays)
+        return SavedPages(self.num_blocks,
+                          {f: np.asarray(x)[: self.num_blocks] for f, x in arrays.items()},
+                          self.hashes[: self.num_blocks], self.exact_blocks)
+
+
+@dataclass
+class _Pending:
+    """What a slot's KV still owes to saved pages."""
+
+    ids: np.ndarray | None = None  # page ids [count, layers, KV heads] of unwritten pages
+    pages: KVPages | None = None  # their contents, host arrays [count, layers, KV heads, ...]
+    unwritten_from: int | None = None  # first block restored but not yet written
+    approx_from: int | None = None  # first block moved by `rebase` (approximate KV)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.pages is None else self.pages.nbytes
+
+
+class KVConnector:
+    """Saves, restores and moves the KV of one `KVCacheManager`'s slots."""
+
+    def __init__(self, cache: KVCacheManager, *, num_layers: int, num_kv_heads: int,
+                 rotate: Callable, layerwise: bool) -> None:
+        """`rotate(keys [L, T, H, D], shift [L, T])`: the model's key rotation (`rebase`)."""
+        self.cache = cache
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.layerwise = layerwise
+        self._rotate = rotate
+        self._pending: dict[int, _Pending] = {}
+        self.load_bytes_per_s = 0.0  # measured restore rate (host arrays into the pool)
+
+    # ------------------------------------------------------------------ restores
+
+    def restorable(self, saved: SavedPages, token_ids: Sequence[int]) -> int:
+        """Blocks of `saved` that `token_ids` can take; ValueError if they are another
+        prompt's (or another model's, format's or page size's: the hashes are seeded) or
+        not in this pool's format."""
+        ps = self.cache.page_size
+        n = min(saved.num_blocks, (len(token_ids) - 1) // ps)
+        if n and saved.hashes[n - 1] != block_hashes(token_ids, ps, self.cache.hash_seed,
+                                                     n)[n - 1]:
+            raise ValueError("the saved pages are not this prompt's (block hashes differ)")
+        self.cache.pool.check_saved(saved.arrays, (self.num_layers, self.num_kv_heads), n)
+        return n
+
+    def restore(self, slot: int, first: int, saved: SavedPages,
+                token_ids: Sequence[int]) -> int:
+        """Give `slot` (holding `first` blocks) new pages for saved blocks [first, n) (never
+        the prompt's last token: it is computed for its logits) and queue their contents;
+        returns the tokens the slot then holds (`first`'s when there is no room: those
+        blocks are recomputed instead)."""
+        n = self.restorable(saved, token_ids)
+        ids = self.cache.reserve_blocks(slot, first, n)
+        if ids is None:
+            return first * self.cache.page_size
+        count = ids.shape[0]
+        pages = {}
+        for f, x in saved.arrays.items():
+            part = np.zeros((count, *x.shape[1:]), x.dtype)
+            part[: n - first] = x[first:n]
+            pages[f] = part
+        approx = None
+        if saved.exact_blocks is not None and n > saved.exact_blocks:
+            approx = max(saved.exact_blocks, first)
+        self._pending[slot] = _Pending(np.asarray(ids), KVPages.from_arrays(
+            self.cache.pool.kv_format, pages), first, approx)
+        if not self.layerwise or not self.load_bytes_per_s:
+            self.write([slot])  # at once, timed (the first one measures the rate)
+        return n * self.cache.page_size
+
+    def write(self, slots: Sequence[int]) -> None:
+        """Write the queued restores of `slots` into the pool now, every layer at once
+        (layer-wise execution otherwise writes them layer by layer in the slot's next step)."""
+        for slot in slots:
+            p = self._pending.get(slot)
+            if p is not None and p.pages is not None:
+                compiled = scatter_pages._cache_size()
+                t0 = time.perf_counter()
+                self.cache.pool = jax.block_until_ready(
+                    scatter_pages(self.cache.pool, p.ids, p.pages))
+                if scatter_pages._cache_size() == compiled:  # a compile is not a load rate
+                    self._learn_load(p.nbytes, time.perf_counter() - t0)
+                self.written([slot])
+
+    def write_all_but(self, slots: Sequence[int]) -> None:
+        """Write every queued restore except those of `slots` (a step's rows, which stage
+        theirs layer by layer)."""
+        self.write([s for s, p in self._pending.items() if p.pages is not None
+                    and s not in slots])
+
+    def written(self, slots: Sequence[int]) -> None:
+        """The restores of `slots` are in the pool: their blocks are the tokens' own again."""
+        for slot in slots:
+            p = self._pending.get(slot)
+            if p is not None:
+                p.ids = p.pages = p.unwritten_from = None
+                if p.approx_from is None:
+                    del self._pending[slot]
+
+    def forget(self, slot: int) -> None:
+        """The slot closed: a restore never written is dropped."""
+        self._pending.pop(slot, None)
+
+    def shareable_blocks(self, slot: int) -> int:
+        """Full blocks of `slot` whose KV is exactly its tokens' (all but moved ones, and
+        none past a restore that was never written)."""
+        n = len(self.cache.slot_tokens[slot]) // self.cache.page_size
+        p = self._pending.get(slot)
+        if p is None:
+            return n
+        return min(n, *(x for x in (p.unwritten_from, p.approx_from) if x is not None))
+
+    def _learn_load(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            self.load_bytes_per_s = moving_average(self.load_bytes_per_s, nbytes / seconds)
+
+    def read_buffer_layers(self, load_bytes: int, new_tokens: int,
+                           prefill_token_seconds: float) -> int:
+        """Layers of restored KV to have in flight ahead of the layer computing
+        (CachedAttention 3.2.1): the buffer covers the gap between loading the history,
+        T_load * L_hist, and prefilling the new tokens, T_pref * L_new; at least one layer.
+        From measured rates; every layer until both have been measured."""
+        layers = self.num_layers
+        if not self.load_bytes_per_s or not prefill_token_seconds:
+            return layers
+        gap = load_bytes / self.load_bytes_per_s - prefill_token_seconds * new_tokens
+        buffer_bytes = self.load_bytes_per_s * max(gap, 0.0)  # S_buf = B (T_load L_hist - ...)
+        return min(layers, max(1, math.ceil(buffer_bytes / (load_bytes / layers))))
+
+    def stage(self, slots: Sequence[int], new_tokens: int, prefill_token_seconds: float
+              ) -> Callable[[int, KVPages], KVPages] | None:
+        """A `before_layer` that writes the queued restores of `slots` into the pool layer by
+        layer: each layer's pages are copied to the device a few layers ahead (the read
+        buffer) while earlier layers compute, and scattered just before their layer. None
+        when none of `slots` has one."""
+        pending = [p for s in slots if (p := self._pending.get(s)) is not None
+                   and p.pages is not None]
+        if not pending:
+            return None
+        layers = self.num_layers
+        ahead = self.read_buffer_layers(sum(p.nbytes for p in pending), new_tokens,
+                                        prefill_token_seconds)
+        staged: dict[int, list] = {}
+
+        def stage(index: int) -> None:
+            staged[index] = [(p.ids[:, index], jax.device_put(p.pages.layer(index)))
+                             for p in pending]
+
+        for index in range(min(ahead, layers)):
+            stage(index)
+
+        def before_layer(index: int, pool: KVPages) -> KVPages:
+            if index + ahead < layers:
+                stage(index + ahead)
+            for ids, pages in staged.pop(index, ()):
+                pool = scatter_pages(pool, ids, pages)
+            return pool
+
+        return before_layer
+
+    # ------------------------------------------------------------------ saving, moving
+
+    def gather(self, slot: int) -> SavedPages:
+        """The full blocks `slot` holds, as device arrays being copied out of the pool: the
+        copy is dispatched, not awaited, and later steps may reuse the pages."""
+        self.write([slot])
+        n = self.shareable_blocks(slot)
+        ids = self.cache.page_ids(slot, 0, n)
+        c = self.cache
+        return SavedPages(n, gather_pages(c.pool, ids).arrays(),
+                          block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed))
+
+    def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
+               drop: int) -> SavedPages:
+        """Saved pages of a sequence U moved for the prompt `token_ids` = U[:keep] +
+        U[keep + drop:] (a conversation whose oldest turns after its first `keep` tokens
+        were dropped): the tokens after `keep` move `drop` positions earlier, their keys
+        re-rotated (CachedAttention 3.4). Returns the prompt's full blocks that the saved
+        tokens cover (never its last token), hashed as the prompt's own; no blocks if none.
+        Their KV is the KV those tokens had in U: attention saw the dropped turns."""
+        if keep < 0 or drop < 0:
+            raise ValueError(f"keep and drop must be >= 0, got {keep} and {drop}")
+        ps = self.cache.page_size
+        m = min((saved.num_blocks * ps - drop) // ps, (len(token_ids) - 1) // ps)
+        if m <= 0:
+            return SavedPages(0, {}, [])
+        t = np.arange(bucket(m) * ps)
+        moved = t >= keep
+        src = np.where(t < m * ps, t + drop * moved, 0).astype(np.int32)
+        shift = np.where(moved, -drop, 0).astype(np.int32)
+        rows = bucket(saved.num_blocks)
+        pages = {}
+        for f, x in saved.arrays.items():
+            padded = np.zeros((rows, *x.shape[1:]), x.dtype)
+            padded[: saved.num_blocks] = np.asarray(x)[: saved.num_blocks]
+            pages[f] = padded
+        out = rebase_pages(KVPages.from_arrays(self.cache.pool.kv_format, pages), src, shift,
+                           rotate=self._rotate)
+        return SavedPages(m, jax.device_get(out.arrays()),
+                          self.cache.prompt_hashes(token_ids)[:m],
+                          exact_blocks=min(m, keep // ps))
+
+    def warmup(self) -> None:
+        """Compile the page copies a KV store uses (saving a slot's blocks, restoring them
+        at once or layer by layer) for every block count bucket, on null pages only."""
+        c = self.cache
+        count = 1
+        while True:
+            ids = c.page_ids(c.scratch, 0, 0, count=count)  # all null: nothing is written
+            pages = jax.device_get(gather_pages(c.pool, ids))
+            c.pool = scatter_pages(c.pool, np.zeros(ids.shape, np.int32), pages)
+            if self.layerwise:
+                c.pool = scatter_pages(c.pool, np.zeros(ids.shape[::2], np.int32),
+                                       jax.device_put(pages.layer(0)))
+            if count >= c.max_pages:
+                break
+            count *= 2
+        jax.block_until_ready(c.pool)

@@ -1,0 +1,253 @@
+"""The KV cache manager: the page pool and everything that says who holds which page.
+
+One owner of the page budget. It holds the pool (`KVPages`), the filling pages, the free list
+with its reference counts and the page tables (`allocator`), the device prefix cache (its
+host index and the device array of its blocks' page ids) and the sequence slots with the
+tokens each holds. The engine asks it for room before a step; the scheduler's plan asks its
+`cost` how many pages tokens take; neither computes page counts another way.
+
+A host count of free pages mirrors the device free list so that planning never waits for
+the device: pages only become shared between a slot and the prefix cache (imported on
+`open`, exported on `close`), so which pages a release frees is known here exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.buckets import bucket
+from jkv.cache.allocator import (
+    drop_blocks,
+    export_blocks,
+    import_blocks,
+    init_free,
+    init_tables,
+    release,
+    reserve,
+)
+from jkv.cache.page_cost import PageCost
+from jkv.cache.page_pool import init_filling, page_bytes
+from jkv.cache.prefix_cache import PrefixCache, block_hashes
+from jkv.cache.transfer import slot_page_ids
+from jkv.config import KVFormat
+from jkv.pallas_kernels.kv_pages import KVPages
+
+
+class KVCacheManager:
+    """Pages, tables, slots and the device prefix cache of one engine."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype,
+                 kv_format: KVFormat, page_size: int, kv_cache_bytes: int, max_model_len: int,
+                 max_num_seqs: int, enable_prefix_caching: bool,
+                 device_cache_bytes: int | None, hash_seed: bytes) -> None:
+        self.page_size, self.max_model_len = page_size, max_model_len
+        self.cost = PageCost(page_size, num_layers * num_kv_heads)
+        one_page = page_bytes(kv_format, page_size, head_dim, dtype)
+        num_pages = kv_cache_bytes // one_page
+        self.max_pages = bucket(-(-max_model_len // page_size), 4)  # table width
+        one_seq = self.cost.pages(max_model_len)
+        if num_pages - 1 < one_seq:
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} holds {num_pages} pages but one "
+                f"sequence of max_model_len={max_model_len} needs {one_seq}; raise "
+                f"kv_cache_bytes to at least {(one_seq + 1) * one_page} or lower max_model_len")
+        self.total_pages = num_pages - 1  # page 0 is the null page
+        self.free_pages = self.total_pages  # host mirror of free.num_free
+        slots = max_num_seqs + 1  # the last slot is scratch for padding rows
+        self.max_num_seqs, self.scratch = max_num_seqs, max_num_seqs
+        device = jax.devices()[0]
+        # committed like the step's outputs, so the first call compiles what later ones reuse
+        self.pool = jax.device_put(KVPages.zeros(num_pages, page_size, head_dim, dtype,
+                                                 kv_format), device)
+        self.filling = jax.device_put(init_filling(slots, num_layers, num_kv_heads, page_size,
+                                                   head_dim, dtype), device)
+        self.free = jax.device_put(init_free(num_pages, page_size), device)
+        self.tables = jax.device_put(init_tables(slots, num_layers, num_kv_heads,
+                                                 self.max_pages), device)
+
+        self.enable_prefix_caching = enable_prefix_caching
+        capacity = self.total_pages // self.cost.heads if enable_prefix_caching else 0
+        max_rows = None
+        if device_cache_bytes is not None:
+            max_rows = device_cache_bytes // (one_page * self.cost.heads)
+        self.prefix = PrefixCache(capacity, max_rows)
+        self.blocks = jax.device_put(
+            jnp.zeros((max(capacity, 1), num_layers, num_kv_heads), jnp.int32), device)
+        self.hash_seed = hash_seed
+
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.slot_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
+        self._slot_rows: list[list[int]] = [[] for _ in range(max_num_seqs)]  # cache rows read
+
+    # ------------------------------------------------------------------ the budget
+
+    @property
+    def block_pages(self) -> int:
+        """Pages one block (page_size tokens of one sequence) takes."""
+        return self.cost.heads
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a new allocation can have: free ones plus unreferenced cached blocks."""
+        return self.free_pages + self.prefix.num_evictable * self.cost.heads
+
+    @property
+    def pages_used(self) -> int:
+        """Pages held by running sequences and by the prefix cache."""
+        return self.total_pages - self.free_pages
+
+    @property
+    def pages_cached(self) -> int:
+        """Pages held by the prefix cache's blocks."""
+        return len(self.prefix) * self.cost.heads
+
+    def pages_to_grow(self, slot: int, num_tokens: int) -> int:
+        """New pages `slot` needs to hold `num_tokens` more tokens."""
+        return self.cost.grow(len(self.slot_tokens[slot]), num_tokens)
+
+    def pages_freed_by_close(self, slot: int) -> int:
+        """How much `available_pages` grows when `close(slot)` runs."""
+        held = -(-len(self.slot_tokens[slot]) // self.page_size)
+        pinned = len(self._slot_rows[slot]) - self.prefix.num_sole(self._slot_rows[slot])
+        return (held - pinned) * self.cost.heads
+
+    def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Block hashes of the part of a prompt that could come from the prefix cache or the
+        store (all full blocks but the last token: that one is always computed, for its
+        logits)."""
+        n = (len(token_ids) - 1) // self.page_size
+        return block_hashes(token_ids, self.page_size, self.hash_seed, n)
+
+    def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
+        """(tokens found in the prefix cache, pages of them that opening the sequence would
+        take from `available_pages` because no one else holds them). No side effects."""
+        rows = self.prefix.lookup(hashes)
+        return len(rows) * self.page_size, self.prefix.num_unreferenced(rows) * self.cost.heads
+
+    def make_room(self, pages: int) -> bool:
+        """Evict cached blocks until `pages` pages are free; False if that cannot be done."""
+        short = pages - self.free_pages
+        if short > 0:
+            self._drop_rows(self.prefix.evict(-(-short // self.cost.heads)))
+        return self.free_pages >= pages
+
+    def _drop_rows(self, rows: list[int]) -> None:
+        """Evicted cache rows: their pages are referenced by no table (only unreferenced rows
+        are evicted), so each frees a whole block."""
+        if rows:
+            self.free, self.blocks = drop_blocks(self.free, self.blocks,
+                                                 jnp.asarray(rows, jnp.int32))
+            self.free_pages += len(rows) * self.cost.heads
+
+    # ------------------------------------------------------------------ slots
+
+    def is_open(self, slot: int) -> bool:
+        return 0 <= slot < self.max_num_seqs and slot not in self._free_slots
+
+    def open(self, token_ids: Sequence[int]) -> tuple[int, int]:
+        """Take a free slot for `token_ids`; returns (slot, tokens found in the prefix cache,
+        which the slot now holds)."""
+        if not self._free_slots:
+            raise RuntimeError("no free sequence slot")
+        slot = self._free_slots.pop()
+        rows = self.prefix.lookup(self.prompt_hashes(token_ids))
+        cached = len(rows) * self.page_size
+        if rows:
+            self.prefix.acquire(rows)
+            padded = np.full(self.max_pages, -1, np.int32)
+            padded[: len(rows)] = rows
+            self.free, self.tables = import_blocks(
+                self.free, self.tables, self.blocks, jnp.int32(slot), jnp.asarray(padded),
+                jnp.int32(len(rows)), jnp.int32(cached))
+        self.slot_tokens[slot] = list(token_ids[:cached])
+        self._slot_rows[slot] = rows
+        return slot, cached
+
+    def grow(self, new_lengths: dict[int, int]) -> jax.Array:
+        """Give slots the pages to hold `new_lengths[slot]` tokens (evicting cached blocks
+        if needed); returns the device's ok flag (read it with the step's outputs).
+        RuntimeError when the pages cannot be had."""
+        need = sum(self.cost.grow(len(self.slot_tokens[s]), n - len(self.slot_tokens[s]))
+                   for s, n in new_lengths.items())
+        if not self.make_room(need):
+            raise RuntimeError(f"the step needs {need} new KV pages and only "
+                               f"{self.available_pages} can be had")
+        lengths = np.zeros(self.max_num_seqs + 1, np.int32)
+        for s, n in new_lengths.items():
+            lengths[s] = n
+        self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths))
+        self.free_pages -= need
+        return ok
+
+    def reserve_blocks(self, slot: int, first: int, n: int) -> jax.Array | None:
+        """New pages for blocks [first, n) of `slot`, which holds `first` blocks, as page
+        ids [bucket(n - first), layers, KV heads] (padding: null); None when they cannot be
+        had. The slot counts as holding them from now on (`add_tokens`)."""
+        if n <= first:
+            return None
+        need = self.cost.grow(first * self.page_size, (n - first) * self.page_size)
+        if not self.make_room(need):
+            return None
+        lengths = np.zeros(self.max_num_seqs + 1, np.int32)
+        lengths[slot] = n * self.page_size
+        self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths))
+        if not bool(ok):
+            raise RuntimeError("page reservation failed although the host count allowed it")
+        self.free_pages -= need
+        return self.page_ids(slot, first, n)
+
+    def page_ids(self, slot: int, first: int, stop: int, count: int | None = None) -> jax.Array:
+        """Page ids of `slot`'s blocks [first, first + count) as [count, layers, KV heads],
+        null from `stop` on; `count` defaults to bucket(stop - first)."""
+        count = bucket(stop - first) if count is None else count
+        return slot_page_ids(self.tables.pages, jnp.int32(slot), jnp.int32(first),
+                             jnp.int32(stop), count=count)
+
+    def add_tokens(self, slot: int, token_ids: Sequence[int]) -> None:
+        """`slot` now holds the KV of `token_ids` too (after the step that wrote it, or a
+        restore that will)."""
+        self.slot_tokens[slot].extend(int(t) for t in token_ids)
+
+    def close(self, slot: int, shareable: int) -> None:
+        """End the sequence in `slot`: its first `shareable` full blocks (those whose KV is
+        exactly its tokens') go to the prefix cache when that is on, and the table's
+        references are dropped, freeing pages no cache row holds."""
+        tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
+        new_rows: dict[int, int] = {}  # cache row -> the column of `slot` it takes
+        if self.enable_prefix_caching:
+            self.prefix.release(shared)
+            hashes = block_hashes(tokens, self.page_size, self.hash_seed,
+                                  max(shareable, len(shared)))
+            for i in range(len(shared), len(hashes)):
+                row, evicted = self.prefix.insert(hashes[i], i)
+                # a row given to an earlier column of this close holds nothing yet: that
+                # column simply stays the slot's (freed with it)
+                self._drop_rows([r for r in evicted if r not in new_rows])
+                for r in evicted:
+                    new_rows.pop(r, None)
+                if row is not None:
+                    new_rows[row] = i
+            self.prefix.touch([r for r in shared if self.prefix.holds(r)] + list(new_rows))
+            if new_rows:
+                dest = np.full(self.max_pages, -1, np.int32)
+                for row, i in new_rows.items():
+                    dest[i] = row
+                self.free, self.blocks = export_blocks(self.free, self.tables, self.blocks,
+                                                       jnp.int32(slot), jnp.asarray(dest))
+        # pages of shared rows evicted above were counted free when they were dropped
+        kept = len(shared) + len(new_rows)
+        mask = np.zeros(self.max_num_seqs + 1, bool)
+        mask[slot] = True
+        self.free, self.tables = release(self.free, self.tables, jnp.asarray(mask))
+        held = -(-len(tokens) // self.page_size)
+        self.free_pages += (held - kept) * self.cost.heads
+        self.slot_tokens[slot], self._slot_rows[slot] = [], []
+        self._free_slots.append(slot)

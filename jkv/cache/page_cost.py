@@ -1,0 +1,37 @@
+"""How many pages tokens take: the one formula that allocation and planning share.
+
+A sequence keeps a page per (layer, KV head) for every `page_size` tokens it holds, so the
+engine's KV cache manager (which allocates) and the scheduler's plan (which predicts) ask the
+same `PageCost` instead of each deriving it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PageCost:
+    """Pages of one sequence: `heads` (layers x KV heads) pages per `page_size` tokens."""
+
+    page_size: int
+    heads: int
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.heads <= 0:
+            raise ValueError(f"page_size and heads must be positive, got {self.page_size} "
+                             f"and {self.heads}")
+
+    def pages(self, tokens: int) -> int:
+        """Pages a sequence holding `tokens` tokens occupies."""
+        return -(-tokens // self.page_size) * self.heads
+
+    def grow(self, held: int, n: int) -> int:
+        """New pages a sequence holding `held` tokens takes to add `n` more."""
+        return self.pages(held + n) - self.pages(held)
+
+    def fits(self, held: int, want: int, pages: int) -> int:
+        """The most of `want` tokens that `pages` free pages let a sequence holding `held`
+        tokens add."""
+        room = (-(-held // self.page_size) + max(pages, 0) // self.heads) * self.page_size
+        return max(0, min(want, room - held))

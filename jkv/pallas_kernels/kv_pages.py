@@ -1,0 +1,256 @@
+"""`KVPages`: the arrays of a KV format's pages, the one place their layout is written.
+
+A side (keys or values) kept at 16 bits is one array in model dtype; a quantized side is
+packed uint8 codes with a scale and a zero point array beside them (`kv_quant`), keys per
+(page, channel), values per (token, group of channels). Every array has the same leading
+shape before its per-page dims: the pool is [P, page, ...], pages gathered out of it
+[blocks, layers, KV heads, page, ...]. Page 0 of a pool is the null page: empty table entries
+point at it, so reads of it are masked and writes to it are dropped (or garbage).
+
+Kernels pass a KVPages to `pallas_call` as its present arrays in one fixed order
+(`operands`, read back by `from_operands`); the store keeps them as named arrays (`arrays`,
+`from_arrays`). Nothing else in jkv spells the six names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jkv.config import SCALE_DTYPE, KVFormat
+from jkv.pallas_kernels.kv_quant import (
+    codes_per_byte,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys,
+    quantize_values,
+)
+
+NULL_PAGE = 0
+_ORDER = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")  # kernel operand order
+
+
+def _bits(kv_format: KVFormat, name: str) -> int:
+    return kv_format.k_bits if name.startswith("k") else kv_format.v_bits
+
+
+def _is_stat(name: str) -> bool:
+    """A scale or zero point array (not codes or model-dtype pages)."""
+    return name not in ("k", "v")
+
+
+def _names(kv_format: KVFormat) -> list[str]:
+    """The arrays a format has, in operand order: scales and zeros only on quantized sides."""
+    return [n for n in _ORDER if not _is_stat(n) or _bits(kv_format, n) < 16]
+
+
+def _layout(kv_format: KVFormat, page_size: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Per-page shape of each array the format has, in operand order; ValueError when
+    head_dim does not pack into bytes or split into value groups."""
+    group = min(kv_format.group, head_dim)
+    for side in ("k", "v"):
+        bits = _bits(kv_format, side)
+        per = codes_per_byte(bits) if bits < 16 else 1
+        if head_dim % per:
+            raise ValueError(f"head_dim {head_dim} is not a multiple of {per} codes per byte "
+                             f"at {side}_bits={bits}")
+    if kv_format.v_bits < 16:
+        dp = head_dim // codes_per_byte(kv_format.v_bits)  # channels of one packed part
+        if head_dim % group or (dp % group and group % dp):
+            raise ValueError(f"value group {group} does not divide head_dim {head_dim} (or "
+                             f"the {dp} channels of one packed part)")
+    shapes = {}
+    for name in _names(kv_format):
+        bits = _bits(kv_format, name)
+        if not _is_stat(name):
+            shapes[name] = (page_size, head_dim // (codes_per_byte(bits) if bits < 16 else 1))
+        elif name.startswith("k"):
+            shapes[name] = (head_dim,)
+        else:
+            shapes[name] = (page_size, head_dim // group)
+    return shapes
+
+
+def _dtype(kv_format: KVFormat, name: str, dtype):
+    """The dtype array `name` is stored in, for model dtype `dtype`."""
+    if _is_stat(name):
+        return SCALE_DTYPE
+    return dtype if _bits(kv_format, name) == 16 else jnp.dtype(jnp.uint8)
+
+
+@struct.dataclass
+class KVPages:
+    """Pages of one KV format (see the module docstring); a pytree whose format is static.
+    Scales and zero points are None on a side kept in model dtype."""
+
+    k: jax.Array  # [..., page, D // (8 // k_bits)] uint8 codes, or [..., page, D] model dtype
+    v: jax.Array  # [..., page, D // (8 // v_bits)] uint8 codes, or [..., page, D] model dtype
+    k_scale: jax.Array | None = None  # SCALE_DTYPE [..., D]: per (page, channel)
+    k_zero: jax.Array | None = None  # SCALE_DTYPE [..., D]
+    v_scale: jax.Array | None = None  # SCALE_DTYPE [..., page, D // group]: per (token, group)
+    v_zero: jax.Array | None = None  # SCALE_DTYPE [..., page, D // group]
+    kv_format: KVFormat = struct.field(pytree_node=False, default=KVFormat())
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def zeros(cls, num_pages: int, page_size: int, head_dim: int, dtype,
+              kv_format: KVFormat) -> KVPages:
+        """An empty pool of `num_pages` pages, 16-bit sides in model dtype `dtype`;
+        ValueError when the format cannot lay out head_dim channels."""
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        return cls(**{name: jnp.zeros((num_pages, *shape), _dtype(kv_format, name, dtype))
+                      for name, shape in _layout(kv_format, page_size, head_dim).items()},
+                   kv_format=kv_format)
+
+    @classmethod
+    def from_dense(cls, k: jax.Array, v: jax.Array, kv_format: KVFormat,
+                   dtype=None) -> KVPages:
+        """Whole pages of keys and values k, v [..., page, D] in `kv_format`: quantized sides
+        as `kv_quant` quantizes them, 16-bit sides cast to `dtype` (None: kept as they are)."""
+        out = {"k": k, "v": v} if dtype is None else {"k": k.astype(dtype), "v": v.astype(dtype)}
+        if kv_format.k_bits < 16:
+            out["k"], out["k_scale"], out["k_zero"] = quantize_keys(k, kv_format.k_bits)
+        if kv_format.v_bits < 16:
+            group = min(kv_format.group, v.shape[-1])
+            out["v"], out["v_scale"], out["v_zero"] = quantize_values(v, kv_format.v_bits,
+                                                                      group)
+        return cls(**out, kv_format=kv_format)
+
+    @classmethod
+    def from_arrays(cls, kv_format: KVFormat, arrays: Mapping[str, jax.Array]) -> KVPages:
+        """Named arrays, as `arrays()` gives them (the store keeps them so), as KVPages;
+        ValueError when the names are not the format's."""
+        want = _names(kv_format)
+        if sorted(arrays) != sorted(want):
+            raise ValueError(f"the pages carry {sorted(arrays)}, format {kv_format.name} "
+                             f"needs {sorted(want)}")
+        return cls(**arrays, kv_format=kv_format)
+
+    @classmethod
+    def from_operands(cls, kv_format: KVFormat, operands: list) -> KVPages:
+        """Inverse of `operands`: pops this format's arrays (or kernel refs) off the front
+        of `operands`, so several KVPages can share one list."""
+        return cls(**{name: operands.pop(0) for name in _names(kv_format)},
+                   kv_format=kv_format)
+
+    # ------------------------------------------------------------------ reading
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The present arrays by name: what the store saves."""
+        return {name: getattr(self, name) for name in _ORDER if getattr(self, name) is not None}
+
+    def operands(self) -> list[jax.Array]:
+        """The present arrays in kernel operand order (`from_operands` reads them back)."""
+        return list(self.arrays().values())
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        bits = self.kv_format.k_bits
+        return self.k.shape[-1] * (codes_per_byte(bits) if bits < 16 else 1)
+
+    @property
+    def group(self) -> int:
+        """Channels per value scale: the format's group, capped at head_dim."""
+        return min(self.kv_format.group, self.head_dim)
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        """The model dtype of a side kept at 16 bits; None when both sides are quantized."""
+        fmt = self.kv_format
+        return self.k.dtype if fmt.k_bits == 16 else self.v.dtype if fmt.v_bits == 16 else None
+
+    @property
+    def num_pages(self) -> int:
+        """Pages held: the product of the leading shape."""
+        return math.prod(self.k.shape[:-2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.arrays().values())
+
+    def dense(self) -> tuple[jax.Array, jax.Array]:
+        """Keys and values dequantized (or cast) to float32 [..., page, D]."""
+        fmt = self.kv_format
+        k, v = self.k.astype(jnp.float32), self.v.astype(jnp.float32)
+        if fmt.k_bits < 16:
+            k = dequantize_keys(self.k, self.k_scale, self.k_zero, fmt.k_bits)
+        if fmt.v_bits < 16:
+            v = dequantize_values(self.v, self.v_scale, self.v_zero, fmt.v_bits)
+        return k, v
+
+    # ------------------------------------------------------------------ moving pages
+
+    def take(self, ids: jax.Array) -> KVPages:
+        """Pages `ids` (any shape) of a pool: leading shape ids.shape, bits as stored."""
+        return jax.tree.map(lambda x: x[ids], self)
+
+    def layer(self, index: int) -> KVPages:
+        """One layer of gathered pages [blocks, layers, ...]: [blocks, ...]."""
+        return jax.tree.map(lambda x: x[:, index], self)
+
+    def put(self, ids: jax.Array, pages: KVPages) -> KVPages:
+        """This pool with `pages` (leading shape ids.shape) written at page ids `ids`; null
+        ids (0, padding) are dropped. ValueError naming the array that does not fit."""
+        if pages.kv_format != self.kv_format:
+            raise ValueError(f"pages in format {pages.kv_format} cannot go into a pool in "
+                             f"{self.kv_format}")
+        dest = jnp.where(ids > NULL_PAGE, ids, self.k.shape[0]).reshape(-1)
+        out = {}
+        for name, old in self.arrays().items():
+            new, want = getattr(pages, name), ids.shape + old.shape[1:]
+            if new.shape != want or new.dtype != old.dtype:
+                raise ValueError(f"pages.{name} is {new.dtype}{list(new.shape)}, expected "
+                                 f"{old.dtype}{list(want)}")
+            out[name] = old.at[dest].set(new.reshape(-1, *old.shape[1:]), mode="drop")
+        return self.replace(**out)
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, head_dim: int, name: str = "pages") -> None:
+        """ValueError unless these are a pool [P, page, ...] in this format's layout for
+        `head_dim` channels: kernels index the arrays blindly, so a mismatch would read or
+        write out of place."""
+        fmt = self.kv_format
+        if self.k.ndim != 3:
+            raise ValueError(f"{name}.k {list(self.k.shape)} is not a pool [P, page, ...]")
+        lead, page = self.k.shape[:-2], self.k.shape[-2]
+        layout = _layout(fmt, page, head_dim)
+        for field in _ORDER:
+            x = getattr(self, field)
+            if (x is None) != (field not in layout):
+                side = field[0]
+                raise ValueError(f"{name}.{side}_scale and {name}.{side}_zero are required "
+                                 f"exactly when {side}_bits < 16")
+            if x is None:
+                continue
+            want = (*lead, *layout[field])
+            dt = _dtype(fmt, field, x.dtype)  # a 16-bit side may be in any model dtype
+            if x.shape != want or x.dtype != dt:
+                raise ValueError(f"{name}.{field} is {x.dtype}{list(x.shape)}; head_dim "
+                                 f"{head_dim} at {_bits(fmt, field)} bits needs "
+                                 f"{dt}{list(want)}")
+
+    def check_saved(self, arrays: Mapping[str, np.ndarray | jax.Array],
+                    lead: tuple[int, ...], min_rows: int) -> None:
+        """ValueError unless saved named arrays [rows >= min_rows, *lead, per-page dims] are
+        this pool's format and dtypes (the store's entries are checked before a restore
+        takes any page)."""
+        pages = KVPages.from_arrays(self.kv_format, arrays)
+        for name, x in pages.arrays().items():
+            pool = getattr(self, name)
+            want = (*lead, *pool.shape[1:])
+            if x.dtype != pool.dtype or tuple(x.shape[1:]) != want or x.shape[0] < min_rows:
+                raise ValueError(f"saved pages[{name!r}] are {x.dtype}{list(x.shape)}, this "
+                                 f"pool needs {pool.dtype}[>={min_rows}, "
+                                 f"{', '.join(map(str, want))}]")
