@@ -10,7 +10,8 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   priorities or SLOs that is first come, first served;
 - running decodes always get their token; when their pages do not fit, the least important
   running request (the newest, among equals) is preempted: its pages are released (its full
-  blocks stay in the prefix cache when that is on) and it is recomputed later;
+  blocks stay in the prefix cache when that is on) and it is recomputed later; so are the
+  least important running prefills when, with no decode running, none of them can get a page;
 - prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
   before new ones are admitted; a new request is admitted only while a slot is free and its
   first chunk's pages fit;
@@ -118,6 +119,20 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
                 plan.prefill.append((c.request_id, n))
                 avail -= grow(c.held, n)
                 tokens -= n
+    if keep and not plan.decode and not plan.prefill and tokens > 0:
+        # running prefills hold every page and none can take another (no decode will ever
+        # finish to free one): the least important give theirs back, recomputed later
+        first = keep[0]
+        while len(keep) > 1:
+            victim = keep.pop()
+            plan.preempt.append(victim.request_id)
+            avail += victim.pin_pages
+            n = fits(first.held, min(first.pending, tokens, budget.chunk), avail)
+            if n > 0:
+                plan.prefill.append((first.request_id, n))
+                avail -= grow(first.held, n)
+                tokens -= n
+                break
 
     slots = budget.free_slots + len(plan.preempt)
     for c in sorted(waiting, key=queue_order):

@@ -84,6 +84,20 @@ def test_pages_short_for_decodes_preempt_the_newest_running_request():
     assert plan.preempt == ["old"]
 
 
+def test_prefills_holding_every_page_preempt_the_newest_instead_of_stalling():
+    # both at a page boundary, no page left, no decode that could finish and free one
+    run = [running("old", 32, arrival=0.0, pending=64), running("mid", 32, arrival=1.0,
+                                                                pending=64),
+           running("new", 16, arrival=2.0, pending=64, pin_pages=0)]
+    plan = plan_step(run, [], budget(available_pages=0))
+    assert plan.preempt == ["new", "mid"]  # "new" frees nothing (its blocks are shared)
+    assert plan.prefill == [("old", 32)] and plan.decode == []
+    # a running decode will free pages when it ends: nothing is preempted for prefills
+    run[2] = running("new", 16, arrival=2.0)
+    plan = plan_step(run, [], budget(available_pages=BP))
+    assert plan.preempt == [] and plan.decode == ["new"] and plan.prefill == []
+
+
 def test_prefill_shrinks_to_the_pages_left():
     plan = plan_step([running("p", 16, pending=100)], [], budget(available_pages=2 * BP,
                                                                   chunk=64, max_tokens=64))
