@@ -80,8 +80,9 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 # Scales and zero points of quantized pages are computed in float32 and stored in float16:
-# half the bytes of float32, and codes are computed against the stored values, so the
-# quantization error stays that of float32 scales (`kv_quant.quantize_codes`).
+# half the bytes of float32, and codes are computed against the stored values (the zero
+# rounded down), so the quantization error stays within 1% of float32 scales'
+# (`kv_quant.quantize_codes`). K/V values must stay within float16's range (+-65504).
 SCALE_DTYPE = np.dtype(np.float16)
 
 

@@ -56,15 +56,22 @@ def quantize_codes(x: jax.Array, lo: jax.Array, hi: jax.Array,
     """Codes of float32 x between lo and hi (broadcast against x), and the scale and zero
     point as stored (`SCALE_DTYPE`, shaped like lo).
 
-    Shared with the quantize-and-write kernel, so both produce the same codes. The scale is
-    a product, not a quotient: exact in both (Triton's division is not IEEE), so the stored
-    scales agree bit for bit. Codes are computed against the stored scale and zero. Rounds
-    half up (floor(y + 0.5)): the Triton lowering has floor but no round-half-even.
+    Shared with the quantize-and-write kernel, so both produce the same codes. The zero point
+    is rounded down to the stored dtype (lo moved away from 0 by half its relative precision,
+    then rounded to nearest): rounded to nearest, a zero far from 0 (a key channel at +-40
+    with a small range) would clip the values below it by up to half its float16 ulp, many
+    8-bit steps. Scale and zero are products, not sums of products or quotients: exact in
+    XLA and in Triton (whose division is not IEEE, and which may fuse a multiply-add), so
+    the stored values agree bit for bit. Codes are computed against the stored scale and
+    zero. Rounds half up (floor(y + 0.5)): the Triton lowering has floor but no
+    round-half-even.
     """
     levels = (1 << bits) - 1
-    scale = ((hi - lo) * (1.0 / levels)).astype(SCALE_DTYPE)
-    zero = lo.astype(SCALE_DTYPE)
-    s, z = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    half_eps = float(jnp.finfo(SCALE_DTYPE).eps) / 2
+    zero = (lo * jnp.where(lo > 0, 1.0 - half_eps, 1.0 + half_eps)).astype(SCALE_DTYPE)
+    z = zero.astype(jnp.float32)
+    scale = ((hi - z) * (1.0 / levels)).astype(SCALE_DTYPE)
+    s = scale.astype(jnp.float32)
     inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
     codes = jnp.clip(jnp.floor((x - z) * inv + 0.5), 0, levels).astype(jnp.uint8)
     return codes, scale, zero
