@@ -257,3 +257,80 @@ def test_two_tiers_lower_for_cuda_with_triton():
                             low_tier=low, low_lengths=ll)
     lowered = jax.jit(run).trace(q, high, table, hl).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def float64_significance(q, tiers, table, lens):
+    """Max over each KV head's query heads of the attention every key gets, in float64, in
+    table order; `tiers` (high, low or None), `lens` [B, Hkv, 2] (high, low tokens)."""
+    high, low = tiers
+    b, hq, d = q.shape
+    _, hkv, width = table.shape
+    kh, _ = dequantized_rows(high, table)
+    ks, masks = [np.asarray(kh, np.float64)], [np.arange(width * PAGE) < lens[..., :1]]
+    if low is not None:
+        kl, _ = dequantized_rows(low, table[..., ::-1])
+        ks.append(np.asarray(kl, np.float64))
+        masks.append(np.arange(width * PAGE) < lens[..., 1:])
+    k, mask = np.concatenate(ks, axis=2), np.concatenate(masks, axis=-1)
+    qg = np.asarray(q, np.float64).reshape(b, hkv, hq // hkv, d) / np.sqrt(d)
+    s = np.where(mask[:, :, None], np.einsum("bhgd,bhsd->bhgs", qg, k), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    sig = (p / p.sum(-1, keepdims=True)).max(axis=2)
+    out = sig[..., :width * PAGE]
+    if low is not None:
+        out = out + sig[..., width * PAGE:].reshape(b, hkv, width, PAGE)[:, :, ::-1].reshape(
+            b, hkv, -1)
+    return out
+
+
+@pytest.mark.parametrize("hi,lo", [((16, 16), None), ((8, 4), None), ((8, 4), (4, 2))])
+def test_significance_is_each_keys_attention_in_table_order(hi, lo):
+    """The kernel's significance (written in the same pass as the output) against float64
+    and the reference, over one or two tiers and any number of splits; positions that hold
+    no token are 0, and the output is unchanged by asking for it."""
+    rng = np.random.default_rng()
+    b, hkv, gqa, d, width = 2, 2, 3, 64, 8
+    lens = np.array([[[1, 0], [2 * PAGE, 3 * PAGE]], [[13, 9], [4 * PAGE + 5, 0]]])
+    if lo is None:
+        lens[..., 1] = 0
+    tables = np.zeros((b, hkv, width), np.int32)
+    pool = b * hkv * width + 1
+    ids = iter(1 + rng.permutation(pool - 1))
+    for i in range(b):
+        for h in range(hkv):
+            nh, nl = -(-lens[i, h] // PAGE)
+            tables[i, h, :nh] = [next(ids) for _ in range(nh)]
+            tables[i, h, width - nl:] = [next(ids) for _ in range(nl)][::-1]
+    high = make_tier(rng, pool, d, *hi)
+    low = None if lo is None else make_tier(rng, pool, d, *lo)
+    q = jnp.asarray(rng.normal(size=(b, hkv * gqa, d)) * 2, jnp.float32)
+    table, hl, ll = jnp.asarray(tables), jnp.asarray(lens[..., 0]), jnp.asarray(lens[..., 1])
+    tier_args = {} if low is None else dict(low_tier=low, low_lengths=ll)
+
+    want = float64_significance(q, (high, low), tables, lens)
+    held = np.asarray(want) > 0
+    assert held.sum() == lens.sum()  # every held token gets some attention, nothing else
+    _, ref = paged_decode_attention_reference(q, high, table, hl, return_significance=True,
+                                              **tier_args)
+    assert np.abs(np.asarray(ref) - want).max() < 1e-5
+    for splits, ppb in ((1, 2), (2, 2), (4, 2)):
+        run = functools.partial(paged_decode_attention, q, high, table, hl, k_splits=splits,
+                                pages_per_block=ppb, interpret=INTERPRET, **tier_args)
+        out, sig = run(return_significance=True)
+        assert np.abs(np.asarray(sig) - want).max() < 1e-5, f"splits={splits} ppb={ppb}"
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(run()))
+        (_, denom, _), per_head = run(return_significance=True, return_softmax_state=True)
+        p = np.asarray(per_head) / np.asarray(denom)[..., None]  # the caller normalises
+        assert np.abs(p.reshape(b, hkv, gqa, -1).max(axis=2) - want).max() < 1e-5
+
+
+def test_significance_lowers_for_cuda_with_triton():
+    rng = np.random.default_rng()
+    high, low = make_tier(rng, 9, 128, 8, 4), make_tier(rng, 9, 128, 4, 2)
+    q = jnp.asarray(rng.normal(size=(2, 8, 128)), jnp.bfloat16)
+    table = jnp.asarray(rng.integers(1, 9, (2, 2, 8)), jnp.int32)
+    hl, ll = jnp.full((2, 2), 20, jnp.int32), jnp.full((2, 2), 9, jnp.int32)
+    run = functools.partial(paged_decode_attention, k_splits=2, pages_per_block=2,
+                            low_tier=low, low_lengths=ll, return_significance=True)
+    lowered = jax.jit(run).trace(q, high, table, hl).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -125,17 +125,21 @@ def _attend_pages(carry, tier: KVPages, pages, visible, *, q_parts, page, comput
             v_i = v_i * scale + zero
         return v_i.astype(compute)
 
-    return _online_update(carry, logits, visible, values, compute)
+    return _online_update(carry, logits, visible, values, compute), logits
 
 
-def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale: float):
+def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale: float,
+            scores: bool):
     refs = list(refs)
     q_ref = refs.pop(0)  # [block_h, D]
     # the pool refs [P, page, ...] of the high tier, then of the low tier if any
     tiers = [KVPages.from_operands(f, refs) for f in formats]
     table_ref = refs.pop(0)  # [W]: the whole page-table row of this (sequence, KV head)
     len_ref = refs.pop(0)  # [2]: tokens in the high tier, tokens in the low tier
-    o_ref, l_ref, m_ref = refs  # [block_h, D] f32, [block_h], [block_h]
+    o_ref, l_ref, m_ref = refs[:3]  # [block_h, D] f32, [block_h], [block_h]
+    # with `scores`: the logits [block_h, per_split * page] of this split's columns (columns
+    # never visited are left unwritten; the caller masks them)
+    s_ref = refs[3] if scores else None
 
     block_h, d = q_ref.shape
     page = tiers[0].page_size
@@ -149,7 +153,14 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale:
     compute = q_ref.dtype  # bf16 operands use the tensor cores; f32 ones stay IEEE
     q_parts = [(q_ref[:, pl.ds(i * dk, dk)].astype(jnp.float32) * sm_scale).astype(compute)
                for i in range(nk)]
-    attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, compute=compute)
+    attend_pages = functools.partial(_attend_pages, q_parts=q_parts, page=page,
+                                     compute=compute)
+
+    def attend(carry, tier, pages, visible, col):
+        carry, logits = attend_pages(carry, tier, pages, visible)
+        if s_ref is not None:
+            s_ref[:, pl.ds((col - first) * page, ppb * page)] = logits
+        return carry
     carry = (tuple(jnp.zeros((block_h, dv), jnp.float32) for _ in range(nv)),
              jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32))
 
@@ -161,7 +172,7 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale:
         col = first + j * ppb
         pages = jnp.where(col + jnp.arange(ppb) < end_hi, table_ref[pl.ds(col, ppb)], 0)
         token = col * page + jnp.arange(ppb * page)
-        return attend(carry, tiers[0], pages, (token < len_hi)[None, :])
+        return attend(carry, tiers[0], pages, (token < len_hi)[None, :], col)
 
     carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(end_hi - first, 0), ppb), hi_body, carry)
 
@@ -176,7 +187,7 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale:
             pages = jnp.where(col + jnp.arange(ppb) >= start_lo, table_ref[pl.ds(col, ppb)], 0)
             col_tok = col + jnp.arange(ppb * page) // page
             token = jnp.where(col_tok >= start_lo, (w - 1 - col_tok) * page + offset, len_lo)
-            return attend(carry, tiers[1], pages, (token < len_lo)[None, :])
+            return attend(carry, tiers[1], pages, (token < len_lo)[None, :], col)
 
         carry = lax.fori_loop((start_lo - first) // ppb, pl.cdiv(per_split, ppb), lo_body,
                               carry)
@@ -190,7 +201,7 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale:
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "pages_per_block", "k_splits", "num_warps", "num_stages",
-    "return_softmax_state", "interpret"))
+    "return_softmax_state", "return_significance", "interpret"))
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     pages: KVPages,  # the pool [P, page, ...]
@@ -205,6 +216,7 @@ def paged_decode_attention(
     low_tier: KVPages | None = None,  # a second pool [P', page, ...], in its own format
     low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
     return_softmax_state: bool = False,
+    return_significance: bool = False,
     interpret: bool = False,
 ):
     """softmax(q K^T * sm_scale) V for one decode token per sequence; returns [B, Hq, D].
@@ -214,6 +226,14 @@ def paged_decode_attention(
     bidirectional table: low page i at column W - 1 - i); the kernel walks high pages, then
     low ones. With `return_softmax_state` it returns the unnormalised state
     (o [B, Hq, D] f32, denominator [B, Hq], row max [B, Hq]) for `merge_softmax_states`.
+    With `return_significance` it returns (that result, significance): LeanKV's significance
+    of every key, the attention it receives, max over the query heads of its KV head,
+    float32 [B, Hkv, W * page] in table order (token `offset` of the page at column c at
+    c * page + offset, low pages included; 0 where no token is held). The kernel writes its
+    logits in the same pass over the pages; they are normalised after the splits merge.
+    With both flags, significance is per query head and unnormalised like o,
+    exp(logit - row max) [B, Hq, W * page], so a caller merging states rescales it the same
+    way before taking the max over each KV head's query heads.
     """
     b, hq, d = q.shape
     bt, hkv, w = page_table.shape
@@ -264,32 +284,59 @@ def paged_decode_attention(
 
     kernel = functools.partial(_kernel, formats=tuple(t.kv_format for t in tiers),
                                parts=parts, pages_per_block=pages_per_block,
-                               sm_scale=sm_scale)
+                               sm_scale=sm_scale, scores=return_significance)
     name = "_".join(f"k{kb}v{vb}" for kb, vb in bits)
-    o, denom, m = pl.pallas_call(
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_h, d), lambda i, h, s: (i, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (i, h, s, 0)),
+        pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (i, h, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, hkv, k_splits, block_h, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, k_splits, block_h), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, k_splits, block_h), jnp.float32),
+    ]
+    page = pages.page_size
+    if return_significance:  # each split writes its own columns' logits
+        per_split = w // k_splits * page
+        out_specs.append(pl.BlockSpec((None, None, block_h, per_split),
+                                      lambda i, h, s: (i, h, 0, s)))
+        out_shape.append(jax.ShapeDtypeStruct((b, hkv, block_h, w * page), jnp.float32))
+    o, denom, m, *logits = pl.pallas_call(
         kernel,
         grid=(b, hkv, k_splits),
         in_specs=specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_h, d), lambda i, h, s: (i, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (i, h, s, 0)),
-            pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (i, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, k_splits, block_h, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, k_splits, block_h), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, k_splits, block_h), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"jkv_paged_decode_{name}",
+        name=f"jkv_paged_decode_{name}{'_sig' if return_significance else ''}",
     )(*args)
     o, denom, m = merge_softmax_states(o, denom, m, axis=2)
     o, denom, m = o[:, :, :group_size], denom[:, :, :group_size], m[:, :, :group_size]
+    if return_significance:
+        held = held_columns(w, page, lengths, low_lengths)[:, :, None]
+        p = jnp.where(held, jnp.exp(logits[0][:, :, :group_size] - m[..., None]), 0.0)
+        if return_softmax_state:  # unnormalised per query head, like o
+            significance = p.reshape(b, hq, w * page)
+        else:
+            significance = (p / jnp.where(denom > 0, denom, 1.0)[..., None]).max(axis=2)
     o, denom, m = o.reshape(b, hq, d), denom.reshape(b, hq), m.reshape(b, hq)
-    if return_softmax_state:
-        return o, denom, m
-    return normalize_softmax_state(o, denom).astype(q.dtype)
+    out = (o, denom, m) if return_softmax_state else normalize_softmax_state(o, denom).astype(
+        q.dtype)
+    return (out, significance) if return_significance else out
+
+
+def held_columns(w: int, page: int, lengths: jax.Array, low_lengths: jax.Array) -> jax.Array:
+    """Which of a row's W * page table positions hold a token: bool [B, Hkv, W * page]. High
+    tokens fill from the left in token order; low token t sits in column W - 1 - t // page
+    at offset t % page."""
+    at = jnp.arange(w * page)
+    col, offset = at // page, at % page
+    low_token = (w - 1 - col) * page + offset
+    return ((at < lengths[..., None])
+            | ((col >= w - (low_lengths[..., None] + page - 1) // page)
+               & (low_token < low_lengths[..., None])))
 
 
 def merge_softmax_states(o: jax.Array, denom: jax.Array, m: jax.Array,
@@ -316,9 +363,10 @@ def paged_decode_attention_reference(q: jax.Array, pages: KVPages, page_table: j
                                      lengths: jax.Array, *, sm_scale: float | None = None,
                                      low_tier: KVPages | None = None,
                                      low_lengths: jax.Array | None = None,
-                                     dtype=jnp.float32) -> jax.Array:
+                                     dtype=jnp.float32, return_significance: bool = False):
     """The same function in plain jnp: dequantize every page of every row (the low tier's
-    read right to left), one masked softmax over both tiers."""
+    read right to left), one masked softmax over both tiers. With `return_significance`,
+    also the probabilities' max over each KV head's query heads in table order."""
     b, hq, d = q.shape
     hkv = page_table.shape[1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -335,7 +383,16 @@ def paged_decode_attention_reference(q: jax.Array, pages: KVPages, page_table: j
     s = jnp.where(visible[:, :, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bhgs,bhsd->bhgd", p, v, precision=lax.Precision.HIGHEST)
-    return out.reshape(b, hq, d)
+    out = out.reshape(b, hq, d)
+    if not return_significance:
+        return out
+    w, page = page_table.shape[2], pages.page_size
+    sig = jnp.where(visible[:, :, None, :], p, 0.0).max(axis=2)  # [B, Hkv, S]
+    table_order = sig[..., :w * page]
+    if low_tier is not None:  # low token t -> column W - 1 - t // page, same offset
+        low = sig[..., w * page:].reshape(b, hkv, w, page)[:, :, ::-1]
+        table_order = table_order + low.reshape(b, hkv, w * page)
+    return out, table_order
 
 
 def dequantized_rows(pages: KVPages, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
