@@ -22,6 +22,7 @@ from paged_inputs import paged_attention_inputs
 from jkv.cache.xla_attention import xla_attention
 from jkv.config import KV_FORMATS
 from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attention_reference
+from jkv.pallas_kernels.paged_decode_attention import dequantized_rows
 
 FORMATS = sorted({(f.k_bits, f.v_bits) for f in KV_FORMATS.values()}, reverse=True)
 PAGE, GROUP, POISON = 4, 16, 1e4
@@ -133,3 +134,50 @@ def test_engine_path_calls_no_reference_and_loops_over_blocks():
         assert not names, f"{module.__name__} imports {names}"
     args, q_lengths = make_case(np.random.default_rng(), t=2, gqa=2, d=32, k_bits=8, v_bits=4)
     assert str(jax.make_jaxpr(xla_attention)(*args, q_lengths=q_lengths)).count("while") >= 3
+
+
+def float64_significance(args, q_lengths):
+    """Each key's attention, max over its KV head's query heads, averaged over the real
+    queries that see it, in float64: (pages in table order, window)."""
+    q, pages, table, plen, kw, vw, start, wlen, pos = (np.asarray(x) if i != 1 else x
+                                                        for i, x in enumerate(args))
+    kp, _ = dequantized_rows(pages, jnp.asarray(table))
+    kp, kw = np.asarray(kp, np.float64), kw.astype(np.float64)
+    b, t, hq, d = q.shape
+    hkv, np_, tw = table.shape[1], kp.shape[2], kw.shape[2]
+    g = hq // hkv
+    sums, counts = np.zeros((b, hkv, np_ + tw)), np.zeros((b, hkv, np_ + tw))
+    for i in range(b):
+        for j in range(int(q_lengths[i])):
+            for h in range(hkv):
+                vis = np.concatenate([np.arange(np_) < plen[i, h], (np.arange(tw) < wlen[i])
+                                      & (start[i] + np.arange(tw) <= pos[i, j])])
+                if not vis.any():
+                    continue
+                keys = np.concatenate([kp[i, h], kw[i, h]])
+                s = q[i, j, h * g:(h + 1) * g].astype(np.float64) @ keys.T / np.sqrt(d)
+                s = np.where(vis, s, -np.inf)  # poison where not visible
+                p = np.exp(s - s.max(-1, keepdims=True))
+                sums[i, h] += (p / p.sum(-1, keepdims=True)).max(axis=0)
+                counts[i, h] += vis
+    sig = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
+    return sig[..., :np_], sig[..., np_:]
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(16, 16), (8, 4)])
+def test_significance_matches_float64(k_bits, v_bits):
+    """The optional significance over pages and window, for a padded prefill chunk in several
+    blocks and a decode step; asking for it leaves the output unchanged."""
+    rng, seed = fresh_rng()
+    for t, gqa, d, blocks in CASES:
+        args, q_lengths = make_case(rng, t=t, gqa=gqa, d=d, k_bits=k_bits, v_bits=v_bits)
+        want_pages, want_window = float64_significance(args, np.asarray(q_lengths))
+        out, (sig_pages, sig_window) = xla_attention(*args, q_lengths=q_lengths, **blocks,
+                                                     return_significance=True)
+        plain = xla_attention(*args, q_lengths=q_lengths, **blocks)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
+        assert sig_pages.shape == want_pages.shape and sig_window.shape == want_window.shape
+        err = max(np.abs(np.asarray(sig_pages) - want_pages).max(),
+                  np.abs(np.asarray(sig_window) - want_window).max())
+        assert err < 1e-5, f"seed {seed} k{k_bits}v{v_bits} t={t}: {err:.2e}"
+        assert want_window.max() > 0.01 and want_pages.max() > 0.01, f"seed {seed}"

@@ -64,7 +64,8 @@ def _normalize(state: tuple, real: jax.Array) -> jax.Array:
     return jnp.where(ok[..., None], acc / jnp.where(ok, denom, 1.0)[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "block_w"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "block_w",
+                                             "return_significance"))
 def xla_attention(
     q: jax.Array,  # [B, T, Hq, D]
     pages: KVPages,  # the pool [P, page, ...]
@@ -81,7 +82,8 @@ def xla_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     block_w: int | None = None,
-) -> jax.Array:
+    return_significance: bool = False,
+) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """`chunked_prefill_attention`'s function in jnp; returns float32 [B, T, Hq, D].
 
     Query (b, t) sees every page token of its KV head and window token i when
@@ -89,6 +91,12 @@ def xla_attention(
     nothing gets 0, and so does a padding query t >= q_lengths[b]. Blocks: `block_q` queries
     (all their query heads together), `block_k` page tokens, `block_w` window tokens; None
     picks sizes that suit a CPU.
+
+    With `return_significance` it also returns LeanKV's significance of every key: the
+    attention it receives, max over the query heads of its KV head, averaged over the real
+    queries that see it: (pages [B, Hkv, W * page] in table order, window [B, Hkv, Tw]),
+    0 where no query sees a token. The scores are kept as they are computed (no second pass
+    over the pages) and normalised once every row's softmax state is final.
     """
     b, t, hq, d = q.shape
     _, hkv, w = page_table.shape
@@ -130,22 +138,28 @@ def xla_attention(
     plen = jnp.where(q_lengths[:, None] > 0, lengths, 0)  # [B, Hkv]
     block = ppb * page
 
-    def page_body(j, state, masked: bool):
+    def page_body(j, carry, masked: bool):
+        state, scores = carry
         k, v = gather_block(j)
         s = jnp.einsum("bhrd,bhkd->bhrk", qg, k, preferred_element_type=jnp.float32)
-        if not masked:
-            return _online_update(state, s, v)
-        token = j * block + jnp.arange(block)
-        visible = (token[None, None, :] < plen[:, :, None])[:, :, None, :]
-        return _online_update(state, s, v, visible)
+        if masked:
+            token = j * block + jnp.arange(block)
+            visible = (token[None, None, :] < plen[:, :, None])[:, :, None, :]
+            s = jnp.where(visible, s, MASK_VALUE)
+        if scores is not None:
+            scores = lax.dynamic_update_slice_in_dim(scores, s, j * block, axis=3)
+        return _online_update(state, s, v), scores
 
     state = (jnp.zeros((b, hkv, tp * g, d), jnp.float32),
              jnp.full((b, hkv, tp * g), -jnp.inf, jnp.float32),
              jnp.zeros((b, hkv, tp * g), jnp.float32))
+    page_scores = (jnp.full((b, hkv, tp * g, table.shape[2] * page), MASK_VALUE, jnp.float32)
+                   if return_significance else None)
     full = plen.min() // block
-    state = lax.fori_loop(0, full, functools.partial(page_body, masked=False), state)
-    state = lax.fori_loop(full, -(-plen.max() // block),
-                          functools.partial(page_body, masked=True), state)
+    carry = lax.fori_loop(0, full, functools.partial(page_body, masked=False),
+                          (state, page_scores))
+    state, page_scores = lax.fori_loop(full, -(-plen.max() // block),
+                                       functools.partial(page_body, masked=True), carry)
 
     # (2) the window, causal by absolute position, a block of queries at a time. Block i's
     # queries see window tokens up to their own, so it attends at once to the span that the
@@ -157,9 +171,11 @@ def xla_attention(
     start = window_start.astype(jnp.int32)
     block_w = min(block_w, tw)
 
-    def window_keys(qb, state, row_pos, first: jax.Array | int, size: int) -> tuple:
+    def window_keys(qb, carry, row_pos, first: jax.Array | int, size: int) -> tuple:
         """Window tokens [first, first + size) (a block that would end past the window is
-        moved back to end there, its tokens before `first` masked)."""
+        moved back to end there, its tokens before `first` masked); carry: (state, the
+        block's window scores or None)."""
+        state, scores = carry
         at = jnp.minimum(first, tw - size)
         k = lax.dynamic_slice_in_dim(k_window, at, size, axis=2).astype(jnp.float32)
         v = lax.dynamic_slice_in_dim(v_window, at, size, axis=2).astype(jnp.float32)
@@ -167,34 +183,73 @@ def xla_attention(
         idx = at + jnp.arange(size)
         visible = ((idx >= first)[None, None, :] & (idx[None, None, :] < win_len[:, None, None])
                    & (start[:, None, None] + idx[None, None, :] <= row_pos[:, :, None]))
-        return _online_update(state, s, v, visible[:, None])
+        s = jnp.where(visible[:, None], s, MASK_VALUE)
+        if scores is not None:  # a token written twice is masked once: keep the larger
+            seen = lax.dynamic_slice_in_dim(scores, at, size, axis=3)
+            scores = lax.dynamic_update_slice_in_dim(scores, jnp.maximum(seen, s), at, axis=3)
+        return _online_update(state, s, v), scores
 
-    def query_block(i: int, qb: jax.Array, state: tuple) -> jax.Array:
-        """Output [B, Hkv, R, D] of query block i: queries qb [B, Hkv, R, D] and their state
-        after the pages."""
+    def query_block(i: int, qb: jax.Array, state: tuple) -> tuple:
+        """Output [B, Hkv, R, D] of query block i, its rows' final (max, denominator) and
+        window scores (None without significance): queries qb [B, Hkv, R, D] and their
+        state after the pages."""
         pb = pos[:, i * block_q:(i + 1) * block_q]  # [B, block_q]
         real_q = i * block_q + jnp.arange(block_q)[None, :] < q_lengths[:, None]
         row_pos = jnp.repeat(pb, g, axis=1)  # [B, R]
         span = max(1, min(tw, tw - t + (i + 1) * block_q))
-        state = window_keys(qb, state, row_pos, 0, span)
+        scores = (jnp.full((b, hkv, rows, tw), MASK_VALUE, jnp.float32)
+                  if return_significance else None)
+        carry = window_keys(qb, (state, scores), row_pos, 0, span)
         top = jnp.where(real_q, pb, -1).max(axis=1)  # latest real query position
         seen = jnp.clip(top - start + 1, 0, win_len)  # [B] (0 without real queries)
-        state = lax.fori_loop(
+        state, scores = lax.fori_loop(
             0, -(-jnp.maximum(seen.max() - span, 0) // block_w),
-            lambda j, state: window_keys(qb, state, row_pos, span + j * block_w, block_w),
-            state)
-        return _normalize(state, jnp.repeat(real_q, g, axis=1)[:, None, :])
+            lambda j, carry: window_keys(qb, carry, row_pos, span + j * block_w, block_w),
+            carry)
+        out = _normalize(state, jnp.repeat(real_q, g, axis=1)[:, None, :])
+        return out, state[1], state[2], scores
 
-    outs = []
+    def padding_block(qb, state):
+        scores = (jnp.full((b, hkv, rows, tw), MASK_VALUE, jnp.float32)
+                  if return_significance else None)
+        return jnp.zeros_like(qb), state[1], jnp.zeros_like(state[2]), scores
+
+    blocks = []
     for i in range(nq):
         rows_i = slice(i * rows, (i + 1) * rows)
         qb, state_i = qg[:, :, rows_i], tuple(x[:, :, rows_i] for x in state)
         if i == 0:  # the first block always holds real queries (or the whole step is padding)
-            outs.append(query_block(i, qb, state_i))
+            blocks.append(query_block(i, qb, state_i))
         else:
-            outs.append(lax.cond((q_lengths > i * block_q).any(),
-                                 functools.partial(query_block, i),
-                                 lambda qb, state: jnp.zeros_like(qb), qb, state_i))
-    out = jnp.stack(outs)  # [nq, B, Hkv, R, D]
+            blocks.append(lax.cond((q_lengths > i * block_q).any(),
+                                   functools.partial(query_block, i), padding_block,
+                                   qb, state_i))
+    out = jnp.stack([x[0] for x in blocks])  # [nq, B, Hkv, R, D]
     out = out.reshape(nq, b, hkv, block_q, g, d).transpose(1, 0, 3, 2, 4, 5)
-    return out.reshape(b, nq * block_q, hq, d)[:, :t]
+    out = out.reshape(b, nq * block_q, hq, d)[:, :t]
+    if not return_significance:
+        return out
+    m = jnp.concatenate([x[1] for x in blocks], axis=2)  # [B, Hkv, Tp * G]
+    denom = jnp.concatenate([x[2] for x in blocks], axis=2)
+    real = jnp.arange(tp)[None, :] < q_lengths[:, None]  # [B, Tp]
+    row_pos = jnp.where(real, pos, -1)
+    win_idx = jnp.arange(tw)
+    sees = ((win_idx[None, None, :] < win_len[:, None, None])
+            & (start[:, None, None] + win_idx[None, None, :] <= row_pos[:, :, None]))
+    significance = (
+        _significance(page_scores[..., :w * page], m, denom, real, g, q_lengths[:, None, None]),
+        _significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom, real, g,
+                      sees.sum(axis=1)[:, None, :]))
+    return out, significance
+
+
+def _significance(scores: jax.Array, m: jax.Array, denom: jax.Array, real: jax.Array, g: int,
+                  count: jax.Array) -> jax.Array:
+    """Scores [B, Hkv, Tp * G, S] (rows t * G + g) normalised by the rows' final state, max
+    over each query's G heads, summed over real queries and divided by `count` (queries that
+    see each key, broadcastable to [B, Hkv, S]); 0 where none does."""
+    b, hkv, _, n = scores.shape
+    ok = real[:, None, :].repeat(g, axis=2) & (m > 0.5 * MASK_VALUE) & (denom > 0)
+    p = jnp.exp(scores - jnp.where(ok, m, 0.0)[..., None]) / jnp.where(ok, denom, 1.0)[..., None]
+    p = jnp.where(ok[..., None], p, 0.0).reshape(b, hkv, -1, g, n).max(axis=3).sum(axis=2)
+    return jnp.where(count > 0, p / jnp.maximum(count, 1), 0.0)

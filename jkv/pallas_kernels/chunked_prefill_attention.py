@@ -70,7 +70,7 @@ def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, 
         pages = jnp.where(col + jnp.arange(ppb) < pl.cdiv(plen, page),
                           table_ref[pl.ds(col, ppb)], 0)
         token = col * page + jnp.arange(ppb * page)
-        return attend(carry, tier, pages, (token < plen)[None, :])
+        return attend(carry, tier, pages, (token < plen)[None, :])[0]  # state, not logits
 
     w = table_ref.shape[0]  # a length past the table never reads past it
     carry = lax.fori_loop(0, jnp.minimum(pl.cdiv(pl.cdiv(plen, page), ppb), w // ppb),

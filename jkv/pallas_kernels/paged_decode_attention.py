@@ -84,7 +84,7 @@ def _online_update(carry, logits, visible, values, compute):
 
 def _attend_pages(carry, tier: KVPages, pages, visible, *, q_parts, page, compute):
     """One online-softmax step over the pages `pages` [ppb] of one tier (a KVPages of the
-    pool's refs).
+    pool's refs); returns (the new state, the block's logits [rows, ppb * page]).
 
     `visible` [rows or 1, ppb * page] masks keys (masked pages may be the null page). q and
     the output are cut into channel parts (`q_parts`, carry[0]) at least as fine as the
