@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from paged_inputs import paged_attention_inputs
 
+from jkv.cache.xla_attention import xla_attention
 from jkv.config import KV_FORMATS, KVFormat
 from jkv.pallas_kernels.chunked_prefill_attention import (
     chunked_prefill_attention,
@@ -197,3 +198,39 @@ def test_cuda_lowering_catches_triton_errors():
                             block_w=8)
     with pytest.raises(Exception, match="power of 2"):
         jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(16, 16), (8, 4)])
+def test_significance_matches_the_reference(k_bits, v_bits):
+    """The kernel's significance (logits written in the same pass) against the reference's
+    and the xla path's, with padding queries; asking for it leaves the output unchanged."""
+    rng = np.random.default_rng()
+    for t, block_q, ppb, block_w in TILINGS:
+        args = make_case(rng, gqa=3, d=64, t=t, k_bits=k_bits, v_bits=v_bits)
+        q_lengths = jnp.asarray([t, max(t - 3, 1), t, 0], jnp.int32)
+        _, (ref_pages, ref_window) = chunked_prefill_attention_reference(
+            *args, q_lengths=q_lengths, return_significance=True)
+        assert np.asarray(ref_pages).max() > 0.01 and np.asarray(ref_window).max() > 0.01
+        _, (xla_pages, xla_window) = xla_attention(*args, q_lengths=q_lengths,
+                                                   return_significance=True)
+        run = functools.partial(chunked_prefill_attention, *args, q_lengths=q_lengths,
+                                block_q=block_q, pages_per_block=ppb, block_w=block_w,
+                                interpret=INTERPRET)
+        out, (sig_pages, sig_window) = run(return_significance=True)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(run()))
+        for got, want, other in ((sig_pages, ref_pages, xla_pages),
+                                 (sig_window, ref_window, xla_window)):
+            assert got.shape == want.shape
+            assert np.abs(np.asarray(want) - np.asarray(other)).max() < 1e-5
+            err = np.abs(np.asarray(got) - np.asarray(want)).max()
+            assert err < 1e-5, f"t={t} block_q={block_q} ppb={ppb} block_w={block_w}: {err:.2e}"
+
+
+def test_significance_lowers_for_cuda_with_triton():
+    rng = np.random.default_rng()
+    args = make_case(rng, gqa=3, d=128, t=16, k_bits=8, v_bits=4, dtype=jnp.bfloat16)
+    run = functools.partial(chunked_prefill_attention, block_q=16, pages_per_block=4,
+                            block_w=8, return_significance=True)
+    lowered = jax.jit(run).trace(*args)
+    assert lowered.out_info[1][1].shape == args[4].shape[:3]  # the window before its padding
+    assert "__gpu$xla.gpu.triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()

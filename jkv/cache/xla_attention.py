@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jkv.pallas_kernels.chunked_prefill_attention import key_significance
 from jkv.pallas_kernels.kv_pages import KVPages
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -237,19 +238,8 @@ def xla_attention(
     sees = ((win_idx[None, None, :] < win_len[:, None, None])
             & (start[:, None, None] + win_idx[None, None, :] <= row_pos[:, :, None]))
     significance = (
-        _significance(page_scores[..., :w * page], m, denom, real, g, q_lengths[:, None, None]),
-        _significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom, real, g,
+        key_significance(page_scores[..., :w * page], m, denom, real, g, q_lengths[:, None, None]),
+        key_significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom, real, g,
                       sees.sum(axis=1)[:, None, :]))
     return out, significance
 
-
-def _significance(scores: jax.Array, m: jax.Array, denom: jax.Array, real: jax.Array, g: int,
-                  count: jax.Array) -> jax.Array:
-    """Scores [B, Hkv, Tp * G, S] (rows t * G + g) normalised by the rows' final state, max
-    over each query's G heads, summed over real queries and divided by `count` (queries that
-    see each key, broadcastable to [B, Hkv, S]); 0 where none does."""
-    b, hkv, _, n = scores.shape
-    ok = real[:, None, :].repeat(g, axis=2) & (m > 0.5 * MASK_VALUE) & (denom > 0)
-    p = jnp.exp(scores - jnp.where(ok, m, 0.0)[..., None]) / jnp.where(ok, denom, 1.0)[..., None]
-    p = jnp.where(ok[..., None], p, 0.0).reshape(b, hkv, -1, g, n).max(axis=3).sum(axis=2)
-    return jnp.where(count > 0, p / jnp.maximum(count, 1), 0.0)

@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.kv_quant import codes_per_byte
 from jkv.pallas_kernels.paged_decode_attention import (
+    MASK_VALUE,
     MIN_DOT,
     _attend_pages,
     _dot_t,
@@ -33,7 +34,7 @@ from jkv.pallas_kernels.paged_decode_attention import (
 
 
 def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, heads: int,
-            sm_scale: float):
+            sm_scale: float, scores: bool):
     refs = list(refs)
     q_ref = refs.pop(0)  # [rows = block_q * heads, D]
     pos_ref = refs.pop(0)  # [block_q]: absolute positions of the tile's queries
@@ -44,6 +45,9 @@ def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, 
     vw_ref = refs.pop(0)  # [Tw, D] window values
     win_ref = refs.pop(0)  # [3]: window start position, window length, real queries
     o_ref = refs.pop(0)  # [rows, D]
+    # with `scores`: logits over the pages [rows, W * page] and the window [rows, Tw] (blocks
+    # never visited are left unwritten; the caller masks them), the rows' max and denominator
+    sp_ref, sw_ref, m_ref, l_ref = refs if scores else (None,) * 4
 
     rows, d = q_ref.shape
     block_q = pos_ref.shape[0]
@@ -70,7 +74,10 @@ def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, 
         pages = jnp.where(col + jnp.arange(ppb) < pl.cdiv(plen, page),
                           table_ref[pl.ds(col, ppb)], 0)
         token = col * page + jnp.arange(ppb * page)
-        return attend(carry, tier, pages, (token < plen)[None, :])[0]  # state, not logits
+        carry, logits = attend(carry, tier, pages, (token < plen)[None, :])
+        if sp_ref is not None:
+            sp_ref[:, pl.ds(col * page, ppb * page)] = logits
+        return carry
 
     w = table_ref.shape[0]  # a length past the table never reads past it
     carry = lax.fori_loop(0, jnp.minimum(pl.cdiv(pl.cdiv(plen, page), ppb), w // ppb),
@@ -89,6 +96,8 @@ def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, 
         for p in range(nk):
             k_p = kw_ref[pl.ds(j * block_w, block_w), pl.ds(p * dk, dk)].astype(compute)
             logits += _dot_t(q_parts[p], k_p)
+        if sw_ref is not None:
+            sw_ref[:, pl.ds(j * block_w, block_w)] = logits
 
         def values(p):
             return vw_ref[pl.ds(j * block_w, block_w), pl.ds(p * dv, dv)].astype(compute)
@@ -97,7 +106,10 @@ def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, 
 
     carry = lax.fori_loop(0, pl.cdiv(visible_len, block_w), window_body, carry)
 
-    o_parts, _, denom = carry
+    o_parts, m, denom = carry
+    if scores:
+        m_ref[...] = m
+        l_ref[...] = denom
     # a query that sees nothing gives 0, and so does a padding query
     real = first_query + jnp.arange(rows) // heads < win_ref[2]
     denom = jnp.where(real & (denom > 0), denom, jnp.inf)[:, None]
@@ -107,7 +119,7 @@ def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_q", "pages_per_block", "block_w", "num_warps", "num_stages",
-    "interpret"))
+    "return_significance", "interpret"))
 def chunked_prefill_attention(
     q: jax.Array,  # [B, T, Hq, D]
     pages: KVPages,  # the pool [P, page, ...]
@@ -126,18 +138,24 @@ def chunked_prefill_attention(
     block_w: int = 16,
     num_warps: int = 4,
     num_stages: int = 2,
+    return_significance: bool = False,
     interpret: bool = False,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attention of T new queries over their pages and window; returns [B, T, Hq, D].
 
     Query (b, t) sees every page token of its KV head and window token i when
     i < window_len[b] and window_start[b] + i <= q_positions[b, t]. A query that sees
     nothing gets 0, and so does a padding query t >= q_lengths[b] (tiles of them skip all
     work: a padded chunk does not pay for attention over its history).
+
+    With `return_significance` it also returns each key's significance (`key_significance`)
+    over the pages [B, Hkv, W * page] (table order) and the window [B, Hkv, Tw]; the kernel
+    writes its logits in the same pass and they are normalised once its rows' states are
+    final.
     """
     b, t, hq, d = q.shape
     bt, hkv, w = page_table.shape
-    tw = k_window.shape[2]
+    tw = given_tw = k_window.shape[2]
     block_q = min(block_q, t)
     if bt != b or page_lengths.shape != (b, hkv):
         raise ValueError(f"page_table {page_table.shape} and page_lengths {page_lengths.shape} "
@@ -197,19 +215,63 @@ def chunked_prefill_attention(
               pl.BlockSpec((None, 3), lambda i, h, s: (i, 0))]
     kernel = functools.partial(_kernel, kv_format=fmt, parts=parts,
                                pages_per_block=pages_per_block, block_w=block_w, heads=heads,
-                               sm_scale=sm_scale)
-    out = pl.pallas_call(
+                               sm_scale=sm_scale, scores=return_significance)
+    out_specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, t * heads, d), q.dtype)]
+    if return_significance:
+        for n in (w * page, tw):
+            out_specs.append(pl.BlockSpec((None, None, rows, n), lambda i, h, s: (i, h, s, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((b, hkv, t * heads, n), jnp.float32))
+        for _ in range(2):
+            out_specs.append(pl.BlockSpec((None, None, rows), lambda i, h, s: (i, h, s)))
+            out_shape.append(jax.ShapeDtypeStruct((b, hkv, t * heads), jnp.float32))
+    out, *state = pl.pallas_call(
         kernel,
         grid=(b, hkv, t // block_q),
         in_specs=specs,
-        out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, t * heads, d), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"jkv_chunked_prefill_k{fmt.k_bits}v{fmt.v_bits}",
+        name=f"jkv_chunked_prefill_k{fmt.k_bits}v{fmt.v_bits}"
+             f"{'_sig' if return_significance else ''}",
     )(*args)
     out = out.reshape(b, hkv, t, heads, d)[:, :, :, :g]
-    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    if not return_significance:
+        return out
+
+    def query_rows(x):  # [B, Hkv, T * heads, ...] -> [B, Hkv, T * G, ...]
+        x = x.reshape(b, hkv, t, heads, *x.shape[3:])[:, :, :, :g]
+        return x.reshape(b, hkv, t * g, *x.shape[4:])
+
+    sp, sw, m, denom = (query_rows(x) for x in state)
+    real = jnp.arange(t)[None, :] < q_lengths[:, None]
+    held = jnp.arange(w * page)[None, None, None, :] < page_lengths[:, :, None, None]
+    i = jnp.arange(tw)
+    sees = ((i[None, None, :] < jnp.minimum(window_len, tw)[:, None, None])
+            & (window_start[:, None, None] + i[None, None, :] <= q_positions[:, :, None])
+            & real[:, :, None])  # [B, T, Tw]
+    sees_rows = jnp.repeat(sees, g, axis=1)[:, None]  # [B, 1, T * G, Tw]
+    return out, (
+        key_significance(jnp.where(held, sp, MASK_VALUE), m, denom, real, g,
+                         jnp.where(page_lengths > 0, q_lengths[:, None], 0)[..., None]),
+        key_significance(jnp.where(sees_rows, sw, MASK_VALUE), m, denom, real, g,
+                         sees.sum(axis=1)[:, None, :])[..., :given_tw])
+
+
+def key_significance(scores: jax.Array, m: jax.Array, denom: jax.Array, real: jax.Array,
+                     g: int, count: jax.Array) -> jax.Array:
+    """LeanKV's significance of each key from the logits of a step's queries: scores
+    [B, Hkv, T * G, S] (rows t * G + g, MASK_VALUE where a query does not see a key)
+    normalised by the rows' final max and denominator [B, Hkv, T * G], max over each
+    query's G heads, summed over the real queries (`real` [B, T]) and divided by `count`,
+    the queries that see each key (broadcastable to [B, Hkv, S]); 0 where none does."""
+    b, hkv, _, n = scores.shape
+    ok = jnp.repeat(real, g, axis=1)[:, None, :] & (m > 0.5 * MASK_VALUE) & (denom > 0)
+    p = jnp.exp(scores - jnp.where(ok, m, 0.0)[..., None]) / jnp.where(ok, denom, 1.0)[..., None]
+    p = jnp.where(ok[..., None], p, 0.0).reshape(b, hkv, -1, g, n).max(axis=3).sum(axis=2)
+    return jnp.where(count > 0, p / jnp.maximum(count, 1), 0.0)
 
 
 def chunked_prefill_attention_reference(
@@ -226,9 +288,11 @@ def chunked_prefill_attention_reference(
     *,
     sm_scale: float | None = None,
     dtype=jnp.float32,
-) -> jax.Array:
+    return_significance: bool = False,
+):
     """The same function in plain jnp: dequantize every page, append the window, one masked
-    softmax."""
+    softmax (and, with `return_significance`, each key's probabilities' max over its query
+    heads averaged over the real queries that see it)."""
     b, t, hq, d = q.shape
     hkv = page_table.shape[1]
     tw = k_window.shape[2]
@@ -252,7 +316,14 @@ def chunked_prefill_attention_reference(
     denom = p.sum(axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhgts,bhsd->bthgd", p, v, precision=lax.Precision.HIGHEST)
-    if q_lengths is not None:
-        real = jnp.arange(t)[None, :] < q_lengths[:, None]
-        out = jnp.where(real[:, :, None, None, None], out, 0.0)
-    return out.reshape(b, t, hq, d)
+    if q_lengths is None:
+        q_lengths = jnp.full((b,), t, jnp.int32)
+    real = jnp.arange(t)[None, :] < q_lengths[:, None]
+    out = jnp.where(real[:, :, None, None, None], out, 0.0).reshape(b, t, hq, d)
+    if not return_significance:
+        return out
+    seen = visible[:, :, 0] & real[:, None, :, None]  # [B, Hkv, T, S]
+    total = jnp.where(seen, p.max(axis=2), 0.0).sum(axis=2)
+    count = seen.sum(axis=2)
+    sig = jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
+    return out, (sig[..., :s_pages], sig[..., s_pages:])
