@@ -122,7 +122,7 @@ def _leaky_add_refs(free, ids, delta):
     return free.replace(refs=free.refs.at[dest].add(2 * delta, mode="drop"))
 
 
-@pytest.mark.parametrize("name,bug", [("_unref", _double_free_unref),
+@pytest.mark.parametrize("name,bug", [("unref", _double_free_unref),
                                       ("_add_refs", _leaky_add_refs)])
 def test_the_properties_catch_planted_bugs(monkeypatch, name, bug):
     monkeypatch.setattr(alloc, name, bug)

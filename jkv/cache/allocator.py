@@ -35,9 +35,14 @@ class FreeList:
 
 @struct.dataclass
 class PageTables:
+    """Per (slot, layer, KV head) a row of `max_pages` page ids: `num_pages` from the left
+    (in token order, or a token tier's pages: `token_tiers`) and `low_pages` from the right
+    (the low tier of LeanKV's bidirectional table; 0 without tiers)."""
+
     pages: jax.Array  # int32[max_seqs, num_layers, num_kv_heads, max_pages]; 0 = no page
     num_pages: jax.Array  # int32[max_seqs, num_layers, num_kv_heads]
     lengths: jax.Array  # int32[max_seqs]: tokens held by each sequence slot
+    low_pages: jax.Array  # int32[max_seqs, num_layers, num_kv_heads]
 
 
 def init_free(num_pages: int, page_size: int) -> FreeList:
@@ -57,7 +62,15 @@ def init_tables(max_seqs: int, num_layers: int, num_kv_heads: int, max_pages: in
         pages=jnp.zeros((max_seqs, num_layers, num_kv_heads, max_pages), jnp.int32),
         num_pages=jnp.zeros((max_seqs, num_layers, num_kv_heads), jnp.int32),
         lengths=jnp.zeros((max_seqs,), jnp.int32),
+        low_pages=jnp.zeros((max_seqs, num_layers, num_kv_heads), jnp.int32),
     )
+
+
+def held_mask(tables: PageTables) -> jax.Array:
+    """Which table entries hold a page: bool [..., max_pages] (left and right sides)."""
+    w = tables.pages.shape[-1]
+    j = jnp.arange(w, dtype=jnp.int32)
+    return (j < tables.num_pages[..., None]) | (j >= w - tables.low_pages[..., None])
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -72,7 +85,7 @@ def _add_refs(free: FreeList, ids: jax.Array, delta: int) -> FreeList:
     return free.replace(refs=free.refs.at[dest].add(delta, mode="drop"))
 
 
-def _unref(free: FreeList, ids: jax.Array) -> FreeList:
+def unref(free: FreeList, ids: jax.Array) -> FreeList:
     """Drop one reference per entry of `ids` > 0; pages left with none join the free list
     (once each, however many of their references went in this call)."""
     n_pages = free.refs.shape[0]
@@ -90,15 +103,34 @@ def _unref(free: FreeList, ids: jax.Array) -> FreeList:
                         num_free=free.num_free + freed.sum(dtype=jnp.int32))
 
 
+def allocate(free: FreeList, need: jax.Array, width: int) -> tuple[FreeList, jax.Array, jax.Array]:
+    """need [...] new pages per row from the head of the circular list, each referenced once:
+    (free, ids [..., width] with the k-th new id of a row at k < need, else the null page, ok).
+    When the list is short nothing is taken and ok is False."""
+    need = need.astype(jnp.int32)
+    offsets = _exclusive_cumsum(need)
+    total = need.sum()
+    ok = total <= free.num_free
+    k = jnp.arange(width, dtype=jnp.int32)
+    take = (k < need[..., None]) & ok
+    n_ids = free.ids.shape[0]
+    ids = jnp.where(take, free.ids[(free.head + offsets[..., None] + k) % n_ids], NULL_PAGE)
+    total = jnp.where(ok, total, 0)
+    new_free = _add_refs(free, ids, 1)
+    return new_free.replace(head=(free.head + total) % n_ids,
+                            num_free=free.num_free - total), ids, ok
+
+
 @jax.jit
 def reserve(free: FreeList, tables: PageTables, new_lengths: jax.Array,
             head_tokens: jax.Array | None = None) -> tuple[FreeList, PageTables, jax.Array]:
     """Grow slots to `new_lengths` [max_seqs] tokens, allocating pages as needed.
 
     `head_tokens` [max_seqs, layers, KV heads] says how many of them each (layer, KV head)
-    keeps in pages (default: all of them), so heads may own different numbers of pages.
-    Nothing shrinks. Returns (free, tables, ok); when the pool is short or a head would
-    outgrow the table width nothing changes and ok is False.
+    keeps in its left-side pages (default: all of them), so heads may own different numbers
+    of pages. Nothing shrinks. Returns (free, tables, ok); when the pool is short or a head
+    would run into its right-side pages (or past the table width) nothing changes and ok is
+    False.
     """
     page_size = free.page_size
     max_pages = tables.pages.shape[-1]
@@ -107,22 +139,15 @@ def reserve(free: FreeList, tables: PageTables, new_lengths: jax.Array,
         head_tokens = jnp.broadcast_to(lengths[:, None, None], tables.num_pages.shape)
     want = jnp.maximum((head_tokens.astype(jnp.int32) + page_size - 1) // page_size,
                        tables.num_pages)  # [S, L, H]
-    need = want - tables.num_pages
-    offsets = _exclusive_cumsum(need)
-    total = need.sum()
-    ok = (total <= free.num_free) & (want.max() <= max_pages)
-
-    j = jnp.arange(max_pages, dtype=jnp.int32)
-    k = j - tables.num_pages[..., None]  # index of page j among the new ones
+    fits = (want + tables.low_pages).max() <= max_pages
+    need = jnp.where(fits, want - tables.num_pages, 0)
+    new_free, ids, ok = allocate(free, need, max_pages)
+    ok = ok & fits
+    k = jnp.arange(max_pages, dtype=jnp.int32) - tables.num_pages[..., None]
     take = (k >= 0) & (k < need[..., None]) & ok
-    n_ids = free.ids.shape[0]
-    ids = free.ids[(free.head + offsets[..., None] + k) % n_ids]
-    pages = jnp.where(take, ids, tables.pages)
-
-    total = jnp.where(ok, total, 0)
-    new_free = _add_refs(free, jnp.where(take, ids, NULL_PAGE), 1)
-    new_free = new_free.replace(head=(free.head + total) % n_ids, num_free=free.num_free - total)
-    new_tables = PageTables(
+    pages = jnp.where(take, jnp.take_along_axis(ids, jnp.clip(k, 0, max_pages - 1), -1),
+                      tables.pages)
+    new_tables = tables.replace(
         pages=pages,
         num_pages=jnp.where(ok, want, tables.num_pages),
         lengths=jnp.where(ok, lengths, tables.lengths),
@@ -135,14 +160,14 @@ def release(free: FreeList, tables: PageTables,
             mask: jax.Array) -> tuple[FreeList, PageTables]:
     """Empty the slots where `mask` [max_seqs] is set: each of their table entries drops its
     reference, and pages no one else holds go back to the free list."""
-    j = jnp.arange(tables.pages.shape[-1], dtype=jnp.int32)
-    held = mask[:, None, None, None] & (j < tables.num_pages[..., None])  # [S, L, H, W]
-    new_free = _unref(free, jnp.where(held, tables.pages, NULL_PAGE))
+    held = mask[:, None, None, None] & held_mask(tables)  # [S, L, H, W]
+    new_free = unref(free, jnp.where(held, tables.pages, NULL_PAGE))
     m3 = mask[:, None, None]
     new_tables = PageTables(
         pages=jnp.where(m3[..., None], NULL_PAGE, tables.pages),
         num_pages=jnp.where(m3, 0, tables.num_pages),
         lengths=jnp.where(mask, 0, tables.lengths),
+        low_pages=jnp.where(m3, 0, tables.low_pages),
     )
     return new_free, new_tables
 
@@ -170,7 +195,7 @@ def import_blocks(free: FreeList, tables: PageTables, blocks: jax.Array, slot: j
     take = jnp.arange(w) < count
     ids = jnp.moveaxis(blocks[jnp.clip(rows, 0, blocks.shape[0] - 1)], 0, -1)  # [L, H, W]
     row = jnp.where(take, ids, NULL_PAGE)
-    new_tables = PageTables(
+    new_tables = tables.replace(
         pages=tables.pages.at[slot].set(row),
         num_pages=tables.num_pages.at[slot].set(count),
         lengths=tables.lengths.at[slot].set(length),
@@ -185,4 +210,4 @@ def drop_blocks(free: FreeList, blocks: jax.Array, rows: jax.Array) -> tuple[Fre
     safe = jnp.clip(rows, 0, blocks.shape[0] - 1)
     ids = jnp.where((rows >= 0)[..., None, None], blocks[safe], NULL_PAGE)
     dest = jnp.where(rows >= 0, rows, blocks.shape[0])
-    return _unref(free, ids), blocks.at[dest].set(NULL_PAGE, mode="drop")
+    return unref(free, ids), blocks.at[dest].set(NULL_PAGE, mode="drop")

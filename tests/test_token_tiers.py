@@ -1,0 +1,278 @@
+"""LeanKV's token tiers: Algorithm 1 and compaction, vectorized over rows, against a plain
+Python model of the algorithm on random significance streams (hypothesis), with the memory
+invariants after every step: each token in exactly one tier or pruned, the recent window
+never demoted or pruned, pages per head equal to its tokens per tier rounded up, no page
+leaked or freed twice. The properties fail on planted bugs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import jkv.cache.allocator as alloc
+import jkv.cache.token_tiers as tt
+
+PAGE, SLOTS, LAYERS, HEADS = 4, 2, 1, 2
+MAX_TOKENS = 96
+WIDTH = MAX_TOKENS // PAGE + 1  # one spare column: a partial high and a partial low page
+POOL = SLOTS * LAYERS * HEADS * WIDTH + 1
+
+
+class Model:
+    """Algorithm 1 over Python dicts for one (slot, layer, head): position -> score sum."""
+
+    def __init__(self):
+        self.high: dict[int, np.float32] = {}
+        self.low: dict[int, np.float32] = {}
+        self.pruned: set[int] = set()
+        self.events: set[str] = set()  # which branches of the algorithm ran
+
+    @staticmethod
+    def mean(score, pos, n):
+        return np.float32(score) / np.float32(max(n - pos, 1))
+
+    def step(self, n_prev, n, prompt, sig, recent, a_high, a_low):
+        """Tokens whose page filled join the high tier, every held token adds this step's
+        significance, then the candidates are placed."""
+        for pos in range(n_prev // PAGE * PAGE, n // PAGE * PAGE):
+            self.high[pos] = np.float32(0)
+        for tier in (self.high, self.low):
+            for pos in tier:
+                tier[pos] = np.float32(tier[pos] + sig[pos])
+        a_high, a_low = np.float32(a_high), np.float32(a_low)
+        cands = sorted(p for p in self.high if n_prev - recent <= p < n - recent)
+        if prompt:
+            for p in cands:
+                m, i = self.mean(self.high[p], p, n), np.float32(p + 1)
+                if m >= a_high / i:
+                    self.events.add("prompt high")
+                    continue
+                score = self.high.pop(p)
+                if m >= a_low / i:
+                    self.low[p] = score
+                    self.events.add("prompt low")
+                else:
+                    self.pruned.add(p)
+                    self.events.add("prompt pruned")
+            return
+        assert len(cands) <= 1
+        if not cands:
+            return
+        c = cands[0]
+        t_high, t_low = a_high / np.float32(n), a_low / np.float32(n)
+        key = lambda tier: lambda p: (self.mean(tier[p], p, n), p)  # noqa: E731
+        m = self.mean(self.high[c], c, n)
+        if m >= t_high:
+            old = {p: s for p, s in self.high.items() if p < n - recent}
+            v = min(old, key=key(old))
+            mv = self.mean(old[v], v, n)
+            if mv < t_low:
+                del self.high[v]
+                self.pruned.add(v)
+                self.events.add("high victim pruned")
+            elif mv < t_high:
+                self.low[v] = self.high.pop(v)
+                self.events.add("high victim demoted")
+        elif m >= t_low:
+            self.low[c] = self.high.pop(c)
+            v = min(self.low, key=key(self.low))
+            if self.mean(self.low[v], v, n) < t_low:
+                del self.low[v]
+                self.pruned.add(v)
+                self.events.add("low victim pruned")
+        else:
+            del self.high[c]
+            self.pruned.add(c)
+            self.events.add("candidate pruned")
+
+
+def tier_contents(meta, tables, counts):
+    """Per row: ({pos: score} high, {pos: score} low) read back through the tables."""
+    out = {}
+    score, pos = np.asarray(meta.score).reshape(-1), np.asarray(meta.pos).reshape(-1)
+    for is_low, count in ((False, counts.high), (True, counts.low)):
+        addr, held = tt.slot_addresses(tables.pages, count, PAGE, is_low)
+        addr, held = np.asarray(addr), np.asarray(held)
+        for row in np.ndindex(held.shape[:-1]):
+            a = addr[row][held[row]]
+            out.setdefault(row, [None, None])[is_low] = dict(
+                zip(pos[a].tolist(), score[a].tolist(), strict=True))
+    return out
+
+
+def check_memory(free, tables, counts):
+    pages = np.asarray(tables.pages)
+    hp, lp = np.asarray(tables.num_pages), np.asarray(tables.low_pages)
+    assert (hp == -(-np.asarray(counts.high) // PAGE)).all(), "high pages != tokens / page"
+    assert (lp == -(-np.asarray(counts.low) // (2 * PAGE))).all(), "low pages != tokens / page"
+    held = np.asarray(alloc.held_mask(tables))
+    assert (pages[~held] == 0).all(), "an entry outside both sides holds a page"
+    owned = pages[held]
+    assert (owned > 0).all(), "the null page is never handed out"
+    want = np.bincount(owned, minlength=POOL)
+    want[0] = 0
+    refs = np.asarray(free.refs)
+    assert (refs == want).all(), "reference counts differ from the references held"
+    head, num_free = int(free.head), int(free.num_free)
+    free_ids = np.asarray(free.ids)[(head + np.arange(num_free)) % (POOL - 1)]
+    assert len(set(free_ids.tolist())) == len(free_ids), "a page is free twice"
+    assert (refs[free_ids] == 0).all(), "a referenced page is free"
+    assert sorted(free_ids.tolist() + np.flatnonzero(refs).tolist()) == list(range(1, POOL)), \
+        "a page is neither free nor referenced (leaked)"
+
+
+@jax.jit
+def _step(free, tables, counts, meta, n_prev, n, sig):
+    """The tokens whose page filled join the high tier, and every held token adds this
+    step's significance (sig [S, L, H, MAX_TOKENS] by position)."""
+    first = n_prev // PAGE * PAGE
+    n_new = jnp.broadcast_to((n // PAGE * PAGE - first)[:, None, None], counts.high.shape)
+    free, tables, counts, addr, ok1 = tt.grow_high(free, tables, counts, n_new, PAGE, MAX_TOKENS)
+    new_pos = first[:, None, None, None] + jnp.arange(MAX_TOKENS)
+    meta = tt.write_meta(meta, addr, new_pos, jnp.zeros(addr.shape))
+    by_pos = lambda addr: jnp.take_along_axis(  # noqa: E731
+        sig, jnp.clip(meta.pos.reshape(-1)[addr], 0, MAX_TOKENS - 1), -1)
+    hi_addr, _ = tt.slot_addresses(tables.pages, counts.high, PAGE, False)
+    lo_addr, _ = tt.slot_addresses(tables.pages, counts.low, PAGE, True)
+    meta = tt.add_significance(meta, tables.pages, counts, PAGE, by_pos(hi_addr),
+                               by_pos(lo_addr))
+    return meta, free, tables, counts, ok1
+
+
+def run(schedule, decode_steps, seed, recent, a_high, a_low):
+    rng = np.random.default_rng(seed)
+    heavy = rng.random((SLOTS, LAYERS, HEADS, MAX_TOKENS)) < 0.15
+    fade = rng.integers(8, 64, heavy.shape)
+    free = alloc.init_free(POOL, PAGE)
+    tables = alloc.init_tables(SLOTS, LAYERS, HEADS, WIDTH)
+    counts = tt.init_counts((SLOTS, LAYERS, HEADS))
+    meta = tt.init_meta(POOL, PAGE)
+    models = {row: Model() for row in np.ndindex(SLOTS, LAYERS, HEADS)}
+    lengths = [0]
+    for chunk in schedule:
+        lengths.append(min(lengths[-1] + chunk, MAX_TOKENS // 2))
+    prompt_steps = len(lengths) - 1
+    for _ in range(decode_steps):
+        lengths.append(min(lengths[-1] + 1, MAX_TOKENS))
+    alphas = (jnp.float32(a_high), jnp.float32(a_low))
+    for step in range(len(lengths) - 1):
+        n_prev, n = lengths[step], lengths[step + 1]
+        if n == n_prev:
+            continue
+        prompt = step < prompt_steps
+        # heavy-tailed attention around 1/n, and heavy hitters far above it that fade
+        # once generation starts (so tokens kept high can later become victims)
+        boost = np.where(heavy, 20.0 if prompt else 0.01, 1.0)
+        boost *= np.where(n - np.arange(MAX_TOKENS) > fade, 0.01, 1.0)  # and tokens age
+        sig = (rng.lognormal(0.0, 1.5, heavy.shape) * boost / (3 * n)).astype(np.float32)
+        meta, free, tables, counts, ok = _step(
+            free, tables, counts, meta, jnp.full((SLOTS,), n_prev), jnp.full((SLOTS,), n),
+            jnp.asarray(sig))
+        assert bool(ok)
+        fate_hi, fate_lo = tt.place(meta, tables.pages, counts, jnp.int32(n_prev),
+                                    jnp.int32(n), jnp.asarray(prompt), page=PAGE,
+                                    recent=recent, alpha_high=alphas[0], alpha_low=alphas[1])
+        free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo,
+                                                     PAGE)
+        assert bool(ok)
+        meta = tt.move_tokens(meta, moves)
+        got = tier_contents(meta, tables, counts)
+        for row, model in models.items():
+            model.step(n_prev, n, prompt, sig[row], recent, a_high, a_low)
+            high, low = got[row]
+            assert high == pytest.approx(model.high), f"high tier of {row} after {n} tokens"
+            assert low == pytest.approx(model.low), f"low tier of {row} after {n} tokens"
+            in_pages = n // PAGE * PAGE
+            every = sorted([*high, *low, *model.pruned])
+            assert every == list(range(in_pages)), "a token is in two tiers or none"
+            window = [p for p in [*low, *model.pruned] if p >= n - recent]
+            assert not window, f"recent tokens {window} demoted or pruned"
+        check_memory(free, tables, counts)
+    return models
+
+
+tier_runs = st.tuples(
+    st.lists(st.integers(1, 3 * PAGE), min_size=1, max_size=5),  # prompt chunks
+    st.integers(0, 24),  # decode steps
+    st.integers(0, 2**31 - 1),  # significance seed
+    st.sampled_from([PAGE, 2 * PAGE]),  # recent window
+    st.sampled_from([0.5, 1.0, 3.0, 5.0]),  # alpha_high
+    st.sampled_from([0.0, 0.1, 0.3, 1.0]),  # alpha_low
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(tier_runs)
+def test_tiers_follow_algorithm_1_and_keep_memory_exact(args):
+    run(*args)
+
+
+def test_a_long_run_uses_every_branch():
+    """One fixed run long enough that tokens go to every tier by both phases."""
+    models = run([12, 12, 8], 56, seed=1, recent=PAGE, a_high=3.0, a_low=1.0)
+    events = set().union(*(m.events for m in models.values()))
+    assert events == {"prompt high", "prompt low", "prompt pruned", "high victim pruned",
+                      "high victim demoted", "low victim pruned", "candidate pruned"}, events
+
+
+def _leaky_unref(free, ids):
+    """Planted bug: compaction forgets to give emptied pages back."""
+    return free
+
+
+def _double_free(free, ids):
+    """Planted bug: pages are freed even if ids say nothing (every table page of the row)."""
+    return alloc.unref(free, jnp.concatenate([ids.reshape(-1), ids.reshape(-1)]))
+
+
+def _prune_the_window(meta, pages, counts, n_prev, n, prompt, **kw):
+    """Planted bug: the candidates start one token inside the recent window."""
+    kw["recent"] -= 1
+    return _place(meta, pages, counts, n_prev, n, prompt, **kw)
+
+
+_place = tt.place
+
+
+@pytest.mark.parametrize("name,bug,match", [
+    ("unref", _leaky_unref, "leaked|reference"),
+    ("unref", _double_free, "free twice|reference|referenced"),
+    ("place", _prune_the_window, "demoted or pruned|tier"),
+])
+def test_the_properties_catch_planted_bugs(monkeypatch, name, bug, match):
+    monkeypatch.setattr(tt, name, bug)
+
+    @settings(max_examples=60, deadline=None, database=None, phases=[Phase.generate])
+    @given(tier_runs)
+    def planted(args):
+        run(*args)
+
+    with pytest.raises(AssertionError, match=match):
+        planted()
+
+
+@pytest.mark.parametrize("why", ["pool", "width"])
+def test_compaction_refuses_cleanly(why):
+    """A demotion that needs a new low page from an empty pool, or a column the high side
+    still holds, changes nothing."""
+    used = WIDTH - 1 if why == "pool" else WIDTH
+    free = alloc.init_free(1 + used, PAGE)
+    tables = alloc.init_tables(1, 1, 1, WIDTH)
+    counts = tt.init_counts((1, 1, 1))
+    full = WIDTH * PAGE
+    free, tables, counts, _, ok = tt.grow_high(free, tables, counts,
+                                               jnp.full((1, 1, 1), used * PAGE), PAGE, full)
+    assert bool(ok) and int(free.num_free) == 0
+    fate_hi = jnp.zeros((1, 1, 1, full), jnp.int32).at[..., 3].set(tt.LOW)
+    fate_lo = jnp.zeros((1, 1, 1, 2 * full), jnp.int32)
+    out = tt.compact(free, tables, counts, fate_hi, fate_lo, PAGE)
+    assert not bool(out[-1])
+    for before, after in zip(jax.tree.leaves((free, tables, counts)),
+                             jax.tree.leaves(out[:3]), strict=True):
+        assert (np.asarray(before) == np.asarray(after)).all()
+    assert all((np.asarray(m) == -1).all() for m in out[3])
+    # pruning the same token needs no page: it goes through
+    out = tt.compact(free, tables, counts, fate_hi.at[..., 3].set(tt.PRUNE), fate_lo, PAGE)
+    assert bool(out[-1]) and int(out[2].high[0, 0, 0]) == used * PAGE - 1
