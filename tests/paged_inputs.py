@@ -14,10 +14,10 @@ from jkv.pallas_kernels.kv_pages import KVPages
 
 def paged_attention_inputs(rng, plen, start, wlen, pos, *, t: int, gqa: int, d: int,
                            k_bits: int, v_bits: int, width: int, page: int, group: int,
-                           poison: float, dtype=jnp.float32) -> tuple:
+                           poison: float, dtype=jnp.float32, token_keys: bool = False) -> tuple:
     """The arguments of `chunked_prefill_attention` for rows holding `plen` [B, Hkv] page
     tokens, windows of `wlen` [B] tokens from `start` [B] and queries at `pos` [B, t]; the
-    pages are in format (k_bits, v_bits, group).
+    pages are in format (k_bits, v_bits, group, token_keys).
 
     Pages are shuffled across the pool; the null page, page tokens past a row's length,
     table columns past its pages (pointed at the null page) and window tokens past its
@@ -43,7 +43,7 @@ def paged_attention_inputs(rng, plen, start, wlen, pos, *, t: int, gqa: int, d: 
     for i in range(b):
         kw[i, :, wlen[i]:], vw[i, :, wlen[i]:] = poison, -poison
     pages = KVPages.from_dense(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                               KVFormat(k_bits, v_bits, group))
+                               KVFormat(k_bits, v_bits, group, token_keys))
     q = jnp.asarray(rng.normal(size=(b, t, hkv * gqa, d)), dtype)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return (q, pages, i32(table), i32(plen), jnp.asarray(kw, dtype), jnp.asarray(vw, dtype),

@@ -23,14 +23,17 @@ from jkv.pallas_kernels.chunked_prefill_attention import (
     chunked_prefill_attention,
     chunked_prefill_attention_reference,
 )
+from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import dequantized_rows
 
 INTERPRET = jax.default_backend() == "cpu"
-FORMATS = sorted({(f.k_bits, f.v_bits) for f in KV_FORMATS.values()}, reverse=True)
+# (k_bits, v_bits, token_keys) of every named format
+FORMATS = sorted({(f.k_bits, f.v_bits, f.token_keys) for f in KV_FORMATS.values()},
+                 reverse=True)
 PAGE, GROUP, WIDTH, POISON = 8, 32, 8, 1e4
 
 
-def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32):
+def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32, token_keys=False):
     """Four rows x two KV heads, pages shuffled across the pool.
 
     Row 0: its heads hold different prefixes (0 tokens and a random partial page); the
@@ -52,27 +55,34 @@ def make_case(rng, *, gqa, d, t, k_bits, v_bits, dtype=jnp.float32):
 
     return paged_attention_inputs(rng, plen, start, wlen, pos, t=t, gqa=gqa, d=d,
                                   k_bits=k_bits, v_bits=v_bits, width=WIDTH, page=PAGE,
-                                  group=GROUP, poison=POISON, dtype=dtype)
+                                  group=GROUP, poison=POISON, dtype=dtype,
+                                  token_keys=token_keys)
 
 
-def float64_reference(args):
-    """Attention in float64 (numpy, a loop over queries) over the same dequantized pages."""
+def float64_reference(args, low=None, low_lens=None):
+    """Attention in float64 (numpy, a loop over queries) over the same dequantized pages
+    (and a low tier's, read right to left)."""
     q, pages, table, plen, kw, vw, start, wlen, pos = args
-    kd, vd = dequantized_rows(pages, table)
     f64 = functools.partial(np.asarray, dtype=np.float64)
-    kd = np.concatenate([f64(kd), f64(kw.astype(jnp.float32))], axis=2)
-    vd = np.concatenate([f64(vd), f64(vw.astype(jnp.float32))], axis=2)
+    kd, vd = (f64(x) for x in dequantized_rows(pages, table))
     q, plen, start, wlen, pos = (np.asarray(a) for a in (q, plen, start, wlen, pos))
-    q = q.astype(np.float64)
     b, t, hq, d = q.shape
-    hkv, s_pages, tw = table.shape[1], table.shape[2] * PAGE, kw.shape[2]
+    hkv, tw = table.shape[1], kw.shape[2]
+    held = np.arange(kd.shape[2]) < plen[..., None]  # [B, Hkv, S]
+    if low is not None:
+        kl, vl = (f64(x) for x in dequantized_rows(low, table[..., ::-1]))
+        kd, vd = np.concatenate([kd, kl], axis=2), np.concatenate([vd, vl], axis=2)
+        held = np.concatenate([held, np.arange(kl.shape[2]) < np.asarray(low_lens)[..., None]],
+                              axis=-1)
+    kd = np.concatenate([kd, f64(kw.astype(jnp.float32))], axis=2)
+    vd = np.concatenate([vd, f64(vw.astype(jnp.float32))], axis=2)
+    q = q.astype(np.float64)
     g = hq // hkv
     out = np.zeros((b, t, hq, d))
     for i in range(b):
         for h in range(hkv):
             for j in range(t):
-                seen = np.concatenate([np.arange(s_pages) < plen[i, h],
-                                       (np.arange(tw) < wlen[i])
+                seen = np.concatenate([held[i, h], (np.arange(tw) < wlen[i])
                                        & (start[i] + np.arange(tw) <= pos[i, j])])
                 if not seen.any():
                     continue
@@ -80,6 +90,36 @@ def float64_reference(args):
                 p = np.exp(s - s.max(-1, keepdims=True))
                 out[i, j, h * g:(h + 1) * g] = (p / p.sum(-1, keepdims=True)) @ vd[i, h, seen]
     return out
+
+
+def with_low_tier(rng, args, low_lens):
+    """`args` (a pool with per-token key scales) plus a low tier in the same pool, LeanKV's:
+    new pages holding low_lens [B, Hkv] tokens at half the bits, twice the tokens per page,
+    from the right of each row (tokens past a row's length poisoned). Returns (args, low
+    tier, low lengths)."""
+    q, pages, table, *rest = args
+    low_format = pages.kv_format.halved()
+    page_lo = 2 * PAGE
+    b, hkv, w = table.shape
+    n_lo = -(-low_lens // page_lo)
+    d = q.shape[-1]
+    k = rng.normal(size=(n_lo.sum(), page_lo, d)) * (1 + 4 * (rng.random(d) < 0.1))
+    v = rng.normal(size=(n_lo.sum(), page_lo, d))
+    table = np.array(table)
+    ids = iter(pages.num_pages + rng.permutation(n_lo.sum()))
+    for i in range(b):
+        for h in range(hkv):
+            cols = [next(ids) for _ in range(n_lo[i, h])]
+            assert (table[i, h, w - len(cols):] == 0).all() or not cols
+            table[i, h, w - len(cols):] = cols[::-1]
+            for c, pid in enumerate(cols):  # tokens past the row's length
+                lo = max(low_lens[i, h] - c * page_lo, 0)
+                k[pid - pages.num_pages, lo:], v[pid - pages.num_pages, lo:] = POISON, -POISON
+    extra = KVPages.from_dense(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+                               low_format).as_format(pages.kv_format)
+    pool = jax.tree.map(lambda a, e: jnp.concatenate([a, e]), pages, extra)
+    return ((q, pool, jnp.asarray(table), *rest), pool.as_format(low_format),
+            jnp.asarray(low_lens, jnp.int32))
 
 
 def rel_err(a, b) -> float:
@@ -92,12 +132,13 @@ def rel_err(a, b) -> float:
 TILINGS = ((16, 8, 2, 8), (1, 16, 4, 16))
 
 
-@pytest.mark.parametrize("k_bits,v_bits", FORMATS)
+@pytest.mark.parametrize("k_bits,v_bits,token_keys", FORMATS)
 @pytest.mark.parametrize("gqa,d", [(1, 64), (3, 128), (4, 64), (8, 128)])
-def test_kernel_matches_float64_reference(k_bits, v_bits, gqa, d):
+def test_kernel_matches_float64_reference(k_bits, v_bits, token_keys, gqa, d):
     rng = np.random.default_rng()
     for t, block_q, ppb, block_w in TILINGS:
-        args = make_case(rng, gqa=gqa, d=d, t=t, k_bits=k_bits, v_bits=v_bits)
+        args = make_case(rng, gqa=gqa, d=d, t=t, k_bits=k_bits, v_bits=v_bits,
+                         token_keys=token_keys)
         want = float64_reference(args)
         assert np.abs(want[3, :, gqa:]).max() == 0  # row 3, head 1 sees nothing
         ref = chunked_prefill_attention_reference(*args)
@@ -177,17 +218,49 @@ def test_bad_shapes_raise_value_errors():
         run(*args[:-1], args[-1][:, :4], block_w=8)
 
 
-@pytest.mark.parametrize("k_bits,v_bits", FORMATS)
+@pytest.mark.parametrize("k_bits,v_bits,token_keys", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_cuda_with_triton(k_bits, v_bits, dtype):
+def test_lowers_for_cuda_with_triton(k_bits, v_bits, token_keys, dtype):
     """Runs the Pallas-to-Triton lowering on any machine, so lowering errors fail CI here."""
     rng = np.random.default_rng()
     for t, gqa, block_q, ppb, block_w in ((16, 3, 16, 4, 8), (1, 8, 16, 2, 16)):
-        args = make_case(rng, gqa=gqa, d=128, t=t, k_bits=k_bits, v_bits=v_bits, dtype=dtype)
+        args = make_case(rng, gqa=gqa, d=128, t=t, k_bits=k_bits, v_bits=v_bits, dtype=dtype,
+                         token_keys=token_keys)
         run = functools.partial(chunked_prefill_attention, block_q=block_q,
                                 pages_per_block=ppb, block_w=block_w)
         lowered = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.parametrize("fmt", ["k8v4t", "k4v8t"])
+def test_two_tiers(fmt):
+    """LeanKV's low tier (the same pool's pages at half the bits, from the right of each
+    row) is seen like the high tier: kernel, reference and xla path against float64, output
+    and significance."""
+    rng = np.random.default_rng()
+    k_bits, v_bits = KV_FORMATS[fmt].k_bits, KV_FORMATS[fmt].v_bits
+    low_lens = np.array([[2 * 2 * PAGE, 1], [2 * PAGE + 3, 0], [5, 2 * PAGE], [0, 3]])
+    for t, block_q, ppb, block_w in TILINGS:
+        args = make_case(rng, gqa=3, d=64, t=t, k_bits=k_bits, v_bits=v_bits, token_keys=True)
+        args, low, low_lens_j = with_low_tier(rng, args, low_lens)
+        tiers = dict(low_tier=low, low_lengths=low_lens_j)
+        want = float64_reference(args, low, low_lens)
+        ref, ref_sig = chunked_prefill_attention_reference(*args, return_significance=True,
+                                                           **tiers)
+        assert rel_err(ref, want) < 1e-5
+        run = functools.partial(chunked_prefill_attention, *args, block_q=block_q,
+                                pages_per_block=ppb, block_w=block_w, interpret=INTERPRET,
+                                **tiers)
+        out, sig = run(return_significance=True)
+        assert rel_err(out, want) < 1e-5, f"t={t}"
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(run()))
+        xla_out, xla_sig = xla_attention(*args, return_significance=True, **tiers)
+        assert rel_err(xla_out, want) < 1e-5
+        assert len(sig) == len(ref_sig) == len(xla_sig) == 3
+        assert (np.asarray(ref_sig[2]) > 0).sum() == low_lens.sum()  # each low token, once
+        for got, other, expect in zip(sig, xla_sig, ref_sig, strict=True):
+            assert np.abs(np.asarray(got) - np.asarray(expect)).max() < 1e-5
+            assert np.abs(np.asarray(other) - np.asarray(expect)).max() < 1e-5
 
 
 def test_cuda_lowering_catches_triton_errors():
@@ -228,9 +301,12 @@ def test_significance_matches_the_reference(k_bits, v_bits):
 
 def test_significance_lowers_for_cuda_with_triton():
     rng = np.random.default_rng()
-    args = make_case(rng, gqa=3, d=128, t=16, k_bits=8, v_bits=4, dtype=jnp.bfloat16)
+    args = make_case(rng, gqa=3, d=128, t=16, k_bits=8, v_bits=4, dtype=jnp.bfloat16,
+                     token_keys=True)
+    args, low, low_lens = with_low_tier(rng, args, np.full((4, 2), 5))
     run = functools.partial(chunked_prefill_attention, block_q=16, pages_per_block=4,
-                            block_w=8, return_significance=True)
+                            block_w=8, return_significance=True, low_tier=low,
+                            low_lengths=low_lens)
     lowered = jax.jit(run).trace(*args)
     assert lowered.out_info[1][1].shape == args[4].shape[:3]  # the window before its padding
     assert "__gpu$xla.gpu.triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()

@@ -10,7 +10,7 @@ import pytest
 
 from jkv.cache import KVPages, append_kv, init_free, init_tables, page_bytes, reserve
 from jkv.config import KV_FORMATS, KVFormat
-from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values, unpack
+from jkv.pallas_kernels.kv_quant import unpack
 
 INTERPRET = jax.default_backend() == "cpu"
 
@@ -43,7 +43,7 @@ def same_page(got, want, bits):
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_chunked_appends_store_each_full_page_once(fmt, backend):
     rng = np.random.default_rng()
-    fmt = KVFormat(fmt.k_bits, fmt.v_bits, group=32)
+    fmt = KVFormat(fmt.k_bits, fmt.v_bits, group=32, token_keys=fmt.token_keys)
     b = 2
     total = np.array([int(rng.integers(1, WIDTH * PAGE)), WIDTH * PAGE])  # ragged, full row
     k_all = rng.normal(size=(b, WIDTH * PAGE, HEADS, D)).astype(np.float32)
@@ -87,20 +87,16 @@ def test_chunked_appends_store_each_full_page_once(fmt, backend):
             ids = pages[i, h, :full]
             k = jnp.asarray(k_all[i, : full * PAGE, h].reshape(full, PAGE, D))
             v = jnp.asarray(v_all[i, : full * PAGE, h].reshape(full, PAGE, D))
-            if fmt.k_bits < 16:
-                codes, scale, zero = quantize_keys(k, fmt.k_bits)
-                same_page(pool.k[ids], codes, fmt.k_bits)
-                same_scale(pool.k_scale[ids], scale)
-                np.testing.assert_array_equal(pool.k_zero[ids], zero)
-            else:
-                np.testing.assert_array_equal(pool.k[ids], k)
-            if fmt.v_bits < 16:
-                codes, scale, zero = quantize_values(v, fmt.v_bits, 32)
-                same_page(pool.v[ids], codes, fmt.v_bits)
-                same_scale(pool.v_scale[ids], scale)
-                np.testing.assert_array_equal(pool.v_zero[ids], zero)
-            else:
-                np.testing.assert_array_equal(pool.v[ids], v)
+            want = KVPages.from_dense(k, v, fmt)  # kv_quant's codes and scales
+            for side, bits in (("k", fmt.k_bits), ("v", fmt.v_bits)):
+                got = getattr(pool, side)[ids]
+                if bits == 16:
+                    np.testing.assert_array_equal(got, getattr(want, side))
+                    continue
+                same_page(got, getattr(want, side), bits)
+                same_scale(getattr(pool, f"{side}_scale")[ids], getattr(want, f"{side}_scale"))
+                np.testing.assert_array_equal(getattr(pool, f"{side}_zero")[ids],
+                                              getattr(want, f"{side}_zero"))
             rest = total[i] - full * PAGE  # the page being filled, in model dtype
             np.testing.assert_array_equal(np.asarray(fill_k[i, h, :rest]),
                                           k_all[i, full * PAGE: total[i], h])
@@ -109,12 +105,20 @@ def test_chunked_appends_store_each_full_page_once(fmt, backend):
 
 
 def test_pool_shapes_and_bytes_follow_the_format():
-    for name in ("auto", "int8", "int4", "k8v4", "k4v2"):
-        fmt = KV_FORMATS[name]
+    for name, fmt in KV_FORMATS.items():
         pool = KVPages.zeros(5, 16, 128, jnp.bfloat16, fmt)
         assert pool.num_pages == 5
         assert pool.nbytes / 5 == page_bytes(fmt, 16, 128, jnp.bfloat16), name
         assert pool.head_dim == 128
+        if name in ("k8v4t", "k4v8t"):  # LeanKV's low tier: the same bytes, twice the tokens
+            low = pool.as_format(fmt.halved())
+            assert low.page_size == 32 and low.nbytes == pool.nbytes
+            assert page_bytes(fmt.halved(), 32, 128, jnp.bfloat16) == page_bytes(
+                fmt, 16, 128, jnp.bfloat16)
+            back = low.as_format(fmt)
+            assert back.kv_format == fmt and all(
+                a.shape == b.shape for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(pool),
+                                                   strict=True))
     assert page_bytes(KV_FORMATS["k4v2"], 16, 128, jnp.bfloat16) < page_bytes(
         KV_FORMATS["int8"], 16, 128, jnp.bfloat16) < page_bytes(KV_FORMATS["auto"], 16, 128,
                                                                 jnp.bfloat16)

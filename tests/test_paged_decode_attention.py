@@ -24,11 +24,15 @@ from jkv.pallas_kernels.paged_decode_attention import (
 )
 
 INTERPRET = jax.default_backend() == "cpu"
-FORMATS = sorted({(f.k_bits, f.v_bits) for f in KV_FORMATS.values()}, reverse=True)
+# (k_bits, v_bits, token_keys) of every named format
+FORMATS = sorted({(f.k_bits, f.v_bits, f.token_keys) for f in KV_FORMATS.values()},
+                 reverse=True)
+PAIRS = sorted({(k, v) for k, v, _ in FORMATS}, reverse=True)
 PAGE, GROUP = 8, 32
 
 
-def make_case(rng, *, b, hkv, gqa, d, width, lengths, k_bits, v_bits, dtype=jnp.float32):
+def make_case(rng, *, b, hkv, gqa, d, width, lengths, k_bits, v_bits, dtype=jnp.float32,
+              token_keys=False):
     """Random q and a pool whose pages are shuffled across rows. Pages the kernel must not
     read (the null page 0, pages wholly past a row's length) are poisoned."""
     pool = b * hkv * width + 1
@@ -41,7 +45,7 @@ def make_case(rng, *, b, hkv, gqa, d, width, lengths, k_bits, v_bits, dtype=jnp.
                     for p in row[-(-n // PAGE):]]
     k[unread], v[unread] = 1e4, -1e4
     pages = KVPages.from_dense(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                               KVFormat(k_bits, v_bits, GROUP))
+                               KVFormat(k_bits, v_bits, GROUP, token_keys))
     return q, pages, jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
@@ -64,16 +68,17 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("k_bits,v_bits", FORMATS)
+@pytest.mark.parametrize("k_bits,v_bits,token_keys", FORMATS)
 @pytest.mark.parametrize("gqa", [1, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
-def test_kernel_matches_float64_reference(k_bits, v_bits, gqa, d):
+def test_kernel_matches_float64_reference(k_bits, v_bits, token_keys, gqa, d):
     rng = np.random.default_rng()
     width = 8  # pages per row: 64 tokens
     # ragged: a single token, exact page multiples, partial pages, a full row
     lengths = [[1, 2 * PAGE], [width * PAGE, 1 + int(rng.integers(1, width * PAGE - 1))]]
     q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=gqa, d=d, width=width,
-                                         lengths=lengths, k_bits=k_bits, v_bits=v_bits)
+                                         lengths=lengths, k_bits=k_bits, v_bits=v_bits,
+                                         token_keys=token_keys)
     want = float64_reference(q, pages, table, lengths)
     ref = paged_decode_attention_reference(q, pages, table, lengths)
     assert rel_err(ref, want) < 1e-5
@@ -114,7 +119,7 @@ def test_bf16_pages():
     assert rel_err(out, float64_reference(q, pages, table, lengths)) < 2e-2
 
 
-@pytest.mark.parametrize("k_bits,v_bits", FORMATS)
+@pytest.mark.parametrize("k_bits,v_bits", PAIRS)
 def test_quantization_error_per_format(k_bits, v_bits):
     """Reported, and ordered: fewer bits never reconstruct better."""
     rng = np.random.default_rng()
@@ -144,21 +149,21 @@ def test_bad_shapes_raise_value_errors():
     with pytest.raises(ValueError, match="head_dim"):
         paged_decode_attention(q, pages.replace(kv_format=KVFormat(4, 8, GROUP)), table,
                                lengths, interpret=True)
-    low = pages.replace(k=pages.k[:, :4], v=pages.v[:, :4], v_scale=pages.v_scale[:, :4],
-                        v_zero=pages.v_zero[:, :4])
-    with pytest.raises(ValueError, match="low tier's page size 4"):
+    low = pages.replace(k=pages.k[:, :3], v=pages.v[:, :3], v_scale=pages.v_scale[:, :3],
+                        v_zero=pages.v_zero[:, :3])
+    with pytest.raises(ValueError, match="low tier's page size 3"):
         paged_decode_attention(q, pages, table, lengths, low_tier=low, low_lengths=lengths,
                                interpret=True)
 
 
-@pytest.mark.parametrize("k_bits,v_bits", FORMATS)
+@pytest.mark.parametrize("k_bits,v_bits,token_keys", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_cuda_with_triton(k_bits, v_bits, dtype):
+def test_lowers_for_cuda_with_triton(k_bits, v_bits, token_keys, dtype):
     """Runs the Pallas-to-Triton lowering on any machine, so lowering errors fail CI here."""
     rng = np.random.default_rng()
     q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=4, d=128, width=8,
                                          lengths=[[1, 9], [64, 30]], k_bits=k_bits,
-                                         v_bits=v_bits, dtype=dtype)
+                                         v_bits=v_bits, dtype=dtype, token_keys=token_keys)
     q = q.astype(dtype)
     run = functools.partial(paged_decode_attention, k_splits=2, pages_per_block=4)
     lowered = jax.jit(run).trace(q, pages, table, lengths).lower(lowering_platforms=("cuda",))
@@ -175,16 +180,40 @@ def test_cuda_lowering_catches_triton_errors():
         jax.jit(run).trace(q, pages, table, lengths).lower(lowering_platforms=("cuda",))
 
 
-def make_tier(rng, num_pages, d, k_bits, v_bits, dtype=jnp.float32):
+def make_tier(rng, num_pages, d, k_bits, v_bits, dtype=jnp.float32, token_keys=False):
     """A pool of random pages in one format; page 0 (the null page) is poisoned."""
     k = rng.normal(size=(num_pages, PAGE, d)) * (1 + 4 * (rng.random(d) < 0.1))
     v = rng.normal(size=(num_pages, PAGE, d))
     k[0], v[0] = 1e4, -1e4
     return KVPages.from_dense(jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                              KVFormat(k_bits, v_bits, GROUP))
+                              KVFormat(k_bits, v_bits, GROUP, token_keys))
 
 
-TIER_PAIRS = [((16, 16), (8, 4)), ((8, 8), (4, 2)), ((8, 4), (4, 2)), ((4, 4), (8, 8))]
+# (high, low) formats: separate pools with pages of one size, and LeanKV's pair, the low
+# tier being the high pool's own pages read at half the bits with twice the tokens
+TIER_PAIRS = [((16, 16), (8, 4)), ((8, 8), (4, 2)), ((8, 4), (4, 2)), ((4, 4), (8, 8)),
+              ((8, 4), "halved"), ((4, 8), "halved")]
+
+
+def tier_case(rng, hi, lo, lens, d, width):
+    """Tables [B, Hkv, W] holding lens[..., 0] high tokens from the left and lens[..., 1] low
+    ones from the right, and the two tiers (low None when `lo` is None)."""
+    b, hkv = lens.shape[:2]
+    halved = lo == "halved"
+    pool = b * hkv * width + 1
+    high = make_tier(rng, pool, d, *hi, token_keys=halved)
+    low = (high.as_format(high.kv_format.halved()) if halved
+           else None if lo is None else make_tier(rng, pool, d, *lo))
+    page_lo = PAGE if low is None else low.page_size
+    tables = np.zeros((b, hkv, width), np.int32)
+    ids = iter(1 + rng.permutation(pool - 1))  # one id space: halved tiers share the pool
+    for i in range(b):
+        for h in range(hkv):
+            nh, nl = -(-lens[i, h, 0] // PAGE), -(-lens[i, h, 1] // page_lo)
+            assert nh + nl <= width
+            tables[i, h, :nh] = [next(ids) for _ in range(nh)]
+            tables[i, h, width - nl:] = [next(ids) for _ in range(nl)][::-1]
+    return high, low, tables
 
 
 @pytest.mark.parametrize("hi,lo", TIER_PAIRS)
@@ -193,19 +222,12 @@ def test_two_tiers_in_one_row(hi, lo, gqa, d):
     """High-precision pages from the left of each row, low-precision ones from the right."""
     rng = np.random.default_rng()
     b, hkv, width = 2, 2, 8
+    per_lo = 2 * PAGE if lo == "halved" else PAGE
     # (high tokens, low tokens) per row: empty low tier, single tokens, exact multiples,
     # partial pages, a row filled from both ends
-    lens = np.array([[[1, 0], [2 * PAGE, 3 * PAGE]],
-                     [[13, 1], [4 * PAGE, 4 * PAGE]]])
-    tables = np.zeros((b, hkv, width), np.int32)
-    hi_pool, lo_pool = b * hkv * width + 1, b * hkv * width // 2 + 1
-    hi_ids, lo_ids = iter(1 + rng.permutation(hi_pool - 1)), iter(1 + rng.permutation(lo_pool - 1))
-    for i in range(b):
-        for h in range(hkv):
-            nh, nl = -(-lens[i, h] // PAGE)
-            tables[i, h, :nh] = [next(hi_ids) for _ in range(nh)]
-            tables[i, h, width - nl:] = [next(lo_ids) for _ in range(nl)][::-1]
-    high, low = make_tier(rng, hi_pool, d, *hi), make_tier(rng, lo_pool, d, *lo)
+    lens = np.array([[[1, 0], [2 * PAGE, 3 * per_lo]],
+                     [[13, 1], [4 * PAGE, 4 * per_lo]]])
+    high, low, tables = tier_case(rng, hi, lo, lens, d, width)
     q = jnp.asarray(rng.normal(size=(b, hkv * gqa, d)), jnp.float32)
     table, hl, ll = jnp.asarray(tables), jnp.asarray(lens[..., 0]), jnp.asarray(lens[..., 1])
 
@@ -214,8 +236,8 @@ def test_two_tiers_in_one_row(hi, lo, gqa, d):
     kl, vl = dequantized_rows(low, table[..., ::-1])
     k = np.concatenate([kh, kl], axis=2).astype(np.float64)
     v = np.concatenate([vh, vl], axis=2).astype(np.float64)
-    pos = np.arange(width * PAGE)
-    mask = np.concatenate([pos < lens[..., :1], pos < lens[..., 1:]], axis=-1)
+    mask = np.concatenate([np.arange(kh.shape[2]) < lens[..., :1],
+                           np.arange(kl.shape[2]) < lens[..., 1:]], axis=-1)
     qg = np.asarray(q, np.float64).reshape(b, hkv, gqa, d) / np.sqrt(d)
     s = np.where(mask[:, :, None], np.einsum("bhgd,bhsd->bhgs", qg, k), -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
@@ -261,72 +283,72 @@ def test_two_tiers_lower_for_cuda_with_triton():
 
 def float64_significance(q, tiers, table, lens):
     """Max over each KV head's query heads of the attention every key gets, in float64, in
-    table order; `tiers` (high, low or None), `lens` [B, Hkv, 2] (high, low tokens)."""
+    each tier's slot order: (high, low or None); `lens` [B, Hkv, 2] (high, low tokens)."""
     high, low = tiers
     b, hq, d = q.shape
-    _, hkv, width = table.shape
+    hkv = table.shape[1]
     kh, _ = dequantized_rows(high, table)
-    ks, masks = [np.asarray(kh, np.float64)], [np.arange(width * PAGE) < lens[..., :1]]
+    ks, masks = [np.asarray(kh, np.float64)], [np.arange(kh.shape[2]) < lens[..., :1]]
     if low is not None:
         kl, _ = dequantized_rows(low, table[..., ::-1])
         ks.append(np.asarray(kl, np.float64))
-        masks.append(np.arange(width * PAGE) < lens[..., 1:])
+        masks.append(np.arange(kl.shape[2]) < lens[..., 1:])
     k, mask = np.concatenate(ks, axis=2), np.concatenate(masks, axis=-1)
     qg = np.asarray(q, np.float64).reshape(b, hkv, hq // hkv, d) / np.sqrt(d)
     s = np.where(mask[:, :, None], np.einsum("bhgd,bhsd->bhgs", qg, k), -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     sig = (p / p.sum(-1, keepdims=True)).max(axis=2)
-    out = sig[..., :width * PAGE]
-    if low is not None:
-        out = out + sig[..., width * PAGE:].reshape(b, hkv, width, PAGE)[:, :, ::-1].reshape(
-            b, hkv, -1)
-    return out
+    n = kh.shape[2]
+    return sig[..., :n], (sig[..., n:] if low is not None else None)
 
 
-@pytest.mark.parametrize("hi,lo", [((16, 16), None), ((8, 4), None), ((8, 4), (4, 2))])
-def test_significance_is_each_keys_attention_in_table_order(hi, lo):
+def max_diff(got, want) -> float:
+    """Largest difference of a significance (an array, or a (high, low) pair) from float64."""
+    got = got if isinstance(got, tuple) else (got, None)
+    return max(np.abs(np.asarray(g) - w).max() for g, w in zip(got, want, strict=True)
+               if w is not None)
+
+
+@pytest.mark.parametrize("hi,lo", [((16, 16), None), ((8, 4), None), ((8, 4), (4, 2)),
+                                   ((8, 4), "halved")])
+def test_significance_is_each_keys_attention_in_slot_order(hi, lo):
     """The kernel's significance (written in the same pass as the output) against float64
-    and the reference, over one or two tiers and any number of splits; positions that hold
+    and the reference, over one or two tiers and any number of splits; slots that hold
     no token are 0, and the output is unchanged by asking for it."""
     rng = np.random.default_rng()
     b, hkv, gqa, d, width = 2, 2, 3, 64, 8
-    lens = np.array([[[1, 0], [2 * PAGE, 3 * PAGE]], [[13, 9], [4 * PAGE + 5, 0]]])
+    per_lo = 2 * PAGE if lo == "halved" else PAGE
+    lens = np.array([[[1, 0], [2 * PAGE, 3 * per_lo]], [[13, 9], [4 * PAGE + 5, 0]]])
     if lo is None:
         lens[..., 1] = 0
-    tables = np.zeros((b, hkv, width), np.int32)
-    pool = b * hkv * width + 1
-    ids = iter(1 + rng.permutation(pool - 1))
-    for i in range(b):
-        for h in range(hkv):
-            nh, nl = -(-lens[i, h] // PAGE)
-            tables[i, h, :nh] = [next(ids) for _ in range(nh)]
-            tables[i, h, width - nl:] = [next(ids) for _ in range(nl)][::-1]
-    high = make_tier(rng, pool, d, *hi)
-    low = None if lo is None else make_tier(rng, pool, d, *lo)
+    high, low, tables = tier_case(rng, hi, lo, lens, d, width)
     q = jnp.asarray(rng.normal(size=(b, hkv * gqa, d)) * 2, jnp.float32)
     table, hl, ll = jnp.asarray(tables), jnp.asarray(lens[..., 0]), jnp.asarray(lens[..., 1])
     tier_args = {} if low is None else dict(low_tier=low, low_lengths=ll)
 
     want = float64_significance(q, (high, low), tables, lens)
-    held = np.asarray(want) > 0
-    assert held.sum() == lens.sum()  # every held token gets some attention, nothing else
+    held = sum(int((w > 0).sum()) for w in want if w is not None)
+    assert held == lens.sum()  # every held token gets some attention, nothing else
     _, ref = paged_decode_attention_reference(q, high, table, hl, return_significance=True,
                                               **tier_args)
-    assert np.abs(np.asarray(ref) - want).max() < 1e-5
+    assert max_diff(ref, want) < 1e-5
     for splits, ppb in ((1, 2), (2, 2), (4, 2)):
         run = functools.partial(paged_decode_attention, q, high, table, hl, k_splits=splits,
                                 pages_per_block=ppb, interpret=INTERPRET, **tier_args)
         out, sig = run(return_significance=True)
-        assert np.abs(np.asarray(sig) - want).max() < 1e-5, f"splits={splits} ppb={ppb}"
+        assert max_diff(sig, want) < 1e-5, f"splits={splits} ppb={ppb}"
         np.testing.assert_array_equal(np.asarray(out), np.asarray(run()))
         (_, denom, _), per_head = run(return_significance=True, return_softmax_state=True)
-        p = np.asarray(per_head) / np.asarray(denom)[..., None]  # the caller normalises
-        assert np.abs(p.reshape(b, hkv, gqa, -1).max(axis=2) - want).max() < 1e-5
+        per_head = per_head if isinstance(per_head, tuple) else (per_head,)
+        p = tuple(np.asarray(x) / np.asarray(denom)[..., None] for x in per_head)
+        p = tuple(x.reshape(b, hkv, gqa, -1).max(axis=2) for x in p)  # the caller normalises
+        assert max_diff(p if low is not None else p[0], want) < 1e-5
 
 
 def test_significance_lowers_for_cuda_with_triton():
     rng = np.random.default_rng()
-    high, low = make_tier(rng, 9, 128, 8, 4), make_tier(rng, 9, 128, 4, 2)
+    high = make_tier(rng, 9, 128, 8, 4, token_keys=True)
+    low = high.as_format(high.kv_format.halved())
     q = jnp.asarray(rng.normal(size=(2, 8, 128)), jnp.bfloat16)
     table = jnp.asarray(rng.integers(1, 9, (2, 2, 8)), jnp.int32)
     hl, ll = jnp.full((2, 2), 20, jnp.int32), jnp.full((2, 2), 9, jnp.int32)

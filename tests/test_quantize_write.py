@@ -26,7 +26,8 @@ INTERPRET = jax.default_backend() == "cpu"
 FORMATS = [(16, 16), (8, 8), (4, 4), (8, 4), (4, 2), (8, 16)]
 
 
-def poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, dtype=jnp.float32):
+def poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, dtype=jnp.float32,
+                  token_keys=False):
     """A pool in the layout `quantize_write` takes, filled with garbage (built by hand, so a
     test can also build one that does not fit its format)."""
     def side(bits):
@@ -37,12 +38,13 @@ def poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, dtype=jnp.floa
     g = min(group, d)
     scale = lambda *shape: jnp.asarray(rng.normal(size=shape) - 7.0, SCALE_DTYPE)  # noqa: E731
     zero = lambda *shape: jnp.full(shape, jnp.nan, SCALE_DTYPE)  # noqa: E731
+    k_stat = (num_pages, page, d // g) if token_keys else (num_pages, d)
     return KVPages(side(k_bits), side(v_bits),
-                   scale(num_pages, d) if k_bits < 16 else None,
-                   zero(num_pages, d) if k_bits < 16 else None,
+                   scale(*k_stat) if k_bits < 16 else None,
+                   zero(*k_stat) if k_bits < 16 else None,
                    scale(num_pages, page, d // g) if v_bits < 16 else None,
                    zero(num_pages, page, d // g) if v_bits < 16 else None,
-                   kv_format=KVFormat(k_bits, v_bits, group))
+                   kv_format=KVFormat(k_bits, v_bits, group, token_keys=token_keys))
 
 
 def sources(rng, n, page, d, dtype=jnp.float32):
@@ -92,9 +94,10 @@ def rounding_ties(x, scale, zero, group=None):
 
 
 def check_call(rng, *, k_bits, v_bits, d, page, group, ids, num_pages, dtype=jnp.float32,
-               pool_dtype=jnp.float32):
+               pool_dtype=jnp.float32, token_keys=False):
     """One call on a poisoned pool against the reference, then the untouched pages."""
-    pool = poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, pool_dtype)
+    pool = poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, pool_dtype,
+                         token_keys)
     before = {name: np.asarray(x) for name, x in pool.arrays().items()}
     k, v = sources(rng, len(ids), page, d, dtype)
     ids = jnp.asarray(ids, jnp.int32)
@@ -107,7 +110,7 @@ def check_call(rng, *, k_bits, v_bits, d, page, group, ids, num_pages, dtype=jnp
     for name, x, scale, zero in (("k", k, ref.k_scale, ref.k_zero),
                                  ("v", v, ref.v_scale, ref.v_zero)):
         if scale is not None and not INTERPRET:
-            grp = None if name == "k" else d // scale.shape[-1]
+            grp = None if name == "k" and not token_keys else d // scale.shape[-1]
             mask = np.zeros((num_pages, page, d), bool)
             for j, pid in enumerate(np.asarray(ids)):
                 if pid:
@@ -133,6 +136,16 @@ def test_kernel_matches_reference_and_leaves_other_pages_alone(k_bits, v_bits, d
     ids = 1 + rng.permutation(num_pages - 1)[:n]
     check_call(rng, k_bits=k_bits, v_bits=v_bits, d=d, page=page, group=group, ids=ids,
                num_pages=num_pages)
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(8, 4), (4, 2), (4, 8), (2, 4)])
+@pytest.mark.parametrize("d,page,group,n", [(64, 8, 32, 5), (128, 16, 64, 2)])
+def test_per_token_key_scales(k_bits, v_bits, d, page, group, n):
+    """token_keys formats: keys quantized per (token, group) exactly as kv_quant does it."""
+    rng = np.random.default_rng()
+    ids = 1 + rng.permutation(11)[:n]
+    check_call(rng, k_bits=k_bits, v_bits=v_bits, d=d, page=page, group=group, ids=ids,
+               num_pages=12, token_keys=True)
 
 
 @pytest.mark.parametrize("k_bits,v_bits", [(16, 16), (8, 4), (4, 2)])
@@ -239,7 +252,7 @@ def test_lowers_for_cuda_with_triton(k_bits, v_bits, dtype, d, page, group):
     lowered = jax.jit(quantize_write).trace(k, v, ids, pool).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__gpu$xla.gpu.triton" in text
-    assert f"jkv_quantize_write_k{k_bits}v{v_bits}" in text
+    assert f"jkv_quantize_write_{pool.kv_format.name}" in text
 
 
 def test_cuda_lowering_catches_triton_errors():

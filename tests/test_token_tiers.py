@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import jkv.cache.allocator as alloc
@@ -102,7 +102,7 @@ def tier_contents(meta, tables, counts):
     return out
 
 
-def check_memory(free, tables, counts):
+def check_memory(free, tables, counts, pool=POOL):
     pages = np.asarray(tables.pages)
     hp, lp = np.asarray(tables.num_pages), np.asarray(tables.low_pages)
     assert (hp == -(-np.asarray(counts.high) // PAGE)).all(), "high pages != tokens / page"
@@ -111,15 +111,15 @@ def check_memory(free, tables, counts):
     assert (pages[~held] == 0).all(), "an entry outside both sides holds a page"
     owned = pages[held]
     assert (owned > 0).all(), "the null page is never handed out"
-    want = np.bincount(owned, minlength=POOL)
+    want = np.bincount(owned, minlength=pool)
     want[0] = 0
     refs = np.asarray(free.refs)
     assert (refs == want).all(), "reference counts differ from the references held"
     head, num_free = int(free.head), int(free.num_free)
-    free_ids = np.asarray(free.ids)[(head + np.arange(num_free)) % (POOL - 1)]
+    free_ids = np.asarray(free.ids)[(head + np.arange(num_free)) % (pool - 1)]
     assert len(set(free_ids.tolist())) == len(free_ids), "a page is free twice"
     assert (refs[free_ids] == 0).all(), "a referenced page is free"
-    assert sorted(free_ids.tolist() + np.flatnonzero(refs).tolist()) == list(range(1, POOL)), \
+    assert sorted(free_ids.tolist() + np.flatnonzero(refs).tolist()) == list(range(1, pool)), \
         "a page is neither free nor referenced (leaked)"
 
 
@@ -205,6 +205,7 @@ tier_runs = st.tuples(
 
 @settings(max_examples=25, deadline=None)
 @given(tier_runs)
+@example(([1], 4, 0, PAGE, 0.5, 1.0))  # alpha_low above alpha_high: the candidate is a victim
 def test_tiers_follow_algorithm_1_and_keep_memory_exact(args):
     run(*args)
 
@@ -276,3 +277,58 @@ def test_compaction_refuses_cleanly(why):
     # pruning the same token needs no page: it goes through
     out = tt.compact(free, tables, counts, fate_hi.at[..., 3].set(tt.PRUNE), fate_lo, PAGE)
     assert bool(out[-1]) and int(out[2].high[0, 0, 0]) == used * PAGE - 1
+
+
+@pytest.mark.parametrize("name", ["k8v4t", "k4v8t"])
+def test_token_data_follows_its_metadata(name):
+    """Two rounds of random fates: after each compaction every high token's pages hold its
+    own codes bit for bit, every low token the requantization of its high codes."""
+    from jkv.config import KVFormat
+    from jkv.pallas_kernels.kv_pages import KVPages
+
+    rng = np.random.default_rng()
+    d, width = 64, 10
+    fmt = KVFormat.parse(name)
+    pool_pages = SLOTS * LAYERS * HEADS * width + 1
+    pool = KVPages.zeros(pool_pages, PAGE, d, jnp.float32, fmt)
+    free = alloc.init_free(pool_pages, PAGE)
+    tables = alloc.init_tables(SLOTS, LAYERS, HEADS, width)
+    counts = tt.init_counts((SLOTS, LAYERS, HEADS))
+    meta = tt.init_meta(pool_pages, PAGE)
+    n = 8 * PAGE - 3
+    free, tables, counts, addr, ok = tt.grow_high(
+        free, tables, counts, jnp.full((SLOTS, LAYERS, HEADS), n), PAGE, n)
+    assert bool(ok)
+    k = rng.normal(size=(SLOTS, LAYERS, HEADS, n, d)) * (1 + 5 * (rng.random(d) < 0.1))
+    v = rng.normal(size=(SLOTS, LAYERS, HEADS, n, d))
+    pool = tt.write_tokens(pool, addr, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+                           PAGE)
+    meta = tt.write_meta(meta, addr, jnp.arange(n), jnp.zeros(addr.shape))
+    token = lambda x: x[..., None, :]  # noqa: E731
+    high_want = KVPages.from_dense(token(jnp.asarray(k, jnp.float32)),
+                                   token(jnp.asarray(v, jnp.float32)), fmt)
+    low_want = KVPages.from_dense(*high_want.dense(), fmt.halved())
+    low_pool = lambda p: p.as_format(fmt.halved())  # noqa: E731
+    for _ in range(2):
+        fate_hi = jnp.asarray(rng.choice([tt.KEEP, tt.LOW, tt.PRUNE], (SLOTS, LAYERS, HEADS,
+                                                                        width * PAGE)))
+        fate_lo = jnp.asarray(rng.choice([tt.KEEP, tt.PRUNE], (SLOTS, LAYERS, HEADS,
+                                                             2 * width * PAGE)))
+        free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo,
+                                                     PAGE)
+        assert bool(ok)
+        pool, meta = tt.move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves)
+        check_memory(free, tables, counts, pool_pages)
+        for is_low, count, want, view in ((False, counts.high, high_want, lambda p: p),
+                                          (True, counts.low, low_want, low_pool)):
+            addr, held = tt.slot_addresses(tables.pages, count, PAGE, is_low)
+            addr, held = np.asarray(addr), np.asarray(held)
+            pos = np.asarray(meta.pos).reshape(-1)[addr]
+            got = view(pool).take_tokens(jnp.asarray(addr // (2 * PAGE)),
+                                         jnp.asarray(addr % (2 * PAGE)))
+            for row in np.ndindex(held.shape[:-1]):
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                    a, b = np.asarray(a)[row][held[row]], np.asarray(b)[row][pos[row][held[row]]]
+                    np.testing.assert_array_equal(a, b, err_msg=f"{row} low={is_low}")
+        assert int(np.asarray(counts.low).sum()) > 0
+

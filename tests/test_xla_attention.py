@@ -24,7 +24,9 @@ from jkv.config import KV_FORMATS
 from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attention_reference
 from jkv.pallas_kernels.paged_decode_attention import dequantized_rows
 
-FORMATS = sorted({(f.k_bits, f.v_bits) for f in KV_FORMATS.values()}, reverse=True)
+# (k_bits, v_bits, token_keys) of every named format
+FORMATS = sorted({(f.k_bits, f.v_bits, f.token_keys) for f in KV_FORMATS.values()},
+                 reverse=True)
 PAGE, GROUP, POISON = 4, 16, 1e4
 # (T, query heads per KV head, head_dim, blocks): a padded prefill chunk in several query,
 # page (masked and unmasked) and window blocks, and a decode step with the engine's blocks
@@ -37,7 +39,7 @@ def fresh_rng() -> tuple[np.random.Generator, int]:
 
 
 def make_case(rng, *, t: int, gqa: int, d: int, k_bits: int, v_bits: int, width: int = 12,
-              dtype=jnp.float32):
+              dtype=jnp.float32, token_keys: bool = False):
     """Five rows x two KV heads with random ragged lengths; returns (args, q_lengths).
 
     Each row holds a random prefix per head (a zero one for some), a window of a random
@@ -63,7 +65,7 @@ def make_case(rng, *, t: int, gqa: int, d: int, k_bits: int, v_bits: int, width:
 
     args = paged_attention_inputs(rng, plen, start, wlen, pos, t=t, gqa=gqa, d=d, k_bits=k_bits,
                                   v_bits=v_bits, width=width, page=PAGE, group=GROUP,
-                                  poison=POISON, dtype=dtype)
+                                  poison=POISON, dtype=dtype, token_keys=token_keys)
     return args, jnp.asarray(q_lengths, jnp.int32)
 
 
@@ -72,11 +74,12 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("k_bits,v_bits", FORMATS)
-def test_matches_the_reference_on_ragged_rows(k_bits, v_bits):
+@pytest.mark.parametrize("k_bits,v_bits,token_keys", FORMATS)
+def test_matches_the_reference_on_ragged_rows(k_bits, v_bits, token_keys):
     rng, seed = fresh_rng()
     for t, gqa, d, blocks in CASES:
-        args, q_lengths = make_case(rng, t=t, gqa=gqa, d=d, k_bits=k_bits, v_bits=v_bits)
+        args, q_lengths = make_case(rng, t=t, gqa=gqa, d=d, k_bits=k_bits, v_bits=v_bits,
+                                    token_keys=token_keys)
         want = np.asarray(chunked_prefill_attention_reference(*args, q_lengths=q_lengths))
         assert np.abs(want).max() < POISON / 10, f"seed {seed}: the case reads poison"
         got = np.asarray(xla_attention(*args, q_lengths=q_lengths, **blocks))

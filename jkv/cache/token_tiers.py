@@ -14,8 +14,8 @@ tokens are never demoted or pruned.
 
 Everything is whole-array jnp over all rows at once (no loop per head): decisions are
 elementwise with masked reductions along a row, moves are ranked with prefix sums, pages
-are freed and taken through the circular free list. The tokens' K/V follow `TierMoves`
-(`move_tokens` for the metadata; the pool moves the same way).
+are freed and taken through the circular free list. The tokens follow `TierMoves`: their
+metadata (`move_tokens`) and their K/V in the pool (`move_pages`).
 
 Pages a row shares with another holder (a prefix-cache block) must not be compacted: the
 caller keeps shared prefixes out of the tiers.
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jkv.cache.allocator import FreeList, PageTables, allocate, unref
-from jkv.pallas_kernels.kv_pages import NULL_PAGE
+from jkv.pallas_kernels.kv_pages import NULL_PAGE, KVPages
 
 KEEP, LOW, PRUNE = 0, 1, 2  # a token's fate in `place`
 
@@ -187,7 +187,8 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
     # c stays high: the least significant old high token (c included) may go down
     hv = _argmin(hi_mean, hi_pos, hi_held & old)[..., None]
     hv_mean = jnp.take_along_axis(hi_mean, hv, -1)
-    hv_fate = jnp.where(hv_mean >= t_high, KEEP, jnp.where(hv_mean >= t_low, LOW, PRUNE))
+    hv_fate = jnp.where((t_low <= hv_mean) & (hv_mean < t_high), LOW,  # lines 8-11
+                        jnp.where(hv_mean < t_low, PRUNE, KEEP))
     is_hv = jnp.arange(hi_mean.shape[-1]) == hv
     # c joins the low tier: the least significant low token goes if below alpha_low / n (c,
     # at least that significant, never is)
@@ -196,7 +197,7 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
     prune_lv = (has_c & (c_fate == LOW) & lo_held.any(axis=-1, keepdims=True)
                 & (lv_mean < t_low))
     gen_hi = jnp.where(cand, c_fate, KEEP)
-    gen_hi = jnp.where(has_c & (c_fate == KEEP) & is_hv & ~cand, hv_fate, gen_hi)
+    gen_hi = jnp.where(has_c & (c_fate == KEEP) & is_hv, hv_fate, gen_hi)
     gen_lo = jnp.where(prune_lv & (jnp.arange(lo_mean.shape[-1]) == lv), PRUNE, KEEP)
 
     fate_hi = jnp.where(prompt, jnp.where(cand, prompt_fate, KEEP), gen_hi)
@@ -312,3 +313,36 @@ def move_tokens(meta: TokenMeta, moves: TierMoves) -> TokenMeta:
         return v.at[dest].set(v[read], mode="drop").reshape(x.shape)
 
     return TokenMeta(score=move(meta.score), pos=move(meta.pos))
+
+
+def _slot(addr: jax.Array, page: int) -> tuple[jax.Array, jax.Array]:
+    """Meta addresses -> (page id, offset) (-1 -> the null page)."""
+    addr = jnp.maximum(addr, 0)
+    return addr // (2 * page), addr % (2 * page)
+
+
+def move_pages(pool: KVPages, moves: TierMoves, page: int) -> KVPages:
+    """The pool (in a halvable format, `KVFormat.halved`) with one compaction's tokens moved:
+    bit for bit within a tier, dequantized and requantized at half the bits when demoted.
+    Every source is read before any destination is written."""
+    low_format = pool.kv_format.halved()
+    moving = lambda src, dst: (src >= 0) & (dst >= 0)  # noqa: E731
+    high = pool.take_tokens(*_slot(moves.high_src, page))
+    k, v = pool.take_tokens(*_slot(moves.demote_src, page)).dense()
+    demoted = KVPages.from_dense(k, v, low_format)
+    low = pool.as_format(low_format).take_tokens(*_slot(moves.low_src, page))
+    pool = pool.put_tokens(*_slot(moves.high_dst, page), high,
+                           moving(moves.high_src, moves.high_dst))
+    out = pool.as_format(low_format)
+    out = out.put_tokens(*_slot(moves.low_dst, page), low, moving(moves.low_src, moves.low_dst))
+    out = out.put_tokens(*_slot(moves.demote_dst, page), demoted,
+                         moving(moves.demote_src, moves.demote_dst))
+    return out.as_format(pool.kv_format)
+
+
+def write_tokens(pool: KVPages, addr: jax.Array, k: jax.Array, v: jax.Array,
+                 page: int) -> KVPages:
+    """Keys and values [..., D] quantized one token at a time into the high-tier slots at
+    meta addresses `addr` [...] (-1: dropped); the format needs per-token scales."""
+    tokens = KVPages.from_dense(k[..., None, :], v[..., None, :], pool.kv_format, pool.dtype)
+    return pool.put_tokens(*_slot(addr, page), tokens, addr >= 0)

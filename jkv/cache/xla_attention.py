@@ -83,26 +83,29 @@ def xla_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     block_w: int | None = None,
+    low_tier: KVPages | None = None,  # a second tier [P', low page, ...], own format
+    low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
     return_significance: bool = False,
-) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """`chunked_prefill_attention`'s function in jnp; returns float32 [B, T, Hq, D].
 
     Query (b, t) sees every page token of its KV head and window token i when
     i < window_len[b] and window_start[b] + i <= q_positions[b, t]; a query that sees
     nothing gets 0, and so does a padding query t >= q_lengths[b]. Blocks: `block_q` queries
     (all their query heads together), `block_k` page tokens, `block_w` window tokens; None
-    picks sizes that suit a CPU.
+    picks sizes that suit a CPU. With `low_tier`, the row's right side holds a second tier's
+    pages (`paged_decode_attention`'s bidirectional table), seen like the high tier's.
 
     With `return_significance` it also returns LeanKV's significance of every key: the
     attention it receives, max over the query heads of its KV head, averaged over the real
-    queries that see it: (pages [B, Hkv, W * page] in table order, window [B, Hkv, Tw]),
-    0 where no query sees a token. The scores are kept as they are computed (no second pass
+    queries that see it: (pages [B, Hkv, W * page] in slot order, window [B, Hkv, Tw], and
+    with a low tier its pages [B, Hkv, W * low page] in slot order), 0 where no query sees
+    a token. The scores are kept as they are computed (no second pass
     over the pages) and normalised once every row's softmax state is final.
     """
     b, t, hq, d = q.shape
     _, hkv, w = page_table.shape
     g = hq // hkv
-    page = pages.page_size
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if q_lengths is None:
         q_lengths = jnp.full((b,), t, jnp.int32)
@@ -111,7 +114,6 @@ def xla_attention(
     block_q = min(1 << (block_q - 1).bit_length(), 1 << (t - 1).bit_length())
     if block_k is None:  # the pages take all queries at once: bigger blocks for fewer rows
         block_k = 512 if -(-t // block_q) * block_q * g <= 64 else 256
-    ppb = max(1, block_k // page)  # whole pages
     if block_w is None:  # window tokens past a query block's span (outside the engine)
         block_w = 64
 
@@ -122,45 +124,53 @@ def xla_attention(
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, hkv, tp * g, d)
     pos = _pad_to(q_positions.astype(jnp.int32), 1, block_q)  # [B, Tp]
 
-    table = _pad_to(page_table.astype(jnp.int32), 2, ppb)  # padding columns: the null page
-    lengths = jnp.minimum(page_lengths.astype(jnp.int32), w * page)
     tw = k_window.shape[2]
     q_lengths = q_lengths.astype(jnp.int32)
 
-    def gather_block(j: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Pages [j * ppb, (j + 1) * ppb) of every row, dequantized: [B, Hkv, ppb * page, D]."""
-        ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
-        k, v = pages.take(ids).dense()
-        return k.reshape(b, hkv, ppb * page, d), v.reshape(b, hkv, ppb * page, d)
+    def attend_tier(state: tuple, tier: KVPages, table: jax.Array,
+                    lengths: jax.Array) -> tuple:
+        """(1) a tier's held pages (table [B, Hkv, W] in slot order): every query of a row sees
+        all of them, so all queries go at once. Blocks every row holds in full need no mask;
+        the rest (ragged rows' last blocks) are masked by length. A row without real queries
+        holds nothing here. Returns (state, the scores [B, Hkv, Tp * G, W * page] or None)."""
+        page = tier.page_size
+        ppb = max(1, block_k // page)  # whole pages
+        table = _pad_to(table.astype(jnp.int32), 2, ppb)  # padding columns: the null page
+        plen = jnp.where(q_lengths[:, None] > 0,
+                         jnp.minimum(lengths.astype(jnp.int32), w * page), 0)  # [B, Hkv]
+        block = ppb * page
 
-    # (1) the held pages: every query of a row sees all of them, so all queries go at once.
-    # Blocks every row holds in full need no mask; the rest (ragged rows' last blocks) are
-    # masked by length. A row without real queries holds nothing here.
-    plen = jnp.where(q_lengths[:, None] > 0, lengths, 0)  # [B, Hkv]
-    block = ppb * page
+        def page_body(j, carry, masked: bool):
+            state, scores = carry
+            ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
+            k, v = tier.take(ids).dense()  # dequantized: [B, Hkv, ppb, page, D]
+            k, v = k.reshape(b, hkv, block, d), v.reshape(b, hkv, block, d)
+            s = jnp.einsum("bhrd,bhkd->bhrk", qg, k, preferred_element_type=jnp.float32)
+            if masked:
+                token = j * block + jnp.arange(block)
+                visible = (token[None, None, :] < plen[:, :, None])[:, :, None, :]
+                s = jnp.where(visible, s, MASK_VALUE)
+            if scores is not None:
+                scores = lax.dynamic_update_slice_in_dim(scores, s, j * block, axis=3)
+            return _online_update(state, s, v), scores
 
-    def page_body(j, carry, masked: bool):
-        state, scores = carry
-        k, v = gather_block(j)
-        s = jnp.einsum("bhrd,bhkd->bhrk", qg, k, preferred_element_type=jnp.float32)
-        if masked:
-            token = j * block + jnp.arange(block)
-            visible = (token[None, None, :] < plen[:, :, None])[:, :, None, :]
-            s = jnp.where(visible, s, MASK_VALUE)
-        if scores is not None:
-            scores = lax.dynamic_update_slice_in_dim(scores, s, j * block, axis=3)
-        return _online_update(state, s, v), scores
+        scores = (jnp.full((b, hkv, tp * g, table.shape[2] * page), MASK_VALUE, jnp.float32)
+                  if return_significance else None)
+        full = plen.min() // block
+        carry = lax.fori_loop(0, full, functools.partial(page_body, masked=False),
+                              (state, scores))
+        state, scores = lax.fori_loop(full, -(-plen.max() // block),
+                                      functools.partial(page_body, masked=True), carry)
+        return state, None if scores is None else scores[..., :w * page]
 
     state = (jnp.zeros((b, hkv, tp * g, d), jnp.float32),
              jnp.full((b, hkv, tp * g), -jnp.inf, jnp.float32),
              jnp.zeros((b, hkv, tp * g), jnp.float32))
-    page_scores = (jnp.full((b, hkv, tp * g, table.shape[2] * page), MASK_VALUE, jnp.float32)
-                   if return_significance else None)
-    full = plen.min() // block
-    carry = lax.fori_loop(0, full, functools.partial(page_body, masked=False),
-                          (state, page_scores))
-    state, page_scores = lax.fori_loop(full, -(-plen.max() // block),
-                                       functools.partial(page_body, masked=True), carry)
+    state, page_scores = attend_tier(state, pages, page_table, page_lengths)
+    if low_tier is not None:  # low page i at column W - 1 - i: reversed, the slot order
+        if low_lengths is None or low_lengths.shape != (b, hkv):
+            raise ValueError(f"low_lengths must be [B={b}, Hkv={hkv}] with low_tier")
+        state, low_scores = attend_tier(state, low_tier, page_table[..., ::-1], low_lengths)
 
     # (2) the window, causal by absolute position, a block of queries at a time. Block i's
     # queries see window tokens up to their own, so it attends at once to the span that the
@@ -238,8 +248,11 @@ def xla_attention(
     sees = ((win_idx[None, None, :] < win_len[:, None, None])
             & (start[:, None, None] + win_idx[None, None, :] <= row_pos[:, :, None]))
     significance = (
-        key_significance(page_scores[..., :w * page], m, denom, real, g, q_lengths[:, None, None]),
+        key_significance(page_scores, m, denom, real, g, q_lengths[:, None, None]),
         key_significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom, real, g,
-                      sees.sum(axis=1)[:, None, :]))
+                         sees.sum(axis=1)[:, None, :]))
+    if low_tier is not None:
+        significance += (key_significance(low_scores, m, denom, real, g,
+                                          q_lengths[:, None, None]),)
     return out, significance
 

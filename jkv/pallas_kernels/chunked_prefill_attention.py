@@ -33,24 +33,27 @@ from jkv.pallas_kernels.paged_decode_attention import (
 )
 
 
-def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, heads: int,
-            sm_scale: float, scores: bool):
+def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: int,
+            heads: int, sm_scale: float, scores: bool):
     refs = list(refs)
     q_ref = refs.pop(0)  # [rows = block_q * heads, D]
     pos_ref = refs.pop(0)  # [block_q]: absolute positions of the tile's queries
-    tier = KVPages.from_operands(kv_format, refs)  # the pool's refs [P, page, ...]
+    # the pool refs [P, page, ...] of the high tier, then of the low tier if any
+    tiers = [KVPages.from_operands(f, refs) for f in formats]
     table_ref = refs.pop(0)  # [W]
-    plen_ref = refs.pop(0)  # [1]: tokens held in this row's pages
+    plen_ref = refs.pop(0)  # [2]: tokens held in this row's high pages and low pages
     kw_ref = refs.pop(0)  # [Tw, D] window keys, model dtype
     vw_ref = refs.pop(0)  # [Tw, D] window values
     win_ref = refs.pop(0)  # [3]: window start position, window length, real queries
     o_ref = refs.pop(0)  # [rows, D]
-    # with `scores`: logits over the pages [rows, W * page] and the window [rows, Tw] (blocks
-    # never visited are left unwritten; the caller masks them), the rows' max and denominator
-    sp_ref, sw_ref, m_ref, l_ref = refs if scores else (None,) * 4
+    # with `scores`: logits over the window [rows, Tw], the rows' max and denominator, and
+    # over each tier's pages [rows, W * tier page] (blocks never visited are left unwritten;
+    # the caller masks them)
+    sw_ref, m_ref, l_ref, *sp_refs = refs if scores else (None,) * (3 + len(tiers))
 
     rows, d = q_ref.shape
     block_q = pos_ref.shape[0]
+    tier = tiers[0]
     page = tier.page_size
     ppb = pages_per_block
     nk, nv = parts
@@ -67,7 +70,7 @@ def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, 
 
     # (1) the paged prefix: every query sees every held token
     plen = jnp.where(active, plen_ref[0], 0)
-    attend = functools.partial(_attend_pages, q_parts=q_parts, page=page, compute=compute)
+    attend = functools.partial(_attend_pages, q_parts=q_parts, compute=compute)
 
     def page_body(j, carry):
         col = j * ppb
@@ -75,13 +78,32 @@ def _kernel(*refs, kv_format, parts: tuple, pages_per_block: int, block_w: int, 
                           table_ref[pl.ds(col, ppb)], 0)
         token = col * page + jnp.arange(ppb * page)
         carry, logits = attend(carry, tier, pages, (token < plen)[None, :])
-        if sp_ref is not None:
-            sp_ref[:, pl.ds(col * page, ppb * page)] = logits
+        if sp_refs[0] is not None:
+            sp_refs[0][:, pl.ds(col * page, ppb * page)] = logits
         return carry
 
     w = table_ref.shape[0]  # a length past the table never reads past it
     carry = lax.fori_loop(0, jnp.minimum(pl.cdiv(pl.cdiv(plen, page), ppb), w // ppb),
                           page_body, carry)
+
+    if len(tiers) > 1:  # the low tier: its own pages from the right, low page i at w - 1 - i
+        low, page_lo = tiers[1], tiers[1].page_size
+        len_lo = jnp.where(active, plen_ref[1], 0)
+        start_lo = jnp.maximum(w - pl.cdiv(len_lo, page_lo), 0)
+        offset = jnp.arange(ppb * page_lo) % page_lo
+
+        def low_body(j, carry):
+            col = j * ppb
+            pages = jnp.where(col + jnp.arange(ppb) >= start_lo, table_ref[pl.ds(col, ppb)], 0)
+            col_tok = col + jnp.arange(ppb * page_lo) // page_lo
+            token = jnp.where(col_tok >= start_lo, (w - 1 - col_tok) * page_lo + offset, len_lo)
+            carry, logits = attend(carry, low, pages, (token < len_lo)[None, :])
+            if sp_refs[1] is not None:
+                sp_refs[1][:, pl.ds(col * page_lo, ppb * page_lo)] = logits
+            return carry
+
+        carry = lax.fori_loop(jnp.where(len_lo > 0, start_lo // ppb, w // ppb), w // ppb,
+                              low_body, carry)
 
     # (2) the window, causal by absolute position
     start, length = win_ref[0], jnp.minimum(win_ref[1], kw_ref.shape[0])
@@ -138,20 +160,24 @@ def chunked_prefill_attention(
     block_w: int = 16,
     num_warps: int = 4,
     num_stages: int = 2,
+    low_tier: KVPages | None = None,  # a second tier [P', low page, ...], own format
+    low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
     return_significance: bool = False,
     interpret: bool = False,
-) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Attention of T new queries over their pages and window; returns [B, T, Hq, D].
 
     Query (b, t) sees every page token of its KV head and window token i when
     i < window_len[b] and window_start[b] + i <= q_positions[b, t]. A query that sees
     nothing gets 0, and so does a padding query t >= q_lengths[b] (tiles of them skip all
-    work: a padded chunk does not pay for attention over its history).
+    work: a padded chunk does not pay for attention over its history). With `low_tier`,
+    the row's right side holds a second tier's pages (`paged_decode_attention`'s
+    bidirectional table), seen like the high tier's.
 
     With `return_significance` it also returns each key's significance (`key_significance`)
-    over the pages [B, Hkv, W * page] (table order) and the window [B, Hkv, Tw]; the kernel
-    writes its logits in the same pass and they are normalised once its rows' states are
-    final.
+    over the pages [B, Hkv, W * page] (slot order) and the window [B, Hkv, Tw], and with a
+    low tier over its pages [B, Hkv, W * low page] (slot order) third; the kernel writes
+    its logits in the same pass and they are normalised once its rows' states are final.
     """
     b, t, hq, d = q.shape
     bt, hkv, w = page_table.shape
@@ -185,8 +211,21 @@ def chunked_prefill_attention(
             raise ValueError(f"{name}={n} must be a multiple of its block size {blk}, a power "
                              "of two")
     pages.check(d)
-    fmt = pages.kv_format
-    parts = tuple(codes_per_byte(x) if x < 16 else 1 for x in (fmt.k_bits, fmt.v_bits))
+    tiers = [pages]
+    if low_tier is not None:
+        if low_lengths is None or low_lengths.shape != (b, hkv):
+            raise ValueError(f"low_lengths must be [B={b}, Hkv={hkv}] with low_tier, got "
+                             f"{None if low_lengths is None else low_lengths.shape}")
+        low_tier.check(d, "low_tier")
+        if low_tier.page_size % page:
+            raise ValueError(f"the low tier's page size {low_tier.page_size} is not a "
+                             f"multiple of the high tier's {page}")
+        tiers.append(low_tier)
+    else:
+        low_lengths = jnp.zeros_like(page_lengths)
+    bits = [(x.kv_format.k_bits, x.kv_format.v_bits) for x in tiers]
+    parts = tuple(max(codes_per_byte(b_[i]) if b_[i] < 16 else 1 for b_ in bits)
+                  for i in range(2))
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     g = hq // hkv
     heads = max(pl.next_power_of_2(g), 16 // block_q)  # rows per query token, padded
@@ -199,32 +238,36 @@ def chunked_prefill_attention(
     args = [qg, q_positions.astype(jnp.int32)]
     specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0)),
              pl.BlockSpec((None, block_q), lambda i, h, s: (i, s))]
-    args += pages.operands()  # read back by `KVPages.from_operands`
-    specs += [full(x) for x in pages.operands()]
+    for tier in tiers:  # read back by `KVPages.from_operands`
+        args += tier.operands()
+        specs += [full(x) for x in tier.operands()]
     if q_lengths is None:
         q_lengths = jnp.full((b,), t, jnp.int32)
     elif q_lengths.shape != (b,):
         raise ValueError(f"q_lengths must be [B={b}], got {q_lengths.shape}")
     window = jnp.stack([window_start, window_len, q_lengths], axis=-1).astype(jnp.int32)
-    args += [page_table.astype(jnp.int32), page_lengths.reshape(b, hkv, 1).astype(jnp.int32),
-             k_window, v_window, window]
+    lens = jnp.stack([page_lengths, low_lengths], axis=-1).astype(jnp.int32)
+    args += [page_table.astype(jnp.int32), lens, k_window, v_window, window]
     specs += [pl.BlockSpec((None, None, w), lambda i, h, s: (i, h, 0)),
-              pl.BlockSpec((None, None, 1), lambda i, h, s: (i, h, 0)),
+              pl.BlockSpec((None, None, 2), lambda i, h, s: (i, h, 0)),
               pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
               pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
               pl.BlockSpec((None, 3), lambda i, h, s: (i, 0))]
-    kernel = functools.partial(_kernel, kv_format=fmt, parts=parts,
+    kernel = functools.partial(_kernel, formats=tuple(x.kv_format for x in tiers), parts=parts,
                                pages_per_block=pages_per_block, block_w=block_w, heads=heads,
                                sm_scale=sm_scale, scores=return_significance)
     out_specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, hkv, t * heads, d), q.dtype)]
     if return_significance:
-        for n in (w * page, tw):
-            out_specs.append(pl.BlockSpec((None, None, rows, n), lambda i, h, s: (i, h, s, 0)))
-            out_shape.append(jax.ShapeDtypeStruct((b, hkv, t * heads, n), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, rows, tw), lambda i, h, s: (i, h, s, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, hkv, t * heads, tw), jnp.float32))
         for _ in range(2):
             out_specs.append(pl.BlockSpec((None, None, rows), lambda i, h, s: (i, h, s)))
             out_shape.append(jax.ShapeDtypeStruct((b, hkv, t * heads), jnp.float32))
+        for tier in tiers:
+            n = w * tier.page_size
+            out_specs.append(pl.BlockSpec((None, None, rows, n), lambda i, h, s: (i, h, s, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((b, hkv, t * heads, n), jnp.float32))
     out, *state = pl.pallas_call(
         kernel,
         grid=(b, hkv, t // block_q),
@@ -233,7 +276,7 @@ def chunked_prefill_attention(
         out_shape=out_shape,
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"jkv_chunked_prefill_k{fmt.k_bits}v{fmt.v_bits}"
+        name=f"jkv_chunked_prefill_{'_'.join(x.kv_format.name for x in tiers)}"
              f"{'_sig' if return_significance else ''}",
     )(*args)
     out = out.reshape(b, hkv, t, heads, d)[:, :, :, :g]
@@ -245,19 +288,26 @@ def chunked_prefill_attention(
         x = x.reshape(b, hkv, t, heads, *x.shape[3:])[:, :, :, :g]
         return x.reshape(b, hkv, t * g, *x.shape[4:])
 
-    sp, sw, m, denom = (query_rows(x) for x in state)
+    sw, m, denom, *sp = (query_rows(x) for x in state)
     real = jnp.arange(t)[None, :] < q_lengths[:, None]
-    held = jnp.arange(w * page)[None, None, None, :] < page_lengths[:, :, None, None]
     i = jnp.arange(tw)
     sees = ((i[None, None, :] < jnp.minimum(window_len, tw)[:, None, None])
             & (window_start[:, None, None] + i[None, None, :] <= q_positions[:, :, None])
             & real[:, :, None])  # [B, T, Tw]
     sees_rows = jnp.repeat(sees, g, axis=1)[:, None]  # [B, 1, T * G, Tw]
-    return out, (
-        key_significance(jnp.where(held, sp, MASK_VALUE), m, denom, real, g,
-                         jnp.where(page_lengths > 0, q_lengths[:, None], 0)[..., None]),
-        key_significance(jnp.where(sees_rows, sw, MASK_VALUE), m, denom, real, g,
-                         sees.sum(axis=1)[:, None, :])[..., :given_tw])
+    significance = []
+    for n, (tier, scores) in zip((page_lengths, low_lengths), zip(tiers, sp, strict=True),
+                                 strict=False):
+        if tier is not pages:  # columns from the right: reversed, they are slot order
+            scores = scores.reshape(*scores.shape[:3], w, -1)[:, :, :, ::-1].reshape(
+                scores.shape)
+        held = jnp.arange(scores.shape[-1])[None, None, None, :] < n[:, :, None, None]
+        significance.append(key_significance(
+            jnp.where(held, scores, MASK_VALUE), m, denom, real, g,
+            jnp.where(n > 0, q_lengths[:, None], 0)[..., None]))
+    window_sig = key_significance(jnp.where(sees_rows, sw, MASK_VALUE), m, denom, real, g,
+                                  sees.sum(axis=1)[:, None, :])[..., :given_tw]
+    return out, (significance[0], window_sig, *significance[1:])
 
 
 def key_significance(scores: jax.Array, m: jax.Array, denom: jax.Array, real: jax.Array,
@@ -288,21 +338,30 @@ def chunked_prefill_attention_reference(
     *,
     sm_scale: float | None = None,
     dtype=jnp.float32,
+    low_tier: KVPages | None = None,
+    low_lengths: jax.Array | None = None,
     return_significance: bool = False,
 ):
-    """The same function in plain jnp: dequantize every page, append the window, one masked
-    softmax (and, with `return_significance`, each key's probabilities' max over its query
-    heads averaged over the real queries that see it)."""
+    """The same function in plain jnp: dequantize every page (the low tier's read right to
+    left), append the window, one masked softmax (and, with `return_significance`, each
+    key's probabilities' max over its query heads averaged over the real queries that see
+    it)."""
     b, t, hq, d = q.shape
     hkv = page_table.shape[1]
     tw = k_window.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     k, v = dequantized_rows(pages, page_table)  # [B, Hkv, W * page, D]
+    n_high = k.shape[2]
+    in_pages = jnp.arange(n_high)[None, None, :] < page_lengths[:, :, None]
+    if low_tier is not None:
+        k_lo, v_lo = dequantized_rows(low_tier, page_table[..., ::-1])
+        k, v = jnp.concatenate([k, k_lo], axis=2), jnp.concatenate([v, v_lo], axis=2)
+        in_pages = jnp.concatenate(
+            [in_pages, jnp.arange(k_lo.shape[2])[None, None, :] < low_lengths[:, :, None]], -1)
     k = jnp.concatenate([k, k_window.astype(jnp.float32)], axis=2).astype(dtype)
     v = jnp.concatenate([v, v_window.astype(jnp.float32)], axis=2).astype(dtype)
     s_pages = k.shape[2] - tw
-    in_pages = jnp.arange(s_pages)[None, None, None, :] < page_lengths[:, :, None, None]
-    in_pages = jnp.broadcast_to(in_pages, (b, hkv, t, s_pages))
+    in_pages = jnp.broadcast_to(in_pages[:, :, None, :], (b, hkv, t, s_pages))
     i = jnp.arange(tw)[None, None, :]
     in_window = (i < window_len[:, None, None]) & (
         window_start[:, None, None] + i <= q_positions[:, :, None])  # [B, T, Tw]
@@ -326,4 +385,7 @@ def chunked_prefill_attention_reference(
     total = jnp.where(seen, p.max(axis=2), 0.0).sum(axis=2)
     count = seen.sum(axis=2)
     sig = jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
-    return out, (sig[..., :s_pages], sig[..., s_pages:])
+    window_sig = sig[..., s_pages:]
+    if low_tier is None:
+        return out, (sig[..., :s_pages], window_sig)
+    return out, (sig[..., :n_high], window_sig, sig[..., n_high:s_pages])

@@ -2,10 +2,13 @@
 
 A side (keys or values) kept at 16 bits is one array in model dtype; a quantized side is
 packed uint8 codes with a scale and a zero point array beside them (`kv_quant`), keys per
-(page, channel), values per (token, group of channels). Every array has the same leading
-shape before its per-page dims: the pool is [P, page, ...], pages gathered out of it
-[blocks, layers, KV heads, page, ...]. Page 0 of a pool is the null page: empty table entries
-point at it, so reads of it are masked and writes to it are dropped (or garbage).
+(page, channel) or, in a `token_keys` format, per (token, group of channels) like values.
+Every array has the same leading shape before its per-page dims: the pool is [P, page, ...],
+pages gathered out of it [blocks, layers, KV heads, page, ...]. Page 0 of a pool is the null
+page: empty table entries point at it, so reads of it are masked and writes to it are dropped
+(or garbage). A format with per-token scales on both sides can move single tokens
+(`take_tokens`, `put_tokens`), and its pages can be read as a halved format's pages of twice
+the tokens (`as_format`: LeanKV's low tier in the same bytes).
 
 Kernels pass a KVPages to `pallas_call` as its present arrays in one fixed order
 (`operands`, read back by `from_operands`); the store keeps them as named arrays (`arrays`,
@@ -49,9 +52,14 @@ def _names(kv_format: KVFormat) -> list[str]:
     return [n for n in _ORDER if not _is_stat(n) or _bits(kv_format, n) < 16]
 
 
+def _per_token(kv_format: KVFormat, name: str) -> bool:
+    """Whether side `name` has a scale per (token, group) rather than per (page, channel)."""
+    return name.startswith("v") or kv_format.token_keys
+
+
 def _layout(kv_format: KVFormat, page_size: int, head_dim: int) -> dict[str, tuple[int, ...]]:
     """Per-page shape of each array the format has, in operand order; ValueError when
-    head_dim does not pack into bytes or split into value groups."""
+    head_dim does not pack into bytes or split into groups."""
     group = min(kv_format.group, head_dim)
     for side in ("k", "v"):
         bits = _bits(kv_format, side)
@@ -59,20 +67,20 @@ def _layout(kv_format: KVFormat, page_size: int, head_dim: int) -> dict[str, tup
         if head_dim % per:
             raise ValueError(f"head_dim {head_dim} is not a multiple of {per} codes per byte "
                              f"at {side}_bits={bits}")
-    if kv_format.v_bits < 16:
-        dp = head_dim // codes_per_byte(kv_format.v_bits)  # channels of one packed part
-        if head_dim % group or (dp % group and group % dp):
-            raise ValueError(f"value group {group} does not divide head_dim {head_dim} (or "
-                             f"the {dp} channels of one packed part)")
+        if bits < 16 and _per_token(kv_format, side):
+            dp = head_dim // codes_per_byte(bits)  # channels of one packed part
+            if head_dim % group or (dp % group and group % dp):
+                raise ValueError(f"group {group} does not divide head_dim {head_dim} (or the "
+                                 f"{dp} channels of one packed part at {side}_bits={bits})")
     shapes = {}
     for name in _names(kv_format):
         bits = _bits(kv_format, name)
         if not _is_stat(name):
             shapes[name] = (page_size, head_dim // (codes_per_byte(bits) if bits < 16 else 1))
-        elif name.startswith("k"):
-            shapes[name] = (head_dim,)
-        else:
+        elif _per_token(kv_format, name):
             shapes[name] = (page_size, head_dim // group)
+        else:
+            shapes[name] = (head_dim,)
     return shapes
 
 
@@ -90,8 +98,8 @@ class KVPages:
 
     k: jax.Array  # [..., page, D // (8 // k_bits)] uint8 codes, or [..., page, D] model dtype
     v: jax.Array  # [..., page, D // (8 // v_bits)] uint8 codes, or [..., page, D] model dtype
-    k_scale: jax.Array | None = None  # SCALE_DTYPE [..., D]: per (page, channel)
-    k_zero: jax.Array | None = None  # SCALE_DTYPE [..., D]
+    k_scale: jax.Array | None = None  # SCALE_DTYPE [..., D]: per (page, channel), or
+    k_zero: jax.Array | None = None  # [..., page, D // group] with token_keys
     v_scale: jax.Array | None = None  # SCALE_DTYPE [..., page, D // group]: per (token, group)
     v_zero: jax.Array | None = None  # SCALE_DTYPE [..., page, D // group]
     kv_format: KVFormat = struct.field(pytree_node=False, default=KVFormat())
@@ -115,10 +123,12 @@ class KVPages:
         """Whole pages of keys and values k, v [..., page, D] in `kv_format`: quantized sides
         as `kv_quant` quantizes them, 16-bit sides cast to `dtype` (None: kept as they are)."""
         out = {"k": k, "v": v} if dtype is None else {"k": k.astype(dtype), "v": v.astype(dtype)}
+        group = min(kv_format.group, v.shape[-1])
         if kv_format.k_bits < 16:
-            out["k"], out["k_scale"], out["k_zero"] = quantize_keys(k, kv_format.k_bits)
+            out["k"], out["k_scale"], out["k_zero"] = (
+                quantize_values(k, kv_format.k_bits, group) if kv_format.token_keys
+                else quantize_keys(k, kv_format.k_bits))
         if kv_format.v_bits < 16:
-            group = min(kv_format.group, v.shape[-1])
             out["v"], out["v_scale"], out["v_zero"] = quantize_values(v, kv_format.v_bits,
                                                                       group)
         return cls(**out, kv_format=kv_format)
@@ -184,7 +194,8 @@ class KVPages:
         fmt = self.kv_format
         k, v = self.k.astype(jnp.float32), self.v.astype(jnp.float32)
         if fmt.k_bits < 16:
-            k = dequantize_keys(self.k, self.k_scale, self.k_zero, fmt.k_bits)
+            k = (dequantize_values if fmt.token_keys else dequantize_keys)(
+                self.k, self.k_scale, self.k_zero, fmt.k_bits)
         if fmt.v_bits < 16:
             v = dequantize_values(self.v, self.v_scale, self.v_zero, fmt.v_bits)
         return k, v
@@ -214,6 +225,58 @@ class KVPages:
                                  f"{old.dtype}{list(want)}")
             out[name] = old.at[dest].set(new.reshape(-1, *old.shape[1:]), mode="drop")
         return self.replace(**out)
+
+    def take_tokens(self, ids: jax.Array, offsets: jax.Array) -> KVPages:
+        """Token `offsets` of pages `ids` (same shape) of a pool, each as a page of one token:
+        leading shape ids.shape. Needs per-token scales on every quantized side."""
+        self._check_per_token()
+        return jax.tree.map(lambda x: x[ids, offsets][..., None, :], self)
+
+    def put_tokens(self, ids: jax.Array, offsets: jax.Array, tokens: KVPages,
+                   where: jax.Array) -> KVPages:
+        """This pool with one-token pages `tokens` (leading shape ids.shape) written at
+        (ids, offsets) where `where` is set."""
+        self._check_per_token()
+        if tokens.kv_format != self.kv_format:
+            raise ValueError(f"tokens in format {tokens.kv_format} cannot go into a pool in "
+                             f"{self.kv_format}")
+        dest = jnp.where(where, ids, self.k.shape[0]).reshape(-1)
+        offs = offsets.reshape(-1)
+
+        def put(old: jax.Array, new: jax.Array) -> jax.Array:
+            return old.at[dest, offs].set(new.reshape(-1, *old.shape[2:]), mode="drop")
+
+        return jax.tree.map(put, self, tokens)
+
+    def as_format(self, kv_format: KVFormat) -> KVPages:
+        """The same bytes read as pages of `kv_format` (a LeanKV low tier: `halved()`, twice
+        the tokens per page; and back). ValueError unless each array's bytes per page match."""
+        fmt = self.kv_format
+        if kv_format == fmt:
+            return self
+        head_dim, lead = self.head_dim, self.k.shape[:-2]
+        ratio = self.k.shape[-1] * self.k.dtype.itemsize * codes_per_byte(kv_format.k_bits) \
+            / head_dim
+        page = self.page_size * ratio
+        mine = _layout(fmt, self.page_size, head_dim)
+        if page != int(page) or not kv_format.quantized or not fmt.quantized:
+            raise ValueError(f"pages in {fmt.name} cannot be read as {kv_format.name}")
+        theirs = _layout(kv_format, int(page), head_dim)
+        dt = {n: getattr(self, n).dtype for n in mine}
+        if list(mine) != list(theirs) or any(
+                math.prod(mine[n]) * dt[n].itemsize
+                != math.prod(theirs[n]) * jnp.dtype(_dtype(kv_format, n, dt[n])).itemsize
+                for n in mine):
+            raise ValueError(f"pages in {fmt.name} cannot be read as {kv_format.name}: the "
+                             "arrays' bytes per page differ")
+        return KVPages(**{n: getattr(self, n).reshape(*lead, *theirs[n]) for n in theirs},
+                       kv_format=kv_format)
+
+    def _check_per_token(self) -> None:
+        fmt = self.kv_format
+        if fmt.k_bits < 16 and not fmt.token_keys:
+            raise ValueError(f"tokens of {fmt.name} pages cannot move alone: its keys are "
+                             "scaled per page")
 
     # ------------------------------------------------------------------ checks
 

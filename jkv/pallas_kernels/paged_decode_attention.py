@@ -82,7 +82,27 @@ def _online_update(carry, logits, visible, values, compute):
     return new_parts, m_next, l_next
 
 
-def _attend_pages(carry, tier: KVPages, pages, visible, *, q_parts, page, compute):
+def _dequantize(codes, scale_ref, zero_ref, pages, part: int, width: int, *, page: int,
+                per_token: bool, group: int):
+    """Codes [ppb * page, width] of channel part `part` as float32 values: scales per (page,
+    channel) [P, D], or per (token, group of channels) [P, page, D // group]."""
+    block_k = codes.shape[0]
+    if per_token:
+        n = max(width // group, 1)  # groups inside one channel part
+        first = (part * width) // group
+        scale = scale_ref[pages, :, pl.ds(first, n)].reshape(block_k, n).astype(jnp.float32)
+        zero = zero_ref[pages, :, pl.ds(first, n)].reshape(block_k, n).astype(jnp.float32)
+        each = min(group, width)
+        scale = jnp.broadcast_to(scale[:, :, None], (block_k, n, each)).reshape(block_k, width)
+        zero = jnp.broadcast_to(zero[:, :, None], (block_k, n, each)).reshape(block_k, width)
+    else:
+        scale = _expand_pages(scale_ref[pages, pl.ds(part * width, width)], page)
+        zero = _expand_pages(zero_ref[pages, pl.ds(part * width, width)], page)
+        scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    return codes.astype(jnp.float32) * scale + zero
+
+
+def _attend_pages(carry, tier: KVPages, pages, visible, *, q_parts, compute):
     """One online-softmax step over the pages `pages` [ppb] of one tier (a KVPages of the
     pool's refs); returns (the new state, the block's logits [rows, ppb * page]).
 
@@ -90,39 +110,31 @@ def _attend_pages(carry, tier: KVPages, pages, visible, *, q_parts, page, comput
     the output are cut into channel parts (`q_parts`, carry[0]) at least as fine as the
     tier's packing.
     """
-    k_bits, v_bits = tier.kv_format.k_bits, tier.kv_format.v_bits
+    fmt = tier.kv_format
+    k_bits, v_bits = fmt.k_bits, fmt.v_bits
+    page = tier.page_size
     block_h = q_parts[0].shape[0]
     block_k = pages.shape[0] * page
     dk, dv = q_parts[0].shape[1], carry[0][0].shape[1]
     d = dk * len(q_parts)
+    g = min(fmt.group, d)
+    dequantize = functools.partial(_dequantize, pages=pages, page=page, group=g)
 
     loaded: dict = {}
     logits = jnp.zeros((block_h, block_k), jnp.float32)
     for i, q_i in enumerate(q_parts):
         k_i = _load_part(tier.k, pages, k_bits, i, dk, loaded)
         if k_bits < 16:
-            k_i = k_i.astype(jnp.float32)
-            scale = _expand_pages(tier.k_scale[pages, pl.ds(i * dk, dk)], page)
-            zero = _expand_pages(tier.k_zero[pages, pl.ds(i * dk, dk)], page)
-            k_i = k_i * scale.astype(jnp.float32) + zero.astype(jnp.float32)
+            k_i = dequantize(k_i, tier.k_scale, tier.k_zero, part=i, width=dk,
+                             per_token=fmt.token_keys)
         logits += _dot_t(q_i, k_i.astype(compute))
 
-    g = min(tier.kv_format.group, d)
-    n = max(dv // g, 1)  # value groups inside one channel part
-    width = min(g, dv)
     v_loaded: dict = {}
 
     def values(i):
         v_i = _load_part(tier.v, pages, v_bits, i, dv, v_loaded)
         if v_bits < 16:
-            v_i = v_i.astype(jnp.float32)
-            first = (i * dv) // g
-            scale = tier.v_scale[pages, :, pl.ds(first, n)].reshape(block_k, n)
-            zero = tier.v_zero[pages, :, pl.ds(first, n)].reshape(block_k, n)
-            scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
-            scale = jnp.broadcast_to(scale[:, :, None], (block_k, n, width)).reshape(block_k, dv)
-            zero = jnp.broadcast_to(zero[:, :, None], (block_k, n, width)).reshape(block_k, dv)
-            v_i = v_i * scale + zero
+            v_i = dequantize(v_i, tier.v_scale, tier.v_zero, part=i, width=dv, per_token=True)
         return v_i.astype(compute)
 
     return _online_update(carry, logits, visible, values, compute), logits
@@ -137,12 +149,11 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale:
     table_ref = refs.pop(0)  # [W]: the whole page-table row of this (sequence, KV head)
     len_ref = refs.pop(0)  # [2]: tokens in the high tier, tokens in the low tier
     o_ref, l_ref, m_ref = refs[:3]  # [block_h, D] f32, [block_h], [block_h]
-    # with `scores`: the logits [block_h, per_split * page] of this split's columns (columns
-    # never visited are left unwritten; the caller masks them)
-    s_ref = refs[3] if scores else None
+    # with `scores`: per tier, the logits [block_h, per_split * tier page] of this split's
+    # columns (columns never visited are left unwritten; the caller masks them)
+    s_refs = refs[3:] if scores else [None] * len(tiers)
 
     block_h, d = q_ref.shape
-    page = tiers[0].page_size
     w = table_ref.shape[0]
     ppb = pages_per_block
     per_split = w // pl.num_programs(2)
@@ -153,18 +164,18 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale:
     compute = q_ref.dtype  # bf16 operands use the tensor cores; f32 ones stay IEEE
     q_parts = [(q_ref[:, pl.ds(i * dk, dk)].astype(jnp.float32) * sm_scale).astype(compute)
                for i in range(nk)]
-    attend_pages = functools.partial(_attend_pages, q_parts=q_parts, page=page,
-                                     compute=compute)
+    attend_pages = functools.partial(_attend_pages, q_parts=q_parts, compute=compute)
 
-    def attend(carry, tier, pages, visible, col):
+    def attend(carry, tier, s_ref, pages, visible, col):
         carry, logits = attend_pages(carry, tier, pages, visible)
         if s_ref is not None:
-            s_ref[:, pl.ds((col - first) * page, ppb * page)] = logits
+            s_ref[:, pl.ds((col - first) * tier.page_size, ppb * tier.page_size)] = logits
         return carry
     carry = (tuple(jnp.zeros((block_h, dv), jnp.float32) for _ in range(nv)),
              jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32))
 
-    # high tier: pages from the left of the row, in token order
+    # high tier: pages from the left of the row, in slot order
+    page = tiers[0].page_size
     len_hi = len_ref[0]
     end_hi = jnp.minimum(pl.cdiv(len_hi, page), last)
 
@@ -172,22 +183,24 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale:
         col = first + j * ppb
         pages = jnp.where(col + jnp.arange(ppb) < end_hi, table_ref[pl.ds(col, ppb)], 0)
         token = col * page + jnp.arange(ppb * page)
-        return attend(carry, tiers[0], pages, (token < len_hi)[None, :], col)
+        return attend(carry, tiers[0], s_refs[0], pages, (token < len_hi)[None, :], col)
 
     carry = lax.fori_loop(0, pl.cdiv(jnp.maximum(end_hi - first, 0), ppb), hi_body, carry)
 
     if len(tiers) > 1:
-        # low tier: pages from the right of the row, low page i at column w - 1 - i
+        # low tier: pages of its own size from the right of the row, low page i at column
+        # w - 1 - i
+        page_lo = tiers[1].page_size
         len_lo = len_ref[1]
-        start_lo = jnp.maximum(w - pl.cdiv(len_lo, page), first)
-        offset = jnp.arange(ppb * page) % page
+        start_lo = jnp.maximum(w - pl.cdiv(len_lo, page_lo), first)
+        offset = jnp.arange(ppb * page_lo) % page_lo
 
         def lo_body(j, carry):
             col = first + j * ppb
             pages = jnp.where(col + jnp.arange(ppb) >= start_lo, table_ref[pl.ds(col, ppb)], 0)
-            col_tok = col + jnp.arange(ppb * page) // page
-            token = jnp.where(col_tok >= start_lo, (w - 1 - col_tok) * page + offset, len_lo)
-            return attend(carry, tiers[1], pages, (token < len_lo)[None, :], col)
+            col_tok = col + jnp.arange(ppb * page_lo) // page_lo
+            token = jnp.where(col_tok >= start_lo, (w - 1 - col_tok) * page_lo + offset, len_lo)
+            return attend(carry, tiers[1], s_refs[1], pages, (token < len_lo)[None, :], col)
 
         carry = lax.fori_loop((start_lo - first) // ppb, pl.cdiv(per_split, ppb), lo_body,
                               carry)
@@ -221,19 +234,21 @@ def paged_decode_attention(
 ):
     """softmax(q K^T * sm_scale) V for one decode token per sequence; returns [B, Hq, D].
 
-    The high tier's pages fill each page-table row from the left (in token order). With
-    `low_tier`, a second format's pages fill the same row from the right (LeanKV's
-    bidirectional table: low page i at column W - 1 - i); the kernel walks high pages, then
-    low ones. With `return_softmax_state` it returns the unnormalised state
-    (o [B, Hq, D] f32, denominator [B, Hq], row max [B, Hq]) for `merge_softmax_states`.
+    The high tier's pages fill each page-table row from the left (slot j of the tier in
+    column j // page). With `low_tier`, a second tier's pages fill the same row from the
+    right (LeanKV's bidirectional table: low page i at column W - 1 - i), in their own format
+    and page size (a multiple of the high tier's: the same bytes read at half the bits hold
+    twice the tokens, `KVPages.as_format`); the kernel walks high pages, then low ones. With
+    `return_softmax_state` it returns the unnormalised state (o [B, Hq, D] f32, denominator
+    [B, Hq], row max [B, Hq]) for `merge_softmax_states`.
     With `return_significance` it returns (that result, significance): LeanKV's significance
     of every key, the attention it receives, max over the query heads of its KV head,
-    float32 [B, Hkv, W * page] in table order (token `offset` of the page at column c at
-    c * page + offset, low pages included; 0 where no token is held). The kernel writes its
-    logits in the same pass over the pages; they are normalised after the splits merge.
+    float32 [B, Hkv, W * page] in slot order (0 where no token is held); with a low tier a
+    pair (high, low [B, Hkv, W * low page]), each in its tier's slot order. The kernel writes
+    its logits in the same pass over the pages; they are normalised after the splits merge.
     With both flags, significance is per query head and unnormalised like o,
-    exp(logit - row max) [B, Hq, W * page], so a caller merging states rescales it the same
-    way before taking the max over each KV head's query heads.
+    exp(logit - row max) [B, Hq, ...], so a caller merging states rescales it the same way
+    before taking the max over each KV head's query heads.
     """
     b, hq, d = q.shape
     bt, hkv, w = page_table.shape
@@ -256,9 +271,9 @@ def paged_decode_attention(
             raise ValueError(f"low_lengths must be [B={b}, Hkv={hkv}] with low_tier, got "
                              f"{None if low_lengths is None else low_lengths.shape}")
         low_tier.check(d, "low_tier")
-        if low_tier.page_size != pages.page_size:
-            raise ValueError(f"the low tier's page size {low_tier.page_size} differs "
-                             f"from the high tier's {pages.page_size}")
+        if low_tier.page_size % pages.page_size:
+            raise ValueError(f"the low tier's page size {low_tier.page_size} is not a "
+                             f"multiple of the high tier's {pages.page_size}")
         tiers.append(low_tier)
     else:
         low_lengths = jnp.zeros_like(lengths)
@@ -285,7 +300,7 @@ def paged_decode_attention(
     kernel = functools.partial(_kernel, formats=tuple(t.kv_format for t in tiers),
                                parts=parts, pages_per_block=pages_per_block,
                                sm_scale=sm_scale, scores=return_significance)
-    name = "_".join(f"k{kb}v{vb}" for kb, vb in bits)
+    name = "_".join(t.kv_format.name for t in tiers)
     out_specs = [
         pl.BlockSpec((None, None, None, block_h, d), lambda i, h, s: (i, h, s, 0, 0)),
         pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (i, h, s, 0)),
@@ -296,12 +311,13 @@ def paged_decode_attention(
         jax.ShapeDtypeStruct((b, hkv, k_splits, block_h), jnp.float32),
         jax.ShapeDtypeStruct((b, hkv, k_splits, block_h), jnp.float32),
     ]
-    page = pages.page_size
-    if return_significance:  # each split writes its own columns' logits
-        per_split = w // k_splits * page
-        out_specs.append(pl.BlockSpec((None, None, block_h, per_split),
-                                      lambda i, h, s: (i, h, 0, s)))
-        out_shape.append(jax.ShapeDtypeStruct((b, hkv, block_h, w * page), jnp.float32))
+    if return_significance:  # each split writes its own columns' logits, per tier
+        for tier in tiers:
+            per_split = w // k_splits * tier.page_size
+            out_specs.append(pl.BlockSpec((None, None, block_h, per_split),
+                                          lambda i, h, s: (i, h, 0, s)))
+            out_shape.append(jax.ShapeDtypeStruct((b, hkv, block_h, w * tier.page_size),
+                                                  jnp.float32))
     o, denom, m, *logits = pl.pallas_call(
         kernel,
         grid=(b, hkv, k_splits),
@@ -315,28 +331,23 @@ def paged_decode_attention(
     o, denom, m = merge_softmax_states(o, denom, m, axis=2)
     o, denom, m = o[:, :, :group_size], denom[:, :, :group_size], m[:, :, :group_size]
     if return_significance:
-        held = held_columns(w, page, lengths, low_lengths)[:, :, None]
-        p = jnp.where(held, jnp.exp(logits[0][:, :, :group_size] - m[..., None]), 0.0)
-        if return_softmax_state:  # unnormalised per query head, like o
-            significance = p.reshape(b, hq, w * page)
-        else:
-            significance = (p / jnp.where(denom > 0, denom, 1.0)[..., None]).max(axis=2)
+        significance = []
+        for i, s in enumerate(logits):
+            s = s[:, :, :group_size]
+            if i:  # low pages from the right: reversed columns are slot order
+                s = s.reshape(b, hkv, group_size, w, -1)[:, :, :, ::-1].reshape(s.shape)
+            held = jnp.arange(s.shape[-1]) < (lengths, low_lengths)[i][:, :, None, None]
+            p = jnp.where(held, jnp.exp(s - m[..., None]), 0.0)
+            if return_softmax_state:  # unnormalised per query head, like o
+                significance.append(p.reshape(b, hq, -1))
+            else:
+                significance.append(
+                    (p / jnp.where(denom > 0, denom, 1.0)[..., None]).max(axis=2))
+        significance = tuple(significance) if low_tier is not None else significance[0]
     o, denom, m = o.reshape(b, hq, d), denom.reshape(b, hq), m.reshape(b, hq)
     out = (o, denom, m) if return_softmax_state else normalize_softmax_state(o, denom).astype(
         q.dtype)
     return (out, significance) if return_significance else out
-
-
-def held_columns(w: int, page: int, lengths: jax.Array, low_lengths: jax.Array) -> jax.Array:
-    """Which of a row's W * page table positions hold a token: bool [B, Hkv, W * page]. High
-    tokens fill from the left in token order; low token t sits in column W - 1 - t // page
-    at offset t % page."""
-    at = jnp.arange(w * page)
-    col, offset = at // page, at % page
-    low_token = (w - 1 - col) * page + offset
-    return ((at < lengths[..., None])
-            | ((col >= w - (low_lengths[..., None] + page - 1) // page)
-               & (low_token < low_lengths[..., None])))
 
 
 def merge_softmax_states(o: jax.Array, denom: jax.Array, m: jax.Array,
@@ -366,11 +377,13 @@ def paged_decode_attention_reference(q: jax.Array, pages: KVPages, page_table: j
                                      dtype=jnp.float32, return_significance: bool = False):
     """The same function in plain jnp: dequantize every page of every row (the low tier's
     read right to left), one masked softmax over both tiers. With `return_significance`,
-    also the probabilities' max over each KV head's query heads in table order."""
+    also the probabilities' max over each KV head's query heads in slot order (a pair of
+    high and low with a low tier)."""
     b, hq, d = q.shape
     hkv = page_table.shape[1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     k, v = dequantized_rows(pages, page_table)
+    n_high = k.shape[2]
     visible = jnp.arange(k.shape[2])[None, None, :] < lengths[:, :, None]
     if low_tier is not None:
         k_lo, v_lo = dequantized_rows(low_tier, page_table[..., ::-1])
@@ -386,13 +399,10 @@ def paged_decode_attention_reference(q: jax.Array, pages: KVPages, page_table: j
     out = out.reshape(b, hq, d)
     if not return_significance:
         return out
-    w, page = page_table.shape[2], pages.page_size
     sig = jnp.where(visible[:, :, None, :], p, 0.0).max(axis=2)  # [B, Hkv, S]
-    table_order = sig[..., :w * page]
-    if low_tier is not None:  # low token t -> column W - 1 - t // page, same offset
-        low = sig[..., w * page:].reshape(b, hkv, w, page)[:, :, ::-1]
-        table_order = table_order + low.reshape(b, hkv, w * page)
-    return out, table_order
+    if low_tier is None:
+        return out, sig
+    return out, (sig[..., :n_high], sig[..., n_high:])
 
 
 def dequantized_rows(pages: KVPages, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,11 +1,12 @@
 """Quantize-and-write (Pallas, Triton lowering): whole pages of new K/V into the page pool.
 
 One program per page: it reads the page in model dtype, computes the key scale and zero point
-per channel over the page's tokens and the value ones per (token, group of channels) exactly
-as `kv_quant` does, packs the codes part by part (see `kv_quant` for the layout) and stores
-them, with the scales, at the page's id in the pool. The pool arrays are aliased to the
-outputs, so inside a jit that donates them the write is in place and pages not listed are
-untouched. Id 0 is the null page: writes may land there (its content is garbage by contract).
+per channel over the page's tokens (or per (token, group) with `token_keys`) and the value
+ones per (token, group of channels) exactly as `kv_quant` does, packs the codes part by part
+(see `kv_quant` for the layout) and stores them, with the scales, at the page's id in the
+pool. The pool arrays are aliased to the outputs, so inside a jit that donates them the write
+is in place and pages not listed are untouched. Id 0 is the null page: writes may land there
+(its content is garbage by contract).
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ def _kernel(*refs, kv_format, group: int):
     n_in = (len(refs) - 3) // 2
     out = KVPages.from_operands(kv_format, refs[3 + n_in:])  # the aliased pool arrays
     pid = ids_ref[pl.program_id(0)]
-    _write_keys(k_src_ref, pid, out.k, out.k_scale, out.k_zero, kv_format.k_bits)
+    if kv_format.token_keys:  # keys scaled per (token, group) like values
+        _write_values(k_src_ref, pid, out.k, out.k_scale, out.k_zero, kv_format.k_bits, group)
+    else:
+        _write_keys(k_src_ref, pid, out.k, out.k_scale, out.k_zero, kv_format.k_bits)
     _write_values(v_src_ref, pid, out.v, out.v_scale, out.v_zero, kv_format.v_bits, group)
 
 
@@ -120,7 +124,7 @@ def quantize_write(
         input_output_aliases={3 + i: i for i in range(len(pool))},
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"jkv_quantize_write_k{fmt.k_bits}v{fmt.v_bits}",
+        name=f"jkv_quantize_write_{fmt.name}",
     )(k_src, v_src, page_ids.astype(jnp.int32), *pool)
     return KVPages.from_operands(fmt, list(outs))
 
