@@ -1,18 +1,19 @@
 """What LeanKV's per-step tiering costs beside a decode step, on this machine, in one run.
 
     python benchmarks/tier_cost.py [--batches 1,8,32] [--context 1024] [--repeats 10]
-                                   [--new-tokens 8] [--out benchmarks/results]
+                                   [--new-tokens 16] [--out benchmarks/results]
 
 For each batch size: the decode step of jkv's engine on SmolLM2-135M (the embedded default,
-float32, `kv_format=k8v4`, every sequence holding --context tokens; the time of 1 + N
-generated tokens minus the time of 1, over N), and one generation-phase tiering step over the
-same rows at SmolLM2's shape (30 layers x 3 KV heads, pages of 16 tokens, K8V4 high tier with
-per-token key scales and its K4V2 low tier in the same pool): adding the step's significance
-to every held token, Algorithm 1 for every (sequence, layer, head), the compaction of both
-tiers and the moves of tokens and metadata, as one jitted call (`jkv.cache.token_tiers`).
-The rows start from a prompt-phase placement of random heavy-tailed significance. The engine
-does not run tiers yet (issue 13): this measures the tiering work on its own, beside the
-step it will join. Writes benchmarks/results/tier_cost-<date>.json.
+float32, `kv_format=k8v4`, every sequence holding --context tokens; the median of the steps
+that decode all of them and prefill none, after a run that compiles), and one generation-
+phase tiering step over the same rows at SmolLM2's shape (30 layers x 3 KV heads, pages of
+16 tokens, K8V4 high tier with per-token key scales and its K4V2 low tier in the same pool):
+adding the step's significance to every held token, Algorithm 1 for every (sequence, layer,
+head), the compaction of both tiers and the moves of tokens and metadata, as one jitted call
+(`jkv.cache.token_tiers`). The rows start from a prompt-phase placement of random heavy-
+tailed significance. The engine does not run tiers yet (issue 13): this measures the tiering
+work on its own, beside the step it will join.
+Writes benchmarks/results/tier_cost-<date>.json.
 """
 
 from __future__ import annotations
@@ -43,14 +44,16 @@ LAYERS, HEADS, HEAD_DIM, PAGE, RECENT = 30, 3, 64, 16, 64
 ALPHA_HIGH, ALPHA_LOW = 1.0, 0.1
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def tier_step(pool, meta, free, tables, counts, sig_high, sig_low, n_prev, n, prompt):
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames="max_moves")
+def tier_step(pool, meta, free, tables, counts, sig_high, sig_low, n_prev, n, prompt,
+              max_moves=1):
     """One step of tiering for every row: significance in, placement, compaction, moves."""
     meta = tt.add_significance(meta, tables.pages, counts, PAGE, sig_high, sig_low)
     fate_hi, fate_lo = tt.place(meta, tables.pages, counts, n_prev, n, prompt, page=PAGE,
                                 recent=RECENT, alpha_high=jnp.float32(ALPHA_HIGH),
                                 alpha_low=jnp.float32(ALPHA_LOW))
-    free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo, PAGE)
+    free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo, PAGE,
+                                                 max_moves)
     return (tt.move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves), free, tables,
             counts, ok)
 
@@ -77,7 +80,7 @@ def tier_rows(batch: int, context: int, rng: np.random.Generator) -> tuple:
     sig = jnp.asarray(sig / (3 * context), jnp.float32)
     low = jnp.zeros((*rows, 2 * width * PAGE), jnp.float32)
     state = tier_step(pool, meta, free, tables, counts, sig, low, jnp.int32(0),
-                      jnp.int32(context), jnp.asarray(True))
+                      jnp.int32(context), jnp.asarray(True), max_moves=context)
     assert bool(state[-1])
     high, low_tokens = (int(x.sum()) for x in (state[4].high, state[4].low))
     step_sig = (jnp.asarray(rng.random((*rows, width * PAGE)) / context, jnp.float32),
@@ -101,22 +104,33 @@ def time_tiers(batch: int, context: int, repeats: int, rng) -> tuple[float, dict
                                       "pruned": 1 - (high + low) / total}
 
 
-def time_decode(batch: int, context: int, new_tokens: int, repeats: int, rng) -> float:
-    llm = LLM(dtype="float32", kv_format="k8v4", max_model_len=context + new_tokens + 16,
+def time_decode(batch: int, context: int, new_tokens: int, rng) -> float:
+    """Median seconds of the engine's steps that decode every sequence and prefill none."""
+    # the first sequences decode while later ones prefill: enough tokens that all of them
+    # then decode together for new_tokens steps
+    tokens = new_tokens + 2 * -(-batch * context // 512) + 1
+    llm = LLM(dtype="float32", kv_format="k8v4", max_model_len=context + tokens + 16,
               max_num_seqs=batch, enable_prefix_caching=False, host_cache_bytes=0)
     vocab = llm.engine.cfg.vocab_size
     prompts = [rng.integers(100, vocab, context).tolist() for _ in range(batch)]
+    engine_step, times = llm.engine.step, []
 
-    def run(n: int) -> float:
-        sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    def timed_step(prefill, decode):
         t0 = time.perf_counter()
-        llm.generate(prompts, sp)
-        return time.perf_counter() - t0
+        out = engine_step(prefill, decode)
+        if not prefill and len(decode) == batch:
+            times.append(time.perf_counter() - t0)
+        return out
 
-    run(1 + new_tokens)  # compiles every shape
-    one = statistics.median(run(1) for _ in range(repeats))
-    more = statistics.median(run(1 + new_tokens) for _ in range(repeats))
-    return (more - one) / new_tokens
+    llm.engine.step = timed_step
+    sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts, sp)  # compiles every shape
+    times.clear()
+    llm.generate(prompts, sp)
+    llm.close()
+    if len(times) < new_tokens:
+        raise RuntimeError(f"only {len(times)} steps decoded all {batch} sequences at once")
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -125,9 +139,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32", help="batch sizes, comma separated")
     ap.add_argument("--context", type=int, default=1024, help="tokens each sequence holds")
     ap.add_argument("--repeats", type=int, default=10,
-                    help="timed tiering steps per batch (median); engine runs take 3")
-    ap.add_argument("--new-tokens", type=int, default=8,
-                    help="decode steps the engine's step time is averaged over")
+                    help="timed tiering steps per batch (median)")
+    ap.add_argument("--new-tokens", type=int, default=16,
+                    help="decode steps the engine's step time is the median of")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
     args = ap.parse_args()
@@ -138,7 +152,7 @@ def main() -> None:
     rows = []
     for batch in tqdm(batches, desc="batches"):
         tier_s, mix = time_tiers(batch, args.context, args.repeats, rng)
-        step_s = time_decode(batch, args.context, args.new_tokens, 3, rng)
+        step_s = time_decode(batch, args.context, args.new_tokens, rng)
         rows.append({"batch": batch, "decode_step_ms": step_s * 1e3,
                      "tier_step_ms": tier_s * 1e3, "tier_fraction": tier_s / step_s,
                      "tokens": mix})

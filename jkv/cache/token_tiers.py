@@ -28,6 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 from jkv.cache.allocator import FreeList, PageTables, allocate, unref
 from jkv.pallas_kernels.kv_pages import NULL_PAGE, KVPages
@@ -56,11 +57,11 @@ class TierMoves(NamedTuple):
     none), sources read before any destination is written. `high` moves within the high
     tier, `demote` from a high slot to a low one (requantized), `low` within the low tier."""
 
-    high_src: jax.Array  # [..., W * page]
+    high_src: jax.Array  # [..., max_moves] each
     high_dst: jax.Array
-    demote_src: jax.Array  # [..., W * page]
+    demote_src: jax.Array
     demote_dst: jax.Array
-    low_src: jax.Array  # [..., W * 2 * page]
+    low_src: jax.Array
     low_dst: jax.Array
 
 
@@ -122,16 +123,35 @@ def write_meta(meta: TokenMeta, addr: jax.Array, pos: jax.Array, score: jax.Arra
     return TokenMeta(score=put(meta.score, score), pos=put(meta.pos, pos))
 
 
+def _tier_slots(by_page: jax.Array, page: int) -> tuple[jax.Array, jax.Array]:
+    """Per-page values of a row's columns [..., W, 2 * page] in each tier's slot order:
+    (high [..., W * page], low [..., W * 2 * page])."""
+    *lead, w, _ = by_page.shape
+    return (by_page[..., :page].reshape(*lead, w * page),
+            by_page[..., ::-1, :].reshape(*lead, w * 2 * page))
+
+
+def _row_meta(x: jax.Array, pages: jax.Array, page: int) -> tuple[jax.Array, jax.Array]:
+    """Metadata array x [P, 2 * page] of every row's slots, one gather of whole pages."""
+    return _tier_slots(x[pages], page)
+
+
 def add_significance(meta: TokenMeta, pages: jax.Array, counts: TierCounts, page: int,
                      high: jax.Array, low: jax.Array) -> TokenMeta:
     """Add one step's significance (per tier slot: high [..., W * page], low [..., W * 2 *
-    page]) to the scores of the tokens held."""
-    score = meta.score.reshape(-1)
-    for sig, count, is_low in ((high, counts.high, False), (low, counts.low, True)):
-        addr, held = slot_addresses(pages, count, page, is_low)
-        score = score.at[jnp.where(held, addr, score.shape[0])].add(
-            sig.astype(jnp.float32), mode="drop")
-    return meta.replace(score=score.reshape(meta.score.shape))
+    page]) to the scores of the tokens held: one scatter of whole pages."""
+    *lead, w = pages.shape
+    j = jnp.arange(w * page)
+    high = jnp.where(j < counts.high[..., None], high, 0.0).reshape(*lead, w, page)
+    high = jnp.concatenate([high, jnp.zeros_like(high)], -1)
+    low = jnp.where(jnp.arange(2 * w * page) < counts.low[..., None], low, 0.0)
+    low = low.reshape(*lead, w, 2 * page)[..., ::-1, :]
+    col = jnp.arange(w)
+    is_low = col >= w - (counts.low[..., None] + 2 * page - 1) // (2 * page)
+    is_high = col < (counts.high[..., None] + page - 1) // page
+    by_page = jnp.where(is_low[..., None], low, high).astype(jnp.float32)
+    dest = jnp.where(is_low | is_high, pages, meta.score.shape[0])
+    return meta.replace(score=meta.score.at[dest].add(by_page, mode="drop"))
 
 
 def _mean(score: jax.Array, pos: jax.Array, n: jax.Array) -> jax.Array:
@@ -162,14 +182,15 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
     one victim, the least significant token of the tier the candidate joined: high to low
     or pruned, low to pruned.
     """
-    hi_addr, hi_held = slot_addresses(pages, counts.high, page, False)
-    lo_addr, lo_held = slot_addresses(pages, counts.low, page, True)
-    hi_pos, lo_pos = meta.pos.reshape(-1)[hi_addr], meta.pos.reshape(-1)[lo_addr]
+    hi_pos, lo_pos = _row_meta(meta.pos, pages, page)
+    hi_score, lo_score = _row_meta(meta.score, pages, page)
+    hi_held = jnp.arange(hi_pos.shape[-1]) < counts.high[..., None]
+    lo_held = jnp.arange(lo_pos.shape[-1]) < counts.low[..., None]
     n = jnp.broadcast_to(n, counts.high.shape)
     n_prev = jnp.broadcast_to(n_prev, counts.high.shape)
     prompt = jnp.broadcast_to(prompt, counts.high.shape)[..., None]
-    hi_mean = _mean(meta.score.reshape(-1)[hi_addr], hi_pos, n)
-    lo_mean = _mean(meta.score.reshape(-1)[lo_addr], lo_pos, n)
+    hi_mean = _mean(hi_score, hi_pos, n)
+    lo_mean = _mean(lo_score, lo_pos, n)
     old = hi_pos < (n - recent)[..., None]
     cand = hi_held & old & (hi_pos >= (n_prev - recent)[..., None])
 
@@ -205,95 +226,110 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
     return jnp.where(hi_held, fate_hi, KEEP), jnp.where(lo_held, fate_lo, KEEP)
 
 
-def _fill_plan(keep: jax.Array, n_add: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A tier of slots [R, C] keeps `keep` and gains n_add [R] tokens, and must end dense in
-    [0, new_len): tokens kept at or past new_len move into the vacant slots below it, then
-    the additions fill the rest. Returns (new_len [R], mover_dst [R, C]: the slot a kept
-    token moves to or -1, add_dst [R, C]: the slot of the r-th addition or -1)."""
-    r, c = keep.shape
-    j = jnp.arange(c, dtype=jnp.int32)
-    new_len = keep.sum(-1, dtype=jnp.int32) + n_add
-    displaced = keep & (j >= new_len[:, None])
-    vacant = ~keep & (j < new_len[:, None])
-    rows = jnp.arange(r)[:, None]
-    vac_rank = jnp.cumsum(vacant, -1) - vacant
-    by_rank = jnp.full((r, c), -1, jnp.int32).at[
-        rows, jnp.where(vacant, vac_rank, c)].set(jnp.broadcast_to(j, (r, c)), mode="drop")
-    disp_rank = jnp.cumsum(displaced, -1) - displaced
-    mover_dst = jnp.where(displaced, jnp.take_along_axis(by_rank, disp_rank, -1), -1)
-    rank = displaced.sum(-1, keepdims=True) + j
-    add_dst = jnp.where(j < n_add[:, None],
-                        jnp.take_along_axis(by_rank, jnp.clip(rank, 0, c - 1), -1), -1)
-    return new_len, mover_dst, add_dst
-
-
-def _ranked(mask: jax.Array) -> jax.Array:
-    """Indices of the set entries of mask [R, C] in order, padded with -1: [R, C]."""
+def _first(mask: jax.Array, k: int) -> jax.Array:
+    """Indices of the first k set entries of each row of mask [R, C], in order, padded with
+    -1: [R, k]. A few: picked one at a time; many: ranked by a prefix sum."""
     r, c = mask.shape
-    rank = jnp.cumsum(mask, -1) - mask
-    return jnp.full((r, c), -1, jnp.int32).at[
-        jnp.arange(r)[:, None], jnp.where(mask, rank, c)].set(
-        jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (r, c)), mode="drop")
+    j = jnp.arange(c, dtype=jnp.int32)
+    if k > 4:
+        rank = jnp.cumsum(mask, -1, dtype=jnp.int32) - mask
+        dest = jnp.where(mask & (rank < k), rank, k)
+        return jnp.full((r, k), -1, jnp.int32).at[jnp.arange(r)[:, None], dest].set(
+            jnp.broadcast_to(j, (r, c)), mode="drop")
+    out = []
+    for _ in range(k):
+        i = jnp.argmax(mask, -1).astype(jnp.int32)
+        out.append(jnp.where(mask.any(-1), i, -1))
+        mask = mask & (j > i[:, None])
+    return jnp.stack(out, -1)
 
 
-def _address(addr: jax.Array, slot: jax.Array) -> jax.Array:
-    """addr [R, C] at slots [R, K] (-1 stays -1)."""
-    return jnp.where(slot >= 0, jnp.take_along_axis(addr, jnp.maximum(slot, 0), -1), -1)
+def _addresses(pages: jax.Array, slots: jax.Array, page: int, low: bool) -> jax.Array:
+    """Meta addresses of tier slots [R, K] (-1 stays -1) through page-table rows [R, W]."""
+    w = pages.shape[-1]
+    per = 2 * page if low else page
+    s = jnp.maximum(slots, 0)
+    col = (w - 1 - s // per) if low else s // per
+    ids = jnp.take_along_axis(pages, jnp.clip(col, 0, w - 1), -1)
+    return jnp.where(slots >= 0, ids * (2 * page) + s % per, -1)
 
 
 def compact(free: FreeList, tables: PageTables, counts: TierCounts, fate_hi: jax.Array,
-            fate_lo: jax.Array, page: int) -> tuple[FreeList, PageTables, TierCounts,
-                                                    TierMoves, jax.Array]:
+            fate_lo: jax.Array, page: int, max_moves: int) -> tuple[
+                FreeList, PageTables, TierCounts, TierMoves, jax.Array]:
     """Apply `place`'s fates: demoted tokens join the low tier, pruned ones go, both tiers
-    end dense, emptied pages drop their reference and the low tier takes the pages it
-    grows by. Returns (free, tables, counts, moves, ok); when the pool cannot give the low
-    pages or a row's two sides would meet, nothing changes and ok is False."""
+    end dense (the tier's last tokens fill the holes), emptied pages drop their reference and
+    the low tier takes the pages it grows by. A row may lose at most `max_moves` tokens per
+    tier (static: 1 in a generation step, which moves one token at most, the prompt chunk's
+    length in a prompt step), so moves and page changes are [..., max_moves]-sized. Returns
+    (free, tables, counts, moves, ok); when a row would lose more, the pool cannot give the
+    low pages or a row's two sides would meet, nothing changes and ok is False."""
     lead = counts.high.shape
     w = tables.pages.shape[-1]
+    k = max_moves
+    # the fates once, not fused again into each of their uses (their gathers are the cost)
+    fate_hi, fate_lo = lax.optimization_barrier((fate_hi, fate_lo))
     flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
-    hi_addr, hi_held = map(flat, slot_addresses(tables.pages, counts.high, page, False))
-    lo_addr, lo_held = map(flat, slot_addresses(tables.pages, counts.low, page, True))
+    rows = flat(tables.pages)
     fate_hi, fate_lo = flat(fate_hi), flat(fate_lo)
-    demoted = hi_held & (fate_hi == LOW)
-    new_hi, hi_mover_dst, _ = _fill_plan(hi_held & (fate_hi == KEEP),
-                                         jnp.zeros(hi_addr.shape[0], jnp.int32))
-    new_lo, lo_mover_dst, add_dst = _fill_plan(lo_held & (fate_lo == KEEP),
-                                               demoted.sum(-1, dtype=jnp.int32))
+    hi, lo = counts.high.reshape(-1), counts.low.reshape(-1)
+    jh = jnp.arange(fate_hi.shape[-1], dtype=jnp.int32)
+    jl = jnp.arange(fate_lo.shape[-1], dtype=jnp.int32)
+    hi_held, lo_held = jh < hi[:, None], jl < lo[:, None]
 
+    # the high tier: its last kept tokens fill the holes below its new length
+    keep = hi_held & (fate_hi == KEEP)
+    new_hi = keep.sum(-1, dtype=jnp.int32)
+    lost_hi = hi - new_hi
+    holes = _first(~keep & (jh < new_hi[:, None]), k)
+    movers = _first(keep & (jh >= new_hi[:, None]), k)
+    demoted = _first(hi_held & (fate_hi == LOW), k)
+    n_dem = (demoted >= 0).sum(-1, dtype=jnp.int32)
+    # the low tier: the same, then the demoted tokens fill the rest
+    keep_lo = lo_held & (fate_lo == KEEP)
+    new_lo = keep_lo.sum(-1, dtype=jnp.int32) + n_dem
+    lost_lo = lo - keep_lo.sum(-1, dtype=jnp.int32)
+    lo_movers = _first(keep_lo & (jl >= new_lo[:, None]), k)
+    vacant = _first(~keep_lo & (jl < new_lo[:, None]), 2 * k)
+    n_lo_movers = (lo_movers >= 0).sum(-1, keepdims=True, dtype=jnp.int32)
+    lo_holes = jnp.where(lo_movers >= 0, vacant[:, :k], -1)
+    at = jnp.clip(n_lo_movers + jnp.arange(k), 0, 2 * k - 1)
+    dem_dst = jnp.where(demoted >= 0, jnp.take_along_axis(vacant, at, -1), -1)
+
+    # pages: at most k // page + 1 leave each side, and as many join the low side
     old_hp, old_lp = tables.num_pages.reshape(-1), tables.low_pages.reshape(-1)
     new_hp = (new_hi + page - 1) // page
     new_lp = (new_lo + 2 * page - 1) // (2 * page)
-    fits = (new_hp + new_lp <= w).all()
-    col = jnp.arange(w, dtype=jnp.int32)
-    rows = flat(tables.pages)
-    from_right = w - 1 - col  # a low page's index at each column
-    freed = (((col >= new_hp[:, None]) & (col < old_hp[:, None]))
-             | ((from_right >= new_lp[:, None]) & (from_right < old_lp[:, None])))
-    after_free = unref(free, jnp.where(freed, rows, NULL_PAGE))
-    new_free, ids, ok = allocate(after_free, jnp.where(fits, jnp.maximum(new_lp - old_lp, 0), 0),
-                                 w)
+    kp = k // page + 1
+    i = jnp.arange(kp, dtype=jnp.int32)
+    hi_cols = new_hp[:, None] + i  # columns the high side may give up
+    lo_idx = new_lp[:, None] + i  # low pages (from the right) the low side may give up
+    hi_gone = hi_cols < old_hp[:, None]
+    lo_gone = lo_idx < old_lp[:, None]
+    hi_cols, lo_cols = jnp.clip(hi_cols, 0, w - 1), jnp.clip(w - 1 - lo_idx, 0, w - 1)
+    gone = jnp.concatenate([jnp.where(hi_gone, jnp.take_along_axis(rows, hi_cols, -1), 0),
+                            jnp.where(lo_gone, jnp.take_along_axis(rows, lo_cols, -1), 0)], -1)
+    fits = ((new_hp + new_lp <= w) & (lost_hi <= k) & (lost_lo <= k)).all()
+    grow = jnp.where(fits, jnp.clip(new_lp - old_lp, 0, kp), 0)
+    new_free, ids, ok = allocate(unref(free, gone), grow, kp)
     ok = ok & fits
-    k = from_right - old_lp[:, None]  # the k-th new low page sits k columns left of the old
-    grown = (k >= 0) & (from_right < new_lp[:, None])
-    new_rows = jnp.where(freed, NULL_PAGE, rows)
-    new_rows = jnp.where(grown, jnp.take_along_axis(ids, jnp.clip(k, 0, w - 1), -1), new_rows)
+    new_cols = jnp.clip(w - 1 - (old_lp[:, None] + i), 0, w - 1)
+    r = jnp.arange(rows.shape[0])[:, None]
+    new_rows = rows.at[r, jnp.where(hi_gone, hi_cols, w)].set(NULL_PAGE, mode="drop")
+    new_rows = new_rows.at[r, jnp.where(lo_gone, lo_cols, w)].set(NULL_PAGE, mode="drop")
+    new_rows = new_rows.at[r, jnp.where(i < grow[:, None], new_cols, w)].set(ids, mode="drop")
     new_tables = tables.replace(pages=new_rows.reshape(tables.pages.shape),
                                 num_pages=new_hp.reshape(lead), low_pages=new_lp.reshape(lead))
-    new_lo_addr = flat(slot_addresses(new_tables.pages, new_lo.reshape(lead), page, True)[0])
 
-    keep_hi = hi_mover_dst >= 0
-    keep_lo = lo_mover_dst >= 0
-    src_d = _ranked(demoted)
     moves = TierMoves(
-        high_src=jnp.where(keep_hi, hi_addr, -1),
-        high_dst=_address(hi_addr, hi_mover_dst),  # high destinations keep their pages
-        demote_src=_address(hi_addr, src_d),
-        demote_dst=_address(new_lo_addr, jnp.where(src_d >= 0, add_dst[:, :src_d.shape[-1]],
-                                                   -1)),
-        low_src=jnp.where(keep_lo, lo_addr, -1),
-        low_dst=_address(new_lo_addr, lo_mover_dst),
+        high_src=_addresses(rows, movers, page, False),
+        high_dst=_addresses(rows, holes, page, False),  # holes stay in kept pages
+        demote_src=_addresses(rows, demoted, page, False),
+        demote_dst=_addresses(new_rows, dem_dst, page, True),
+        low_src=_addresses(rows, lo_movers, page, True),
+        low_dst=_addresses(new_rows, lo_holes, page, True),
     )
-    moves = TierMoves(*(jnp.where(ok, m, -1).reshape(*lead, -1) for m in moves))
+    moves = TierMoves(*(jnp.where(ok, m, -1).reshape(*lead, k) for m in moves))
     new_counts = TierCounts(high=new_hi.reshape(lead), low=new_lo.reshape(lead))
     pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
     return (pick(new_free, free), pick(new_tables, tables), pick(new_counts, counts), moves,
@@ -324,19 +360,33 @@ def _slot(addr: jax.Array, page: int) -> tuple[jax.Array, jax.Array]:
 def move_pages(pool: KVPages, moves: TierMoves, page: int) -> KVPages:
     """The pool (in a halvable format, `KVFormat.halved`) with one compaction's tokens moved:
     bit for bit within a tier, dequantized and requantized at half the bits when demoted.
-    Every source is read before any destination is written."""
+
+    Every write goes through the low tier's view of the pool, where a high token's bytes are
+    two consecutive rows, as one scatter per array after every read: a donated pool is
+    updated in place (a write through each view in turn makes XLA copy the pool)."""
     low_format = pool.kv_format.halved()
-    moving = lambda src, dst: (src >= 0) & (dst >= 0)  # noqa: E731
-    high = pool.take_tokens(*_slot(moves.high_src, page))
+    low_view = pool.as_format(low_format)
+
+    def two_rows(addr: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        ids, off = _slot(addr, page)
+        return (jnp.stack([ids, ids], -1), jnp.stack([2 * off, 2 * off + 1], -1),
+                jnp.stack([addr >= 0] * 2, -1))
+
+    hs_ids, hs_off, hs_ok = two_rows(moves.high_src)
+    hd_ids, hd_off, hd_ok = two_rows(moves.high_dst)
+    ls_ids, ls_off = _slot(moves.low_src, page)
+    ld_ids, ld_off = _slot(moves.low_dst, page)
+    dd_ids, dd_off = _slot(moves.demote_dst, page)
+    flat = lambda *xs: jnp.concatenate([x.reshape(-1) for x in xs])  # noqa: E731
+    copied = low_view.take_tokens(flat(hs_ids, ls_ids), flat(hs_off, ls_off))
     k, v = pool.take_tokens(*_slot(moves.demote_src, page)).dense()
     demoted = KVPages.from_dense(k, v, low_format)
-    low = pool.as_format(low_format).take_tokens(*_slot(moves.low_src, page))
-    pool = pool.put_tokens(*_slot(moves.high_dst, page), high,
-                           moving(moves.high_src, moves.high_dst))
-    out = pool.as_format(low_format)
-    out = out.put_tokens(*_slot(moves.low_dst, page), low, moving(moves.low_src, moves.low_dst))
-    out = out.put_tokens(*_slot(moves.demote_dst, page), demoted,
-                         moving(moves.demote_src, moves.demote_dst))
+    tokens = jax.tree.map(
+        lambda a, b: jnp.concatenate([a, b.reshape(-1, *b.shape[-2:])]), copied, demoted)
+    where = flat(hs_ok & hd_ok, (moves.low_src >= 0) & (moves.low_dst >= 0),
+                 (moves.demote_src >= 0) & (moves.demote_dst >= 0))
+    out = low_view.put_tokens(flat(hd_ids, ld_ids, dd_ids), flat(hd_off, ld_off, dd_off),
+                              tokens, where)
     return out.as_format(pool.kv_format)
 
 
