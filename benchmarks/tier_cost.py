@@ -44,16 +44,29 @@ LAYERS, HEADS, HEAD_DIM, PAGE, RECENT = 30, 3, 64, 16, 64
 ALPHA_HIGH, ALPHA_LOW = 1.0, 0.1
 
 
+ALPHAS = dict(alpha_high=jnp.float32(ALPHA_HIGH), alpha_low=jnp.float32(ALPHA_LOW))
+
+
 @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames="max_moves")
-def tier_step(pool, meta, free, tables, counts, sig_high, sig_low, n_prev, n, prompt,
-              max_moves=1):
-    """One step of tiering for every row: significance in, placement, compaction, moves."""
+def prompt_step(pool, meta, free, tables, counts, sig_high, sig_low, n, max_moves):
+    """The prompt phase over rows that each just took n tokens."""
     meta = tt.add_significance(meta, tables.pages, counts, PAGE, sig_high, sig_low)
-    fate_hi, fate_lo = tt.place(meta, tables.pages, counts, n_prev, n, prompt, page=PAGE,
-                                recent=RECENT, alpha_high=jnp.float32(ALPHA_HIGH),
-                                alpha_low=jnp.float32(ALPHA_LOW))
+    fate_hi, fate_lo = tt.place(meta, tables.pages, counts, jnp.int32(0), n, jnp.asarray(True),
+                                page=PAGE, recent=RECENT, **ALPHAS)
     free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo, PAGE,
                                                  max_moves)
+    return (tt.move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves), free, tables,
+            counts, ok)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def tier_step(pool, meta, free, tables, counts, sig_high, sig_low, n):
+    """One decode step of tiering for every row: significance in, Algorithm 1 (one candidate
+    and its victim per row), compaction, moves."""
+    meta = tt.add_significance(meta, tables.pages, counts, PAGE, sig_high, sig_low)
+    decided = tt.place_generation(meta, tables.pages, counts, n, page=PAGE, recent=RECENT,
+                                  **ALPHAS)
+    free, tables, counts, moves, ok = tt.compact_one(free, tables, counts, *decided, PAGE)
     return (tt.move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves), free, tables,
             counts, ok)
 
@@ -79,8 +92,8 @@ def tier_rows(batch: int, context: int, rng: np.random.Generator) -> tuple:
     sig = rng.lognormal(0.0, 1.5, (*rows, width * PAGE)) * (context - np.arange(width * PAGE))
     sig = jnp.asarray(sig / (3 * context), jnp.float32)
     low = jnp.zeros((*rows, 2 * width * PAGE), jnp.float32)
-    state = tier_step(pool, meta, free, tables, counts, sig, low, jnp.int32(0),
-                      jnp.int32(context), jnp.asarray(True), max_moves=context)
+    state = prompt_step(pool, meta, free, tables, counts, sig, low, jnp.int32(context),
+                        max_moves=context)
     assert bool(state[-1])
     high, low_tokens = (int(x.sum()) for x in (state[4].high, state[4].low))
     step_sig = (jnp.asarray(rng.random((*rows, width * PAGE)) / context, jnp.float32),
@@ -90,11 +103,11 @@ def tier_rows(batch: int, context: int, rng: np.random.Generator) -> tuple:
 
 def time_tiers(batch: int, context: int, repeats: int, rng) -> tuple[float, dict]:
     state, (sig_high, sig_low), (high, low) = tier_rows(batch, context, rng)
-    n_prev, n = jnp.int32(context), jnp.int32(context + 1)
+    n = jnp.int32(context + 1)
     times = []
     for i in range(repeats + 1):  # the first call compiles
         t0 = time.perf_counter()
-        out = tier_step(*state, sig_high, sig_low, n_prev, n, jnp.asarray(False))
+        out = tier_step(*state, sig_high, sig_low, n)
         jax.block_until_ready(out)
         if i:
             times.append(time.perf_counter() - t0)

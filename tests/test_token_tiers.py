@@ -174,9 +174,18 @@ def run(schedule, decode_steps, seed, recent, a_high, a_low):
         fate_hi, fate_lo = tt.place(meta, tables.pages, counts, jnp.int32(n_prev),
                                     jnp.int32(n), jnp.asarray(prompt), page=PAGE,
                                     recent=recent, alpha_high=alphas[0], alpha_low=alphas[1])
+        before = (free, tables, counts)
         free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo,
-                                                     PAGE)
+                                                     PAGE, 3 * PAGE if prompt else 1)
         assert bool(ok)
+        if not prompt:  # a decode step's fast path does exactly the same
+            decided = tt.place_generation(meta, before[1].pages, before[2], jnp.int32(n),
+                                          page=PAGE, recent=recent, alpha_high=alphas[0],
+                                          alpha_low=alphas[1])
+            fast = tt.compact_one(*before, *decided, PAGE)
+            for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves((free, tables, counts,
+                                                                     moves, ok)), strict=True):
+                np.testing.assert_array_equal(a, b, err_msg="place_generation + compact_one")
         meta = tt.move_tokens(meta, moves)
         got = tier_contents(meta, tables, counts)
         for row, model in models.items():
@@ -254,11 +263,11 @@ def test_the_properties_catch_planted_bugs(monkeypatch, name, bug, match):
         planted()
 
 
-@pytest.mark.parametrize("why", ["pool", "width"])
+@pytest.mark.parametrize("why", ["pool", "width", "moves"])
 def test_compaction_refuses_cleanly(why):
     """A demotion that needs a new low page from an empty pool, or a column the high side
-    still holds, changes nothing."""
-    used = WIDTH - 1 if why == "pool" else WIDTH
+    still holds, or a row losing more tokens than `max_moves`, changes nothing."""
+    used = WIDTH if why == "width" else WIDTH - 1
     free = alloc.init_free(1 + used, PAGE)
     tables = alloc.init_tables(1, 1, 1, WIDTH)
     counts = tt.init_counts((1, 1, 1))
@@ -267,15 +276,22 @@ def test_compaction_refuses_cleanly(why):
                                                jnp.full((1, 1, 1), used * PAGE), PAGE, full)
     assert bool(ok) and int(free.num_free) == 0
     fate_hi = jnp.zeros((1, 1, 1, full), jnp.int32).at[..., 3].set(tt.LOW)
+    if why == "moves":  # and a second token pruned: two leave the high tier
+        fate_hi = fate_hi.at[..., 5].set(tt.PRUNE)
     fate_lo = jnp.zeros((1, 1, 1, 2 * full), jnp.int32)
-    out = tt.compact(free, tables, counts, fate_hi, fate_lo, PAGE)
+    out = tt.compact(free, tables, counts, fate_hi, fate_lo, PAGE, 1)
     assert not bool(out[-1])
     for before, after in zip(jax.tree.leaves((free, tables, counts)),
                              jax.tree.leaves(out[:3]), strict=True):
         assert (np.asarray(before) == np.asarray(after)).all()
     assert all((np.asarray(m) == -1).all() for m in out[3])
+    if why == "moves":  # with room for two moves it goes through
+        out = tt.compact(free, tables, counts, fate_hi.at[..., 3].set(tt.PRUNE), fate_lo, PAGE,
+                         2)
+        assert bool(out[-1]) and int(out[2].high[0, 0, 0]) == used * PAGE - 2
+        return
     # pruning the same token needs no page: it goes through
-    out = tt.compact(free, tables, counts, fate_hi.at[..., 3].set(tt.PRUNE), fate_lo, PAGE)
+    out = tt.compact(free, tables, counts, fate_hi.at[..., 3].set(tt.PRUNE), fate_lo, PAGE, 1)
     assert bool(out[-1]) and int(out[2].high[0, 0, 0]) == used * PAGE - 1
 
 
@@ -315,7 +331,7 @@ def test_token_data_follows_its_metadata(name):
         fate_lo = jnp.asarray(rng.choice([tt.KEEP, tt.PRUNE], (SLOTS, LAYERS, HEADS,
                                                              2 * width * PAGE)))
         free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo,
-                                                     PAGE)
+                                                     PAGE, 2 * width * PAGE)
         assert bool(ok)
         pool, meta = tt.move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves)
         check_memory(free, tables, counts, pool_pages)

@@ -160,7 +160,7 @@ def _mean(score: jax.Array, pos: jax.Array, n: jax.Array) -> jax.Array:
 
 
 def _argmin(mean: jax.Array, pos: jax.Array, among: jax.Array) -> jax.Array:
-    """Index of the lowest mean among `among` (ties: the earliest position) per row."""
+    """Index of the lowest mean among `among` (ties: the earliest position) per row [...]."""
     big = jnp.float32(jnp.inf)
     m = jnp.where(among, mean, big)
     lowest = m.min(axis=-1, keepdims=True)
@@ -182,48 +182,79 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
     one victim, the least significant token of the tier the candidate joined: high to low
     or pruned, low to pruned.
     """
-    hi_pos, lo_pos = _row_meta(meta.pos, pages, page)
-    hi_score, lo_score = _row_meta(meta.score, pages, page)
-    hi_held = jnp.arange(hi_pos.shape[-1]) < counts.high[..., None]
-    lo_held = jnp.arange(lo_pos.shape[-1]) < counts.low[..., None]
-    n = jnp.broadcast_to(n, counts.high.shape)
-    n_prev = jnp.broadcast_to(n_prev, counts.high.shape)
+    rows = _read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent)
+    hi_mean, hi_pos, hi_held, lo_held, cand = (rows[k] for k in (
+        "hi_mean", "hi_pos", "hi_held", "lo_held", "cand"))
     prompt = jnp.broadcast_to(prompt, counts.high.shape)[..., None]
-    hi_mean = _mean(hi_score, hi_pos, n)
-    lo_mean = _mean(lo_score, lo_pos, n)
-    old = hi_pos < (n - recent)[..., None]
-    cand = hi_held & old & (hi_pos >= (n_prev - recent)[..., None])
 
     # prompt phase: every candidate against alpha / i
     i = (hi_pos + 1).astype(jnp.float32)
     prompt_fate = jnp.where(hi_mean >= alpha_high / i, KEEP,
                             jnp.where(hi_mean >= alpha_low / i, LOW, PRUNE))
 
-    # generation phase: one candidate c against alpha / n, then one victim
-    nf = n.astype(jnp.float32)[..., None]
-    t_high, t_low = alpha_high / nf, alpha_low / nf
-    has_c = cand.any(axis=-1, keepdims=True)
-    c_mean = jnp.where(cand, hi_mean, 0.0).sum(axis=-1, keepdims=True)
-    c_fate = jnp.where(c_mean >= t_high, KEEP, jnp.where(c_mean >= t_low, LOW, PRUNE))
-    # c stays high: the least significant old high token (c included) may go down
-    hv = _argmin(hi_mean, hi_pos, hi_held & old)[..., None]
-    hv_mean = jnp.take_along_axis(hi_mean, hv, -1)
-    hv_fate = jnp.where((t_low <= hv_mean) & (hv_mean < t_high), LOW,  # lines 8-11
-                        jnp.where(hv_mean < t_low, PRUNE, KEEP))
-    is_hv = jnp.arange(hi_mean.shape[-1]) == hv
-    # c joins the low tier: the least significant low token goes if below alpha_low / n (c,
-    # at least that significant, never is)
-    lv = _argmin(lo_mean, lo_pos, lo_held)[..., None]
-    lv_mean = jnp.take_along_axis(lo_mean, lv, -1)
-    prune_lv = (has_c & (c_fate == LOW) & lo_held.any(axis=-1, keepdims=True)
-                & (lv_mean < t_low))
-    gen_hi = jnp.where(cand, c_fate, KEEP)
-    gen_hi = jnp.where(has_c & (c_fate == KEEP) & is_hv, hv_fate, gen_hi)
-    gen_lo = jnp.where(prune_lv & (jnp.arange(lo_mean.shape[-1]) == lv), PRUNE, KEEP)
+    # generation phase: the one high token leaving and the one low token pruned, if any
+    out, fate, low_out = _generation(rows, alpha_high, alpha_low)
+    gen_hi = jnp.where(jnp.arange(hi_mean.shape[-1]) == out[..., None], fate[..., None], KEEP)
+    gen_lo = jnp.where(jnp.arange(lo_held.shape[-1]) == low_out[..., None], PRUNE, KEEP)
 
     fate_hi = jnp.where(prompt, jnp.where(cand, prompt_fate, KEEP), gen_hi)
     fate_lo = jnp.where(prompt, KEEP, gen_lo)
     return jnp.where(hi_held, fate_hi, KEEP), jnp.where(lo_held, fate_lo, KEEP)
+
+
+def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n: jax.Array, *,
+                     page: int, recent: int, alpha_high: jax.Array, alpha_low: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`place` for rows that all grew by one token to n (a decode step), as indices: (the
+    high slot that leaves the high tier or -1, its fate LOW or PRUNE, the low slot pruned or
+    -1), each [...]; `compact_one` applies them."""
+    rows = _read_rows(meta, pages, counts, n - 1, n, page=page, recent=recent)
+    return _generation(rows, alpha_high, alpha_low)
+
+
+def _read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
+               n: jax.Array, *, page: int, recent: int) -> dict:
+    """Every row's tokens as Algorithm 1 sees them: positions, mean attention and which
+    slots hold a token, per tier in slot order, and the candidates (high tokens that left
+    the recent window, positions in [n_prev - recent, n - recent))."""
+    hi_pos, lo_pos = _row_meta(meta.pos, pages, page)
+    hi_score, lo_score = _row_meta(meta.score, pages, page)
+    n = jnp.broadcast_to(n, counts.high.shape)
+    n_prev = jnp.broadcast_to(n_prev, counts.high.shape)
+    hi_held = jnp.arange(hi_pos.shape[-1]) < counts.high[..., None]
+    old = hi_pos < (n - recent)[..., None]
+    return dict(hi_mean=_mean(hi_score, hi_pos, n), hi_pos=hi_pos, hi_held=hi_held,
+                lo_mean=_mean(lo_score, lo_pos, n), lo_pos=lo_pos,
+                lo_held=jnp.arange(lo_pos.shape[-1]) < counts.low[..., None], n=n,
+                old=hi_held & old, cand=hi_held & old & (hi_pos >= (n_prev - recent)[..., None]))
+
+
+def _generation(rows: dict, alpha_high: jax.Array,
+                alpha_low: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Algorithm 1 for one candidate c per row against alpha / n, then one victim: (the high
+    slot leaving or -1, its fate, the low slot pruned or -1)."""
+    hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
+    lo_mean, lo_held = rows["lo_mean"], rows["lo_held"]
+    nf = rows["n"].astype(jnp.float32)
+    t_high, t_low = alpha_high / nf, alpha_low / nf
+    has_c = cand.any(axis=-1)
+    c = jnp.argmax(cand, axis=-1).astype(jnp.int32)
+    c_mean = jnp.take_along_axis(hi_mean, c[..., None], -1)[..., 0]
+    c_fate = jnp.where(c_mean >= t_high, KEEP, jnp.where(c_mean >= t_low, LOW, PRUNE))
+    # c stays high: the least significant old high token (c included) may go down
+    hv = _argmin(hi_mean, hi_pos, rows["old"])
+    hv_mean = jnp.take_along_axis(hi_mean, hv[..., None], -1)[..., 0]
+    hv_fate = jnp.where((t_low <= hv_mean) & (hv_mean < t_high), LOW,  # lines 8-11
+                        jnp.where(hv_mean < t_low, PRUNE, KEEP))
+    # c joins the low tier: the least significant low token goes if below alpha_low / n (c,
+    # at least that significant, never is)
+    lv = _argmin(lo_mean, rows["lo_pos"], lo_held)
+    lv_mean = jnp.take_along_axis(lo_mean, lv[..., None], -1)[..., 0]
+    prune_lv = has_c & (c_fate == LOW) & lo_held.any(axis=-1) & (lv_mean < t_low)
+    stays = c_fate == KEEP
+    out = jnp.where(has_c & ~stays, c, jnp.where(has_c & stays & (hv_fate != KEEP), hv, -1))
+    fate = jnp.where(stays, hv_fate, c_fate)
+    return out, fate, jnp.where(prune_lv, lv, -1)
 
 
 def _first(mask: jax.Array, k: int) -> jax.Array:
@@ -330,6 +361,61 @@ def compact(free: FreeList, tables: PageTables, counts: TierCounts, fate_hi: jax
         low_dst=_addresses(new_rows, lo_holes, page, True),
     )
     moves = TierMoves(*(jnp.where(ok, m, -1).reshape(*lead, k) for m in moves))
+    new_counts = TierCounts(high=new_hi.reshape(lead), low=new_lo.reshape(lead))
+    pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
+    return (pick(new_free, free), pick(new_tables, tables), pick(new_counts, counts), moves,
+            ok)
+
+
+def compact_one(free: FreeList, tables: PageTables, counts: TierCounts, out: jax.Array,
+                fate: jax.Array, low_out: jax.Array, page: int) -> tuple[
+                    FreeList, PageTables, TierCounts, TierMoves, jax.Array]:
+    """`compact` of a decode step's decisions (`place_generation`) in O(rows): at most one
+    high token leaves each row (demoted or pruned) and one low token is pruned; the tier's
+    last token fills the hole. The same result as `compact(..., max_moves=1)` on the same
+    decisions, without a pass over every slot."""
+    lead = counts.high.shape
+    w = tables.pages.shape[-1]
+    rows = tables.pages.reshape(-1, w)
+    hi, lo = counts.high.reshape(-1), counts.low.reshape(-1)
+    out, fate, low_out = out.reshape(-1), fate.reshape(-1), low_out.reshape(-1)
+    leaves, prune = out >= 0, low_out >= 0
+    demote = leaves & (fate == LOW)
+    new_hi = hi - leaves
+    new_lo = lo - prune + demote
+    hi_move = leaves & (out != hi - 1)  # the last high token fills the hole
+    lo_move = prune & ~demote & (low_out != lo - 1)  # else the demoted token fills it
+
+    old_hp, old_lp = tables.num_pages.reshape(-1), tables.low_pages.reshape(-1)
+    new_hp = (new_hi + page - 1) // page
+    new_lp = (new_lo + 2 * page - 1) // (2 * page)
+    hi_col, lo_col = jnp.clip(new_hp, 0, w - 1), jnp.clip(w - 1 - new_lp, 0, w - 1)
+    hi_gone, lo_gone = new_hp < old_hp, new_lp < old_lp
+    r = jnp.arange(rows.shape[0])
+    gone = jnp.stack([jnp.where(hi_gone, rows[r, hi_col], NULL_PAGE),
+                      jnp.where(lo_gone, rows[r, lo_col], NULL_PAGE)], -1)
+    fits = (new_hp + new_lp <= w).all()
+    grow = fits & (new_lp > old_lp)
+    new_free, ids, ok = allocate(unref(free, gone), grow.astype(jnp.int32), 1)
+    ok = ok & fits
+    new_rows = rows.at[r, jnp.where(hi_gone, hi_col, w)].set(NULL_PAGE, mode="drop")
+    new_rows = new_rows.at[r, jnp.where(lo_gone, lo_col, w)].set(NULL_PAGE, mode="drop")
+    grown_col = jnp.clip(w - 1 - old_lp, 0, w - 1)
+    new_rows = new_rows.at[r, jnp.where(grow, grown_col, w)].set(ids[:, 0], mode="drop")
+    new_tables = tables.replace(pages=new_rows.reshape(tables.pages.shape),
+                                num_pages=new_hp.reshape(lead), low_pages=new_lp.reshape(lead))
+
+    one = lambda x: x[:, None]  # noqa: E731
+    moves = TierMoves(
+        high_src=_addresses(rows, one(jnp.where(hi_move, hi - 1, -1)), page, False),
+        high_dst=_addresses(rows, one(jnp.where(hi_move, out, -1)), page, False),
+        demote_src=_addresses(rows, one(jnp.where(demote, out, -1)), page, False),
+        demote_dst=_addresses(new_rows, one(jnp.where(demote, jnp.where(prune, low_out, lo),
+                                                      -1)), page, True),
+        low_src=_addresses(rows, one(jnp.where(lo_move, lo - 1, -1)), page, True),
+        low_dst=_addresses(new_rows, one(jnp.where(lo_move, low_out, -1)), page, True),
+    )
+    moves = TierMoves(*(jnp.where(ok, m, -1).reshape(*lead, 1) for m in moves))
     new_counts = TierCounts(high=new_hi.reshape(lead), low=new_lo.reshape(lead))
     pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
     return (pick(new_free, free), pick(new_tables, tables), pick(new_counts, counts), moves,
