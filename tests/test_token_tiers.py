@@ -249,7 +249,7 @@ _place = tt.place
 @pytest.mark.parametrize("name,bug,match", [
     ("unref", _leaky_unref, "leaked|reference"),
     ("unref", _double_free, "free twice|reference|referenced"),
-    ("place", _prune_the_window, "demoted or pruned|tier"),
+    ("place", _prune_the_window, "demoted or pruned|tier|place_generation"),
 ])
 def test_the_properties_catch_planted_bugs(monkeypatch, name, bug, match):
     monkeypatch.setattr(tt, name, bug)
