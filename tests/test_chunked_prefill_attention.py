@@ -34,7 +34,7 @@ PAGE, GROUP, WIDTH, POISON = 8, 32, 8, 1e4
 # per-channel formats over every shape; per-token key scales (the values' arithmetic on the
 # key side) over a few, which keeps the suite's time in bounds
 SHAPES = [(1, 64), (3, 128), (4, 64), (8, 128)]
-FORMAT_SHAPES = [(*f, *s) for f in FORMATS for s in (SHAPES if not f[2] else SHAPES[1:3])]
+FORMAT_SHAPES = [(*f, *s) for f in FORMATS for s in (SHAPES if not f[2] else SHAPES[1:2])]
 FORMAT_DTYPES = [(*f, dt) for f in FORMATS
                  for dt in ([jnp.bfloat16, jnp.float32] if not f[2] else [jnp.bfloat16])]
 
@@ -236,7 +236,7 @@ def test_lowers_for_cuda_with_triton(k_bits, v_bits, token_keys, dtype):
         assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
-@pytest.mark.parametrize("fmt", ["k8v4t", "k4v8t"])
+@pytest.mark.parametrize("fmt", ["k8v4t"])
 def test_two_tiers(fmt):
     """LeanKV's low tier (the same pool's pages at half the bits, from the right of each
     row) is seen like the high tier: kernel, reference and xla path against float64, output
