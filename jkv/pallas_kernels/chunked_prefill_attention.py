@@ -22,13 +22,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.kv_quant import codes_per_byte
 from jkv.pallas_kernels.paged_decode_attention import (
     MASK_VALUE,
     MIN_DOT,
     _attend_pages,
     _dot_t,
     _online_update,
+    checked_tiers,
     dequantized_rows,
 )
 
@@ -211,21 +211,7 @@ def chunked_prefill_attention(
             raise ValueError(f"{name}={n} must be a multiple of its block size {blk}, a power "
                              "of two")
     pages.check(d)
-    tiers = [pages]
-    if low_tier is not None:
-        if low_lengths is None or low_lengths.shape != (b, hkv):
-            raise ValueError(f"low_lengths must be [B={b}, Hkv={hkv}] with low_tier, got "
-                             f"{None if low_lengths is None else low_lengths.shape}")
-        low_tier.check(d, "low_tier")
-        if low_tier.page_size % page:
-            raise ValueError(f"the low tier's page size {low_tier.page_size} is not a "
-                             f"multiple of the high tier's {page}")
-        tiers.append(low_tier)
-    else:
-        low_lengths = jnp.zeros_like(page_lengths)
-    bits = [(x.kv_format.k_bits, x.kv_format.v_bits) for x in tiers]
-    parts = tuple(max(codes_per_byte(b_[i]) if b_[i] < 16 else 1 for b_ in bits)
-                  for i in range(2))
+    tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, page_lengths, d)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     g = hq // hkv
     heads = max(pl.next_power_of_2(g), 16 // block_q)  # rows per query token, padded

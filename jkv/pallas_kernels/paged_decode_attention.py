@@ -265,21 +265,7 @@ def paged_decode_attention(
                          f"must be >= {MIN_DOT} on a GPU (Triton dots need 16 along each "
                          "dimension)")
     pages.check(d)
-    tiers = [pages]
-    if low_tier is not None:
-        if low_lengths is None or low_lengths.shape != (b, hkv):
-            raise ValueError(f"low_lengths must be [B={b}, Hkv={hkv}] with low_tier, got "
-                             f"{None if low_lengths is None else low_lengths.shape}")
-        low_tier.check(d, "low_tier")
-        if low_tier.page_size % pages.page_size:
-            raise ValueError(f"the low tier's page size {low_tier.page_size} is not a "
-                             f"multiple of the high tier's {pages.page_size}")
-        tiers.append(low_tier)
-    else:
-        low_lengths = jnp.zeros_like(lengths)
-    bits = [(t.kv_format.k_bits, t.kv_format.v_bits) for t in tiers]
-    parts = tuple(max(codes_per_byte(b_[i]) if b_[i] < 16 else 1 for b_ in bits)
-                  for i in range(2))
+    tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, lengths, d)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     group_size = hq // hkv
     block_h = max(16, pl.next_power_of_2(group_size))
@@ -348,6 +334,29 @@ def paged_decode_attention(
     out = (o, denom, m) if return_softmax_state else normalize_softmax_state(o, denom).astype(
         q.dtype)
     return (out, significance) if return_significance else out
+
+
+def checked_tiers(pages: KVPages, low_tier: KVPages | None, low_lengths: jax.Array | None,
+                  lengths: jax.Array, d: int) -> tuple[list[KVPages], jax.Array, tuple]:
+    """The tiers a kernel walks (the high one, and the low one if given), the low tier's
+    lengths (zeros without one) and the channel parts (keys, values) fine enough for every
+    tier's packing; ValueError for a low tier that does not fit the high one."""
+    tiers = [pages]
+    if low_tier is not None:
+        if low_lengths is None or low_lengths.shape != lengths.shape:
+            raise ValueError(f"low_lengths must be [B, Hkv]={list(lengths.shape)} with "
+                             f"low_tier, got {None if low_lengths is None else low_lengths.shape}")
+        low_tier.check(d, "low_tier")
+        if low_tier.page_size % pages.page_size:
+            raise ValueError(f"the low tier's page size {low_tier.page_size} is not a "
+                             f"multiple of the high tier's {pages.page_size}")
+        tiers.append(low_tier)
+    else:
+        low_lengths = jnp.zeros_like(lengths)
+    bits = [(t.kv_format.k_bits, t.kv_format.v_bits) for t in tiers]
+    parts = tuple(max(codes_per_byte(b_[i]) if b_[i] < 16 else 1 for b_ in bits)
+                  for i in range(2))
+    return tiers, low_lengths, parts
 
 
 def merge_softmax_states(o: jax.Array, denom: jax.Array, m: jax.Array,
