@@ -30,7 +30,9 @@ from tqdm import tqdm  # noqa: E402
 
 from jkv.buckets import bucket  # noqa: E402
 from jkv.cache import (  # noqa: E402
+    FillingPages,
     KVPages,
+    LayerKV,
     init_filling,
     init_free,
     init_tables,
@@ -75,10 +77,10 @@ def replay(cfg, params, kv_format, prompts, n, backend, feed=None):
 
     @jax.jit
     def step(pool, filling, tokens, positions, valid, last):
-        hidden, pool, filling = forward(params, cfg, tokens, positions, valid, pool, filling,
-                                        tables.pages, backend)
+        kv = LayerKV(pool=pool, fill_k=filling.k, fill_v=filling.v, pages=tables.pages)
+        hidden, kv = forward(params, cfg, tokens, positions, valid, kv, backend)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        return lm_head(params, h), pool, filling
+        return lm_head(params, h), kv.pool, FillingPages(k=kv.fill_k, v=kv.fill_v)
 
     t = bucket(int(plen.max()), 16)
     tokens = np.zeros((b, t), np.int32)

@@ -65,6 +65,8 @@ class RequestOutput:
     session_id: str | None = None
     # with SamplingParams(logprobs=n): per token, {token id: logprob} for it and the top n
     logprobs: list[dict[int, float]] | None = None
+    # with SamplingParams(prompt_logprobs=n): the same per prompt token (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -81,6 +83,9 @@ class _Tracker:
     # with logprobs: per token (id, logprob, top ids, top logprobs); `taken` of them sent
     logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
     taken: int = 0
+    # with prompt_logprobs: the scheduler's per prompt token (logprob, top ids, top logprobs)
+    prompt_entries: list | None = None
+    prompt_ids: list[int] | None = None
 
     def take_logprobs(self) -> list:
         """Logprob entries not yet handed out (a stream attaches them to its next chunk)."""
@@ -92,6 +97,12 @@ class _Tracker:
             return None
         return [{tok: lp, **dict(zip(ids, lps, strict=True))}
                 for tok, lp, ids, lps in self.logprobs]
+
+    def prompt_logprob_dicts(self) -> list[dict[int, float] | None] | None:
+        if self.params.prompt_logprobs is None or self.prompt_entries is None:
+            return None
+        return [None if e is None else {tok: e[0], **dict(zip(e[1], e[2], strict=True))}
+                for tok, e in zip(self.prompt_ids, self.prompt_entries, strict=True)]
 
     def add(self, token: int) -> bool:
         self.token_ids.append(token)
@@ -304,6 +315,8 @@ class LLM:
             return done
 
         def finished(r: Request) -> None:
+            if r.prompt_logprobs:
+                tracker.prompt_entries, tracker.prompt_ids = r.prompt_logprobs, r.prompt
             if tracker.finish_reason is None:
                 tracker.finish_reason = r.finish_reason
                 if on_delta is not None and (rest := tracker.delta(final=True)):
@@ -381,6 +394,7 @@ class LLM:
         trackers = self.run(ids, params)
         return [RequestOutput(prompt_token_ids=i, text=t.text, token_ids=t.token_ids,
                               finish_reason=t.finish_reason, logprobs=t.logprob_dicts(),
+                              prompt_logprobs=t.prompt_logprob_dicts(),
                               prompt=p if isinstance(p, str) else None)
                 for p, i, t in zip(prompts, ids, trackers, strict=True)]
 
@@ -402,6 +416,7 @@ class LLM:
         t = self.run([ids], params, session_id=session_id, truncation=truncation)[0]
         return RequestOutput(prompt_token_ids=ids, text=t.text, token_ids=t.token_ids,
                              logprobs=t.logprob_dicts(),
+                             prompt_logprobs=t.prompt_logprob_dicts(),
                              finish_reason=t.finish_reason, session_id=session_id)
 
     @staticmethod

@@ -9,6 +9,7 @@ and `LLM(...)` takes them as keyword arguments and the server as flags (`max_mod
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Callable, Mapping
@@ -171,6 +172,8 @@ KV_FORMATS: dict[str, KVFormat] = {
 }
 
 
+KV_POLICIES = ("none", "leankv")  # which tokens' KV is kept, how finely (CacheConfig.kv_policy)
+
 # plain jnp; the Pallas kernels (interpreted on CPU); auto: pallas on a GPU, else xla
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 EXECUTIONS = ("scan", "layerwise")  # all layers in one compiled step; one dispatch per layer
@@ -305,14 +308,56 @@ class CacheConfig:
                 "page being filled stays in the model dtype",
         "choices": tuple(sorted(KV_FORMATS))})
 
+    kv_policy: str = field(default="none", metadata={
+        "help": "which tokens' KV is kept, and how finely: none = every token in `kv_format`; "
+                "leankv = each (layer, KV head) keeps significant tokens in a high tier "
+                "(`kv_format`, default k8v4t), others in a low tier at half the bits (k4v2t), "
+                "prunes the least significant, and holds only the pages its tiers fill "
+                "(LeanKV; prefix caching and the KV store are off under it for now)",
+        "choices": KV_POLICIES})
+    kv_alpha_high: float = field(default=1.0, metadata={
+        "help": "leankv: a token stays in the high tier while its mean attention is at least "
+                "this many times the uniform share 1/n"})
+    kv_alpha_low: float = field(default=0.02, metadata={
+        "help": "leankv: below `kv_alpha_high`, a token is kept in the low tier while its mean "
+                "attention is at least this many times 1/n, else pruned (0: never pruned)"})
+    kv_recent_window: int = field(default=64, metadata={
+        "help": "leankv: the newest tokens, kept at high precision whatever their attention "
+                "(at least `page_size`)"})
+
     def __post_init__(self) -> None:
         _require(self, "page_size", _is_pow2(self.page_size), "a power of two")
         _require(self, "kv_cache_bytes", _is_int(self.kv_cache_bytes) and self.kv_cache_bytes > 0,
                  "a positive integer")
+        _require(self, "kv_policy", self.kv_policy in KV_POLICIES, f"one of {KV_POLICIES}")
         if not isinstance(self.kv_format, KVFormat):
             _require(self, "kv_format", self.kv_format in KV_FORMATS,
                      f"a KVFormat or one of {sorted(KV_FORMATS)}")
-            object.__setattr__(self, "kv_format", KVFormat.parse(self.kv_format))
+            name = self.kv_format
+            if self.kv_policy == "leankv" and name == "auto":
+                name = "k8v4t"  # LeanKV's high tier (its low tier: k4v2t)
+            object.__setattr__(self, "kv_format", KVFormat.parse(name))
+        for name in ("kv_alpha_high", "kv_alpha_low"):
+            value = getattr(self, name)
+            _require(self, name, isinstance(value, int | float) and not isinstance(value, bool)
+                     and math.isfinite(value) and value >= 0, "a number >= 0")
+        if self.kv_alpha_low > self.kv_alpha_high:
+            raise ValueError(f"CacheConfig.kv_alpha_low ({self.kv_alpha_low}) must not exceed "
+                             f"kv_alpha_high ({self.kv_alpha_high})")
+        _require(self, "kv_recent_window", _is_int(self.kv_recent_window)
+                 and self.kv_recent_window >= self.page_size,
+                 f"an integer >= page_size ({self.page_size})")
+        if self.tiered:
+            try:
+                self.kv_format.halved()
+            except ValueError as e:
+                raise ValueError(f"CacheConfig.kv_format {self.kv_format.name!r} cannot be "
+                                 f"leankv's high tier: {e} (use k8v4t, or k4v8t)") from None
+
+    @property
+    def tiered(self) -> bool:
+        """Whether pages hold token tiers (LeanKV) rather than every token in one format."""
+        return self.kv_policy == "leankv"
 
 
 @dataclass(frozen=True)

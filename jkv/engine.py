@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.cache import tier_step
 from jkv.cache.connector import KVConnector, SavedPages
-from jkv.cache.kv_cache import KVCacheManager
+from jkv.cache.kv_cache import KVCacheManager, TierPolicy
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
@@ -53,6 +54,8 @@ class Sampled(NamedTuple):
     logprob: float
     top_ids: np.ndarray  # int32 [MAX_LOGPROBS], most likely first
     top_logprobs: np.ndarray  # float32 [MAX_LOGPROBS]
+    # with Row.targets: per fed token (target logprob, top ids, top logprobs) [m], [m, K]
+    positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -98,7 +101,10 @@ class Engine:
             dtype=dtype, kv_format=cache.kv_format, page_size=cache.page_size,
             kv_cache_bytes=cache.kv_cache_bytes, max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
-            device_cache_bytes=config.device_cache_bytes, hash_seed=hash_seed)
+            device_cache_bytes=config.device_cache_bytes, hash_seed=hash_seed,
+            tiers=TierPolicy(cache.kv_alpha_high, cache.kv_alpha_low, cache.kv_recent_window)
+            if cache.tiered else None)
+        self.tiered = cache.tiered
         self.connector = KVConnector(self.cache, num_layers=cfg.num_layers,
                                      num_kv_heads=cfg.num_kv_heads,
                                      rotate=family.rotate_keys(cfg),
@@ -113,7 +119,7 @@ class Engine:
     @property
     def num_compiles(self) -> int:
         """Compiled variants of the step functions (a steady workload must not add any)."""
-        return self.runner.num_compiles
+        return self.runner.num_compiles + (tier_step.retier._cache_size() if self.tiered else 0)
 
     def request_key(self, seed: int | None) -> np.ndarray:
         """A request's PRNG key: from its seed, or the engine's seed and a request counter."""
@@ -126,20 +132,21 @@ class Engine:
 
     # ------------------------------------------------------------------ sequences
 
-    def open(self, token_ids: Sequence[int],
-             restore: SavedPages | None = None) -> tuple[int, int]:
+    def open(self, token_ids: Sequence[int], restore: SavedPages | None = None,
+             use_prefix_cache: bool = True) -> tuple[int, int]:
         """Take a free slot for a sequence whose prompt is `token_ids`.
 
         Returns (slot, cached): the first `cached` tokens are already held (prefix cache
-        hits, then the blocks of `restore` past them: saved pages of this prompt's first
-        blocks, written into new pages); feed the rest with `step`.
+        hits unless `use_prefix_cache` is False, then the blocks of `restore` past them:
+        saved pages of this prompt's first blocks, written into new pages); feed the rest
+        with `step`.
         """
         if not 1 <= len(token_ids) < self.max_model_len:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
                              f"got {len(token_ids)}")
         if restore is not None:
             self.connector.restorable(restore, token_ids)  # raises before anything is taken
-        slot, cached = self.cache.open(token_ids)
+        slot, cached = self.cache.open(token_ids, use_prefix_cache)
         if self.cache.enable_prefix_caching:
             self.stats.prefix_query_tokens += len(token_ids)
         self.stats.prefix_hit_tokens += cached
@@ -151,12 +158,13 @@ class Engine:
             cached = held
         return slot, cached
 
-    def close(self, slot: int) -> None:
+    def close(self, slot: int, finished: bool = True) -> None:
         """End the sequence in `slot`: its full blocks go to the prefix cache (when on) and
-        its other pages back to the pool."""
+        its other pages back to the pool. `finished` False: preempted (what it held does
+        not count in the statistics of finished sequences)."""
         shareable = self.connector.shareable_blocks(slot)
         self.connector.forget(slot)  # a restore never written: the request ended first
-        self.cache.close(slot, shareable)
+        self.cache.close(slot, shareable, finished)
 
     def gather(self, slot: int) -> SavedPages:
         """The full blocks `slot` holds, being copied out of the pool (`KVConnector.gather`)."""
@@ -219,6 +227,8 @@ class Engine:
         ok, outs = jax.device_get((ok, outs))
         if not ok:
             raise RuntimeError("page reservation failed although the host count allowed it")
+        if self.tiered:
+            self.cache.sync_tiers()
         self.connector.written(list(lengths))  # layer-wise restores are in the pool now
         for r in rows:
             self.cache.add_tokens(r.slot, r.tokens)
@@ -231,24 +241,33 @@ class Engine:
         else:
             self.stats.decode_seconds += seconds
         sampled: dict[int, Sampled] = {}
-        for group, (tokens, logprob, top_ids, top_lp) in zip(groups, outs, strict=True):
+        for group, (tokens, logprob, top_ids, top_lp, *at) in zip(groups, outs, strict=True):
             for i, r in enumerate(group):
+                m = len(r.tokens)
+                positions = (tuple(x[i, :m] for x in at)
+                             if at and r.targets is not None else None)
                 sampled[id(r)] = Sampled(int(tokens[i]), float(logprob[i]), top_ids[i],
-                                         top_lp[i])
+                                         top_lp[i], positions)
         return [sampled[id(r)] for r in prefill], [sampled[id(r)] for r in decode]
 
     def _call(self, rows: Sequence[Row], *, padded_rows: int | None = None,
               padded_tokens: int | None = None) -> tuple:
         """Dispatch one compiled call for `rows`, padded with scratch rows to the bucket
-        (or to the shape given, as `warmup` does with no rows at all)."""
+        (or to the shape given, as `warmup` does with no rows at all); with token tiers,
+        then their placement (one token per row: the generation phase's)."""
         c = self.cache
         batch = self.runner.batch(rows, [len(c.slot_tokens[r.slot]) for r in rows],
                                   padded_rows=padded_rows, padded_tokens=padded_tokens)
         self.stats.step_shapes.add(batch.shape)
         before_layer = self.connector.stage([r.slot for r in rows], int(batch.valid.sum()),
                                             self.stats.prefill_token_seconds)
-        out, c.pool, c.filling = self.runner.run(c.pool, c.filling, c.tables.pages, batch,
-                                                 before_layer)
+        tiers = (c.meta, c.counts) if self.tiered else None
+        out, c.pool, c.filling, meta = self.runner.run(c.pool, c.filling, c.tables.pages, batch,
+                                                       before_layer, tiers)
+        if self.tiered:
+            c.meta = meta
+            b, t = batch.shape
+            c.retier([r.slot for r in rows], [len(r.tokens) for r in rows], b, t, t == 1)
         return out
 
     # ------------------------------------------------------------------ shapes
@@ -268,5 +287,7 @@ class Engine:
             new += self.num_compiles > before
             if progress is not None:
                 progress(i + 1, len(todo))
+        if self.tiered:
+            self.cache.sync_tiers()
         self.connector.warmup()
         return new

@@ -27,6 +27,8 @@ _GAUGES = (  # (stats key = metric name without the prefix, help)
     ("num_requests_waiting", "Requests queued for admission."),
     ("kv_pages_used", "Device KV pages held by sequences and the prefix cache."),
     ("kv_pages_total", "Device KV pages in the pool."),
+    ("kv_bytes_per_token", "KV bytes the pool held per token of context as each sequence "
+     "ended, averaged over the sequences."),
 )
 _COUNTERS = (  # (stats key, metric name, help); prometheus adds the _total suffix
     ("prefix_query_tokens", "jkv_prefix_cache_query_tokens",

@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.buckets import bucket
+from jkv.cache.layer_kv import LayerKV, LayerTiers, join_shared, split_shared
 from jkv.cache.page_pool import FillingPages
+from jkv.cache.token_tiers import TierCounts, TokenMeta
 from jkv.config import ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.pallas_kernels.kv_pages import KVPages
@@ -52,6 +54,7 @@ class Batch(NamedTuple):
     temperature: np.ndarray  # float32 [B]
     top_p: np.ndarray  # float32 [B]
     top_k: np.ndarray  # int32 [B]
+    targets: np.ndarray | None = None  # int32 [B, T]: whose logprob each position gives (-1)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,6 +75,8 @@ class Row:
     sampling: SamplingParams
     key: np.ndarray  # uint32[2]: the request's PRNG key (`Engine.request_key`)
     num_generated: int = 0  # folded into the key: token i of a request has its own stream
+    # per fed token, the token whose logprob its position should give (-1: none), or None
+    targets: Sequence[int] | None = None
 
 
 
@@ -82,36 +87,72 @@ def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top
     return (tokens, *token_logprobs(logits, tokens))
 
 
-def _step(params, pool, filling, table_pages, slots, tokens, positions, valid, last_idx,
-          keys, num_generated, temperature, top_p, top_k, *, family: ModelFamily,
+def _rows(pool, filling, meta, table_pages, counts, slots) -> LayerKV:
+    """The KV of the step's rows: every layer's (`LayerKV` with a layer axis after the
+    batch axis), token tiers when `meta` is given."""
+    tiers = None if meta is None else LayerTiers(
+        meta=meta, score=filling.score[slots], high=counts.high[slots], low=counts.low[slots])
+    return LayerKV(pool=pool, fill_k=filling.k[slots], fill_v=filling.v[slots],
+                   pages=table_pages[slots], tiers=tiers)
+
+
+def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
+    """(pool, filling, meta) after the step: the rows' filling pages written back (at layer
+    `index` only, when given). Padding rows all point at the scratch slot; what they write
+    there is never read."""
+    at = slots if index is None else (slots, index)
+    score = None if kv.tiers is None else filling.score.at[at].set(kv.tiers.score)
+    filling = FillingPages(k=filling.k.at[at].set(kv.fill_k), v=filling.v.at[at].set(kv.fill_v),
+                           score=score)
+    return kv.pool, filling, None if kv.tiers is None else kv.tiers.meta
+
+
+def _step(params, pool, filling, meta, table_pages, counts, slots, tokens, positions, valid,
+          last_idx, keys, num_generated, temperature, top_p, top_k, *, family: ModelFamily,
           cfg: ModelConfig, backend: str):
-    pages = table_pages[slots]
-    rows = FillingPages(k=filling.k[slots], v=filling.v[slots])
-    hidden, pool, rows = family.forward(params, cfg, tokens, positions, valid, pool, rows,
-                                        pages, backend)
-    # padding rows all point at the scratch slot; what they write there is never read
-    filling = FillingPages(k=filling.k.at[slots].set(rows.k), v=filling.v.at[slots].set(rows.v))
+    kv = _rows(pool, filling, meta, table_pages, counts, slots)
+    hidden, kv = family.forward(params, cfg, tokens, positions, valid, kv, backend)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     out = _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k)
-    return out, pool, filling
+    return (out, *_put_rows(filling, slots, kv))
 
 
 def _embed(params, tokens, positions, *, family: ModelFamily, cfg: ModelConfig):
     return family.embed(params, tokens), family.positional(cfg, positions)
 
 
-def _layer_step(weights, pool, filling, table_pages, slots, x, positional, positions, valid,
-                index, *, family: ModelFamily, cfg: ModelConfig, backend: str):
+def _layer_step(weights, pool, filling, meta, table_pages, counts, slots, x, positional,
+                positions, valid, index, *, family: ModelFamily, cfg: ModelConfig,
+                backend: str):
     """Layer `index`; `weights` are its own, or the params (the layer taken at `index`)."""
     if "layers" in weights:
         weights = family.layer_weights(weights, index)
-    pages = jax.lax.dynamic_index_in_dim(table_pages[slots], index, axis=1, keepdims=False)
-    fill_k, fill_v = filling.k[slots, index], filling.v[slots, index]
-    x, pool, fill_k, fill_v = family.layer(weights, cfg, x, pool, fill_k, fill_v, pages,
-                                           positions, valid, positional, backend)
-    filling = FillingPages(k=filling.k.at[slots, index].set(fill_k),
-                           v=filling.v.at[slots, index].set(fill_v))
-    return x, pool, filling
+    shared, rest = split_shared(_rows(pool, filling, meta, table_pages, counts, slots))
+    rest = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 1, keepdims=False),
+                        rest)
+    x, kv = family.layer(weights, cfg, x, join_shared(shared, rest), positions, valid,
+                         positional, backend)
+    return (x, *_put_rows(filling, slots, kv, index))
+
+
+def _position_logprobs(params, x, targets, *, family: ModelFamily, cfg: ModelConfig):
+    """Every position's logprob of its target token [B, T] (targets -1: 0.0) and its most
+    likely tokens' ids and logprobs [B, T, MAX_LOGPROBS], a block of positions at a time."""
+    b, t, d = x.shape
+    h = family.final_norm(params, cfg, x)
+    block = min(t, 64)
+    blocks = h.reshape(b, t // block, block, d).swapaxes(0, 1)
+    tgt = targets.reshape(b, t // block, block).swapaxes(0, 1)
+
+    def one(args):
+        hb, tb = args
+        logits = family.logits(params, hb.reshape(b * block, d))
+        chosen, ids, lps = token_logprobs(logits, jnp.maximum(tb.reshape(-1), 0))
+        return (jnp.where(tb.reshape(-1) >= 0, chosen, 0.0).reshape(b, block),
+                ids.reshape(b, block, -1), lps.reshape(b, block, -1))
+
+    out = jax.lax.map(one, (blocks, tgt))
+    return tuple(o.swapaxes(0, 1).reshape(b, t, *o.shape[3:]) for o in out)
 
 
 def _head(params, x, last_idx, keys, num_generated, temperature, top_p, top_k, *,
@@ -141,10 +182,11 @@ def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str) -> tuple:
     every runner in the process: a second engine over the same model reuses what the first
     compiled. A few models at most, so compilations of models no longer served are freed."""
     static = dict(family=family, cfg=cfg)
-    return (jax.jit(partial(_step, **static, backend=backend), donate_argnums=(1, 2)),
+    return (jax.jit(partial(_step, **static, backend=backend), donate_argnums=(1, 2, 3)),
             jax.jit(partial(_embed, **static)),
-            jax.jit(partial(_layer_step, **static, backend=backend), donate_argnums=(1, 2)),
-            jax.jit(partial(_head, **static)))
+            jax.jit(partial(_layer_step, **static, backend=backend), donate_argnums=(1, 2, 3)),
+            jax.jit(partial(_head, **static)),
+            jax.jit(partial(_position_logprobs, **static)))
 
 
 class ModelRunner:
@@ -166,13 +208,15 @@ class ModelRunner:
         self.prefill_area = 4 * prefill_chunk
         self.views = _layer_views(params["layers"], cfg.num_layers)
         self.layer_by_layer = layer_by_layer or self.views is not None
-        self._step, self._embed, self._layer, self._head = _compiled(family, cfg, backend)
+        (self._step, self._embed, self._layer, self._head,
+         self._positions) = _compiled(family, cfg, backend)
 
     @property
     def num_compiles(self) -> int:
         """Compiled variants of the step functions, shared with every runner of the same model
         and backend (a steady workload must not add any)."""
-        return sum(f._cache_size() for f in (self._step, self._embed, self._layer, self._head))
+        return sum(f._cache_size() for f in (self._step, self._embed, self._layer, self._head,
+                                             self._positions))
 
     # ------------------------------------------------------------------ shapes
 
@@ -219,7 +263,9 @@ class ModelRunner:
                     valid=np.zeros((b, t), bool), last_idx=np.zeros(b, np.int32),
                     keys=np.zeros((b, 2), np.uint32), num_generated=np.zeros(b, np.uint32),
                     temperature=np.zeros(b, np.float32), top_p=np.ones(b, np.float32),
-                    top_k=np.zeros(b, np.int32))
+                    top_k=np.zeros(b, np.int32),
+                    targets=np.full((b, t), -1, np.int32) if any(
+                        r.targets is not None for r in rows) else None)
         for i, (r, n) in enumerate(zip(rows, held, strict=True)):
             m = len(r.tokens)
             out.slots[i] = r.slot
@@ -232,19 +278,28 @@ class ModelRunner:
             s = r.sampling
             out.temperature[i], out.top_p[i], out.top_k[i] = s.temperature, s.top_p, max(
                 s.top_k, 0)
+            if r.targets is not None:
+                out.targets[i, :m] = r.targets
         return out
 
     def run(self, pool: KVPages, filling: FillingPages, table_pages: jax.Array, batch: Batch,
-            before_layer: Callable[[int, KVPages], KVPages] | None = None
-            ) -> tuple[tuple, KVPages, FillingPages]:
-        """One call: returns ((tokens, logprobs, top ids, top logprobs), pool, filling),
-        dispatched, not awaited. `before_layer(index, pool)` (layer by layer only) may write
-        into the pool before layer `index` runs."""
-        if not self.layer_by_layer:
+            before_layer: Callable[[int, KVPages], KVPages] | None = None,
+            tiers: tuple[TokenMeta, TierCounts] | None = None
+            ) -> tuple[tuple, KVPages, FillingPages, TokenMeta | None]:
+        """One call: returns ((tokens, logprobs, top ids, top logprobs), pool, filling, meta),
+        dispatched, not awaited; with `batch.targets`, the first part also has each
+        position's (target logprob, top ids, top logprobs). `before_layer(index, pool)`
+        (layer by layer only) may write into the pool before layer `index` runs. `tiers`: the
+        token meta and tier counts of LeanKV's tiers (the high counts already include the
+        pages this step fills)."""
+        meta, counts = (None, None) if tiers is None else tiers
+        if not self.layer_by_layer and batch.targets is None:
             if before_layer is not None:
                 raise ValueError("before_layer needs layer-by-layer execution")
-            return self._step(self.params, pool, filling, table_pages, batch.slots,
-                              batch.tokens, batch.positions, batch.valid, *batch.sampling)
+            out, pool, filling, meta = self._step(
+                self.params, pool, filling, meta, table_pages, counts, batch.slots,
+                batch.tokens, batch.positions, batch.valid, *batch.sampling)
+            return out, pool, filling, meta
         # committed to the device like every layer's outputs, so that layer 0's inputs are
         # placed as the others' and all layers share one compilation
         slots, tokens, positions, valid = jax.device_put(
@@ -254,6 +309,10 @@ class ModelRunner:
             if before_layer is not None:
                 pool = before_layer(index, pool)
             weights = self.views[index] if self.views else self.params
-            x, pool, filling = self._layer(weights, pool, filling, table_pages, slots, x,
-                                           positional, positions, valid, np.int32(index))
-        return self._head(self.params, x, *batch.sampling), pool, filling
+            x, pool, filling, meta = self._layer(weights, pool, filling, meta, table_pages,
+                                                 counts, slots, x, positional, positions, valid,
+                                                 np.int32(index))
+        out = self._head(self.params, x, *batch.sampling)
+        if batch.targets is not None:
+            out = (*out, *self._positions(self.params, x, batch.targets))
+        return out, pool, filling, meta

@@ -23,7 +23,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: the sampled token's and the n most likely
-
+    # None: none; n: every prompt token's logprob (but the first's) and the n most likely
+    # there, computed through chunked prefill (the prompt is not read from the prefix cache)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -37,10 +39,12 @@ class SamplingParams:
                              f"2**31, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                             f"got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], "
+                                 f"got {value!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):

@@ -79,6 +79,9 @@ class Request:
     output: list[int] = field(default_factory=list)
     # per output token, when sampling.logprobs is set: (logprob, top ids, top logprobs)
     logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
+    # per prompt token, when sampling.prompt_logprobs is set: the same (None for the first)
+    prompt_logprobs: list[tuple[float, list[int], list[float]] | None] = field(
+        default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort", "timeout" or "error"
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -131,6 +134,10 @@ class Scheduler:
                  store: KVStore | StoreConfig | None = None) -> None:
         self.engine = engine
         self.config = config or SchedulerConfig()
+        if engine.tiered and isinstance(store, KVStore):
+            raise ValueError("a KV store cannot keep token tiers (kv_policy='leankv') yet")
+        if engine.tiered:
+            store = None  # stored entries hold every token of a block; tiers do not
         if isinstance(store, StoreConfig):  # a store for this engine's KV
             store = KVStore(store, model=engine.fingerprint, kv_format=engine.kv_format,
                             page_size=engine.page_size)
@@ -216,6 +223,7 @@ class Scheduler:
     def snapshot(self) -> dict:
         """The serving figures as plain numbers (`LLM.stats()`, `/metrics`)."""
         eng, st = self.engine, self.engine.stats
+        finished = eng.cache.finished
         with self._lock:
             waiting = len(self.waiting) + len(self._incoming)
         out = {
@@ -234,6 +242,11 @@ class Scheduler:
             "steps": st.steps,
             "requests_finished": self.stats.finished,
             "requests_aborted": self.stats.aborted,
+            # what the pool held per token of context as each sequence ended (all layers and
+            # KV heads, scales included), averaged; tokens per tier, summed
+            "kv_bytes_per_token": finished.bytes_per_token / max(finished.sequences, 1),
+            "kv_tiers": dict(finished.tokens),
+            "kv_compactions_refused": eng.cache.tier_refusals,  # the pool was short
         }
         if self.store is not None:
             out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses,
@@ -260,6 +273,8 @@ class Scheduler:
         """`r` as the policy sees it, with the restore planned for it (not yet applied):
         its prompt is looked up in the device prefix cache, then in the store."""
         eng, st = self.engine, self._state[r]
+        if r.sampling.prompt_logprobs is not None:  # every prompt token is computed
+            return self._candidate(r, 0, 0), RestoreDecision(0)
         if st.hashes is None:
             st.hashes = eng.cache.prompt_hashes(r.tokens)
         cached, pinned = eng.cache.lookup(st.hashes)
@@ -312,7 +327,8 @@ class Scheduler:
                 self.stats.store_misses += 1
         before = eng.stats.restored_tokens
         try:
-            st.slot, cached = eng.open(r.tokens, restore=restore)
+            st.slot, cached = eng.open(r.tokens, restore=restore,
+                                       use_prefix_cache=r.sampling.prompt_logprobs is None)
         except ValueError:  # the loaded blocks do not fit this prompt: never serve them
             log.exception("restoring request %s from the store failed; recomputing",
                           r.request_id)
@@ -411,7 +427,7 @@ class Scheduler:
             r = by_id[rid]
             st = self._state[r]
             st.computed_before = st.num_computed
-            eng.close(st.slot)
+            eng.close(st.slot, finished=False)
             st.slot, st.num_computed, st.hashes = None, 0, None
             r.num_preemptions += 1
             self.stats.preemptions += 1
@@ -431,7 +447,12 @@ class Scheduler:
             r = by_id[rid]
             st = self._state[r]
             chunk = r.tokens[st.num_computed: st.num_computed + n]
-            prefill.append((r, Row(st.slot, chunk, r.sampling, st.key, len(r.output))))
+            targets = None
+            if r.sampling.prompt_logprobs is not None:  # each position's next prompt token
+                after = r.prompt[st.num_computed + 1: st.num_computed + n + 1]
+                targets = list(after) + [-1] * (n - len(after))
+            prefill.append((r, Row(st.slot, chunk, r.sampling, st.key, len(r.output),
+                                   targets)))
         for rid in plan.decode:
             r = by_id[rid]
             st = self._state[r]
@@ -445,6 +466,8 @@ class Scheduler:
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]
+            if sampled.positions is not None:
+                self._prompt_logprobs(r, st.num_computed, sampled.positions)
             st.num_computed += len(row.tokens)
             if st.num_computed == len(r.tokens):  # the chunk ended the pending tokens
                 self._emit(r, sampled, now)
@@ -456,6 +479,18 @@ class Scheduler:
                 finished.append(r)
         self.running = [r for r in self.running if not r.finished]
         return finished
+
+    @staticmethod
+    def _prompt_logprobs(r: Request, first: int, positions: tuple) -> None:
+        """Record what a chunk fed from position `first` gave for the prompt tokens after
+        each of its positions."""
+        k = r.sampling.prompt_logprobs
+        if not r.prompt_logprobs:
+            r.prompt_logprobs = [None] * len(r.prompt)
+        for i, (lp, ids, lps) in enumerate(zip(*positions, strict=True)):
+            p = first + i + 1
+            if p < len(r.prompt):
+                r.prompt_logprobs[p] = (float(lp), ids[:k].tolist(), lps[:k].tolist())
 
     def _learn(self, seconds: float, prefill_tokens: int, decoded: bool) -> None:
         """Exponential averages of the step cost model the SLO check uses."""

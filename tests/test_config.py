@@ -106,11 +106,22 @@ BAD = [(LoadConfig, "model", 3), (LoadConfig, "dtype", "fp8"),
        (EngineConfig, "seed", "x"), (EngineConfig, "enable_prefix_caching", "no"),
        (EngineConfig, "device_cache_bytes", -1), (EngineConfig, "execution", "eager"),
        (CacheConfig, "page_size", 12), (CacheConfig, "kv_cache_bytes", 0),
-       (CacheConfig, "kv_format", "int3"),
+       (CacheConfig, "kv_format", "int3"), (CacheConfig, "kv_policy", "snapkv"),
+       (CacheConfig, "kv_alpha_high", -1.0), (CacheConfig, "kv_alpha_low", float("nan")),
+       (CacheConfig, "kv_recent_window", 8),
        (SchedulerConfig, "max_num_batched_tokens", 0), (SchedulerConfig, "restore_planning", 1),
        (StoreConfig, "host_cache_bytes", -1), (StoreConfig, "disk_cache_bytes", -1),
        (StoreConfig, "store_dir", 5), (StoreConfig, "store_spec", 5),
        (StoreConfig, "eviction_policy", "random")]
+
+
+def test_leankv_settings_are_checked_together():
+    assert CacheConfig(kv_policy="leankv").kv_format.name == "k8v4t"  # its high tier
+    with pytest.raises(ValueError, match=r"kv_alpha_low \(2.0\) must not exceed"):
+        CacheConfig(kv_alpha_high=1.0, kv_alpha_low=2.0)
+    with pytest.raises(ValueError, match="CacheConfig.kv_format 'k8v4' cannot be leankv"):
+        CacheConfig(kv_policy="leankv", kv_format="k8v4")  # no per-token key scales
+    assert CacheConfig(kv_policy="leankv", kv_format="k4v8t").kv_format.halved().name == "k2v4t"
 
 
 def test_every_field_is_validated():

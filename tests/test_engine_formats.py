@@ -14,7 +14,7 @@ from jkv.models.loaders import random_params
 from jkv.sampling import SamplingParams
 from jkv.scheduler import Request, Scheduler, generate_all
 
-FORMATS = ["auto", "int8", "k8v4", "int4", "k4v2"]
+FORMATS = ["auto", "k8v4", "k4v2"]  # int8 and int4 (k8v8, k4v4): the same kernel paths
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
 

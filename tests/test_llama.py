@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jkv import LLM, SamplingParams  # noqa: E402
-from jkv.cache import KVPages, init_filling, init_free, init_tables, reserve  # noqa: E402
+from jkv.cache import KVPages, LayerKV, init_filling, init_free, init_tables, reserve  # noqa: E402
 from jkv.config import KVFormat  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
@@ -62,8 +62,8 @@ def jkv_logits(cfg, params, ids: list[int], page_size: int = 16) -> np.ndarray:
     @jax.jit
     def run(params, pool, filling, pages, tokens):
         positions = jnp.arange(t, dtype=jnp.int32)[None]
-        hidden, _, _ = forward(params, cfg, tokens, positions, jnp.ones((1, t), bool), pool,
-                               filling, pages)
+        kv = LayerKV(pool=pool, fill_k=filling.k, fill_v=filling.v, pages=pages)
+        hidden, _ = forward(params, cfg, tokens, positions, jnp.ones((1, t), bool), kv)
         return lm_head(params, hidden)
 
     return np.asarray(run(params, pool, filling, tables.pages, jnp.asarray([ids])))[0]
@@ -92,7 +92,7 @@ def smollm2():
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
     hf.eval()
-    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=8)
+    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=8, prefill_chunk=64)
     return llm, hf
 
 
@@ -107,6 +107,24 @@ def test_smollm2_logits_match_transformers_on_200_tokens(smollm2):
     err = rel_err(got, ref)
     print(f"SmolLM2 float32 logits over 200 tokens: relative error {err:.2e}")
     assert err < 1e-4
+
+
+@pytest.mark.smollm2
+def test_smollm2_prompt_logprobs_match_transformers(smollm2):
+    """prompt_logprobs through chunked prefill (64-token chunks: later chunks read earlier
+    ones from pages) against transformers' log-softmax over the whole prompt at once."""
+    llm, hf = smollm2
+    ids = llm.tokenizer.encode(LONG_TEXT + " " + LONG_TEXT)[:200]
+    [out] = llm.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=3))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1).numpy()
+    got = out.prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for p in range(1, len(ids)):
+        assert got[p][ids[p]] == pytest.approx(ref[p - 1, ids[p]], abs=2e-3), p
+        top = np.argsort(-ref[p - 1])[:3]
+        assert set(top) <= set(got[p]), p  # the top 3 and the prompt's token
+        assert len(got[p]) <= 4
 
 
 @pytest.mark.smollm2

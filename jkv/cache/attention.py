@@ -37,8 +37,9 @@ def decode_splits(batch: int, kv_heads: int, width: int, programs: int = 264) ->
 
 
 def window_softmax_state(q: jax.Array, window: Window, q_positions: jax.Array,
-                         sm_scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Unnormalised attention state of one query per row [B, Hq, D] over its window."""
+                         sm_scale: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Unnormalised attention state of one query per row [B, Hq, D] over its window, and
+    the unnormalised probabilities exp(score - row max) [B, Hq, Tw] (0 where not seen)."""
     b, hq, d = q.shape
     hkv, tw = window.k.shape[1], window.k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d) * sm_scale
@@ -52,21 +53,51 @@ def window_softmax_state(q: jax.Array, window: Window, q_positions: jax.Array,
     p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
     o = jnp.einsum("bhgs,bhsd->bhgd", p, window.v.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
-    return o.reshape(b, hq, d), p.sum(axis=-1).reshape(b, hq), m.reshape(b, hq)
+    return o.reshape(b, hq, d), p.sum(axis=-1).reshape(b, hq), m.reshape(b, hq), p.reshape(
+        b, hq, tw)
+
+
+def _decode_significance(p: jax.Array, m_part: jax.Array, m: jax.Array, denom: jax.Array,
+                         hkv: int) -> jax.Array:
+    """Probabilities of one part of a merged softmax (p [B, Hq, S] unnormalised against the
+    part's max m_part [B, Hq]) against the merged max and denominator, max over each KV head's
+    query heads: [B, Hkv, S]."""
+    b, hq, n = p.shape
+    scale = jnp.where(jnp.isfinite(m_part) & (denom > 0),
+                      jnp.exp(m_part - m) / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return (p * scale[..., None]).reshape(b, hkv, hq // hkv, n).max(axis=2)
 
 
 def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Window,
-                    q_positions: jax.Array, sm_scale: float, backend: str = "xla") -> jax.Array:
+                    q_positions: jax.Array, sm_scale: float, backend: str = "xla",
+                    tiers: tuple[jax.Array, jax.Array] | None = None):
     """q [B, T, Hq, D] at `q_positions` [B, T] over one layer's pages [B, Hkv, W] (tokens
-    [0, window.start) of each row) and the window; returns [B, T, Hq, D] in q's dtype."""
+    [0, window.start) of each row) and the window; returns [B, T, Hq, D] in q's dtype.
+
+    With `tiers` = (high, low) [B, Hkv], the pages hold LeanKV's token tiers instead: `high`
+    tokens in the left pages, `low` in the right ones read at half the bits
+    (`KVFormat.halved`); then it returns (out, significance): each key's attention, max over
+    its KV head's query heads, averaged over the real queries that see it, as (high [B, Hkv,
+    W * page], window [B, Hkv, Tw], low [B, Hkv, W * 2 * page]), tiers in slot order."""
     b, t, hq, d = q.shape
     hkv = pages.shape[1]
-    prefix = jnp.broadcast_to(window.start[:, None], (b, hkv)).astype(jnp.int32)
+    if tiers is None:
+        prefix = jnp.broadcast_to(window.start[:, None], (b, hkv)).astype(jnp.int32)
+        low_tier = low = None
+    else:
+        prefix, low = tiers
+        low_tier = pool.as_format(pool.kv_format.halved())
+    significance = tiers is not None
     # the step's real tokens end where the window does; the rest of a row is padding
     q_lengths = jnp.clip(window.start + window.length - q_positions[:, 0], 0, t)
     if backend == "xla":
         out = xla_attention(q, pool, pages, prefix, window.k, window.v, window.start,
-                            window.length, q_positions, q_lengths, sm_scale=sm_scale)
+                            window.length, q_positions, q_lengths, sm_scale=sm_scale,
+                            low_tier=low_tier, low_lengths=low,
+                            return_significance=significance)
+        if significance:
+            out, (hi, win, lo) = out
+            return out.astype(q.dtype), (hi, win, lo)
         return out.astype(q.dtype)
     if backend != "pallas":
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
@@ -76,12 +107,23 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
         splits = 1 if interpret else decode_splits(b, hkv, w)
         state = paged_decode_attention(
             q[:, 0], pool, pages, prefix, sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK,
-            k_splits=splits, return_softmax_state=True, interpret=interpret)
-        tail = window_softmax_state(q[:, 0], window, q_positions[:, 0], sm_scale)
-        o, denom, _ = merge_softmax_states(*(jnp.stack(x) for x in zip(state, tail,
+            k_splits=splits, low_tier=low_tier, low_lengths=low, return_softmax_state=True,
+            return_significance=significance, interpret=interpret)
+        if significance:
+            state, (p_hi, p_lo) = state
+        *tail, p_win = window_softmax_state(q[:, 0], window, q_positions[:, 0], sm_scale)
+        o, denom, m = merge_softmax_states(*(jnp.stack(x) for x in zip(state, tail,
                                                                        strict=True)), axis=0)
-        return normalize_softmax_state(o, denom)[:, None].astype(q.dtype)
-    return chunked_prefill_attention(
+        out = normalize_softmax_state(o, denom)[:, None].astype(q.dtype)
+        if not significance:
+            return out
+        real = (q_lengths > 0)[:, None, None]  # padding rows: no query sees anything
+        sig = tuple(jnp.where(real, _decode_significance(p, m_part, m, denom, hkv), 0.0)
+                    for p, m_part in ((p_hi, state[2]), (p_win, tail[2]), (p_lo, state[2])))
+        return out, sig
+    out = chunked_prefill_attention(
         q, pool, pages, prefix, window.k, window.v, window.start, window.length, q_positions,
         q_lengths, sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK,
-        block_w=min(16, pool.page_size), interpret=interpret)
+        block_w=min(16, pool.page_size), low_tier=low_tier, low_lengths=low,
+        return_significance=significance, interpret=interpret)
+    return out

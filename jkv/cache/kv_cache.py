@@ -14,12 +14,14 @@ the device: pages only become shared between a slot and the prefix cache (import
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jkv.buckets import bucket
+from jkv.cache import tier_step
 from jkv.cache.allocator import (
     drop_blocks,
     export_blocks,
@@ -32,9 +34,31 @@ from jkv.cache.allocator import (
 from jkv.cache.page_cost import PageCost
 from jkv.cache.page_pool import init_filling, page_bytes
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
+from jkv.cache.token_tiers import init_counts, init_meta
 from jkv.cache.transfer import slot_page_ids
 from jkv.config import KVFormat
 from jkv.pallas_kernels.kv_pages import KVPages
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """LeanKV's thresholds: a token leaving the newest `recent_window` stays high while its
+    mean attention is at least alpha_high / n, low while at least alpha_low / n."""
+
+    alpha_high: float
+    alpha_low: float
+    recent_window: int
+
+
+@dataclass
+class FinishedKV:
+    """What ended sequences held as they ended: the sum over them of the pool's bytes per
+    token of context, and their tokens per tier, summed over (layer, KV head)."""
+
+    sequences: int = 0
+    bytes_per_token: float = 0.0
+    tokens: dict = field(default_factory=lambda: dict.fromkeys(
+        ("high", "low", "pruned", "window"), 0))
 
 
 class KVCacheManager:
@@ -43,12 +67,18 @@ class KVCacheManager:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype,
                  kv_format: KVFormat, page_size: int, kv_cache_bytes: int, max_model_len: int,
                  max_num_seqs: int, enable_prefix_caching: bool,
-                 device_cache_bytes: int | None, hash_seed: bytes) -> None:
+                 device_cache_bytes: int | None, hash_seed: bytes,
+                 tiers: TierPolicy | None = None) -> None:
         self.page_size, self.max_model_len = page_size, max_model_len
-        self.cost = PageCost(page_size, num_layers * num_kv_heads)
-        one_page = page_bytes(kv_format, page_size, head_dim, dtype)
+        self.tiers = tiers
+        # token tiers take a row's pages as its pages fill (the page being filled stays
+        # beside the pool); otherwise a row's next page is taken with its first token
+        self.cost = PageCost(page_size, num_layers * num_kv_heads, on_fill=tiers is not None)
+        self.one_page = one_page = page_bytes(kv_format, page_size, head_dim, dtype)
         num_pages = kv_cache_bytes // one_page
-        self.max_pages = bucket(-(-max_model_len // page_size), 4)  # table width
+        # table width; with tiers, room for both sides' partly filled pages
+        spare = 0 if tiers is None else 2
+        self.max_pages = bucket(-(-max_model_len // page_size) + spare, 4)
         one_seq = self.cost.pages(max_model_len)
         if num_pages - 1 < one_seq:
             raise ValueError(
@@ -64,11 +94,22 @@ class KVCacheManager:
         self.pool = jax.device_put(KVPages.zeros(num_pages, page_size, head_dim, dtype,
                                                  kv_format), device)
         self.filling = jax.device_put(init_filling(slots, num_layers, num_kv_heads, page_size,
-                                                   head_dim, dtype), device)
+                                                   head_dim, dtype, tiers is not None), device)
         self.free = jax.device_put(init_free(num_pages, page_size), device)
         self.tables = jax.device_put(init_tables(slots, num_layers, num_kv_heads,
                                                  self.max_pages), device)
+        shape = (slots, num_layers, num_kv_heads)
+        if tiers is not None:
+            self.meta = jax.device_put(init_meta(num_pages, page_size), device)
+            self.counts = jax.device_put(init_counts(shape), device)
+        self.high = np.zeros(shape, np.int64)  # host mirror of the tier counts
+        self.low = np.zeros(shape, np.int64)
+        self.tier_ok: list[jax.Array] = []  # retier results not yet read
+        self.tier_refusals = 0  # compactions the pool was too short for
+        self.finished = FinishedKV()
 
+        # prefix-cache blocks hold every token of a block; token tiers do not
+        enable_prefix_caching = enable_prefix_caching and tiers is None
         self.enable_prefix_caching = enable_prefix_caching
         capacity = self.total_pages // self.cost.heads if enable_prefix_caching else 0
         max_rows = None
@@ -113,8 +154,17 @@ class KVCacheManager:
         """New pages `slot` needs to hold `num_tokens` more tokens."""
         return self.cost.grow(len(self.slot_tokens[slot]), num_tokens)
 
+    def pages_held(self, slot: int) -> int:
+        """Pages of the pool `slot` holds (shared ones included)."""
+        if self.tiers is None:
+            return self.cost.pages(len(self.slot_tokens[slot]))
+        p = self.page_size
+        return int((-(-self.high[slot] // p)).sum() + (-(-self.low[slot] // (2 * p))).sum())
+
     def pages_freed_by_close(self, slot: int) -> int:
         """How much `available_pages` grows when `close(slot)` runs."""
+        if self.tiers is not None:
+            return self.pages_held(slot)
         held = -(-len(self.slot_tokens[slot]) // self.page_size)
         pinned = len(self._slot_rows[slot]) - self.prefix.num_sole(self._slot_rows[slot])
         return (held - pinned) * self.cost.heads
@@ -147,18 +197,37 @@ class KVCacheManager:
                                                  jnp.asarray(rows, jnp.int32))
             self.free_pages += len(rows) * self.cost.heads
 
+    def _finished(self, slot: int) -> None:
+        """What `slot` holds as it ends, into `finished`."""
+        n = len(self.slot_tokens[slot])
+        if not n:
+            return
+        f = self.finished
+        f.sequences += 1
+        f.bytes_per_token += self.pages_held(slot) * self.one_page / n
+        heads = self.cost.heads
+        window = (n % self.page_size) * heads
+        if self.tiers is None:
+            f.tokens["high"] += n * heads - window
+        else:
+            high, low = int(self.high[slot].sum()), int(self.low[slot].sum())
+            f.tokens["high"] += high
+            f.tokens["low"] += low
+            f.tokens["pruned"] += n * heads - window - high - low
+        f.tokens["window"] += window
+
     # ------------------------------------------------------------------ slots
 
     def is_open(self, slot: int) -> bool:
         return 0 <= slot < self.max_num_seqs and slot not in self._free_slots
 
-    def open(self, token_ids: Sequence[int]) -> tuple[int, int]:
+    def open(self, token_ids: Sequence[int], use_prefix_cache: bool = True) -> tuple[int, int]:
         """Take a free slot for `token_ids`; returns (slot, tokens found in the prefix cache,
-        which the slot now holds)."""
+        which the slot now holds; 0 without `use_prefix_cache`)."""
         if not self._free_slots:
             raise RuntimeError("no free sequence slot")
         slot = self._free_slots.pop()
-        rows = self.prefix.lookup(self.prompt_hashes(token_ids))
+        rows = self.prefix.lookup(self.prompt_hashes(token_ids)) if use_prefix_cache else []
         cached = len(rows) * self.page_size
         if rows:
             self.prefix.acquire(rows)
@@ -183,9 +252,45 @@ class KVCacheManager:
         lengths = np.zeros(self.max_num_seqs + 1, np.int32)
         for s, n in new_lengths.items():
             lengths[s] = n
-        self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths))
+        if self.tiers is not None:  # the tokens of pages the step fills join the high tiers
+            p = self.page_size
+            held = np.array([len(t) for t in self.slot_tokens] + [0])
+            n_new = np.where(lengths > 0, (lengths // p - held // p) * p, 0)
+            self.free, self.tables, self.counts, ok = tier_step.grow(
+                self.free, self.tables, self.counts, jnp.asarray(n_new, jnp.int32))
+            self.high += n_new[:, None, None]
+        else:
+            self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths))
         self.free_pages -= need
         return ok
+
+    def retier(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
+               generation: bool) -> None:
+        """Algorithm 1 and compaction (`tier_step.retier`) for `slots`, which hold the tokens
+        of `slot_tokens` and the `added` ones a step just fed; dispatched, not awaited
+        (`sync_tiers` reads what it did). `rows` and `tokens` are the call's padded shape."""
+        n_prev = np.zeros(rows, np.int32)
+        index = np.full(rows, self.scratch, np.int32)
+        for i, s in enumerate(slots):
+            index[i], n_prev[i] = s, len(self.slot_tokens[s])
+        n = n_prev.copy()
+        n[: len(slots)] += np.asarray(added, np.int32)
+        t = self.tiers
+        (self.pool, self.meta, self.free, self.tables, self.counts, ok) = tier_step.retier(
+            self.pool, self.meta, self.free, self.tables, self.counts, jnp.asarray(index),
+            jnp.asarray(n_prev), jnp.asarray(n), jnp.float32(t.alpha_high),
+            jnp.float32(t.alpha_low), recent=t.recent_window, max_moves=tokens,
+            generation=generation)
+        self.tier_ok.append(ok)
+
+    def sync_tiers(self) -> None:
+        """Read back what the step's `retier` calls did: tier counts and free pages."""
+        oks, high, low, num_free = jax.device_get((self.tier_ok, self.counts.high,
+                                                  self.counts.low, self.free.num_free))
+        self.tier_refusals += sum(not bool(ok) for ok in oks)
+        self.tier_ok = []
+        self.high, self.low = high.astype(np.int64), low.astype(np.int64)
+        self.free_pages = int(num_free)
 
     def reserve_blocks(self, slot: int, first: int, n: int) -> jax.Array | None:
         """New pages for blocks [first, n) of `slot`, which holds `first` blocks, as page
@@ -216,10 +321,11 @@ class KVCacheManager:
         restore that will)."""
         self.slot_tokens[slot].extend(int(t) for t in token_ids)
 
-    def close(self, slot: int, shareable: int) -> None:
+    def close(self, slot: int, shareable: int, finished: bool = True) -> None:
         """End the sequence in `slot`: its first `shareable` full blocks (those whose KV is
         exactly its tokens') go to the prefix cache when that is on, and the table's
-        references are dropped, freeing pages no cache row holds."""
+        references are dropped, freeing pages no cache row holds. `finished` (not
+        preempted): what it held counts in `finished`."""
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
         new_rows: dict[int, int] = {}  # cache row -> the column of `slot` it takes
         if self.enable_prefix_caching:
@@ -246,8 +352,15 @@ class KVCacheManager:
         kept = len(shared) + len(new_rows)
         mask = np.zeros(self.max_num_seqs + 1, bool)
         mask[slot] = True
+        if finished:
+            self._finished(slot)
         self.free, self.tables = release(self.free, self.tables, jnp.asarray(mask))
-        held = -(-len(tokens) // self.page_size)
-        self.free_pages += (held - kept) * self.cost.heads
+        if self.tiers is not None:
+            self.counts = tier_step.clear(self.counts, jnp.asarray(mask))
+            self.free_pages += self.pages_held(slot)
+            self.high[slot], self.low[slot] = 0, 0
+        else:
+            held = -(-len(tokens) // self.page_size)
+            self.free_pages += (held - kept) * self.cost.heads
         self.slot_tokens[slot], self._slot_rows[slot] = [], []
         self._free_slots.append(slot)

@@ -12,10 +12,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PageCost:
-    """Pages of one sequence: `heads` (layers x KV heads) pages per `page_size` tokens."""
+    """Pages of one sequence: `heads` (layers x KV heads) pages per `page_size` tokens,
+    taken with a page's first token, or (`on_fill`, token tiers) once the page is full: the
+    page being filled stays beside the pool, and a full page's tokens join a tier's end,
+    which takes one new page per row whatever the tier holds."""
 
     page_size: int
     heads: int
+    on_fill: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.heads <= 0:
@@ -23,7 +27,9 @@ class PageCost:
                              f"and {self.heads}")
 
     def pages(self, tokens: int) -> int:
-        """Pages a sequence holding `tokens` tokens occupies."""
+        """Pages a sequence holding `tokens` tokens occupies (at most, with token tiers)."""
+        if self.on_fill:
+            return tokens // self.page_size * self.heads
         return -(-tokens // self.page_size) * self.heads
 
     def grow(self, held: int, n: int) -> int:
@@ -33,5 +39,8 @@ class PageCost:
     def fits(self, held: int, want: int, pages: int) -> int:
         """The most of `want` tokens that `pages` free pages let a sequence holding `held`
         tokens add."""
-        room = (-(-held // self.page_size) + max(pages, 0) // self.heads) * self.page_size
+        full = held // self.page_size if self.on_fill else -(-held // self.page_size)
+        room = (full + max(pages, 0) // self.heads) * self.page_size
+        if self.on_fill:
+            room += self.page_size - 1  # the next page's tokens but its last are free
         return max(0, min(want, room - held))

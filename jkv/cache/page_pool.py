@@ -23,6 +23,7 @@ class FillingPages:
 
     k: jax.Array  # [S, L, Hkv, page, D]
     v: jax.Array  # [S, L, Hkv, page, D]
+    score: jax.Array | None = None  # float32 [S, L, Hkv, page]: token tiers' attention sums
 
 
 def page_bytes(kv_format: KVFormat, page_size: int, head_dim: int, dtype) -> int:
@@ -32,7 +33,8 @@ def page_bytes(kv_format: KVFormat, page_size: int, head_dim: int, dtype) -> int
 
 
 def init_filling(max_seqs: int, num_layers: int, num_kv_heads: int, page_size: int,
-                 head_dim: int, dtype=jnp.bfloat16) -> FillingPages:
-    """Empty filling pages for `max_seqs` sequence slots."""
+                 head_dim: int, dtype=jnp.bfloat16, tiered: bool = False) -> FillingPages:
+    """Empty filling pages for `max_seqs` sequence slots (with scores when `tiered`)."""
     shape = (max_seqs, num_layers, num_kv_heads, page_size, head_dim)
-    return FillingPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    score = jnp.zeros(shape[:-1], jnp.float32) if tiered else None
+    return FillingPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), score=score)

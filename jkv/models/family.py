@@ -14,12 +14,13 @@ from typing import NamedTuple
 class ModelFamily(NamedTuple):
     """What the runner calls (cfg: `jkv.config.ModelConfig`; KV through `jkv.cache`).
 
-    forward(params, cfg, tokens, positions, valid, pool, filling, pages, backend)
-        -> (final-normed hidden [B, T, D], pool, filling): every layer in one scan.
+    forward(params, cfg, tokens, positions, valid, kv, backend)
+        -> (final-normed hidden [B, T, D], kv): every layer in one scan (kv: the rows'
+        `jkv.cache.layer_kv.LayerKV` with a layer axis after the batch axis).
     embed(params, tokens) -> x;  positional(cfg, positions) -> what every layer is given
     layer_weights(params, index) -> one layer's weights (index may be traced)
-    layer(weights, cfg, x, pool, fill_k, fill_v, pages, positions, valid, positional,
-          backend) -> (x, pool, fill_k, fill_v)
+    layer(weights, cfg, x, kv, positions, valid, positional, backend) -> (x, kv): one
+          layer over its `LayerKV`
     final_norm(params, cfg, x) -> x;  logits(params, h) -> [B, V] float32
     rotate_keys(cfg) -> f(k [B, T, H, D], positions [B, T]): keys re-rotated to positions
         (`jkv.cache.rebase` moves saved KV with it)

@@ -14,8 +14,8 @@ Params (per-layer weights stacked on a leading layer axis so the layers run as o
 The projections that read the same input are one matrix (`fuse_projections`): one matmul
 instead of three (or two) is faster on every backend, on CPU about twice.
 
-The forward reads and writes KV through the page pool (`jkv.cache`: append, attend), nothing
-else about requests or pages.
+The forward reads and writes KV through `jkv.cache.layer_kv` (one `attend` per layer: append
+and attention, token tiers or not), nothing else about requests or pages.
 """
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.cache.attention import paged_attention
-from jkv.cache.kv_write import append_kv
-from jkv.cache.page_pool import FillingPages
+from jkv.cache.layer_kv import LayerKV, attend, join_shared, split_shared
 from jkv.config import ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.rope import apply_rope, inv_frequencies, rope_tables, rotate
-from jkv.pallas_kernels.kv_pages import KVPages
 
 Params = dict
 
@@ -64,33 +61,34 @@ def fuse_projections(layers: dict) -> dict:
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            valid: jax.Array, pool: KVPages, filling: FillingPages, page_table: jax.Array,
-            attention_backend: str = "xla") -> tuple[jax.Array, KVPages, FillingPages]:
+            valid: jax.Array, kv: LayerKV,
+            attention_backend: str = "xla") -> tuple[jax.Array, LayerKV]:
     """Run tokens [B, T] at `positions` [B, T] through every layer over a paged KV cache.
 
     Each row's valid tokens come first and continue its sequence: positions[b, t] =
-    positions[b, 0] + t, positions[b, 0] being the tokens it already holds. `page_table`
-    [B, L, Hkv, W] must already cover every valid position (see `jkv.cache.reserve`) and
-    `filling` [B, L, ...] holds each row's partly filled pages. Padding tokens (`valid`
-    False) are not kept. Returns (final-normed hidden states [B, T, D], pool, filling).
-    jit with `cfg` and `attention_backend` static. The layers run as one scan; `layer` runs
-    one of them, for callers that dispatch layer by layer.
+    positions[b, 0] + t, positions[b, 0] being the tokens it already holds. `kv` holds every
+    layer's KV of the rows (`LayerKV` with a layer axis after the batch axis): its page
+    tables must already cover every valid position (see `jkv.cache.reserve`). Padding tokens
+    (`valid` False) are not kept. Returns (final-normed hidden states [B, T, D], kv after the
+    step). jit with `cfg` and `attention_backend` static. The layers run as one scan; `layer`
+    runs one of them, for callers that dispatch layer by layer.
     """
     x = embed(params, tokens)
     rope = positional_tables(cfg, positions)
-    per_layer = (params["layers"], jnp.moveaxis(page_table, 1, 0),
-                 jnp.moveaxis(filling.k, 1, 0), jnp.moveaxis(filling.v, 1, 0))
+    shared, rest = split_shared(kv)
+    per_layer = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), rest)
 
     def body(carry, xs):
-        x, pool = carry
-        weights, pages, fill_k, fill_v = xs
-        x, pool, fill_k, fill_v = layer(weights, cfg, x, pool, fill_k, fill_v, pages,
-                                        positions, valid, rope, attention_backend)
-        return (x, pool), (fill_k, fill_v)
+        x, shared = carry
+        weights, layer_kv = xs
+        x, layer_kv = layer(weights, cfg, x, join_shared(shared, layer_kv), positions, valid,
+                            rope, attention_backend)
+        shared, rest = split_shared(layer_kv)
+        return (x, shared), rest
 
-    (x, pool), (fill_k, fill_v) = jax.lax.scan(body, (x, pool), per_layer)
-    filling = FillingPages(k=jnp.moveaxis(fill_k, 0, 1), v=jnp.moveaxis(fill_v, 0, 1))
-    return final_norm(params, cfg, x), pool, filling
+    (x, shared), rest = jax.lax.scan(body, (x, shared), (params["layers"], per_layer))
+    kv = join_shared(shared, jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), rest))
+    return final_norm(params, cfg, x), kv
 
 
 def layer_weights(params: Params, index: jax.Array | int) -> Params:
@@ -105,12 +103,12 @@ def positional_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array
     return rope_tables(positions, inv_freq)
 
 
-def layer(weights: Params, cfg: ModelConfig, x: jax.Array, pool: KVPages, fill_k: jax.Array,
-          fill_v: jax.Array, pages: jax.Array, positions: jax.Array, valid: jax.Array,
-          rope: tuple[jax.Array, jax.Array], attention_backend: str = "xla"):
-    """One layer with its own `weights` (`layer_weights`) on hidden states x [B, T, D];
-    fill_k/v [B, Hkv, page, D] and pages [B, Hkv, W] are that layer's, `rope` the
-    `positional_tables` of `positions`. Returns (x, pool, fill_k, fill_v)."""
+def layer(weights: Params, cfg: ModelConfig, x: jax.Array, kv: LayerKV, positions: jax.Array,
+          valid: jax.Array, rope: tuple[jax.Array, jax.Array],
+          attention_backend: str = "xla") -> tuple[jax.Array, LayerKV]:
+    """One layer with its own `weights` (`layer_weights`) on hidden states x [B, T, D] over
+    that layer's KV (`LayerKV`), `rope` the `positional_tables` of `positions`. Returns
+    (x, kv after the step)."""
     b, t, _ = x.shape
     h = rms_norm(x, weights["attn_norm"], cfg.rms_norm_eps)
     qkv = h @ weights["wqkv"]
@@ -121,15 +119,12 @@ def layer(weights: Params, cfg: ModelConfig, x: jax.Array, pool: KVPages, fill_k
     q = rotate(q.reshape(b, t, cfg.num_heads, cfg.head_dim), rope)
     k = rotate(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), rope)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    count = valid.sum(axis=1).astype(jnp.int32)
-    pool, fill_k, fill_v, window = append_kv(pool, fill_k, fill_v, pages, k, v, positions[:, 0],
-                                             count, attention_backend)
-    attn = paged_attention(q, pool, pages, window, positions, 1.0 / math.sqrt(cfg.head_dim),
-                           backend=attention_backend)
+    attn, kv = attend(q, k, v, kv, positions, valid, 1.0 / math.sqrt(cfg.head_dim),
+                      attention_backend)
     x = x + attn.reshape(b, t, -1) @ weights["wo"]
     h = rms_norm(x, weights["mlp_norm"], cfg.rms_norm_eps)
     x = x + mlp(h, weights["w_gate_up"], weights["w_down"])
-    return x, pool, fill_k, fill_v
+    return x, kv
 
 
 def final_norm(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:

@@ -1,0 +1,83 @@
+"""The engine's token-tier calls (LeanKV), each one jitted call over whole arrays.
+
+Before a step `grow` gives each row's high tier the pages the step's full pages' tokens
+join; the step writes them and adds every key's significance (`layer_kv.attend`); after it
+`retier` runs Algorithm 1 over every (layer, KV head) of the step's rows at once (a prompt
+chunk: `place` + `compact`, every token that left the recent window; a decode step:
+`place_generation` + `compact_one`, one token and its victims) and moves the K/V and
+metadata of the tokens that changed slots. `clear` empties the tiers of ended sequences.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jkv.cache.allocator import FreeList, PageTables
+from jkv.cache.token_tiers import (
+    TierCounts,
+    TokenMeta,
+    compact,
+    compact_one,
+    grow_high,
+    move_pages,
+    move_tokens,
+    place,
+    place_generation,
+)
+from jkv.pallas_kernels.kv_pages import KVPages
+
+
+@partial(jax.jit, donate_argnums=(0, 1, 2))
+def grow(free: FreeList, tables: PageTables, counts: TierCounts,
+         n_new: jax.Array) -> tuple[FreeList, PageTables, TierCounts, jax.Array]:
+    """Room for n_new [S] more tokens at the end of every high tier of each slot: (free,
+    tables, counts, ok); nothing changes when the pool is short."""
+    n = jnp.broadcast_to(n_new[:, None, None], counts.high.shape).astype(jnp.int32)
+    free, tables, counts, _, ok = grow_high(free, tables, counts, n, free.page_size, 1)
+    return free, tables, counts, ok
+
+
+@jax.jit
+def clear(counts: TierCounts, mask: jax.Array) -> TierCounts:
+    """The tiers of the slots where `mask` [S] is set, emptied (their pages: `release`)."""
+    m = mask[:, None, None]
+    return TierCounts(high=jnp.where(m, 0, counts.high), low=jnp.where(m, 0, counts.low))
+
+
+@partial(jax.jit, static_argnames=("recent", "max_moves", "generation"),
+         donate_argnums=(0, 1, 2, 3, 4))
+def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
+           counts: TierCounts, slots: jax.Array, n_prev: jax.Array, n: jax.Array,
+           alpha_high: jax.Array, alpha_low: jax.Array, *, recent: int, max_moves: int,
+           generation: bool) -> tuple[KVPages, TokenMeta, FreeList, PageTables, TierCounts,
+                                      jax.Array]:
+    """Algorithm 1 and compaction for the sequences in `slots` [B] (repeats only for rows
+    that did not grow, n_prev == n) which grew from n_prev to n [B] tokens: (pool, meta,
+    free, tables, counts, ok). `generation`: each grew by one token (a decode step); else
+    prompt chunks of at most `max_moves` tokens. When compaction cannot run (the pool is
+    short of the low tier's new pages) nothing changes and ok is False."""
+    page = free.page_size
+    sub = PageTables(pages=tables.pages[slots], num_pages=tables.num_pages[slots],
+                     lengths=tables.lengths[slots], low_pages=tables.low_pages[slots])
+    rows = TierCounts(high=counts.high[slots], low=counts.low[slots])
+    n_prev, n = n_prev[:, None, None], n[:, None, None]
+    if generation:
+        out, fate, low_out = place_generation(meta, sub.pages, rows, n, page=page,
+                                              recent=recent, alpha_high=alpha_high,
+                                              alpha_low=alpha_low)
+        free, sub, rows, moves, ok = compact_one(free, sub, rows, out, fate, low_out, page)
+    else:
+        fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, True, page=page,
+                                 recent=recent, alpha_high=alpha_high, alpha_low=alpha_low)
+        free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page,
+                                             max_moves)
+    pool, meta = move_pages(pool, moves, page), move_tokens(meta, moves)
+    tables = tables.replace(pages=tables.pages.at[slots].set(sub.pages),
+                            num_pages=tables.num_pages.at[slots].set(sub.num_pages),
+                            low_pages=tables.low_pages.at[slots].set(sub.low_pages))
+    counts = TierCounts(high=counts.high.at[slots].set(rows.high),
+                        low=counts.low.at[slots].set(rows.low))
+    return pool, meta, free, tables, counts, ok

@@ -1,0 +1,197 @@
+"""LeanKV's token tiers through the whole engine (kv_policy="leankv"): the same tokens as the
+high tier's format when nothing is demoted, the same tokens from both attention backends,
+and page accounting that stays exact while tiers shrink, sequences end and are preempted."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_engine_formats import TINY, greedy, make_engine
+
+from jkv.cache.page_pool import page_bytes
+from jkv.config import KV_FORMATS, CacheConfig, EngineConfig, KVFormat
+from jkv.engine import Engine
+from jkv.models.loaders import random_params
+from jkv.sampling import SamplingParams
+from jkv.scheduler import Request, Scheduler
+
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return random_params(TINY, seed=3, dtype=jnp.float32)
+
+
+def tiered(params, backend: str, alpha_high: float, alpha_low: float,
+           kv_cache_bytes: int = 8 << 20, max_num_seqs: int = 4,
+           kv_format: KVFormat | str = "auto") -> Engine:
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=kv_cache_bytes, kv_policy="leankv",
+                        kv_alpha_high=alpha_high, kv_alpha_low=alpha_low,
+                        kv_recent_window=PAGE, kv_format=kv_format)
+    return Engine(TINY, params, cache=cache, config=EngineConfig(
+        max_model_len=128, max_num_seqs=max_num_seqs, attention_backend=backend,
+        prefill_chunk=16))
+
+
+def prompts(lengths=(3, 16, 37)) -> list[list[int]]:
+    rng = np.random.default_rng()
+    return [rng.integers(0, TINY.vocab_size, n).tolist() for n in lengths]
+
+
+def tier_stats(engine: Engine) -> dict:
+    return Scheduler(engine).snapshot()["kv_tiers"]
+
+
+def test_leankv_keeping_every_token_is_its_high_format(tiny_params):
+    """Thresholds 0 keep every token in the high tier: tokens written one at a time into
+    tier slots give what whole pages in the same format give."""
+    ps = prompts((5, 37))
+    eng = tiered(tiny_params, "xla", 0.0, 0.0)
+    assert greedy(eng, ps, 16) == greedy(make_engine(TINY, tiny_params, "k8v4t", "xla"), ps, 16)
+    tiers = tier_stats(eng)
+    assert tiers["high"] > 0 and tiers["low"] == tiers["pruned"] == 0
+
+
+def test_leankv_pallas_and_xla_agree_with_every_tier_used(tiny_params):
+    ps = prompts()
+    xla_engine = tiered(tiny_params, "xla", 1.0, 0.5)
+    xla = greedy(xla_engine, ps, 24)
+    assert greedy(tiered(tiny_params, "pallas", 1.0, 0.5), ps, 24) == xla
+    tiers = tier_stats(xla_engine)
+    assert tiers["low"] > 0 and tiers["pruned"] > 0  # the test exercises demotion and pruning
+
+
+def check_pages(engine: Engine) -> None:
+    """The host's page counts equal the device's; every row holds the pages its tiers fill."""
+    c = engine.cache
+    free, tables, high, low = jax.device_get((c.free, c.tables, c.counts.high, c.counts.low))
+    assert int(free.num_free) == c.free_pages
+    np.testing.assert_array_equal(high, c.high)
+    np.testing.assert_array_equal(low, c.low)
+    np.testing.assert_array_equal(tables.num_pages, -(-high // PAGE))
+    np.testing.assert_array_equal(tables.low_pages, -(-low // (2 * PAGE)))
+    held = sum(c.pages_held(s) for s in range(c.max_num_seqs) if c.is_open(s))
+    assert held == c.pages_used
+
+
+def run_checked(engine: Engine, requests: list[Request]) -> tuple[int, Scheduler]:
+    """Run to the end, checking the pages after every step: (the most requests running, the
+    scheduler)."""
+    sched = Scheduler(engine)
+    for r in requests:
+        sched.add(r)
+    peak = 0
+    for _ in range(2000):
+        if not sched.num_unfinished:
+            break
+        sched.step()
+        check_pages(engine)
+        peak = max(peak, sched.snapshot()["num_requests_running"])
+    assert not sched.num_unfinished
+    assert engine.cache.free_pages == engine.cache.total_pages  # nothing leaked
+    return peak, sched
+
+
+def test_leankv_pages_stay_exact_through_preemption_and_admit_more(tiny_params):
+    """A pool too small for every sequence at once: tiers that prune admit more sequences
+    than the same pool in the high tier's format, and every step's accounting is exact."""
+    one_page = page_bytes(KV_FORMATS["k8v4t"], PAGE, TINY.head_dim, jnp.float32)
+    pool_bytes = 67 * one_page  # 66 pages: one sequence of max_model_len and 2 more
+    lengths = (40, 60, 50, 30)
+
+    def requests():
+        return [Request(p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+                for p in prompts(lengths)]
+
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=pool_bytes, kv_format="k8v4t")
+    plain = Engine(TINY, tiny_params, cache=cache, config=EngineConfig(
+        max_model_len=128, max_num_seqs=4, attention_backend="xla", prefill_chunk=16))
+    plain_sched = Scheduler(plain)
+    for r in requests():
+        plain_sched.add(r)
+    plain_peak = 0
+    while plain_sched.num_unfinished:
+        plain_sched.step()
+        plain_peak = max(plain_peak, plain_sched.snapshot()["num_requests_running"])
+
+    eng = tiered(tiny_params, "xla", 2.0, 1.0, kv_cache_bytes=pool_bytes)
+    peak, sched = run_checked(eng, requests())
+    stats = sched.snapshot()
+    assert peak > plain_peak
+    assert stats["preemptions"] > 0  # the accounting was checked through them
+    assert 0 < stats["kv_bytes_per_token"] < plain_sched.snapshot()["kv_bytes_per_token"]
+
+
+def dense_significance(params, cfg, tokens: list[int]) -> np.ndarray:
+    """Every key's attention summed over the queries at or after it, max over its KV head's
+    query heads, from a dense float32 forward: [L, Hkv, n]."""
+    from jkv.models.llama import layer_weights, mlp, positional_tables, rms_norm, rotate
+
+    n, g = len(tokens), cfg.num_heads // cfg.num_kv_heads
+    x = params["embed"][jnp.asarray(tokens)][None]
+    rope = positional_tables(cfg, jnp.arange(n)[None])
+    causal = jnp.tril(jnp.ones((n, n), bool))
+    out = []
+    for i in range(cfg.num_layers):
+        w = layer_weights(params, i)
+        q, k, v = jnp.split(rms_norm(x, w["attn_norm"], cfg.rms_norm_eps) @ w["wqkv"],
+                            [cfg.num_heads * cfg.head_dim,
+                             (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim], axis=-1)
+        q = rotate(q.reshape(1, n, cfg.num_heads, cfg.head_dim), rope)[0]
+        k = rotate(k.reshape(1, n, cfg.num_kv_heads, cfg.head_dim), rope)[0]
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        k, v = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)
+        s = jnp.einsum("qhd,khd->hqk", q, k, precision="highest") / np.sqrt(cfg.head_dim)
+        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)  # [Hq, n, n]
+        out.append(p.reshape(cfg.num_kv_heads, g, n, n).max(axis=1).sum(axis=1))
+        attn = jnp.einsum("hqk,khd->qhd", p, v, precision="highest").reshape(1, n, -1)
+        x = x + attn @ w["wo"]
+        x = x + mlp(rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps), w["w_gate_up"],
+                    w["w_down"])
+    return np.stack([np.asarray(o) for o in out])
+
+
+def engine_significance(engine: Engine, slot: int, n: int) -> np.ndarray:
+    """The summed attention the engine holds for each of the slot's n tokens (tier slots
+    through TokenMeta, the filling page beside it): [L, Hkv, n]."""
+    c = engine.cache
+    meta, pages, high, score = jax.device_get((c.meta, c.tables.pages[slot], c.counts.high[slot],
+                                               c.filling.score[slot]))
+    out = np.full(high.shape + (n,), np.nan)
+    for layer, head in np.ndindex(high.shape):
+        for j in range(high[layer, head]):
+            page = pages[layer, head, j // PAGE]
+            out[layer, head, meta.pos[page, j % PAGE]] = meta.score[page, j % PAGE]
+        start = n // PAGE * PAGE
+        out[layer, head, start:] = score[layer, head, : n - start]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_significance_is_the_attention_each_key_received(tiny_params, backend):
+    """After each of two prefill chunks and a decode step, each token's score is the
+    attention it got from every query so far (max over its query heads), whether it sits in
+    a tier or in the filling page: against a dense forward (exact while every key is in the
+    step's full-precision window, close once pages quantized to 8 bits are read: a query
+    missed or counted twice would be off by several percent)."""
+    from jkv.runner import Row
+
+    eng = tiered(tiny_params, backend, 0.0, 0.0, kv_format=KVFormat(8, 8, 32, token_keys=True))
+    prompt = prompts((21,))[0]
+    greedy_params, key = SamplingParams(temperature=0), eng.request_key(0)
+    slot, _ = eng.open(prompt)
+    eng.step([Row(slot, prompt[:13], greedy_params, key)], [])
+    np.testing.assert_allclose(engine_significance(eng, slot, 13),
+                               dense_significance(tiny_params, TINY, prompt[:13]), rtol=1e-4,
+                               atol=1e-6)
+    [first], _ = eng.step([Row(slot, prompt[13:], greedy_params, key)], [])
+    np.testing.assert_allclose(engine_significance(eng, slot, 21),
+                               dense_significance(tiny_params, TINY, prompt), rtol=1e-2,
+                               atol=2e-4)
+    eng.step([], [Row(slot, [first.token], greedy_params, key, 1)])
+    np.testing.assert_allclose(engine_significance(eng, slot, 22),
+                               dense_significance(tiny_params, TINY, prompt + [first.token]),
+                               rtol=1e-2, atol=2e-4)
