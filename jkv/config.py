@@ -134,11 +134,16 @@ class KVFormat:
     def quantized(self) -> bool:
         return self.k_bits < 16 or self.v_bits < 16
 
+    @property
+    def halvable(self) -> bool:
+        """Whether `halved` gives a low tier's format."""
+        return self.token_keys and 4 <= min(self.k_bits, self.v_bits) <= max(
+            self.k_bits, self.v_bits) <= 8
+
     def halved(self) -> KVFormat:
         """The low tier's format of a LeanKV pair: half the bits on both sides and twice the
         group, so a page of twice the tokens takes exactly this format's bytes."""
-        if not self.token_keys or min(self.k_bits, self.v_bits) < 4 or max(
-                self.k_bits, self.v_bits) > 8:
+        if not self.halvable:
             raise ValueError(f"only formats with per-token keys and 4 or 8 bits on both sides "
                              f"halve, not {self.name}")
         return KVFormat(self.k_bits // 2, self.v_bits // 2, 2 * self.group, token_keys=True)
@@ -164,7 +169,7 @@ KV_FORMATS: dict[str, KVFormat] = {
     "auto": KVFormat(16, 16), "bf16": KVFormat(16, 16),
     "int8": KVFormat(8, 8), "k8v8": KVFormat(8, 8),
     "int4": KVFormat(4, 4), "k4v4": KVFormat(4, 4),
-    "k8v4": KVFormat(8, 4), "k4v2": KVFormat(4, 2),
+    "k8v4": KVFormat(8, 4), "k4v2": KVFormat(4, 2), "k2v2": KVFormat(2, 2, 32),  # KIVI's
     # per-token key scales: LeanKV's high and low tiers (each the other's halving) and the
     # mirror pair that keeps values finer than keys (a control)
     "k8v4t": KVFormat(8, 4, 32, token_keys=True), "k4v2t": KVFormat(4, 2, 64, token_keys=True),
@@ -172,7 +177,8 @@ KV_FORMATS: dict[str, KVFormat] = {
 }
 
 
-KV_POLICIES = ("none", "leankv")  # which tokens' KV is kept, how finely (CacheConfig.kv_policy)
+# which tokens' KV is kept, and how finely (CacheConfig.kv_policy)
+KV_POLICIES = ("none", "leankv", "streaming", "h2o", "kivi")
 
 # plain jnp; the Pallas kernels (interpreted on CPU); auto: pallas on a GPU, else xla
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
@@ -313,7 +319,11 @@ class CacheConfig:
                 "leankv = each (layer, KV head) keeps significant tokens in a high tier "
                 "(`kv_format`, default k8v4t), others in a low tier at half the bits (k4v2t), "
                 "prunes the least significant, and holds only the pages its tiers fill "
-                "(LeanKV; prefix caching and the KV store are off under it for now)",
+                "(LeanKV); streaming = attention sinks and the recent window, the rest pruned "
+                "(StreamingLLM); h2o = the recent window and the most attended tokens, "
+                "`kv_heavy_ratio` of them per head (H2O); kivi = 2-bit keys per channel and "
+                "values per token, the page being filled in full precision (KIVI). Prefix "
+                "caching and the KV store are off under leankv, streaming and h2o for now",
         "choices": KV_POLICIES})
     kv_alpha_high: float = field(default=1.0, metadata={
         "help": "leankv: a token stays in the high tier while its mean attention is at least "
@@ -322,8 +332,13 @@ class CacheConfig:
         "help": "leankv: below `kv_alpha_high`, a token is kept in the low tier while its mean "
                 "attention is at least this many times 1/n, else pruned (0: never pruned)"})
     kv_recent_window: int = field(default=64, metadata={
-        "help": "leankv: the newest tokens, kept at high precision whatever their attention "
-                "(at least `page_size`)"})
+        "help": "leankv, streaming, h2o: the newest tokens, kept (at high precision) whatever "
+                "their attention (at least `page_size`)"})
+    kv_sink_tokens: int = field(default=4, metadata={
+        "help": "streaming: the first tokens, always kept (attention sinks)"})
+    kv_heavy_ratio: float = field(default=0.2, metadata={
+        "help": "h2o: the share of a sequence's tokens kept as heavy hitters (beside the "
+                "recent window), the same for every head"})
 
     def __post_init__(self) -> None:
         _require(self, "page_size", _is_pow2(self.page_size), "a power of two")
@@ -334,8 +349,9 @@ class CacheConfig:
             _require(self, "kv_format", self.kv_format in KV_FORMATS,
                      f"a KVFormat or one of {sorted(KV_FORMATS)}")
             name = self.kv_format
-            if self.kv_policy == "leankv" and name == "auto":
-                name = "k8v4t"  # LeanKV's high tier (its low tier: k4v2t)
+            if name == "auto":
+                # LeanKV's high tier (its low tier: k4v2t); KIVI's 2-bit pages
+                name = {"leankv": "k8v4t", "kivi": "k2v2"}.get(self.kv_policy, name)
             object.__setattr__(self, "kv_format", KVFormat.parse(name))
         for name in ("kv_alpha_high", "kv_alpha_low"):
             value = getattr(self, name)
@@ -347,7 +363,17 @@ class CacheConfig:
         _require(self, "kv_recent_window", _is_int(self.kv_recent_window)
                  and self.kv_recent_window >= self.page_size,
                  f"an integer >= page_size ({self.page_size})")
-        if self.tiered:
+        _require(self, "kv_sink_tokens", _is_int(self.kv_sink_tokens)
+                 and self.kv_sink_tokens >= 0, "an integer >= 0")
+        r = self.kv_heavy_ratio
+        _require(self, "kv_heavy_ratio", isinstance(r, int | float) and not isinstance(r, bool)
+                 and 0 <= r <= 1, "a number in [0, 1]")
+        if self.kv_policy in ("streaming", "h2o") and self.kv_format.quantized and (
+                not self.kv_format.token_keys):
+            raise ValueError(f"CacheConfig.kv_format {self.kv_format.name!r} cannot hold "
+                             f"{self.kv_policy}'s tokens: pruning moves single tokens, which "
+                             "needs the model dtype or per-token key scales (k8v4t, ...)")
+        if self.kv_policy == "leankv":
             try:
                 self.kv_format.halved()
             except ValueError as e:
@@ -356,8 +382,9 @@ class CacheConfig:
 
     @property
     def tiered(self) -> bool:
-        """Whether pages hold token tiers (LeanKV) rather than every token in one format."""
-        return self.kv_policy == "leankv"
+        """Whether pages hold token tiers (a token's place decided as it leaves the recent
+        window: leankv, streaming, h2o) rather than every token of the sequence in order."""
+        return self.kv_policy in ("leankv", "streaming", "h2o")
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,8 @@ class Engine:
             kv_cache_bytes=cache.kv_cache_bytes, max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             device_cache_bytes=config.device_cache_bytes, hash_seed=hash_seed,
-            tiers=TierPolicy(cache.kv_alpha_high, cache.kv_alpha_low, cache.kv_recent_window)
+            tiers=TierPolicy(cache.kv_policy, cache.kv_recent_window, cache.kv_alpha_high,
+                             cache.kv_alpha_low, cache.kv_sink_tokens, cache.kv_heavy_ratio)
             if cache.tiered else None)
         self.tiered = cache.tiered
         self.connector = KVConnector(self.cache, num_layers=cfg.num_layers,

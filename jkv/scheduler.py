@@ -135,7 +135,8 @@ class Scheduler:
         self.engine = engine
         self.config = config or SchedulerConfig()
         if engine.tiered and isinstance(store, KVStore):
-            raise ValueError("a KV store cannot keep token tiers (kv_policy='leankv') yet")
+            raise ValueError("a KV store cannot keep pruned or tiered KV (kv_policy leankv, "
+                             "streaming, h2o) yet")
         if engine.tiered:
             store = None  # stored entries hold every token of a block; tiers do not
         if isinstance(store, StoreConfig):  # a store for this engine's KV

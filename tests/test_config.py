@@ -108,7 +108,8 @@ BAD = [(LoadConfig, "model", 3), (LoadConfig, "dtype", "fp8"),
        (CacheConfig, "page_size", 12), (CacheConfig, "kv_cache_bytes", 0),
        (CacheConfig, "kv_format", "int3"), (CacheConfig, "kv_policy", "snapkv"),
        (CacheConfig, "kv_alpha_high", -1.0), (CacheConfig, "kv_alpha_low", float("nan")),
-       (CacheConfig, "kv_recent_window", 8),
+       (CacheConfig, "kv_recent_window", 8), (CacheConfig, "kv_sink_tokens", -1),
+       (CacheConfig, "kv_heavy_ratio", 1.5),
        (SchedulerConfig, "max_num_batched_tokens", 0), (SchedulerConfig, "restore_planning", 1),
        (StoreConfig, "host_cache_bytes", -1), (StoreConfig, "disk_cache_bytes", -1),
        (StoreConfig, "store_dir", 5), (StoreConfig, "store_spec", 5),
@@ -122,6 +123,10 @@ def test_leankv_settings_are_checked_together():
     with pytest.raises(ValueError, match="CacheConfig.kv_format 'k8v4' cannot be leankv"):
         CacheConfig(kv_policy="leankv", kv_format="k8v4")  # no per-token key scales
     assert CacheConfig(kv_policy="leankv", kv_format="k4v8t").kv_format.halved().name == "k2v4t"
+    assert CacheConfig(kv_policy="kivi").kv_format.name == "k2v2"
+    assert CacheConfig(kv_policy="streaming").kv_format.name == "auto"  # model dtype
+    with pytest.raises(ValueError, match="CacheConfig.kv_format 'k8v4' cannot hold h2o"):
+        CacheConfig(kv_policy="h2o", kv_format="k8v4")
 
 
 def test_every_field_is_validated():

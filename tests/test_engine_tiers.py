@@ -25,12 +25,12 @@ def tiny_params():
     return random_params(TINY, seed=3, dtype=jnp.float32)
 
 
-def tiered(params, backend: str, alpha_high: float, alpha_low: float,
+def tiered(params, backend: str, alpha_high: float = 0.0, alpha_low: float = 0.0,
            kv_cache_bytes: int = 8 << 20, max_num_seqs: int = 4,
-           kv_format: KVFormat | str = "auto") -> Engine:
-    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=kv_cache_bytes, kv_policy="leankv",
+           kv_format: KVFormat | str = "auto", kv_policy: str = "leankv", **kw) -> Engine:
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=kv_cache_bytes, kv_policy=kv_policy,
                         kv_alpha_high=alpha_high, kv_alpha_low=alpha_low,
-                        kv_recent_window=PAGE, kv_format=kv_format)
+                        kv_recent_window=PAGE, kv_format=kv_format, **kw)
     return Engine(TINY, params, cache=cache, config=EngineConfig(
         max_model_len=128, max_num_seqs=max_num_seqs, attention_backend=backend,
         prefill_chunk=16))
@@ -48,7 +48,7 @@ def tier_stats(engine: Engine) -> dict:
 def test_leankv_keeping_every_token_is_its_high_format(tiny_params):
     """Thresholds 0 keep every token in the high tier: tokens written one at a time into
     tier slots give what whole pages in the same format give."""
-    ps = prompts((5, 37))
+    ps = prompts((37,))
     eng = tiered(tiny_params, "xla", 0.0, 0.0)
     assert greedy(eng, ps, 16) == greedy(make_engine(TINY, tiny_params, "k8v4t", "xla"), ps, 16)
     tiers = tier_stats(eng)
@@ -62,6 +62,46 @@ def test_leankv_pallas_and_xla_agree_with_every_tier_used(tiny_params):
     assert greedy(tiered(tiny_params, "pallas", 1.0, 0.5), ps, 24) == xla
     tiers = tier_stats(xla_engine)
     assert tiers["low"] > 0 and tiers["pruned"] > 0  # the test exercises demotion and pruning
+
+
+@pytest.mark.parametrize("policy,knobs", [("streaming", {"kv_sink_tokens": 3}),
+                                          ("h2o", {"kv_heavy_ratio": 0.25})])
+def test_pruning_baselines_keep_what_they_promise_and_backends_agree(tiny_params, policy,
+                                                                     knobs):
+    """StreamingLLM keeps exactly the sinks and the window; H2O the window and its share of
+    heavy hitters (the most attended, as many as its ratio of the tokens); the
+    pallas and xla paths give the same tokens."""
+    from jkv.runner import Row
+
+    ps = prompts((37, 20))
+    xla_engine = tiered(tiny_params, "xla", kv_policy=policy, **knobs)
+    xla = greedy(xla_engine, ps, 24)
+    assert greedy(tiered(tiny_params, "pallas", kv_policy=policy, **knobs), ps, 24) == xla
+
+    eng = tiered(tiny_params, "xla", kv_policy=policy, **knobs)
+    prompt, key = prompts((45,))[0], eng.request_key(0)
+    slot, _ = eng.open(prompt)
+    greedy_params = SamplingParams(temperature=0)
+    eng.step([Row(slot, prompt[:16], greedy_params, key)], [])
+    eng.step([Row(slot, prompt[16:32], greedy_params, key)], [])
+    [last], _ = eng.step([Row(slot, prompt[32:], greedy_params, key)], [])
+    eng.step([], [Row(slot, [last.token], greedy_params, key, 1)])
+    n = 46
+    c = eng.cache
+    meta, pages, high = jax.device_get((c.meta, c.tables.pages[slot], c.counts.high[slot]))
+    for layer, head in np.ndindex(high.shape):
+        held = [(meta.pos[pages[layer, head, j // PAGE], j % PAGE],
+                 meta.score[pages[layer, head, j // PAGE], j % PAGE])
+                for j in range(high[layer, head])]
+        kept = sorted(p for p, _ in held if p < n - PAGE)  # outside the recent window
+        assert sorted(p for p, _ in held if p >= n - PAGE) == list(
+            range(n - PAGE, n // PAGE * PAGE))  # the window's tokens in full pages
+        if policy == "streaming":
+            assert kept == [0, 1, 2]
+        else:
+            assert len(kept) <= int(np.ceil(0.25 * n))
+            assert len(kept) >= int(np.ceil(0.25 * (n - 1)))
+    assert tier_stats(xla_engine)["pruned"] > 0
 
 
 def check_pages(engine: Engine) -> None:

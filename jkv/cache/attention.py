@@ -86,7 +86,9 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
         low_tier = low = None
     else:
         prefix, low = tiers
-        low_tier = pool.as_format(pool.kv_format.halved())
+        # a format that does not halve holds one tier (pruning policies): low stays 0
+        low_tier = pool.as_format(pool.kv_format.halved()) if pool.kv_format.halvable else None
+        low = low if low_tier is not None else None
     significance = tiers is not None
     # the step's real tokens end where the window does; the rest of a row is padding
     q_lengths = jnp.clip(window.start + window.length - q_positions[:, 0], 0, t)
@@ -96,8 +98,8 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
                             low_tier=low_tier, low_lengths=low,
                             return_significance=significance)
         if significance:
-            out, (hi, win, lo) = out
-            return out.astype(q.dtype), (hi, win, lo)
+            out, sig = out
+            return out.astype(q.dtype), _with_low(sig, pages, pool.page_size)
         return out.astype(q.dtype)
     if backend != "pallas":
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
@@ -110,7 +112,8 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
             k_splits=splits, low_tier=low_tier, low_lengths=low, return_softmax_state=True,
             return_significance=significance, interpret=interpret)
         if significance:
-            state, (p_hi, p_lo) = state
+            state, p = state
+            p_hi, p_lo = p if low_tier is not None else (p, None)
         *tail, p_win = window_softmax_state(q[:, 0], window, q_positions[:, 0], sm_scale)
         o, denom, m = merge_softmax_states(*(jnp.stack(x) for x in zip(state, tail,
                                                                        strict=True)), axis=0)
@@ -119,11 +122,23 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
             return out
         real = (q_lengths > 0)[:, None, None]  # padding rows: no query sees anything
         sig = tuple(jnp.where(real, _decode_significance(p, m_part, m, denom, hkv), 0.0)
-                    for p, m_part in ((p_hi, state[2]), (p_win, tail[2]), (p_lo, state[2])))
-        return out, sig
+                    for p, m_part in ((p_hi, state[2]), (p_win, tail[2]), (p_lo, state[2]))
+                    if p is not None)
+        return out, _with_low(sig, pages, pool.page_size)
     out = chunked_prefill_attention(
         q, pool, pages, prefix, window.k, window.v, window.start, window.length, q_positions,
         q_lengths, sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK,
         block_w=min(16, pool.page_size), low_tier=low_tier, low_lengths=low,
         return_significance=significance, interpret=interpret)
+    if significance:
+        out, sig = out
+        return out, _with_low(sig, pages, pool.page_size)
     return out
+
+
+def _with_low(sig: tuple, pages: jax.Array, page: int) -> tuple:
+    """(high, window, low) significance; zeros for the low tier of a single-tier pool."""
+    if len(sig) == 3:
+        return sig
+    b, hkv, w = pages.shape
+    return (*sig, jnp.zeros((b, hkv, w * 2 * page), jnp.float32))

@@ -42,12 +42,17 @@ from jkv.pallas_kernels.kv_pages import KVPages
 
 @dataclass(frozen=True)
 class TierPolicy:
-    """LeanKV's thresholds: a token leaving the newest `recent_window` stays high while its
-    mean attention is at least alpha_high / n, low while at least alpha_low / n."""
+    """How a token leaving the newest `recent_window` is placed: `name` leankv (high while
+    its mean attention is at least alpha_high / n, low while at least alpha_low / n, else
+    pruned), streaming (kept if among the first `sinks`) or h2o (kept while among the
+    `heavy_ratio * n` most attended)."""
 
-    alpha_high: float
-    alpha_low: float
+    name: str
     recent_window: int
+    alpha_high: float = 0.0
+    alpha_low: float = 0.0
+    sinks: int = 0
+    heavy_ratio: float = 0.0
 
 
 @dataclass
@@ -278,9 +283,9 @@ class KVCacheManager:
         t = self.tiers
         (self.pool, self.meta, self.free, self.tables, self.counts, ok) = tier_step.retier(
             self.pool, self.meta, self.free, self.tables, self.counts, jnp.asarray(index),
-            jnp.asarray(n_prev), jnp.asarray(n), jnp.float32(t.alpha_high),
-            jnp.float32(t.alpha_low), recent=t.recent_window, max_moves=tokens,
-            generation=generation)
+            jnp.asarray(n_prev), jnp.asarray(n),
+            jnp.asarray([t.alpha_high, t.alpha_low, t.sinks, t.heavy_ratio], jnp.float32),
+            policy=t.name, recent=t.recent_window, max_moves=tokens, generation=generation)
         self.tier_ok.append(ok)
 
     def sync_tiers(self) -> None:

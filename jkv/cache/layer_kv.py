@@ -63,6 +63,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax
     tw = window.k.shape[2]
     n_new = (window.length // page) * page  # tokens of the pages this step fills [B]
     high = tiers.high - n_new[:, None]  # before them
+
+    # the full pages' tokens join the end of the high tier (written before attention reads
+    # the pool, which does not see them: a write after the read would copy the pool)
+    w = pages.shape[-1]
+    i = jnp.arange(tw, dtype=jnp.int32)
+    slot = high[..., None] + i  # [B, Hkv, Tw]
+    col = jnp.clip(slot // page, 0, w - 1)
+    addr = jnp.take_along_axis(pages, col, -1) * (2 * page) + slot % page
+    addr = jnp.where((i < n_new[:, None])[:, None, :], addr, -1)
+    pool = write_tokens(pool, addr, window.k, window.v, page)
     out, (sig_high, sig_window, sig_low) = paged_attention(
         q, pool, pages, window, positions, sm_scale, backend=backend, tiers=(high, tiers.low))
 
@@ -72,7 +82,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax
     per_row = q_len.astype(jnp.float32)[:, None, None]
     meta = add_significance(tiers.meta, pages, TierCounts(high=high, low=tiers.low), page,
                             sig_high * per_row, sig_low * per_row)
-    i = jnp.arange(tw, dtype=jnp.int32)
     pos = window.start[:, None] + i  # [B, Tw]
     seen = jnp.clip(start[:, None] + q_len[:, None] - jnp.maximum(pos, start[:, None]), 0, None)
     r = start % page
@@ -80,13 +89,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax
                        jnp.pad(tiers.score, ((0, 0), (0, 0), (0, tw - page))), 0.0)
     score = before + sig_window * seen[:, None, :].astype(jnp.float32)  # [B, Hkv, Tw]
 
-    # the full pages' tokens join the end of the high tier
-    w = pages.shape[-1]
-    slot = high[..., None] + i  # [B, Hkv, Tw]
-    col = jnp.clip(slot // page, 0, w - 1)
-    addr = jnp.take_along_axis(pages, col, -1) * (2 * page) + slot % page
-    addr = jnp.where((i < n_new[:, None])[:, None, :], addr, -1)
-    pool = write_tokens(pool, addr, window.k, window.v, page)
     meta = write_meta(meta, addr, jnp.broadcast_to(pos[:, None, :], addr.shape), score)
     new_tiers = tiers.replace(meta=meta, score=last_page(score, window.length, page))
     return out, kv.replace(pool=pool, fill_k=fill_k, fill_v=fill_v, tiers=new_tiers)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jkv.cache.allocator import FreeList, PageTables
+from jkv.cache.eviction import h2o_fates, h2o_generation, streaming_fates, streaming_generation
 from jkv.cache.token_tiers import (
     TierCounts,
     TokenMeta,
@@ -47,31 +48,46 @@ def clear(counts: TierCounts, mask: jax.Array) -> TierCounts:
     return TierCounts(high=jnp.where(m, 0, counts.high), low=jnp.where(m, 0, counts.low))
 
 
-@partial(jax.jit, static_argnames=("recent", "max_moves", "generation"),
+@partial(jax.jit, static_argnames=("policy", "recent", "max_moves", "generation"),
          donate_argnums=(0, 1, 2, 3, 4))
 def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
            counts: TierCounts, slots: jax.Array, n_prev: jax.Array, n: jax.Array,
-           alpha_high: jax.Array, alpha_low: jax.Array, *, recent: int, max_moves: int,
+           knobs: jax.Array, *, policy: str, recent: int, max_moves: int,
            generation: bool) -> tuple[KVPages, TokenMeta, FreeList, PageTables, TierCounts,
                                       jax.Array]:
-    """Algorithm 1 and compaction for the sequences in `slots` [B] (repeats only for rows
-    that did not grow, n_prev == n) which grew from n_prev to n [B] tokens: (pool, meta,
-    free, tables, counts, ok). `generation`: each grew by one token (a decode step); else
-    prompt chunks of at most `max_moves` tokens. When compaction cannot run (the pool is
-    short of the low tier's new pages) nothing changes and ok is False."""
+    """`policy`'s placement and compaction for the sequences in `slots` [B] (repeats only for
+    rows that did not grow, n_prev == n) which grew from n_prev to n [B] tokens: (pool,
+    meta, free, tables, counts, ok). `knobs` float32 [4]: alpha_high, alpha_low (leankv),
+    sink tokens (streaming), heavy-hitter ratio (h2o). `generation`: each grew by one token
+    (a decode step); else prompt chunks of at most `max_moves` tokens. When compaction
+    cannot run (the pool is short of the low tier's new pages) nothing changes and ok is
+    False."""
     page = free.page_size
     sub = PageTables(pages=tables.pages[slots], num_pages=tables.num_pages[slots],
                      lengths=tables.lengths[slots], low_pages=tables.low_pages[slots])
     rows = TierCounts(high=counts.high[slots], low=counts.low[slots])
     n_prev, n = n_prev[:, None, None], n[:, None, None]
+    alpha_high, alpha_low, sinks, ratio = knobs[0], knobs[1], knobs[2], knobs[3]
+    where = dict(page=page, recent=recent)
     if generation:
-        out, fate, low_out = place_generation(meta, sub.pages, rows, n, page=page,
-                                              recent=recent, alpha_high=alpha_high,
-                                              alpha_low=alpha_low)
+        if policy == "leankv":
+            out, fate, low_out = place_generation(meta, sub.pages, rows, n, **where,
+                                                  alpha_high=alpha_high, alpha_low=alpha_low)
+        elif policy == "streaming":
+            out, fate, low_out = streaming_generation(meta, sub.pages, rows, n, **where,
+                                                      sinks=sinks)
+        else:
+            out, fate, low_out = h2o_generation(meta, sub.pages, rows, n, **where, ratio=ratio)
         free, sub, rows, moves, ok = compact_one(free, sub, rows, out, fate, low_out, page)
     else:
-        fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, True, page=page,
-                                 recent=recent, alpha_high=alpha_high, alpha_low=alpha_low)
+        if policy == "leankv":
+            fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, True, **where,
+                                     alpha_high=alpha_high, alpha_low=alpha_low)
+        elif policy == "streaming":
+            fate_hi, fate_lo = streaming_fates(meta, sub.pages, rows, n_prev, n, **where,
+                                               sinks=sinks)
+        else:
+            fate_hi, fate_lo = h2o_fates(meta, sub.pages, rows, n_prev, n, **where, ratio=ratio)
         free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page,
                                              max_moves)
     pool, meta = move_pages(pool, moves, page), move_tokens(meta, moves)

@@ -159,7 +159,7 @@ def _mean(score: jax.Array, pos: jax.Array, n: jax.Array) -> jax.Array:
     return score / jnp.maximum(n[..., None] - pos, 1).astype(jnp.float32)
 
 
-def _argmin(mean: jax.Array, pos: jax.Array, among: jax.Array) -> jax.Array:
+def argmin_among(mean: jax.Array, pos: jax.Array, among: jax.Array) -> jax.Array:
     """Index of the lowest mean among `among` (ties: the earliest position) per row [...]."""
     big = jnp.float32(jnp.inf)
     m = jnp.where(among, mean, big)
@@ -182,7 +182,7 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
     one victim, the least significant token of the tier the candidate joined: high to low
     or pruned, low to pruned.
     """
-    rows = _read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent)
+    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent)
     hi_mean, hi_pos, hi_held, lo_held, cand = (rows[k] for k in (
         "hi_mean", "hi_pos", "hi_held", "lo_held", "cand"))
     prompt = jnp.broadcast_to(prompt, counts.high.shape)[..., None]
@@ -208,11 +208,11 @@ def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n: j
     """`place` for rows that all grew by one token to n (a decode step), as indices: (the
     high slot that leaves the high tier or -1, its fate LOW or PRUNE, the low slot pruned or
     -1), each [...]; `compact_one` applies them."""
-    rows = _read_rows(meta, pages, counts, n - 1, n, page=page, recent=recent)
+    rows = read_rows(meta, pages, counts, n - 1, n, page=page, recent=recent)
     return _generation(rows, alpha_high, alpha_low)
 
 
-def _read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
+def read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
                n: jax.Array, *, page: int, recent: int) -> dict:
     """Every row's tokens as Algorithm 1 sees them: positions, mean attention and which
     slots hold a token, per tier in slot order, and the candidates (high tokens that left
@@ -223,7 +223,8 @@ def _read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: ja
     n_prev = jnp.broadcast_to(n_prev, counts.high.shape)
     hi_held = jnp.arange(hi_pos.shape[-1]) < counts.high[..., None]
     old = hi_pos < (n - recent)[..., None]
-    return dict(hi_mean=_mean(hi_score, hi_pos, n), hi_pos=hi_pos, hi_held=hi_held,
+    return dict(hi_mean=_mean(hi_score, hi_pos, n), hi_score=hi_score, hi_pos=hi_pos,
+                hi_held=hi_held,
                 lo_mean=_mean(lo_score, lo_pos, n), lo_pos=lo_pos,
                 lo_held=jnp.arange(lo_pos.shape[-1]) < counts.low[..., None], n=n,
                 old=hi_held & old, cand=hi_held & old & (hi_pos >= (n_prev - recent)[..., None]))
@@ -242,13 +243,13 @@ def _generation(rows: dict, alpha_high: jax.Array,
     c_mean = jnp.take_along_axis(hi_mean, c[..., None], -1)[..., 0]
     c_fate = jnp.where(c_mean >= t_high, KEEP, jnp.where(c_mean >= t_low, LOW, PRUNE))
     # c stays high: the least significant old high token (c included) may go down
-    hv = _argmin(hi_mean, hi_pos, rows["old"])
+    hv = argmin_among(hi_mean, hi_pos, rows["old"])
     hv_mean = jnp.take_along_axis(hi_mean, hv[..., None], -1)[..., 0]
     hv_fate = jnp.where((t_low <= hv_mean) & (hv_mean < t_high), LOW,  # lines 8-11
                         jnp.where(hv_mean < t_low, PRUNE, KEEP))
     # c joins the low tier: the least significant low token goes if below alpha_low / n (c,
     # at least that significant, never is)
-    lv = _argmin(lo_mean, rows["lo_pos"], lo_held)
+    lv = argmin_among(lo_mean, rows["lo_pos"], lo_held)
     lv_mean = jnp.take_along_axis(lo_mean, lv[..., None], -1)[..., 0]
     prune_lv = has_c & (c_fate == LOW) & lo_held.any(axis=-1) & (lv_mean < t_low)
     stays = c_fate == KEEP
@@ -450,6 +451,10 @@ def move_pages(pool: KVPages, moves: TierMoves, page: int) -> KVPages:
     Every write goes through the low tier's view of the pool, where a high token's bytes are
     two consecutive rows, as one scatter per array after every read: a donated pool is
     updated in place (a write through each view in turn makes XLA copy the pool)."""
+    if not pool.kv_format.halvable:  # one tier (pruning only): no token is demoted
+        ids, off = _slot(moves.high_src, page)
+        ok = (moves.high_src >= 0) & (moves.high_dst >= 0)
+        return pool.put_tokens(*_slot(moves.high_dst, page), pool.take_tokens(ids, off), ok)
     low_format = pool.kv_format.halved()
     low_view = pool.as_format(low_format)
 

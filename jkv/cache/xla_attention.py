@@ -134,6 +134,15 @@ def xla_attention(
         the rest (ragged rows' last blocks) are masked by length. A row without real queries
         holds nothing here. Returns (state, the scores [B, Hkv, Tp * G, W * page] or None)."""
         page = tier.page_size
+        source = tier
+        if tier.kv_format != pages.kv_format:
+            # a view of the high tier's pool (LeanKV's low tier): gather pages in the pool's
+            # own shapes and read the gathered ones in the view's format; the view of the
+            # whole pool would be copied on CPU (its arrays' layouts change)
+            try:
+                source = tier.as_format(pages.kv_format)
+            except ValueError:
+                source = tier
         ppb = max(1, block_k // page)  # whole pages
         table = _pad_to(table.astype(jnp.int32), 2, ppb)  # padding columns: the null page
         plen = jnp.where(q_lengths[:, None] > 0,
@@ -143,7 +152,7 @@ def xla_attention(
         def page_body(j, carry, masked: bool):
             state, scores = carry
             ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
-            k, v = tier.take(ids).dense()  # dequantized: [B, Hkv, ppb, page, D]
+            k, v = source.take(ids).as_format(tier.kv_format).dense()  # [B, Hkv, ppb, page, D]
             k, v = k.reshape(b, hkv, block, d), v.reshape(b, hkv, block, d)
             s = jnp.einsum("bhrd,bhkd->bhrk", qg, k, preferred_element_type=jnp.float32)
             if masked:

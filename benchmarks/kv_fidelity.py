@@ -1,0 +1,257 @@
+"""How much each KV policy and format keeps of SmolLM2's behaviour on long documents.
+
+    python benchmarks/kv_fidelity.py [--doc-tokens 2048] [--configs none:bf16,leankv:1:0.02]
+
+Three documents of this machine's Python installation (prose: CPython's license; code:
+textwrap.py; a long chat: questions on standard modules answered by their docstrings, under
+the model's chat template), each cut to `--doc-tokens` tokens. For every configuration
+(a policy, a format and, for leankv, thresholds):
+  - perplexity of each document's last 512 tokens (prompt_logprobs, prefill chunk 256, so
+    earlier chunks are read from the policy's pages) and its change from the uncompressed run;
+  - teacher-forced top-1 agreement with the uncompressed run over those positions;
+  - free greedy agreement: 64 tokens generated after the whole document, position by
+    position against the uncompressed run's, and the first position where they differ;
+  - passkey retrieval at 1K, 2K and 4K tokens (a number hidden in filler text, asked for at
+    the end);
+  - KV bytes per token held when each request ended (`stats()["kv_bytes_per_token"]`), over
+    bf16 pages' bytes.
+Writes benchmarks/results/kv_fidelity-<date>.json and an SVG of bytes against perplexity change
+(the frontier), and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from results_io import svg_legend, write_results  # noqa: E402
+
+from jkv.cache.page_pool import page_bytes  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig, KVFormat  # noqa: E402
+from jkv.engine import Engine  # noqa: E402
+from jkv.models import load_params  # noqa: E402
+from jkv.models.loaders import default_model_path  # noqa: E402
+from jkv.models.tokenizer import load_tokenizer  # noqa: E402
+from jkv.sampling import SamplingParams  # noqa: E402
+from jkv.scheduler import Request, Scheduler, generate_all  # noqa: E402
+
+TAIL, NEW_TOKENS, CHUNK, PAGE = 512, 64, 256, 16
+PASSKEY_LENGTHS = (1024, 2048, 4096)
+DEFAULT_CONFIGS = ("none:bf16,none:k8v4,none:k4v2,none:k8v4t,none:k4v8t,none:k4v2t,none:k2v4t,"
+                   "leankv:1:0.02,leankv:1:0.1,leankv:2:0.05,leankv:3:0.1,leankv:5:0.2,"
+                   "leankv:1:0.02:k4v8t,streaming:256,streaming:512,streaming:1024,"
+                   "h2o:0.1,h2o:0.2,h2o:0.4,kivi")
+
+
+def documents(tokenizer, n_tokens: int) -> dict[str, list[int]]:
+    """Prose, code and a long chat from the Python installation, each `n_tokens` long."""
+    import argparse as ap
+    import collections
+    import functools
+    import itertools
+    import re
+    import string
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prose = (stdlib / "LICENSE.txt").read_text()
+    code = (stdlib / "textwrap.py").read_text()
+    chat = []
+    for module in (re, ap, collections, functools, itertools, string):
+        chat += [{"role": "user", "content": f"What does Python's {module.__name__} module "
+                                             "offer, and how is it used?"},
+                 {"role": "assistant", "content": module.__doc__.strip()}]
+    docs = {"prose": tokenizer.encode(prose), "code": tokenizer.encode(code),
+            "chat": tokenizer.apply_chat_template(chat, tokenize=True)}
+    for name, ids in docs.items():
+        if len(ids) < n_tokens:
+            raise SystemExit(f"the {name} document has {len(ids)} tokens, fewer than "
+                             f"--doc-tokens {n_tokens}")
+    return {name: ids[:n_tokens] for name, ids in docs.items()}
+
+
+def passkey_prompt(tokenizer, n_tokens: int, key: int) -> list[int]:
+    """Filler around one sentence that gives `key`, then the question; about n_tokens."""
+    filler = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and "
+              "back again. ")
+    head = "There is important information hidden in the text below. Find it and remember it. "
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    question = "What is the pass key? The pass key is"
+    per = len(tokenizer.encode(filler))
+    reps = max(1, (n_tokens - 60) // per)
+    text = head + filler * (reps // 2) + needle + filler * (reps - reps // 2) + question
+    return tokenizer.encode(text)
+
+
+def parse_config(text: str) -> dict:
+    """none:<format>, leankv:<alpha_high>:<alpha_low>[:<format>], streaming:<window>,
+    h2o:<heavy ratio> (window 64 each, model dtype) or kivi."""
+    parts = text.split(":")
+    name, n = parts[0], len(parts)
+    if name == "none" and n == 2:
+        return {"name": text, "kv_policy": "none", "kv_format": parts[1]}
+    if name == "leankv" and n in (3, 4):
+        return {"name": text, "kv_policy": "leankv", "kv_alpha_high": float(parts[1]),
+                "kv_alpha_low": float(parts[2]), "kv_format": parts[3] if n == 4 else "auto"}
+    if name == "streaming" and n == 2:
+        return {"name": text, "kv_policy": "streaming", "kv_recent_window": int(parts[1])}
+    if name == "h2o" and n == 2:
+        return {"name": text, "kv_policy": "h2o", "kv_heavy_ratio": float(parts[1])}
+    if name == "kivi" and n == 1:
+        return {"name": text, "kv_policy": "kivi"}
+    raise SystemExit(f"--configs: {text!r} is none of none:<format>, "
+                     "leankv:<alpha_high>:<alpha_low>[:<format>], streaming:<window>, "
+                     "h2o:<ratio>, kivi")
+
+
+def make_engine(cfg, params, config: dict, kv_cache_bytes: int, max_len: int) -> Engine:
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=kv_cache_bytes, **{
+        k: v for k, v in config.items() if k != "name"})
+    return Engine(cfg, params, cache=cache, config=EngineConfig(
+        max_model_len=max_len, max_num_seqs=1, prefill_chunk=CHUNK, attention_backend="xla",
+        enable_prefix_caching=False))
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams) -> Request:
+    request = Request(prompt, params)
+    generate_all(Scheduler(engine), [request])
+    return request
+
+
+def measure(engine: Engine, docs: dict, passkeys: dict) -> dict:
+    """One configuration's raw outputs: per document the tail's logprobs and top-1 ids and
+    the greedy continuation; passkey answers; bytes per token."""
+    out = {"docs": {}, "passkey": {}}
+    for name, ids in docs.items():
+        r = run(engine, ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                            ignore_eos=True, prompt_logprobs=1))
+        tail = r.prompt_logprobs[-TAIL:]
+        out["docs"][name] = {"logprobs": [e[0] for e in tail], "top1": [e[1][0] for e in tail],
+                             "greedy": list(r.output)}
+    for n, (prompt, _) in passkeys.items():
+        r = run(engine, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        out["passkey"][n] = r.output
+    out["bytes_per_token"] = Scheduler(engine).snapshot()["kv_bytes_per_token"]
+    out["kv_tiers"] = Scheduler(engine).snapshot()["kv_tiers"]
+    return out
+
+
+def summarize(raw: dict, base: dict, tokenizer, keys: dict, bf16_bytes: float) -> dict:
+    row = {"bytes_vs_bf16": raw["bytes_per_token"] / bf16_bytes, "docs": {}}
+    changes, top1, greedy = [], [], []
+    for name, d in raw["docs"].items():
+        b = base["docs"][name]
+        ppl, ppl_base = float(np.exp(-np.mean(d["logprobs"]))), float(np.exp(-np.mean(
+            b["logprobs"])))
+        same = [x == y for x, y in zip(d["greedy"], b["greedy"], strict=True)]
+        doc = {"perplexity": ppl, "perplexity_change": ppl / ppl_base - 1,
+               "top1_agreement": float(np.mean(np.equal(d["top1"], b["top1"]))),
+               "greedy_agreement": float(np.mean(same)),
+               "first_difference": same.index(False) if False in same else len(same)}
+        row["docs"][name] = doc
+        changes.append(doc["perplexity_change"])
+        top1.append(doc["top1_agreement"])
+        greedy.append(doc["greedy_agreement"])
+    row["perplexity_change"] = float(np.mean(changes))
+    row["top1_agreement"] = float(np.mean(top1))
+    row["greedy_agreement"] = float(np.mean(greedy))
+    row["passkey"] = {n: str(keys[n]) in tokenizer.decode(ids) for n, ids in
+                      raw["passkey"].items()}
+    row["kv_tiers"] = raw["kv_tiers"]
+    return row
+
+
+def svg_frontier(rows: dict) -> str:
+    """Bytes per token (x) against perplexity change (y), a point per configuration."""
+    w, h, left, top, bottom = 720, 420, 70, 30, 50
+    pts = [(r["bytes_vs_bf16"], 100 * r["perplexity_change"], name) for name, r in rows.items()]
+    x_max = max(p[0] for p in pts) * 1.1
+    y_lo, y_hi = min(0.0, *(p[1] for p in pts)), max(1.0, *(p[1] for p in pts)) * 1.1
+    sx = lambda x: left + x / x_max * (w - left - 160)  # noqa: E731
+    sy = lambda y: top + (y_hi - y) / (y_hi - y_lo) * (h - top - bottom)  # noqa: E731
+    colors = {"none": "#4477aa", "leankv": "#cc3311", "streaming": "#228833",
+              "h2o": "#aa3377", "kivi": "#ccbb44"}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+           'font-family="sans-serif" font-size="11">',
+           f'<text x="{left}" y="18" font-size="13">SmolLM2: KV bytes per token vs perplexity '
+           f'change (last {TAIL} tokens)</text>',
+           f'<line x1="{left}" y1="{sy(0)}" x2="{w - 160}" y2="{sy(0)}" stroke="#999"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#000"/>',
+           f'<text x="{(w - 160) / 2}" y="{h - 12}">bytes per token / bf16 pages</text>',
+           f'<text x="12" y="{top + 10}">ppl %</text>']
+    for i in range(6):
+        x = x_max * i / 5
+        out.append(f'<text x="{sx(x) - 10}" y="{h - bottom + 16}">{x:.2f}</text>')
+        y = y_lo + (y_hi - y_lo) * i / 5
+        out.append(f'<text x="{left - 45}" y="{sy(y) + 4}">{y:+.1f}</text>')
+    for x, y, name in pts:
+        c = colors[name.split(":")[0]]
+        out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4" fill="{c}"/>'
+                   f'<text x="{sx(x) + 6:.1f}" y="{sy(y) - 4:.1f}" font-size="9">{name}</text>')
+    out += svg_legend(colors, w - 140, top)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--doc-tokens", type=int, default=2048,
+                    help="tokens of each document (at least 1536)")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="comma-separated none:<format>, leankv:<alpha_high>:<alpha_low>"
+                         "[:<format>], streaming:<window>, h2o:<ratio>, kivi; the "
+                         "uncompressed run (none:auto) always runs first")
+    ap.add_argument("--passkey", default=",".join(map(str, PASSKEY_LENGTHS)),
+                    help="passkey prompt lengths in tokens (empty: none)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="the pool's bytes")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    if args.doc_tokens < TAIL + CHUNK:
+        ap.error(f"--doc-tokens must be at least {TAIL + CHUNK}")
+
+    path = default_model_path()
+    cfg, params = load_params(None, jnp.float32)
+    tokenizer = load_tokenizer(path)
+    docs = documents(tokenizer, args.doc_tokens)
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in args.passkey.split(",") if n]
+    keys = {n: int(rng.integers(10000, 99999)) for n in lengths}
+    passkeys = {n: (passkey_prompt(tokenizer, n, keys[n]), keys[n]) for n in lengths}
+    max_len = max([args.doc_tokens] + [len(p) for p, _ in passkeys.values()]) + NEW_TOKENS + 16
+    bf16_bytes = (page_bytes(KVFormat(), PAGE, cfg.head_dim, jnp.bfloat16) / PAGE
+                  * cfg.num_layers * cfg.num_kv_heads)
+
+    configs = [parse_config("none:auto")] + [parse_config(c) for c in args.configs.split(",")]
+    raw = {}
+    for config in tqdm(configs, desc="configurations", unit="config"):
+        engine = make_engine(cfg, params, config, args.kv_cache_bytes, max_len)
+        raw[config["name"]] = measure(engine, docs, passkeys)
+    base = raw["none:auto"]
+    rows = {name: summarize(r, base, tokenizer, keys, bf16_bytes) for name, r in raw.items()}
+
+    print(f"\n| config | bytes/bf16 | ppl change | top-1 | greedy | passkey "
+          f"{'/'.join(map(str, lengths))} |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        pk = "/".join("y" if r["passkey"][n] else "n" for n in lengths)
+        print(f"| {name} | {r['bytes_vs_bf16']:.3f} | {100 * r['perplexity_change']:+.2f}% | "
+              f"{r['top1_agreement']:.3f} | {r['greedy_agreement']:.3f} | {pk} |")
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "doc_tokens": {k: len(v) for k, v in docs.items()}, "tail": TAIL,
+              "chunk": CHUNK, "new_tokens": NEW_TOKENS, "passkeys": keys, "rows": rows}
+    write_results(Path(args.out), "kv_fidelity", result, svg_frontier(rows), args)
+
+
+if __name__ == "__main__":
+    main()
