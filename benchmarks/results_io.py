@@ -9,10 +9,10 @@ import platform
 from pathlib import Path
 
 
-def write_results(out: Path, stem: str, result: dict, svg: str,
+def write_results(out: Path, stem: str, result: dict, svg: str | None,
                   args: argparse.Namespace) -> None:
     """Write `out`/<stem>-<date>.json (result + date, platform and the arguments, `out`
-    left out) and the SVG beside it; print where."""
+    left out) and the SVG beside it (if any); print where."""
     date = datetime.date.today().isoformat()
     result = {**result, "date": date, "platform": platform.platform(),
               "args": {k: v for k, v in vars(args).items() if k != "out"}}
@@ -20,6 +20,9 @@ def write_results(out: Path, stem: str, result: dict, svg: str,
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{stem}-{date}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    if svg is None:
+        print(f"wrote {path}")
+        return
     (out / f"{stem}-{date}.svg").write_text(svg)
     print(f"wrote {path} and {path.with_suffix('.svg')}")
 

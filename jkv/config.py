@@ -335,7 +335,8 @@ class CacheConfig:
         "help": "leankv, streaming, h2o: the newest tokens, kept (at high precision) whatever "
                 "their attention (at least `page_size`)"})
     kv_sink_tokens: int = field(default=4, metadata={
-        "help": "streaming: the first tokens, always kept (attention sinks)"})
+        "help": "streaming, leankv: the first tokens, always kept (leankv: at high precision; "
+                "attention sinks, whose 1/i threshold Algorithm 1 would never let them meet)"})
     kv_heavy_ratio: float = field(default=0.2, metadata={
         "help": "h2o: the share of a sequence's tokens kept as heavy hitters (beside the "
                 "recent window), the same for every head"})

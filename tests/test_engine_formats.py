@@ -37,7 +37,7 @@ def tiny_params():
     return random_params(TINY, seed=3, dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "k8v4t"])  # and keys scaled per token
+@pytest.mark.parametrize("fmt", [*FORMATS, "k8v4t", "k2v2"])  # keys scaled per token; KIVI
 def test_pallas_and_xla_backends_agree_on_a_tiny_model(tiny_params, fmt):
     rng = np.random.default_rng()
     # ragged prompts: shorter than a page, exact page multiples, several prefill chunks

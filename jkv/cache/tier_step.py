@@ -72,7 +72,8 @@ def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
     if generation:
         if policy == "leankv":
             out, fate, low_out = place_generation(meta, sub.pages, rows, n, **where,
-                                                  alpha_high=alpha_high, alpha_low=alpha_low)
+                                                  alpha_high=alpha_high, alpha_low=alpha_low,
+                                                  sinks=sinks)
         elif policy == "streaming":
             out, fate, low_out = streaming_generation(meta, sub.pages, rows, n, **where,
                                                       sinks=sinks)
@@ -82,7 +83,7 @@ def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
     else:
         if policy == "leankv":
             fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, True, **where,
-                                     alpha_high=alpha_high, alpha_low=alpha_low)
+                                     alpha_high=alpha_high, alpha_low=alpha_low, sinks=sinks)
         elif policy == "streaming":
             fate_hi, fate_lo = streaming_fates(meta, sub.pages, rows, n_prev, n, **where,
                                                sinks=sinks)

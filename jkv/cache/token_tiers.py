@@ -170,7 +170,7 @@ def argmin_among(mean: jax.Array, pos: jax.Array, among: jax.Array) -> jax.Array
 
 def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
           n: jax.Array, prompt: jax.Array, *, page: int, recent: int, alpha_high: jax.Array,
-          alpha_low: jax.Array) -> tuple[jax.Array, jax.Array]:
+          alpha_low: jax.Array, sinks: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
     """Algorithm 1: the fate (KEEP, LOW, PRUNE) of each high slot [..., W * page] and each
     low slot (KEEP, PRUNE) [..., W * 2 * page] of rows whose sequences grew from n_prev to n
     tokens ([...], broadcast against the rows).
@@ -180,9 +180,10 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
     position) by its mean attention: high above alpha_high / i, low above alpha_low / i,
     pruned below. Generation rows have one candidate, thresholds alpha / n, and then demote
     one victim, the least significant token of the tier the candidate joined: high to low
-    or pruned, low to pruned.
+    or pruned, low to pruned. Tokens at positions below `sinks` are never candidates or
+    victims (attention sinks stay high; 0, the paper's rule, by default).
     """
-    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent)
+    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent, sinks=sinks)
     hi_mean, hi_pos, hi_held, lo_held, cand = (rows[k] for k in (
         "hi_mean", "hi_pos", "hi_held", "lo_held", "cand"))
     prompt = jnp.broadcast_to(prompt, counts.high.shape)[..., None]
@@ -203,17 +204,17 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
 
 
 def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n: jax.Array, *,
-                     page: int, recent: int, alpha_high: jax.Array, alpha_low: jax.Array
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     page: int, recent: int, alpha_high: jax.Array, alpha_low: jax.Array,
+                     sinks: jax.Array | int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`place` for rows that all grew by one token to n (a decode step), as indices: (the
     high slot that leaves the high tier or -1, its fate LOW or PRUNE, the low slot pruned or
     -1), each [...]; `compact_one` applies them."""
-    rows = read_rows(meta, pages, counts, n - 1, n, page=page, recent=recent)
+    rows = read_rows(meta, pages, counts, n - 1, n, page=page, recent=recent, sinks=sinks)
     return _generation(rows, alpha_high, alpha_low)
 
 
 def read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
-               n: jax.Array, *, page: int, recent: int) -> dict:
+               n: jax.Array, *, page: int, recent: int, sinks: jax.Array | int = 0) -> dict:
     """Every row's tokens as Algorithm 1 sees them: positions, mean attention and which
     slots hold a token, per tier in slot order, and the candidates (high tokens that left
     the recent window, positions in [n_prev - recent, n - recent))."""
@@ -222,7 +223,7 @@ def read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax
     n = jnp.broadcast_to(n, counts.high.shape)
     n_prev = jnp.broadcast_to(n_prev, counts.high.shape)
     hi_held = jnp.arange(hi_pos.shape[-1]) < counts.high[..., None]
-    old = hi_pos < (n - recent)[..., None]
+    old = (hi_pos < (n - recent)[..., None]) & (hi_pos >= sinks)  # sinks: never candidates
     return dict(hi_mean=_mean(hi_score, hi_pos, n), hi_score=hi_score, hi_pos=hi_pos,
                 hi_held=hi_held,
                 lo_mean=_mean(lo_score, lo_pos, n), lo_pos=lo_pos,

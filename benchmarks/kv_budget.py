@@ -1,0 +1,141 @@
+"""Sequences and decode throughput at a fixed KV byte budget (LeanKV's figure 14 in spirit).
+
+    python benchmarks/kv_budget.py [--requests 24] [--prompt 256] [--generate 512]
+                                   [--budget-seqs 4] [--configs none:bf16,none:k8v4,leankv]
+
+Every configuration gets the same KV budget: the bytes bf16 pages take for `--budget-seqs`
+sequences of prompt + generated tokens (a float32 model's `none:bf16` pool gets twice the
+bytes, so it holds what bf16 pages would). `--requests` requests (prompts of `--prompt` tokens
+cut from this machine's Python sources, `--generate` tokens each, EOS ignored) go in at once;
+the scheduler admits what fits. Reported per configuration: the most sequences running at
+once, decode tokens per second over the steps that only decoded, the whole run's generated
+tokens per second, preemptions, and KV bytes per token as sequences ended. Writes
+benchmarks/results/kv_budget-<device>-<date>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from results_io import write_results  # noqa: E402
+
+from jkv.cache.page_pool import page_bytes  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig, KVFormat  # noqa: E402
+from jkv.engine import Engine  # noqa: E402
+from jkv.models import load_params  # noqa: E402
+from jkv.models.loaders import default_model_path  # noqa: E402
+from jkv.models.tokenizer import load_tokenizer  # noqa: E402
+from jkv.sampling import SamplingParams  # noqa: E402
+from jkv.scheduler import Request, Scheduler  # noqa: E402
+
+PAGE = 16
+
+
+def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """`n` prompts of `length` tokens from the standard library's sources."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids: list[int] = []
+    for path in sorted(stdlib.glob("*.py")):
+        ids += tokenizer.encode(path.read_text(errors="replace"))
+        if len(ids) >= n * length:
+            break
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def parse(text: str) -> dict:
+    """none:<format> or leankv[:<alpha_high>:<alpha_low>]."""
+    parts = text.split(":")
+    if parts[0] == "none" and len(parts) == 2:
+        return {"kv_format": parts[1]}
+    if parts[0] == "leankv" and len(parts) in (1, 3):
+        knobs = {} if len(parts) == 1 else {"kv_alpha_high": float(parts[1]),
+                                             "kv_alpha_low": float(parts[2])}
+        return {"kv_policy": "leankv", **knobs}
+    raise SystemExit(f"--configs: {text!r} is neither none:<format> nor "
+                     "leankv[:<alpha_high>:<alpha_low>]")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=24, help="requests sent at once")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
+    ap.add_argument("--generate", type=int, default=512, help="tokens generated per request")
+    ap.add_argument("--budget-seqs", type=int, default=4,
+                    help="the KV budget: bf16 pages for this many whole sequences")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="sequence slots")
+    ap.add_argument("--configs", default="none:bf16,none:k8v4,leankv",
+                    help="comma-separated none:<format> or leankv[:<alpha_high>:<alpha_low>]")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+
+    cfg, params = load_params(None, jnp.float32)
+    tokenizer = load_tokenizer(default_model_path())
+    ps = prompts(tokenizer, args.requests, args.prompt)
+    seq = args.prompt + args.generate
+    heads = cfg.num_layers * cfg.num_kv_heads
+    bf16_page = page_bytes(KVFormat(), PAGE, cfg.head_dim, jnp.bfloat16)
+    budget = (args.budget_seqs * -(-seq // PAGE) * heads + 1) * bf16_page
+
+    rows = {}
+    for text in tqdm(args.configs.split(","), desc="configurations", unit="config"):
+        knobs = parse(text)
+        f32_pages = knobs.get("kv_format") in ("bf16", "auto")
+        cache = CacheConfig(page_size=PAGE, kv_cache_bytes=budget * (2 if f32_pages else 1),
+                            **knobs)
+        engine = Engine(cfg, params, cache=cache, config=EngineConfig(
+            max_model_len=seq + PAGE, max_num_seqs=args.max_num_seqs, prefill_chunk=256,
+            attention_backend="xla", enable_prefix_caching=False))
+        sched = Scheduler(engine)
+        requests = [Request(p, SamplingParams(max_tokens=args.generate, temperature=0,
+                                              ignore_eos=True)) for p in ps]
+        for r in requests:
+            sched.add(r)
+        peak, t0 = 0, time.perf_counter()
+        with tqdm(total=args.requests * args.generate, desc=text, unit="tok", leave=False) as bar:
+            while sched.num_unfinished:
+                sched.step()
+                peak = max(peak, sched.snapshot()["num_requests_running"])
+                bar.update(sum(len(r.output) for r in requests) - bar.n)
+        seconds = time.perf_counter() - t0
+        stats, st = sched.snapshot(), engine.stats
+        rows[text] = {"peak_sequences": peak, "kv_cache_bytes": cache.kv_cache_bytes,
+                      "decode_tokens_per_s": st.decode_tokens / max(st.decode_seconds, 1e-9),
+                      "generated_tokens_per_s": args.requests * args.generate / seconds,
+                      "seconds": seconds, "preemptions": stats["preemptions"],
+                      "kv_bytes_per_token": stats["kv_bytes_per_token"],
+                      "kv_tiers": stats["kv_tiers"]}
+
+    base = next(iter(rows.values()))
+    print(f"\nKV budget {budget / 2**20:.1f} MiB of bf16 pages ({args.budget_seqs} sequences of "
+          f"{seq} tokens); {args.requests} requests\n")
+    print("| config | peak seqs | x first | decode tok/s | x first | run tok/s | preempt | "
+          "bytes/token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for text, r in rows.items():
+        print(f"| {text} | {r['peak_sequences']} | "
+              f"{r['peak_sequences'] / base['peak_sequences']:.2f} | "
+              f"{r['decode_tokens_per_s']:.1f} | "
+              f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f} | "
+              f"{r['generated_tokens_per_s']:.1f} | {r['preemptions']} | "
+              f"{r['kv_bytes_per_token']:.0f} |")
+    device = jax.devices()[0].device_kind.replace(" ", "_").lower()
+    write_results(Path(args.out), f"kv_budget-{device}",
+                  {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "budget_bf16_bytes": budget, "rows": rows}, None, args)
+
+
+if __name__ == "__main__":
+    main()
