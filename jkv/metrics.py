@@ -21,6 +21,8 @@ _STORE_COUNTERS = (  # (key of stats()["store"], metric name, help)
     ("prefetches", "jkv_store_prefetches",
      "Stored KV entries moved from disk to host ahead of their request."),
     ("saves", "jkv_store_saves", "KV entries written to the store."),
+    ("disk_resets", "jkv_store_disk_resets",
+     "Persistent KV stores found damaged when opened (their entries dropped, started empty)."),
 )
 _GAUGES = (  # (stats key = metric name without the prefix, help)
     ("num_requests_running", "Requests holding a sequence slot."),

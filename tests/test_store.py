@@ -181,7 +181,33 @@ def test_corrupt_entries_are_misses_counted_and_deleted(tmp_path):
     if hit is not None:  # the index survived: the entry itself must be refused
         assert again.load(hit) is None
         assert again.snapshot()["corrupt_entries"] == 1
+    else:  # or the b-tree did not: the database was dropped and started empty, counted
+        assert again.snapshot()["disk_resets"] == again.disk.damaged
     again.close()
+
+
+def test_a_database_that_cannot_be_listed_starts_empty_and_is_counted(tmp_path):
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, 1000, 2 * PAGE).tolist()
+    d = store(tmp_path, host_cache_bytes=0)
+    d.save(2, blocks(2, rng), chain(tokens))
+    d.flush()
+    d.close()
+    (tmp_path / "keep.txt").write_text("not the store's")
+    for path in (tmp_path / "d").iterdir():  # every OCDBT b-tree node's magic number
+        path.write_bytes(path.read_bytes().replace(bytes.fromhex("0cdb20de"), b"\xf3\xdb\x20\xde"))
+    again = store(tmp_path, host_cache_bytes=0)
+    assert again.disk.damaged and again.snapshot()["disk_resets"] == 1
+    assert again.lookup(chain(tokens)) is None
+    again.save(2, blocks(2, rng), chain(tokens))  # and it works again
+    again.flush()
+    hit = again.lookup(chain(tokens))
+    assert hit is not None and hit.tier == "disk" and again.load(hit) is not None
+    again.close()
+    assert (tmp_path / "keep.txt").read_text() == "not the store's"
+    reopened = store(tmp_path, host_cache_bytes=0)
+    assert not reopened.disk.damaged and reopened.lookup(chain(tokens)) is not None
+    reopened.close()
 
 
 def test_a_meta_record_that_lies_is_caught_by_the_entry(tmp_path):

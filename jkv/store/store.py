@@ -68,6 +68,7 @@ class StoreStats:
     offloads: int = 0  # entries moved host -> disk
     prefetches: int = 0  # entries moved disk -> host ahead of their request
     superseded: int = 0  # entries replaced by a longer one of the same prefix
+    disk_resets: int = 0  # persistent tiers found damaged at open, dropped and started empty
 
 
 def _meta(model: str, session: str | None, hashes: Sequence[bytes]) -> bytes:
@@ -110,7 +111,7 @@ class KVStore:
                      else PersistentTier(config.persistent, config.disk_cache_bytes))
         self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
                                    0 if self.disk is None else config.disk_cache_bytes)
-        self.stats = StoreStats()
+        self.stats = StoreStats(disk_resets=int(self.disk is not None and self.disk.damaged))
         # measured rate of `load` (read, checksum, checks) per tier, for restore planning
         self.read_bytes_per_s = {"host": 0.0, "disk": 0.0}
         self._lock = threading.Lock()
@@ -428,4 +429,5 @@ class KVStore:
                 "corrupt_entries": st.corrupt_entries, "evictions": st.evictions,
                 "prefetches": st.prefetches, "offloads": st.offloads, "saves": st.saves,
                 "loads": st.loads, "superseded": st.superseded,
-                "save_failures": st.save_failures, "saves_dropped": st.saves_dropped}
+                "save_failures": st.save_failures, "saves_dropped": st.saves_dropped,
+                "disk_resets": st.disk_resets}

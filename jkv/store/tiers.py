@@ -9,16 +9,21 @@ an atomic commit: a process killed mid-write leaves the previous state. Its inde
 sizes) is rebuilt from the kvstore's listing when it opens: an entry's size is part of its
 stored name, `<key>@<bytes>`, so opening reads no entry. An entry may carry a small `meta`
 record (the store keeps its block hashes there), committed with it as `<key>@<bytes>.meta`
-and read back in one batch by `metas()`; it is not counted against the capacity.
+and read back in one batch by `metas()`; it is not counted against the capacity. A database
+found damaged when it opens (tensorstore's DATA_LOSS: its b-tree cannot be listed) is dropped
+and started empty (`damaged`), so a bad disk costs recomputation, never a failed start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
 
 import tensorstore as ts
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"(?P<key>[0-9A-Za-z_.:-]+)@(?P<size>\d+)(?P<meta>\.meta)?")
 
@@ -94,11 +99,16 @@ class PersistentTier:
             base: dict | str = {"driver": "file", "path": f"{path}/"}
         else:
             base = spec
+        self.damaged = False  # the database was unreadable at open and was started again
         try:
-            self._kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
-            names = [n.decode() for n in self._kv.list().result()]
+            names = self._open(base)
         except (ValueError, RuntimeError) as e:
-            raise ValueError(f"cannot open the KV store at {spec!r}: {e}") from e
+            if "DATA_LOSS" not in str(e):  # unreachable, refused, misconfigured: say so
+                raise ValueError(f"cannot open the KV store at {spec!r}: {e}") from e
+            log.warning("the KV store at %r is damaged (%s); its entries are dropped and it "
+                        "starts empty", spec, e)
+            self.damaged = True
+            names = self._reset(base)
         self._names: dict[str, str] = {}  # key -> stored name
         self._sizes: dict[str, int] = {}
         self._has_meta: set[str] = set()  # stored names with a meta record beside them
@@ -115,6 +125,19 @@ class PersistentTier:
                 self.bytes_used += int(m["size"])
         # a meta record without its entry cannot be left by an atomic commit: not ours
         self.foreign += [f"{n}.meta" for n in self._has_meta - set(self._names.values())]
+
+    def _open(self, base: dict | str) -> list[str]:
+        self._kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+        return [n.decode() for n in self._kv.list().result()]
+
+    def _reset(self, base: dict | str) -> list[str]:
+        """Delete the OCDBT database's own files (its manifest and data files under ``d/``),
+        nothing else under `base`, and open it again, empty. A damaged b-tree cannot be
+        listed, so its entries could never be found again: dropping them is a miss for each."""
+        raw = ts.KvStore.open(base).result()
+        raw.delete_range(ts.KvStore.KeyRange("d/", "d0")).result()
+        raw.delete_range(ts.KvStore.KeyRange("manifest.ocdbt", "manifest.ocdbt\0")).result()
+        return self._open(base)
 
     def __contains__(self, key: str) -> bool:
         return key in self._names
