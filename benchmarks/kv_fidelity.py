@@ -1,10 +1,13 @@
 """How much each KV policy and format keeps of SmolLM2's behaviour on long documents.
 
     python benchmarks/kv_fidelity.py [--doc-tokens 2048] [--configs none:bf16,leankv:1:0.02]
+                                     [--docs calibration]
 
 Three documents of this machine's Python installation (prose: CPython's license; code:
 textwrap.py; a long chat: questions on standard modules answered by their docstrings, under
-the model's chat template), each cut to `--doc-tokens` tokens. For every configuration
+the model's chat template), each cut to `--doc-tokens` tokens; `--docs calibration` takes
+three others of the same kinds (IDLE's NEWS2x.txt, difflib.py, other modules' docstrings),
+which is where leankv's default thresholds were chosen. For every configuration
 (a policy, a format and, for leankv, thresholds):
   - perplexity of each document's last 512 tokens (prompt_logprobs, prefill chunk 256, so
     earlier chunks are read from the policy's pages) and its change from the uncompressed run;
@@ -22,6 +25,7 @@ Writes benchmarks/results/kv_fidelity-<date>.json and an SVG of bytes against pe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import sysconfig
@@ -54,28 +58,40 @@ DEFAULT_CONFIGS = ("none:bf16,none:k8v4,none:k4v2,none:k8v4t,none:k4v8t,none:k4v
                    "h2o:0.1,h2o:0.2,h2o:0.4,kivi")
 
 
-def documents(tokenizer, n_tokens: int) -> dict[str, list[int]]:
-    """Prose, code and a long chat from the Python installation, each `n_tokens` long."""
+def documents(tokenizer, n_tokens: int, which: str = "evaluation") -> dict[str, list[int]]:
+    """Prose, code and a long chat from the Python installation, each `n_tokens` long. The
+    calibration set (thresholds are chosen on it) shares no text with the evaluation set."""
     import argparse as ap
     import collections
+    import csv
+    import doctest
     import functools
+    import heapq
     import itertools
+    import json
     import re
     import string
+    import typing
+    import unittest
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    prose = (stdlib / "LICENSE.txt").read_text()
-    code = (stdlib / "textwrap.py").read_text()
+    if which == "evaluation":
+        prose, code = stdlib / "LICENSE.txt", stdlib / "textwrap.py"
+        modules = (re, ap, collections, functools, itertools, string)
+    else:
+        prose, code = stdlib / "idlelib" / "NEWS2x.txt", stdlib / "difflib.py"
+        modules = (heapq, csv, json, unittest, doctest, typing)
     chat = []
-    for module in (re, ap, collections, functools, itertools, string):
+    for module in modules:
         chat += [{"role": "user", "content": f"What does Python's {module.__name__} module "
                                              "offer, and how is it used?"},
                  {"role": "assistant", "content": module.__doc__.strip()}]
-    docs = {"prose": tokenizer.encode(prose), "code": tokenizer.encode(code),
+    docs = {"prose": tokenizer.encode(prose.read_text()),
+            "code": tokenizer.encode(code.read_text()),
             "chat": tokenizer.apply_chat_template(chat, tokenize=True)}
     for name, ids in docs.items():
         if len(ids) < n_tokens:
-            raise SystemExit(f"the {name} document has {len(ids)} tokens, fewer than "
+            raise SystemExit(f"the {which} {name} document has {len(ids)} tokens, fewer than "
                              f"--doc-tokens {n_tokens}")
     return {name: ids[:n_tokens] for name, ids in docs.items()}
 
@@ -93,16 +109,36 @@ def passkey_prompt(tokenizer, n_tokens: int, key: int) -> list[int]:
     return tokenizer.encode(text)
 
 
+def kv_format(name: str) -> KVFormat | str:
+    """A format name, or a rotated one's name + "-unrotated" (the control without rotation)."""
+    if name.endswith("-unrotated"):
+        return dataclasses.replace(KVFormat.parse(name.removesuffix("-unrotated")),
+                                   rotated=False)
+    return name
+
+
 def parse_config(text: str) -> dict:
     """none:<format>, leankv:<alpha_high>:<alpha_low>[:<format>], streaming:<window>,
-    h2o:<heavy ratio> (window 64 each, model dtype) or kivi."""
-    parts = text.split(":")
+    h2o:<heavy ratio> (window 64 each, model dtype) or kivi; any of them may end in
+    :<CacheConfig field>=<number> parts (leankv:5:0:kv_recent_window=128)."""
+    parts = [p for p in text.split(":") if "=" not in p]
+    extra = {}
+    for p in text.split(":"):
+        if "=" in p:
+            key, value = p.split("=", 1)
+            extra[key] = float(value) if "." in value else int(value)
+    config = _parse(text, parts)
+    return {**config, **extra}
+
+
+def _parse(text: str, parts: list[str]) -> dict:
     name, n = parts[0], len(parts)
     if name == "none" and n == 2:
-        return {"name": text, "kv_policy": "none", "kv_format": parts[1]}
+        return {"name": text, "kv_policy": "none", "kv_format": kv_format(parts[1])}
     if name == "leankv" and n in (3, 4):
         return {"name": text, "kv_policy": "leankv", "kv_alpha_high": float(parts[1]),
-                "kv_alpha_low": float(parts[2]), "kv_format": parts[3] if n == 4 else "auto"}
+                "kv_alpha_low": float(parts[2]),
+                "kv_format": kv_format(parts[3] if n == 4 else "k8v4t")}
     if name == "streaming" and n == 2:
         return {"name": text, "kv_policy": "streaming", "kv_recent_window": int(parts[1])}
     if name == "h2o" and n == 2:
@@ -212,6 +248,9 @@ def main() -> None:
                     help="comma-separated none:<format>, leankv:<alpha_high>:<alpha_low>"
                          "[:<format>], streaming:<window>, h2o:<ratio>, kivi; the "
                          "uncompressed run (none:auto) always runs first")
+    ap.add_argument("--docs", choices=("evaluation", "calibration"), default="evaluation",
+                    help="which documents: the evaluation set, or the calibration set that "
+                         "thresholds are chosen on (no text in common)")
     ap.add_argument("--passkey", default=",".join(map(str, PASSKEY_LENGTHS)),
                     help="passkey prompt lengths in tokens (empty: none)")
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="the pool's bytes")
@@ -223,7 +262,7 @@ def main() -> None:
     path = default_model_path()
     cfg, params = load_params(None, jnp.float32)
     tokenizer = load_tokenizer(path)
-    docs = documents(tokenizer, args.doc_tokens)
+    docs = documents(tokenizer, args.doc_tokens, args.docs)
     rng = np.random.default_rng(0)
     lengths = [int(n) for n in args.passkey.split(",") if n]
     keys = {n: int(rng.integers(10000, 99999)) for n in lengths}
@@ -248,8 +287,9 @@ def main() -> None:
         print(f"| {name} | {r['bytes_vs_bf16']:.3f} | {100 * r['perplexity_change']:+.2f}% | "
               f"{r['top1_agreement']:.3f} | {r['greedy_agreement']:.3f} | {pk} |")
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "doc_tokens": {k: len(v) for k, v in docs.items()}, "tail": TAIL,
-              "chunk": CHUNK, "new_tokens": NEW_TOKENS, "passkeys": keys, "rows": rows}
+              "documents": args.docs, "doc_tokens": {k: len(v) for k, v in docs.items()},
+              "tail": TAIL, "chunk": CHUNK, "new_tokens": NEW_TOKENS, "passkeys": keys,
+              "rows": rows}
     write_results(Path(args.out), "kv_fidelity", result, svg_frontier(rows), args)
 
 

@@ -214,8 +214,10 @@ class CacheConfig:
         "help": "device memory for the KV cache, in bytes"})
     kv_format: KVFormat | str = field(default="auto", metadata={
         "help": "how KV pages are stored: auto/bf16 = the model dtype; int8, int4 (= k8v8, "
-                "k4v4); k8v4, k4v2 = keys finer than values. Full pages are quantized, the "
-                "page being filled stays in the model dtype",
+                "k4v4); k8v4, k4v2 = keys finer than values; k8v4t, k4v2t (k4v8t, k2v4t: "
+                "controls) = keys scaled per token, so tokens move alone (LeanKV's tiers), "
+                "keys and values kept under a Hadamard rotation. Full pages are quantized, "
+                "the page being filled stays in the model dtype",
         "choices": tuple(sorted(KV_FORMATS))})
 
     kv_policy: str = field(default="none", metadata={

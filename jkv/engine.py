@@ -92,7 +92,8 @@ class Engine:
         self.execution = config.execution
         dtype = params["embed"].dtype
         hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
-                     f"{jnp.dtype(dtype).name}|{cfg}").encode()
+                     f"{jnp.dtype(dtype).name}|{cfg}"
+                     f"{'|rotated' if cache.kv_format.rotated else ''}").encode()
         # names the KV this engine writes (model, format, page size, shapes) in stored entries
         self.fingerprint = hashlib.blake2b(hash_seed, digest_size=16).hexdigest()
         self.kv_format = cache.kv_format.name

@@ -22,12 +22,19 @@ class KVFormat:
     on its own (LeanKV's tiers); quantized values per (token, group), all in `SCALE_DTYPE`.
     `group` is capped at head_dim where it is used. The arrays themselves:
     `jkv.pallas_kernels.kv_pages.KVPages`.
+
+    `rotated` (per-token formats only): keys and values are stored after a fixed orthonormal
+    rotation of the head dimension (`jkv.cache.rotation`), queries rotated alike and the
+    attention output rotated back, so attention is unchanged while a few outlier channels no
+    longer set a whole group's scale. Per-channel key scales exist for those outliers, so a
+    per-channel format is never rotated.
     """
 
     k_bits: int = 16
     v_bits: int = 16
     group: int = 64
     token_keys: bool = False
+    rotated: bool = False
 
     def __post_init__(self) -> None:
         for name in ("k_bits", "v_bits"):
@@ -38,11 +45,14 @@ class KVFormat:
             raise ValueError(f"KVFormat.group must be a power of two, got {self.group}")
         if self.token_keys and self.k_bits == 16:
             raise ValueError("KVFormat.token_keys needs quantized keys (k_bits < 16)")
+        if self.rotated and not self.token_keys:
+            raise ValueError("KVFormat.rotated needs token_keys: a rotation would spread "
+                             "the outlier channels that per-channel key scales isolate")
 
     @classmethod
     def parse(cls, name: str) -> KVFormat:
         """A format by name: auto/bf16 (model dtype), int8, int4, k8v8, k4v4, k8v4, k4v2, and
-        with per-token key scales k8v4t, k4v2t, k4v8t, k2v4t."""
+        with per-token key scales (rotated) k8v4t, k4v2t, k4v8t, k2v4t."""
         if name not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)}, got {name!r}")
         return KV_FORMATS[name]
@@ -54,7 +64,8 @@ class KVFormat:
             if fmt == self:
                 return name
         return (f"k{self.k_bits}v{self.v_bits}{'t' if self.token_keys else ''}"
-                f"{'' if self.group == 64 else f'g{self.group}'}")
+                f"{'' if self.group == 64 else f'g{self.group}'}"
+                f"{'-unrotated' if self.token_keys and not self.rotated else ''}")
 
     @property
     def quantized(self) -> bool:
@@ -72,7 +83,8 @@ class KVFormat:
         if not self.halvable:
             raise ValueError(f"only formats with per-token keys and 4 or 8 bits on both sides "
                              f"halve, not {self.name}")
-        return KVFormat(self.k_bits // 2, self.v_bits // 2, 2 * self.group, token_keys=True)
+        return KVFormat(self.k_bits // 2, self.v_bits // 2, 2 * self.group, token_keys=True,
+                        rotated=self.rotated)
 
     def bytes_per_token(self, head_dim: int, dtype_bytes: int) -> float:
         """Bytes one token of one KV head takes in a full page, scales and zeros included."""
@@ -96,8 +108,8 @@ KV_FORMATS: dict[str, KVFormat] = {
     "int8": KVFormat(8, 8), "k8v8": KVFormat(8, 8),
     "int4": KVFormat(4, 4), "k4v4": KVFormat(4, 4),
     "k8v4": KVFormat(8, 4), "k4v2": KVFormat(4, 2), "k2v2": KVFormat(2, 2, 32),  # KIVI's
-    # per-token key scales: LeanKV's high and low tiers (each the other's halving) and the
-    # mirror pair that keeps values finer than keys (a control)
-    "k8v4t": KVFormat(8, 4, 32, token_keys=True), "k4v2t": KVFormat(4, 2, 64, token_keys=True),
-    "k4v8t": KVFormat(4, 8, 32, token_keys=True), "k2v4t": KVFormat(2, 4, 64, token_keys=True),
+    # per-token key scales, rotated: LeanKV's high and low tiers (each the other's halving)
+    # and the mirror pair that keeps values finer than keys (a control)
+    "k8v4t": KVFormat(8, 4, 32, True, True), "k4v2t": KVFormat(4, 2, 64, True, True),
+    "k4v8t": KVFormat(4, 8, 32, True, True), "k2v4t": KVFormat(2, 4, 64, True, True),
 }

@@ -13,6 +13,7 @@ import jkv.api
 from jkv import LLM
 from jkv.config import (
     DEFAULT_MAX_MODEL_LEN,
+    KV_FORMATS,
     OPTIONS,
     USER_CONFIGS,
     CacheConfig,
@@ -123,6 +124,12 @@ def test_leankv_settings_are_checked_together():
     with pytest.raises(ValueError, match="CacheConfig.kv_format 'k8v4' cannot be leankv"):
         CacheConfig(kv_policy="leankv", kv_format="k8v4")  # no per-token key scales
     assert CacheConfig(kv_policy="leankv", kv_format="k4v8t").kv_format.halved().name == "k2v4t"
+    # per-token formats are rotated, and so are their halvings; unrotated ones are named so
+    assert all(f.rotated == f.token_keys for f in KV_FORMATS.values())
+    plain = dataclasses.replace(KVFormat.parse("k8v4t"), rotated=False)
+    assert plain.name == "k8v4tg32-unrotated" and not plain.halved().rotated
+    with pytest.raises(ValueError, match="KVFormat.rotated needs token_keys"):
+        KVFormat(8, 4, rotated=True)
     assert CacheConfig(kv_policy="kivi").kv_format.name == "k2v2"
     assert CacheConfig(kv_policy="streaming").kv_format.name == "auto"  # model dtype
     with pytest.raises(ValueError, match="CacheConfig.kv_format 'k8v4' cannot hold h2o"):

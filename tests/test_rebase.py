@@ -11,7 +11,7 @@ import pytest
 from jkv.config import CacheConfig, EngineConfig, KVFormat, ModelConfig
 from jkv.engine import Engine, Row
 from jkv.models.loaders import random_params
-from jkv.pallas_kernels.kv_quant import dequantize_keys, dequantize_values
+from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.sampling import SamplingParams
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -39,15 +39,12 @@ def prefilled(eng: Engine, prompt: list[int]):
 
 
 def dense(arrays: dict, fmt: KVFormat) -> tuple[np.ndarray, np.ndarray]:
-    k, v = arrays["k"], arrays["v"]
-    if fmt.k_bits < 16:
-        k = dequantize_keys(k, arrays["k_scale"], arrays["k_zero"], fmt.k_bits)
-    if fmt.v_bits < 16:
-        v = dequantize_values(v, arrays["v_scale"], arrays["v_zero"], fmt.v_bits)
+    k, v = KVPages.from_arrays(fmt, arrays).dense()
     return np.asarray(k, np.float32), np.asarray(v, np.float32)
 
 
-@pytest.mark.parametrize("kv_format", ["auto", "k8v4"])
+# k8v4t: rotated keys leave their stored basis for the RoPE shift and come back to it
+@pytest.mark.parametrize("kv_format", ["auto", "k8v4", "k8v4t"])
 def test_moved_layer0_kv_is_what_the_truncated_prompt_computes(params, kv_format):
     rng = np.random.default_rng()
     fmt = KVFormat.parse(kv_format)

@@ -166,9 +166,8 @@ def test_steady_workload_does_not_recompile(params):
     assert snap["prefix_hit_tokens"]["device"] == eng.stats.prefix_hit_tokens
 
 
-@pytest.mark.parametrize("shape_step", [2, 4])
-def test_warmup_compiles_every_shape_a_workload_uses(params, shape_step):
-    eng = engine(params, shape_step=shape_step)
+def test_warmup_compiles_every_shape_a_workload_uses(params):
+    eng = engine(params, shape_step=2)  # the CPU default (4 on a GPU: fewer, coarser shapes)
     jax.clear_caches()  # engines share compilations: start from none
     assert eng.warmup() == len(eng.shapes())  # each listed shape is its own compilation
     compiles = eng.num_compiles

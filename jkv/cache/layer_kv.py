@@ -18,6 +18,7 @@ from flax import struct
 
 from jkv.cache.attention import paged_attention
 from jkv.cache.kv_write import append_kv, last_page, step_window
+from jkv.cache.rotation import rotate
 from jkv.cache.token_tiers import TierCounts, TokenMeta, add_significance, write_meta, write_tokens
 from jkv.pallas_kernels.kv_pages import KVPages
 
@@ -48,7 +49,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax
            valid: jax.Array, sm_scale: float, backend: str) -> tuple[jax.Array, LayerKV]:
     """Append the step's k, v [B, T, Hkv, D] (valid [B, T]: real tokens first) at
     `positions` [B, T] and attend q [B, T, Hq, D] over the row's cache and the step; returns
-    (attention [B, T, Hq, D], the layer's KV after the step)."""
+    (attention [B, T, Hq, D], the layer's KV after the step). A rotated format's cache holds
+    k and v rotated: q is rotated to meet them, and the attention rotated back."""
+    if not kv.pool.kv_format.rotated:
+        return _attend(q, k, v, kv, positions, valid, sm_scale, backend)
+    out, kv = _attend(rotate(q), rotate(k), rotate(v), kv, positions, valid, sm_scale, backend)
+    return rotate(out), kv
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax.Array,
+            valid: jax.Array, sm_scale: float, backend: str) -> tuple[jax.Array, LayerKV]:
     start = positions[:, 0]
     count = valid.sum(axis=1).astype(jnp.int32)
     if kv.tiers is None:

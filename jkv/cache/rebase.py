@@ -6,8 +6,9 @@ earlier positions. Their stored KV stays valid once each key is rotated by its s
 rotations compose: rotating a key at position p by d gives the key at p + d), and the tokens
 are re-packed into whole pages at their new places. Quantized sides are dequantized,
 re-rotated and quantized again over their new pages (the page scales change with the page's
-tokens). One jitted function on the device; the rotation is the model's (`rotate` argument),
-so this module knows nothing about RoPE variants.
+tokens); a rotated format's keys leave its stored basis for that (`jkv.cache.rotation`).
+One jitted function on the device; the rotation is the model's (`rotate` argument), so this
+module knows nothing about RoPE variants.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jkv.cache.rotation import rotate as basis_rotate
 from jkv.pallas_kernels.kv_pages import KVPages
 
 
@@ -36,7 +38,11 @@ def rebase_pages(pages: KVPages, src: jax.Array, shift: jax.Array, *,
         x = jnp.moveaxis(x, 0, 2).reshape(layers, heads, b * page, d)
         return jnp.take(jnp.swapaxes(x, 1, 2), src, axis=1)
 
-    k = rotate(tokens(k), jnp.broadcast_to(shift, (layers, src.shape[0])))
+    shift = jnp.broadcast_to(shift, (layers, src.shape[0]))
+    if pages.kv_format.rotated:  # RoPE turns keys in the model's basis, not the stored one
+        k = basis_rotate(rotate(basis_rotate(tokens(k)), shift))
+    else:
+        k = rotate(tokens(k), shift)
     v = tokens(v)
 
     def paged(x):  # [L, T, H, D] -> [T // page, L, H, page, D]
