@@ -52,10 +52,9 @@ from jkv.scheduler import Request, Scheduler, generate_all  # noqa: E402
 
 TAIL, NEW_TOKENS, CHUNK, PAGE = 512, 64, 256, 16
 PASSKEY_LENGTHS = (1024, 2048, 4096)
-DEFAULT_CONFIGS = ("none:bf16,none:k8v4,none:k4v2,none:k8v4t,none:k4v8t,none:k4v2t,none:k2v4t,"
-                   "leankv:1:0.02,leankv:1:0.1,leankv:2:0.05,leankv:3:0.1,leankv:5:0.2,"
-                   "leankv:1:0.02:k4v8t,streaming:256,streaming:512,streaming:1024,"
-                   "h2o:0.1,h2o:0.2,h2o:0.4,kivi")
+DEFAULT_CONFIGS = ("none:k8v4,none:k4v2,none:k8v4t,none:k4v8t,none:k4v2t,none:k2v4t,"
+                   "leankv:5:0.001,leankv:3:0,leankv:10:0,leankv:5:0.001:k4v8t,"
+                   "streaming:256,streaming:512,h2o:0.2,h2o:0.4,kivi")
 
 
 def documents(tokenizer, n_tokens: int, which: str = "evaluation") -> dict[str, list[int]]:

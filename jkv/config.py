@@ -231,10 +231,12 @@ class CacheConfig:
                 "values per token, the page being filled in full precision (KIVI). Prefix "
                 "caching and the KV store are off under leankv, streaming and h2o for now",
         "choices": KV_POLICIES})
-    kv_alpha_high: float = field(default=1.0, metadata={
+    # defaults chosen on SmolLM2 with `benchmarks/kv_fidelity.py --docs calibration`: the
+    # best perplexity and top-1 agreement among the thresholds holding under 0.29x bf16 bytes
+    kv_alpha_high: float = field(default=5.0, metadata={
         "help": "leankv: a token stays in the high tier while its mean attention is at least "
                 "this many times the uniform share 1/n"})
-    kv_alpha_low: float = field(default=0.02, metadata={
+    kv_alpha_low: float = field(default=0.001, metadata={
         "help": "leankv: below `kv_alpha_high`, a token is kept in the low tier while its mean "
                 "attention is at least this many times 1/n, else pruned (0: never pruned)"})
     kv_recent_window: int = field(default=64, metadata={

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.buckets import bucket
-from jkv.cache.layer_kv import LayerKV, LayerTiers, join_shared, split_shared
+from jkv.cache.layer_kv import LayerKV, LayerTiers
 from jkv.cache.page_pool import FillingPages
 from jkv.cache.token_tiers import TierCounts, TokenMeta
 from jkv.config import ModelConfig
@@ -54,6 +54,7 @@ class Batch(NamedTuple):
     temperature: np.ndarray  # float32 [B]
     top_p: np.ndarray  # float32 [B]
     top_k: np.ndarray  # int32 [B]
+    want_top: np.ndarray  # bool [B]: rows that asked for logprobs (their top alternatives)
     targets: np.ndarray | None = None  # int32 [B, T]: whose logprob each position gives (-1)
 
     @property
@@ -63,7 +64,7 @@ class Batch(NamedTuple):
     @property
     def sampling(self) -> tuple[np.ndarray, ...]:
         return (self.last_idx, self.keys, self.num_generated, self.temperature, self.top_p,
-                self.top_k)
+                self.top_k, self.want_top)
 
 
 @dataclass
@@ -80,20 +81,22 @@ class Row:
 
 
 
-def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k):
+def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k, want_top):
     logits = family.logits(params, h_last)
     keys = jax.vmap(jax.random.fold_in)(keys, num_generated)  # one stream per request
     tokens = sample(logits, keys, temperature, top_p, top_k)
-    return (tokens, *token_logprobs(logits, tokens))
+    return (tokens, *token_logprobs(logits, tokens, want_top=want_top))
 
 
-def _rows(pool, filling, meta, table_pages, counts, slots) -> LayerKV:
+def _rows(pool, filling, meta, table_pages, counts, slots, index=None) -> LayerKV:
     """The KV of the step's rows: every layer's (`LayerKV` with a layer axis after the
-    batch axis), token tiers when `meta` is given."""
+    batch axis), or layer `index`'s only (gathered alone: not every layer's filling pages
+    for one layer's step), token tiers when `meta` is given."""
+    at = slots if index is None else (slots, index)
     tiers = None if meta is None else LayerTiers(
-        meta=meta, score=filling.score[slots], high=counts.high[slots], low=counts.low[slots])
-    return LayerKV(pool=pool, fill_k=filling.k[slots], fill_v=filling.v[slots],
-                   pages=table_pages[slots], tiers=tiers)
+        meta=meta, score=filling.score[at], high=counts.high[at], low=counts.low[at])
+    return LayerKV(pool=pool, fill_k=filling.k[at], fill_v=filling.v[at],
+                   pages=table_pages[at], tiers=tiers)
 
 
 def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
@@ -108,12 +111,13 @@ def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
 
 
 def _step(params, pool, filling, meta, table_pages, counts, slots, tokens, positions, valid,
-          last_idx, keys, num_generated, temperature, top_p, top_k, *, family: ModelFamily,
-          cfg: ModelConfig, backend: str):
+          last_idx, keys, num_generated, temperature, top_p, top_k, want_top, *,
+          family: ModelFamily, cfg: ModelConfig, backend: str):
     kv = _rows(pool, filling, meta, table_pages, counts, slots)
     hidden, kv = family.forward(params, cfg, tokens, positions, valid, kv, backend)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
-    out = _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k)
+    out = _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k,
+                  want_top)
     return (out, *_put_rows(filling, slots, kv))
 
 
@@ -127,11 +131,8 @@ def _layer_step(weights, pool, filling, meta, table_pages, counts, slots, x, pos
     """Layer `index`; `weights` are its own, or the params (the layer taken at `index`)."""
     if "layers" in weights:
         weights = family.layer_weights(weights, index)
-    shared, rest = split_shared(_rows(pool, filling, meta, table_pages, counts, slots))
-    rest = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 1, keepdims=False),
-                        rest)
-    x, kv = family.layer(weights, cfg, x, join_shared(shared, rest), positions, valid,
-                         positional, backend)
+    kv = _rows(pool, filling, meta, table_pages, counts, slots, index)
+    x, kv = family.layer(weights, cfg, x, kv, positions, valid, positional, backend)
     return (x, *_put_rows(filling, slots, kv, index))
 
 
@@ -155,12 +156,12 @@ def _position_logprobs(params, x, targets, *, family: ModelFamily, cfg: ModelCon
     return tuple(o.swapaxes(0, 1).reshape(b, t, *o.shape[3:]) for o in out)
 
 
-def _head(params, x, last_idx, keys, num_generated, temperature, top_p, top_k, *,
+def _head(params, x, last_idx, keys, num_generated, temperature, top_p, top_k, want_top, *,
           family: ModelFamily, cfg: ModelConfig):
     h_last = jnp.take_along_axis(family.final_norm(params, cfg, x), last_idx[:, None, None],
                                  axis=1)
     return _sample(family, params, h_last[:, 0], keys, num_generated, temperature, top_p,
-                   top_k)
+                   top_k, want_top)
 
 
 def _layer_views(layers: Params, num_layers: int) -> list[Params] | None:
@@ -263,7 +264,7 @@ class ModelRunner:
                     valid=np.zeros((b, t), bool), last_idx=np.zeros(b, np.int32),
                     keys=np.zeros((b, 2), np.uint32), num_generated=np.zeros(b, np.uint32),
                     temperature=np.zeros(b, np.float32), top_p=np.ones(b, np.float32),
-                    top_k=np.zeros(b, np.int32),
+                    top_k=np.zeros(b, np.int32), want_top=np.zeros(b, bool),
                     targets=np.full((b, t), -1, np.int32) if any(
                         r.targets is not None for r in rows) else None)
         for i, (r, n) in enumerate(zip(rows, held, strict=True)):
@@ -278,6 +279,7 @@ class ModelRunner:
             s = r.sampling
             out.temperature[i], out.top_p[i], out.top_k[i] = s.temperature, s.top_p, max(
                 s.top_k, 0)
+            out.want_top[i] = bool(s.logprobs)
             if r.targets is not None:
                 out.targets[i, :m] = r.targets
         return out

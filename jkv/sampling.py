@@ -57,13 +57,20 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: ja
     """Pick one token per row of logits [B, V].
 
     temperature [B] (0 = greedy), top_p [B] in (0, 1], top_k [B] (<= 0 = whole vocabulary),
-    keys [B, 2] uint32 PRNG keys. Returns int32 [B].
+    keys [B, 2] uint32 PRNG keys. Returns int32 [B]. Only a batch with a row that filters
+    (top_p < 1 or top_k > 0) sorts the vocabulary (a sort of [B, V] costs more than the
+    rest of a CPU decode step); a row that does not filter draws the same token whatever
+    else is in its batch.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    filters = (temperature > 0) & ((top_p < 1.0) | (top_k > 0))
 
-    def sampled(_):
+    def plain(_):  # the whole vocabulary: one categorical draw per row, no sort
+        return jax.vmap(jax.random.categorical)(keys, logits / t).astype(jnp.int32)
+
+    def filtered(_):
         vocab = logits.shape[-1]
-        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
         order = jnp.argsort(-logits, axis=-1)
         vals = jnp.take_along_axis(logits, order, axis=-1) / t
         rank = jnp.arange(vocab)[None, :]
@@ -72,17 +79,30 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: ja
         keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
         choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, vals, -jnp.inf))
         picked = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(temperature > 0, picked, greedy)
+        return jnp.where(filters, picked, plain(None))
 
-    # an all-greedy batch skips the vocabulary sort
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+    branch = jnp.where(filters.any(), 2, jnp.where((temperature > 0).any(), 1, 0))
+    drawn = jax.lax.switch(branch, (lambda _: greedy, plain, filtered), None)
+    return jnp.where(temperature > 0, drawn, greedy)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array,
-                   k: int = MAX_LOGPROBS) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_LOGPROBS,
+                   want_top: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities under the model's distribution (before temperature and top-k/p,
-    as vLLM reports them): of `tokens` [B], and the `k` most likely tokens' ids and values."""
+    as vLLM reports them): of `tokens` [B], and the `k` most likely tokens' ids and values.
+    With `want_top` [B] bool the top k are found only when some row wants them (zeros
+    otherwise): a top-k of the vocabulary is a sort on CPU."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, k)
-    return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def top(_):
+        lp, ids = jax.lax.top_k(logp, k)
+        return ids.astype(jnp.int32), lp
+
+    def none(_):
+        b = logits.shape[0]
+        return jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
+
+    if want_top is None:
+        return chosen, *top(None)
+    return chosen, *jax.lax.cond(want_top.any(), top, none, None)

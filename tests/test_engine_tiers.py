@@ -27,12 +27,13 @@ def tiny_params():
 
 def tiered(params, backend: str, alpha_high: float = 0.0, alpha_low: float = 0.0,
            kv_cache_bytes: int = 8 << 20, max_num_seqs: int = 4,
-           kv_format: KVFormat | str = "auto", kv_policy: str = "leankv", **kw) -> Engine:
+           kv_format: KVFormat | str = "auto", kv_policy: str = "leankv",
+           max_model_len: int = 128, **kw) -> Engine:
     cache = CacheConfig(page_size=PAGE, kv_cache_bytes=kv_cache_bytes, kv_policy=kv_policy,
                         kv_alpha_high=alpha_high, kv_alpha_low=alpha_low,
                         kv_recent_window=PAGE, kv_format=kv_format, **kw)
     return Engine(TINY, params, cache=cache, config=EngineConfig(
-        max_model_len=128, max_num_seqs=max_num_seqs, attention_backend=backend,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, attention_backend=backend,
         prefill_chunk=16))
 
 
@@ -57,9 +58,12 @@ def test_leankv_keeping_every_token_is_its_high_format(tiny_params):
 
 def test_leankv_pallas_and_xla_agree_with_every_tier_used(tiny_params):
     ps = prompts((16, 37))
-    xla_engine = tiered(tiny_params, "xla", 1.0, 0.5, kv_sink_tokens=0)
+    # a table width that is no power of two (96 pages: tiered widths are multiples of 32)
+    knobs = dict(kv_sink_tokens=0, max_model_len=600)
+    xla_engine = tiered(tiny_params, "xla", 1.0, 0.5, **knobs)
+    assert xla_engine.cache.max_pages == 96
     xla = greedy(xla_engine, ps, 16)
-    assert greedy(tiered(tiny_params, "pallas", 1.0, 0.5, kv_sink_tokens=0), ps, 16) == xla
+    assert greedy(tiered(tiny_params, "pallas", 1.0, 0.5, **knobs), ps, 16) == xla
     tiers = tier_stats(xla_engine)
     assert tiers["low"] > 0 and tiers["pruned"] > 0  # the test exercises demotion and pruning
 

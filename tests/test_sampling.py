@@ -79,3 +79,32 @@ def test_logprobs_count_is_checked():
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
     assert SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_a_row_that_does_not_filter_draws_the_same_token_in_any_batch():
+    """Rows without top-k/top-p skip the vocabulary sort; beside a row that filters they
+    still draw from their own key over the whole vocabulary, as they do alone."""
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(size=(6, 300)), jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(1 << 30))), 6)
+    temperature = jnp.asarray([1.0, 0.7, 0.0, 1.0, 1.3, 1.0], jnp.float32)
+    ones, off = jnp.ones(6, jnp.float32), jnp.zeros(6, jnp.int32)
+    alone = np.asarray(sample(logits, keys, temperature, ones, off))
+    top_k = off.at[3].set(5)  # row 3 filters: the batch takes the sorted path
+    mixed = np.asarray(sample(logits, keys, temperature, ones, top_k))
+    assert (np.delete(mixed, 3) == np.delete(alone, 3)).all()
+    assert mixed[2] == int(logits[2].argmax())  # greedy rows stay greedy
+    assert int(mixed[3]) in set(np.argsort(-np.asarray(logits[3]))[:5].tolist())
+
+
+def test_top_logprobs_are_found_only_when_a_row_wants_them():
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(size=(3, 300)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 300, 3))
+    chosen, ids, lps = token_logprobs(logits, tokens, k=4)
+    none = token_logprobs(logits, tokens, k=4, want_top=jnp.zeros(3, bool))
+    some = token_logprobs(logits, tokens, k=4, want_top=jnp.asarray([False, True, False]))
+    np.testing.assert_array_equal(none[0], chosen)
+    assert not np.asarray(none[1]).any() and not np.asarray(none[2]).any()
+    np.testing.assert_array_equal(some[1], ids)
+    np.testing.assert_array_equal(some[2], lps)

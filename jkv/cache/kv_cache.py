@@ -81,9 +81,11 @@ class KVCacheManager:
         self.cost = PageCost(page_size, num_layers * num_kv_heads, on_fill=tiers is not None)
         self.one_page = one_page = page_bytes(kv_format, page_size, head_dim, dtype)
         num_pages = kv_cache_bytes // one_page
-        # table width; with tiers, room for both sides' partly filled pages
+        # table width; with tiers, room for both sides' partly filled pages, and a multiple
+        # of 32 rather than a power of two (a tiered step's work grows with the width)
         spare = 0 if tiers is None else 2
-        self.max_pages = bucket(-(-max_model_len // page_size) + spare, 4)
+        need = -(-max_model_len // page_size) + spare
+        self.max_pages = bucket(need, 4) if tiers is None else -(-need // 32) * 32
         one_seq = self.cost.pages(max_model_len)
         if num_pages - 1 < one_seq:
             raise ValueError(
