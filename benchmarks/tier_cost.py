@@ -1,192 +1,131 @@
-"""What LeanKV's per-step tiering costs beside a decode step, on this machine, in one run.
+"""What LeanKV's tiering costs inside the engine's decode step, on this machine, in one run.
 
-    python benchmarks/tier_cost.py [--batches 1,8,32] [--context 1024] [--repeats 10]
-                                   [--new-tokens 16] [--out benchmarks/results]
+    python benchmarks/tier_cost.py [--batches 8,32] [--context 512] [--new-tokens 12]
+                                   [--out benchmarks/results]
 
-For each batch size: the decode step of jkv's engine on SmolLM2-135M (the embedded default,
-float32, `kv_format=k8v4`, every sequence holding --context tokens; the median of the steps
-that decode all of them and prefill none, after a run that compiles), and one generation-
-phase tiering step over the same rows at SmolLM2's shape (30 layers x 3 KV heads, pages of
-16 tokens, K8V4 high tier with per-token key scales and its K4V2 low tier in the same pool):
-adding the step's significance to every held token, Algorithm 1 for every (sequence, layer,
-head), the compaction of both tiers and the moves of tokens and metadata, as one jitted call
-(`jkv.cache.token_tiers`). The rows start from a prompt-phase placement of random heavy-
-tailed significance. The engine does not run tiers yet (issue 13): this measures the tiering
-work on its own, beside the step it will join.
-Writes benchmarks/results/tier_cost-<date>.json.
+For each batch size, SmolLM2-135M (the embedded default, float32, xla attention) decodes
+`--batches` sequences of `--context` prompt tokens (this machine's Python sources) twice:
+with `kv_policy="none"` in k8v4t pages (leankv's high format: the same attention without
+tiers) and with `kv_policy="leankv"` at its defaults. Reported per configuration: the
+median engine step that decodes every sequence and prefills none (shapes compile as they
+first run: one of the steps), and for leankv the part of it spent in the tiering calls:
+`retier` (Algorithm 1's generation phase for every (sequence, layer, KV head), compaction
+and the token moves; timed by waiting for the device before and after it) and `grow`. The
+significance the attention computes on its way is part of the leankv step, not of the
+tiering calls; the two step times side by side show it. Writes
+benchmarks/results/tier_cost-<device>-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
-import json
 import os
 import statistics
+import sys
+import sysconfig
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from results_io import write_results  # noqa: E402
+
 from jkv import LLM, SamplingParams  # noqa: E402
-from jkv.cache import allocator as alloc  # noqa: E402
-from jkv.cache import token_tiers as tt  # noqa: E402
-from jkv.config import KVFormat  # noqa: E402
-from jkv.pallas_kernels.kv_pages import KVPages  # noqa: E402
-
-LAYERS, HEADS, HEAD_DIM, PAGE, RECENT = 30, 3, 64, 16, 64
-ALPHA_HIGH, ALPHA_LOW = 1.0, 0.1
 
 
-ALPHAS = dict(alpha_high=jnp.float32(ALPHA_HIGH), alpha_low=jnp.float32(ALPHA_LOW))
+def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """`n` prompts of `length` tokens from the standard library's sources."""
+    ids: list[int] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        ids += tokenizer.encode(path.read_text(errors="replace"))
+        if len(ids) >= n * length:
+            break
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames="max_moves")
-def prompt_step(pool, meta, free, tables, counts, sig_high, sig_low, n, max_moves):
-    """The prompt phase over rows that each just took n tokens."""
-    meta = tt.add_significance(meta, tables.pages, counts, PAGE, sig_high, sig_low)
-    fate_hi, fate_lo = tt.place(meta, tables.pages, counts, jnp.int32(0), n, jnp.asarray(True),
-                                page=PAGE, recent=RECENT, **ALPHAS)
-    free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo, PAGE,
-                                                 max_moves)
-    return (tt.move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves), free, tables,
-            counts, ok)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def tier_step(pool, meta, free, tables, counts, sig_high, sig_low, n):
-    """One decode step of tiering for every row: significance in, Algorithm 1 (one candidate
-    and its victim per row), compaction, moves."""
-    meta = tt.add_significance(meta, tables.pages, counts, PAGE, sig_high, sig_low)
-    decided = tt.place_generation(meta, tables.pages, counts, n, page=PAGE, recent=RECENT,
-                                  **ALPHAS)
-    free, tables, counts, moves, ok = tt.compact_one(free, tables, counts, *decided, PAGE)
-    return (tt.move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves), free, tables,
-            counts, ok)
-
-
-def tier_rows(batch: int, context: int, rng: np.random.Generator) -> tuple:
-    """State for `batch` sequences of `context` tokens, placed once by the prompt phase."""
-    width = context // PAGE + 2
-    rows = (batch, LAYERS, HEADS)
-    num_pages = batch * LAYERS * HEADS * width + 1
-    fmt = KVFormat.parse("k8v4t")
-    pool = KVPages.zeros(num_pages, PAGE, HEAD_DIM, jnp.float32, fmt)
-    free = alloc.init_free(num_pages, PAGE)
-    tables = alloc.init_tables(batch, LAYERS, HEADS, width)
-    counts = tt.init_counts(rows)
-    meta = tt.init_meta(num_pages, PAGE)
-    free, tables, counts, addr, ok = tt.grow_high(free, tables, counts,
-                                                  jnp.full(rows, context), PAGE, context)
-    assert bool(ok)
-    k = jnp.asarray(rng.normal(size=(*rows, context, HEAD_DIM)), jnp.float32)
-    pool = tt.write_tokens(pool, addr, k, k, PAGE)
-    meta = tt.write_meta(meta, addr, jnp.arange(context), jnp.zeros(addr.shape))
-    # heavy-tailed sums of attention: a token's mean is about its score / (context - pos)
-    sig = rng.lognormal(0.0, 1.5, (*rows, width * PAGE)) * (context - np.arange(width * PAGE))
-    sig = jnp.asarray(sig / (3 * context), jnp.float32)
-    low = jnp.zeros((*rows, 2 * width * PAGE), jnp.float32)
-    state = prompt_step(pool, meta, free, tables, counts, sig, low, jnp.int32(context),
-                        max_moves=context)
-    assert bool(state[-1])
-    high, low_tokens = (int(x.sum()) for x in (state[4].high, state[4].low))
-    step_sig = (jnp.asarray(rng.random((*rows, width * PAGE)) / context, jnp.float32),
-                jnp.asarray(rng.random((*rows, 2 * width * PAGE)) / context, jnp.float32))
-    return state[:5], step_sig, (high, low_tokens)
-
-
-def time_tiers(batch: int, context: int, repeats: int, rng) -> tuple[float, dict]:
-    state, (sig_high, sig_low), (high, low) = tier_rows(batch, context, rng)
-    n = jnp.int32(context + 1)
-    times = []
-    for i in range(repeats + 1):  # the first call compiles
-        t0 = time.perf_counter()
-        out = tier_step(*state, sig_high, sig_low, n)
-        jax.block_until_ready(out)
-        if i:
-            times.append(time.perf_counter() - t0)
-        state = out[:5]
-    total = batch * LAYERS * HEADS * context
-    return statistics.median(times), {"high": high / total, "low": low / total,
-                                      "pruned": 1 - (high + low) / total}
-
-
-def time_decode(batch: int, context: int, new_tokens: int, rng) -> float:
-    """Median seconds of the engine's steps that decode every sequence and prefill none."""
+def measure(policy: str, batch: int, context: int, new_tokens: int) -> dict:
+    """Median decode step (all `batch` rows decoding) and, with tiers, its tiering calls."""
     # the first sequences decode while later ones prefill: enough tokens that all of them
     # then decode together for new_tokens steps
-    tokens = new_tokens + 2 * -(-batch * context // 512) + 1
-    llm = LLM(dtype="float32", kv_format="k8v4", max_model_len=context + tokens + 16,
-              max_num_seqs=batch, enable_prefix_caching=False, host_cache_bytes=0)
-    vocab = llm.engine.cfg.vocab_size
-    prompts = [rng.integers(100, vocab, context).tolist() for _ in range(batch)]
-    engine_step, times = llm.engine.step, []
+    tokens = new_tokens + 2 * -(-batch * context // 256) + 1
+    llm = LLM(dtype="float32", kv_format="k8v4t", kv_policy=policy, attention_backend="xla",
+              max_model_len=context + tokens + 16, max_num_seqs=batch,
+              enable_prefix_caching=False, host_cache_bytes=0)
+    engine, cache = llm.engine, llm.engine.cache
+    steps, tiering, current = [], [], [0.0]
 
-    def timed_step(prefill, decode):
+    def timed(f):
+        def call(*a, **k):
+            jax.block_until_ready(cache.pool)  # what ran before is not counted
+            t0 = time.perf_counter()
+            out = f(*a, **k)
+            jax.block_until_ready((cache.pool, cache.counts, out))
+            current[0] += time.perf_counter() - t0
+            return out
+        return call
+
+    if engine.tiered:
+        cache.retier, cache.grow = timed(cache.retier), timed(cache.grow)
+    engine_step = engine.step
+
+    def step(prefill, decode):
+        current[0] = 0.0
         t0 = time.perf_counter()
         out = engine_step(prefill, decode)
         if not prefill and len(decode) == batch:
-            times.append(time.perf_counter() - t0)
+            steps.append(time.perf_counter() - t0)
+            tiering.append(current[0])
         return out
 
-    llm.engine.step = timed_step
+    engine.step = step
     sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts, sp)  # compiles every shape
-    times.clear()
-    llm.generate(prompts, sp)
+    llm.generate(prompts(llm.tokenizer, batch, context), sp)
+    stats = llm.stats()
     llm.close()
-    if len(times) < new_tokens:
-        raise RuntimeError(f"only {len(times)} steps decoded all {batch} sequences at once")
-    return statistics.median(times)
+    if len(steps) < new_tokens:
+        raise RuntimeError(f"only {len(steps)} steps decoded all {batch} sequences at once")
+    out = {"decode_step_ms": statistics.median(steps) * 1e3, "steps": len(steps)}
+    if engine.tiered:
+        out |= {"tiering_ms": statistics.median(tiering) * 1e3,
+                "kv_tiers": stats["kv_tiers"], "kv_bytes_per_token": stats["kv_bytes_per_token"]}
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--batches", default="1,8,32", help="batch sizes, comma separated")
-    ap.add_argument("--context", type=int, default=1024, help="tokens each sequence holds")
-    ap.add_argument("--repeats", type=int, default=10,
-                    help="timed tiering steps per batch (median)")
-    ap.add_argument("--new-tokens", type=int, default=16,
-                    help="decode steps the engine's step time is the median of")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="8,32", help="batch sizes, comma separated")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    ap.add_argument("--new-tokens", type=int, default=12,
+                    help="decode steps (all sequences decoding) the medians are over")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
-    if not batches or min(batches) < 1 or args.context < 2 * RECENT:
-        ap.error(f"--batches must be positive and --context at least {2 * RECENT}")
-    rng = np.random.default_rng(0)
+    if not batches or min(batches) < 1 or args.context < 128:
+        ap.error("--batches must be positive and --context at least 128")
     rows = []
     for batch in tqdm(batches, desc="batches"):
-        tier_s, mix = time_tiers(batch, args.context, args.repeats, rng)
-        step_s = time_decode(batch, args.context, args.new_tokens, rng)
-        rows.append({"batch": batch, "decode_step_ms": step_s * 1e3,
-                     "tier_step_ms": tier_s * 1e3, "tier_fraction": tier_s / step_s,
-                     "tokens": mix})
-    print(f"\nSmolLM2-135M shape, {args.context} tokens per sequence, jax {jax.__version__} "
-          f"on {jax.devices()[0].device_kind}")
-    print(f"{'batch':>6}{'decode step ms':>16}{'tiering ms':>12}{'tiering/step':>14}"
-          f"{'high/low/pruned':>20}")
+        none = measure("none", batch, args.context, args.new_tokens)
+        lean = measure("leankv", batch, args.context, args.new_tokens)
+        rows.append({"batch": batch, "none_k8v4t": none, "leankv": lean,
+                     "tiering_fraction": lean["tiering_ms"] / lean["decode_step_ms"],
+                     "leankv_over_none": lean["decode_step_ms"] / none["decode_step_ms"]})
+    print(f"\nSmolLM2-135M float32, {args.context}-token prompts, jax {jax.__version__} on "
+          f"{jax.devices()[0].device_kind}")
+    print("| batch | none:k8v4t step ms | leankv step ms | tiering ms | tiering/step | "
+          "leankv/none |\n|---|---|---|---|---|---|")
     for r in rows:
-        mix = r["tokens"]
-        print(f"{r['batch']:>6}{r['decode_step_ms']:>16.1f}{r['tier_step_ms']:>12.2f}"
-              f"{r['tier_fraction']:>13.1%}"
-              f"{mix['high']:>10.2f}/{mix['low']:.2f}/{mix['pruned']:.2f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    date = datetime.date.today().isoformat()
-    path = out / f"tier_cost-{date}.json"
-    path.write_text(json.dumps({"rows": rows, "device": jax.devices()[0].device_kind,
-                                "jax": jax.__version__, "date": date,
-                                "args": {k: v for k, v in vars(args).items() if k != "out"}},
-                               indent=2) + "\n")
-    print(f"wrote {path}")
+        print(f"| {r['batch']} | {r['none_k8v4t']['decode_step_ms']:.1f} | "
+              f"{r['leankv']['decode_step_ms']:.1f} | {r['leankv']['tiering_ms']:.1f} | "
+              f"{r['tiering_fraction']:.1%} | {r['leankv_over_none']:.2f}x |")
+    write_results(Path(args.out), f"tier_cost-{jax.devices()[0].device_kind}",
+                  {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "rows": rows}, None, args)
 
 
 if __name__ == "__main__":

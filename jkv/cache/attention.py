@@ -24,7 +24,7 @@ from jkv.pallas_kernels.paged_decode_attention import (
     paged_decode_attention,
 )
 
-PAGES_PER_BLOCK = 4  # page-table widths are powers of two >= 4 (see Engine)
+PAGES_PER_BLOCK = 4  # page-table widths are powers of two >= 4, tiered ones multiples of 32
 
 
 def decode_splits(batch: int, kv_heads: int, width: int, programs: int = 264) -> int:
