@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -32,19 +31,10 @@ import jax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from kv_budget import prompts  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from jkv import LLM, SamplingParams  # noqa: E402
-
-
-def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """`n` prompts of `length` tokens from the standard library's sources."""
-    ids: list[int] = []
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        ids += tokenizer.encode(path.read_text(errors="replace"))
-        if len(ids) >= n * length:
-            break
-    return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
 def measure(policy: str, batch: int, context: int, new_tokens: int) -> dict:

@@ -93,6 +93,7 @@ class Engine:
         dtype = params["embed"].dtype
         hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
                      f"{jnp.dtype(dtype).name}|{cfg}"
+                     # k8v4t etc. were unrotated before: their stored entries must not match
                      f"{'|rotated' if cache.kv_format.rotated else ''}").encode()
         # names the KV this engine writes (model, format, page size, shapes) in stored entries
         self.fingerprint = hashlib.blake2b(hash_seed, digest_size=16).hexdigest()
