@@ -1,18 +1,20 @@
 """What LeanKV's tiering costs inside the engine's decode step, on this machine, in one run.
 
-    python benchmarks/tier_cost.py [--batches 8,32] [--context 512] [--new-tokens 12]
+    python benchmarks/tier_cost.py [--batches 8,32] [--context 512] [--new-tokens 32]
                                    [--out benchmarks/results]
 
 For each batch size, SmolLM2-135M (the embedded default, float32, xla attention) decodes
 `--batches` sequences of `--context` prompt tokens (this machine's Python sources) twice:
 with `kv_policy="none"` in k8v4t pages (leankv's high format: the same attention without
-tiers) and with `kv_policy="leankv"` at its defaults. Reported per configuration: the
-median engine step that decodes every sequence and prefills none (shapes compile as they
-first run: one of the steps), and for leankv the part of it spent in the tiering calls:
-`retier` (Algorithm 1's generation phase for every (sequence, layer, KV head), compaction
-and the token moves; timed by waiting for the device before and after it) and `grow`. The
-significance the attention computes on its way is part of the leankv step, not of the
-tiering calls; the two step times side by side show it. Writes
+tiers) and with `kv_policy="leankv"` at its defaults. Reported per configuration: the mean
+engine step that decodes every sequence and prefills none, over the last `--new-tokens`
+such steps (rounded down to whole placement intervals, none of them compiling), and for
+leankv the mean part of it spent in the tiering calls: `retier` (Algorithm 1's generation
+phase for every (sequence, layer, KV head), compaction and the token moves, once per
+`kv_placement_interval` steps; timed by waiting for the device before and after it) and
+`grow`. Means, not medians: placement runs in one step of each interval and its cost is
+spread over all of them. The significance the attention computes on its way is part of the
+leankv step, not of the tiering calls; the two step times side by side show it. Writes
 benchmarks/results/tier_cost-<device>-<date>.json.
 """
 
@@ -38,14 +40,15 @@ from jkv import LLM, SamplingParams  # noqa: E402
 
 
 def measure(policy: str, batch: int, context: int, new_tokens: int) -> dict:
-    """Median decode step (all `batch` rows decoding) and, with tiers, its tiering calls."""
+    """Mean decode step (all `batch` rows decoding) and, with tiers, its tiering calls."""
     # the first sequences decode while later ones prefill: enough tokens that all of them
-    # then decode together for new_tokens steps
-    tokens = new_tokens + 2 * -(-batch * context // 256) + 1
+    # then decode together for new_tokens steps after the steps that compile
+    tokens = 2 * new_tokens + 2 * -(-batch * context // 256) + 1
     llm = LLM(dtype="float32", kv_format="k8v4t", kv_policy=policy, attention_backend="xla",
               max_model_len=context + tokens + 16, max_num_seqs=batch,
               enable_prefix_caching=False, host_cache_bytes=0)
     engine, cache = llm.engine, llm.engine.cache
+    interval = cache.tiers.interval if engine.tiered else 1
     steps, tiering, current = [], [], [0.0]
 
     def timed(f):
@@ -64,11 +67,16 @@ def measure(policy: str, batch: int, context: int, new_tokens: int) -> dict:
 
     def step(prefill, decode):
         current[0] = 0.0
+        compiles = engine.num_compiles
         t0 = time.perf_counter()
         out = engine_step(prefill, decode)
         if not prefill and len(decode) == batch:
-            steps.append(time.perf_counter() - t0)
-            tiering.append(current[0])
+            if engine.num_compiles > compiles:  # what follows is timed from scratch
+                steps.clear()
+                tiering.clear()
+            else:
+                steps.append(time.perf_counter() - t0)
+                tiering.append(current[0])
         return out
 
     engine.step = step
@@ -76,11 +84,16 @@ def measure(policy: str, batch: int, context: int, new_tokens: int) -> dict:
     llm.generate(prompts(llm.tokenizer, batch, context), sp)
     stats = llm.stats()
     llm.close()
-    if len(steps) < new_tokens:
-        raise RuntimeError(f"only {len(steps)} steps decoded all {batch} sequences at once")
-    out = {"decode_step_ms": statistics.median(steps) * 1e3, "steps": len(steps)}
+    n = min(len(steps), new_tokens) // interval * interval
+    if n < interval:
+        raise RuntimeError(f"only {len(steps)} steps decoded all {batch} sequences at once "
+                           "after the last compilation")
+    steps, tiering = steps[-n:], tiering[-n:]
+    out = {"decode_step_ms": statistics.mean(steps) * 1e3, "steps": n,
+           "median_step_ms": statistics.median(steps) * 1e3}
     if engine.tiered:
-        out |= {"tiering_ms": statistics.median(tiering) * 1e3,
+        out |= {"tiering_ms": statistics.mean(tiering) * 1e3,
+                "placement_interval": interval, "placement_ms": max(tiering) * 1e3,
                 "kv_tiers": stats["kv_tiers"], "kv_bytes_per_token": stats["kv_bytes_per_token"]}
     return out
 
@@ -90,8 +103,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="8,32", help="batch sizes, comma separated")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
-    ap.add_argument("--new-tokens", type=int, default=12,
-                    help="decode steps (all sequences decoding) the medians are over")
+    ap.add_argument("--new-tokens", type=int, default=32,
+                    help="decode steps (all sequences decoding) the means are over")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
     args = ap.parse_args()

@@ -242,6 +242,11 @@ class CacheConfig:
     kv_recent_window: int = field(default=64, metadata={
         "help": "leankv, streaming, h2o: the newest tokens, kept (at high precision) whatever "
                 "their attention (at least `page_size`)"})
+    kv_placement_interval: int = field(default=16, metadata={
+        "help": "leankv, streaming, h2o: decode steps between two placements of the tokens "
+                "that left the recent window (1: every step, as LeanKV's Algorithm 1; more "
+                "spreads the pass over every held token's attention across that many steps, "
+                "and a token may stay that many steps longer at high precision)"})
     kv_sink_tokens: int = field(default=4, metadata={
         "help": "streaming, leankv: the first tokens, always kept (leankv: at high precision; "
                 "attention sinks, whose 1/i threshold Algorithm 1 would never let them meet)"})
@@ -272,6 +277,8 @@ class CacheConfig:
         _require(self, "kv_recent_window", _is_int(self.kv_recent_window)
                  and self.kv_recent_window >= self.page_size,
                  f"an integer >= page_size ({self.page_size})")
+        _require(self, "kv_placement_interval", _is_int(self.kv_placement_interval)
+                 and self.kv_placement_interval >= 1, "an integer >= 1")
         _require(self, "kv_sink_tokens", _is_int(self.kv_sink_tokens)
                  and self.kv_sink_tokens >= 0, "an integer >= 0")
         r = self.kv_heavy_ratio

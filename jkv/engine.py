@@ -105,7 +105,8 @@ class Engine:
             max_num_seqs=self.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             device_cache_bytes=config.device_cache_bytes, hash_seed=hash_seed,
             tiers=TierPolicy(cache.kv_policy, cache.kv_recent_window, cache.kv_alpha_high,
-                             cache.kv_alpha_low, cache.kv_sink_tokens, cache.kv_heavy_ratio)
+                             cache.kv_alpha_low, cache.kv_sink_tokens, cache.kv_heavy_ratio,
+                             cache.kv_placement_interval)
             if cache.tiered else None)
         self.tiered = cache.tiered
         self.connector = KVConnector(self.cache, num_layers=cfg.num_layers,

@@ -28,10 +28,11 @@ def tiny_params():
 def tiered(params, backend: str, alpha_high: float = 0.0, alpha_low: float = 0.0,
            kv_cache_bytes: int = 8 << 20, max_num_seqs: int = 4,
            kv_format: KVFormat | str = "auto", kv_policy: str = "leankv",
-           max_model_len: int = 128, **kw) -> Engine:
+           max_model_len: int = 128, kv_placement_interval: int = 4, **kw) -> Engine:
     cache = CacheConfig(page_size=PAGE, kv_cache_bytes=kv_cache_bytes, kv_policy=kv_policy,
                         kv_alpha_high=alpha_high, kv_alpha_low=alpha_low,
-                        kv_recent_window=PAGE, kv_format=kv_format, **kw)
+                        kv_recent_window=PAGE, kv_format=kv_format,
+                        kv_placement_interval=kv_placement_interval, **kw)
     return Engine(TINY, params, cache=cache, config=EngineConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, attention_backend=backend,
         prefill_chunk=16))
@@ -83,7 +84,7 @@ def test_pruning_baselines_keep_what_they_promise_and_backends_agree(tiny_params
     xla = greedy(xla_engine, ps, 24)
     assert greedy(tiered(tiny_params, "pallas", kv_policy=policy, **knobs), ps, 24) == xla
 
-    eng = tiered(tiny_params, "xla", kv_policy=policy, **knobs)
+    eng = tiered(tiny_params, "xla", kv_policy=policy, kv_placement_interval=1, **knobs)
     prompt, key = prompts((45,))[0], eng.request_key(0)
     slot, _ = eng.open(prompt)
     greedy_params = SamplingParams(temperature=0)

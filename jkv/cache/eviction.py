@@ -7,8 +7,8 @@ other token is pruned as it leaves the window. H2O keeps the recent window and t
 hitters: the tokens with the most attention received so far (summed, as H2O accumulates
 it), `ratio` of the sequence's tokens for every head alike.
 
-Prompt chunks return `compact`'s fates (per high slot, and the unused low tier's); a decode
-step returns `compact_one`'s decisions (the high slot pruned or -1, its fate, no low slot).
+Both return `compact`'s fates (per high slot, and the unused low tier's) for prompt chunks
+and for decode steps alike: the tokens that left the window since the last placement.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jkv.cache.token_tiers import KEEP, PRUNE, TierCounts, TokenMeta, argmin_among, read_rows
+from jkv.cache.token_tiers import KEEP, PRUNE, TierCounts, TokenMeta, read_rows
 
 
 def _heavy_budget(n: jax.Array, ratio: jax.Array) -> jax.Array:
@@ -26,26 +26,16 @@ def _heavy_budget(n: jax.Array, ratio: jax.Array) -> jax.Array:
 def streaming_fates(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
                     n: jax.Array, *, page: int, recent: int,
                     sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Prompt chunks: every token leaving the window is pruned unless it is a sink."""
+    """Every token leaving the window is pruned unless it is a sink."""
     rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent)
     fate = jnp.where(rows["cand"] & (rows["hi_pos"] >= sinks), PRUNE, KEEP)
     return fate, jnp.full(rows["lo_pos"].shape, KEEP)
 
 
-def streaming_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n: jax.Array,
-                         *, page: int, recent: int,
-                         sinks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A decode step: the token leaving the window goes unless it is a sink."""
-    rows = read_rows(meta, pages, counts, n - 1, n, page=page, recent=recent)
-    cand = rows["cand"] & (rows["hi_pos"] >= sinks)
-    out = jnp.where(cand.any(-1), jnp.argmax(cand, -1), -1).astype(jnp.int32)
-    return out, jnp.full(out.shape, PRUNE), jnp.full(out.shape, -1, jnp.int32)
-
-
 def h2o_fates(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
               n: jax.Array, *, page: int, recent: int,
               ratio: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Prompt chunks: of the tokens outside the window, the `ratio * n` with the most
+    """Of the tokens outside the window, the `ratio * n` with the most
     attention received stay (ties: the earlier token), the others are pruned."""
     rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent)
     old, score, pos = rows["old"], rows["hi_score"], rows["hi_pos"]
@@ -56,16 +46,3 @@ def h2o_fates(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax
     budget = _heavy_budget(jnp.broadcast_to(n, counts.high.shape), ratio)[..., None]
     fate = jnp.where(old & (rank >= budget), PRUNE, KEEP)
     return fate, jnp.full(rows["lo_pos"].shape, KEEP)
-
-
-def h2o_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n: jax.Array, *,
-                   page: int, recent: int,
-                   ratio: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A decode step: the token leaving the window joins the heavy hitters; while they are
-    more than `ratio * n`, the one with the least attention received is pruned."""
-    rows = read_rows(meta, pages, counts, n - 1, n, page=page, recent=recent)
-    old = rows["old"]
-    over = old.sum(-1) > _heavy_budget(jnp.broadcast_to(n, counts.high.shape), ratio)
-    victim = argmin_among(rows["hi_score"], rows["hi_pos"], old)
-    out = jnp.where(over, victim, -1).astype(jnp.int32)
-    return out, jnp.full(out.shape, PRUNE), jnp.full(out.shape, -1, jnp.int32)

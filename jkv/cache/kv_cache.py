@@ -45,7 +45,8 @@ class TierPolicy:
     """How a token leaving the newest `recent_window` is placed: `name` leankv (high while
     its mean attention is at least alpha_high / n, low while at least alpha_low / n, else
     pruned), streaming (kept if among the first `sinks`) or h2o (kept while among the
-    `heavy_ratio * n` most attended)."""
+    `heavy_ratio * n` most attended); decode steps place their tokens every `interval`
+    steps."""
 
     name: str
     recent_window: int
@@ -53,6 +54,7 @@ class TierPolicy:
     alpha_low: float = 0.0
     sinks: int = 0
     heavy_ratio: float = 0.0
+    interval: int = 1
 
 
 @dataclass
@@ -112,6 +114,7 @@ class KVCacheManager:
         self.high = np.zeros(shape, np.int64)  # host mirror of the tier counts
         self.low = np.zeros(shape, np.int64)
         self.tier_ok: list[jax.Array] = []  # retier results not yet read
+        self.unplaced = np.zeros(max_num_seqs, np.int64)  # decode tokens retier has not seen
         self.tier_refusals = 0  # compactions the pool was too short for
         self.finished = FinishedKV()
 
@@ -275,19 +278,33 @@ class KVCacheManager:
                generation: bool) -> None:
         """Algorithm 1 and compaction (`tier_step.retier`) for `slots`, which hold the tokens
         of `slot_tokens` and the `added` ones a step just fed; dispatched, not awaited
-        (`sync_tiers` reads what it did). `rows` and `tokens` are the call's padded shape."""
+        (`sync_tiers` reads what it did). `rows` and `tokens` are the call's padded shape.
+
+        Decode steps (`generation`) are placed together, once a slot has `interval` tokens
+        not yet placed: the pass over every held token's attention is what placement costs,
+        whether one token leaves the window or `interval` do. Tokens a sequence ends with
+        unplaced stay in the high tier. With no slots (warmup) the call runs, to compile."""
+        t = self.tiers
+        if generation and slots:
+            pending = self.unplaced[list(slots)] + 1
+            if pending.max() < t.interval:
+                self.unplaced[list(slots)] = pending
+                return
         n_prev = np.zeros(rows, np.int32)
         index = np.full(rows, self.scratch, np.int32)
         for i, s in enumerate(slots):
-            index[i], n_prev[i] = s, len(self.slot_tokens[s])
-        n = n_prev.copy()
+            index[i], n_prev[i] = s, len(self.slot_tokens[s]) - self.unplaced[s]
+            self.unplaced[s] = 0
+        n = np.asarray([len(self.slot_tokens[s]) for s in slots] + [0] * (rows - len(slots)),
+                       np.int32)
         n[: len(slots)] += np.asarray(added, np.int32)
-        t = self.tiers
         (self.pool, self.meta, self.free, self.tables, self.counts, ok) = tier_step.retier(
             self.pool, self.meta, self.free, self.tables, self.counts, jnp.asarray(index),
             jnp.asarray(n_prev), jnp.asarray(n),
             jnp.asarray([t.alpha_high, t.alpha_low, t.sinks, t.heavy_ratio], jnp.float32),
-            policy=t.name, recent=t.recent_window, max_moves=tokens, generation=generation)
+            policy=t.name, recent=t.recent_window,
+            max_moves=t.interval if generation else tokens + t.interval - 1,
+            generation=generation)
         self.tier_ok.append(ok)
 
     def sync_tiers(self) -> None:
@@ -366,6 +383,7 @@ class KVCacheManager:
             self.counts = tier_step.clear(self.counts, jnp.asarray(mask))
             self.free_pages += self.pages_held(slot)
             self.high[slot], self.low[slot] = 0, 0
+            self.unplaced[slot] = 0
         else:
             held = -(-len(tokens) // self.page_size)
             self.free_pages += (held - kept) * self.cost.heads

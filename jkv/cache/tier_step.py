@@ -3,9 +3,9 @@
 Before a step `grow` gives each row's high tier the pages the step's full pages' tokens
 join; the step writes them and adds every key's significance (`layer_kv.attend`); after it
 `retier` runs Algorithm 1 over every (layer, KV head) of the step's rows at once (a prompt
-chunk: `place` + `compact`, every token that left the recent window; a decode step:
-`place_generation` + `compact_one`, one token and its victims) and moves the K/V and
-metadata of the tokens that changed slots. `clear` empties the tiers of ended sequences.
+chunk: `place`; decode steps: `place_generation`, the tokens that left the recent window
+since the last placement and their victims; then `compact`) and moves the K/V and metadata
+of the tokens that changed slots. `clear` empties the tiers of ended sequences.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jkv.cache.allocator import FreeList, PageTables
-from jkv.cache.eviction import h2o_fates, h2o_generation, streaming_fates, streaming_generation
+from jkv.cache.eviction import h2o_fates, streaming_fates
 from jkv.cache.token_tiers import (
     TierCounts,
     TokenMeta,
     compact,
-    compact_one,
     grow_high,
     move_pages,
     move_tokens,
@@ -58,10 +57,10 @@ def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
     """`policy`'s placement and compaction for the sequences in `slots` [B] (repeats only for
     rows that did not grow, n_prev == n) which grew from n_prev to n [B] tokens: (pool,
     meta, free, tables, counts, ok). `knobs` float32 [4]: alpha_high, alpha_low (leankv),
-    sink tokens (streaming), heavy-hitter ratio (h2o). `generation`: each grew by one token
-    (a decode step); else prompt chunks of at most `max_moves` tokens. When compaction
-    cannot run (the pool is short of the low tier's new pages) nothing changes and ok is
-    False."""
+    sink tokens (streaming), heavy-hitter ratio (h2o). `generation`: they grew by decode
+    steps (Algorithm 1's generation phase), else by a prompt chunk; by at most `max_moves`
+    tokens. When compaction cannot run (the pool is short of the low tier's new pages)
+    nothing changes and ok is False."""
     page = free.page_size
     sub = PageTables(pages=tables.pages[slots], num_pages=tables.num_pages[slots],
                      lengths=tables.lengths[slots], low_pages=tables.low_pages[slots])
@@ -69,28 +68,19 @@ def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
     n_prev, n = n_prev[:, None, None], n[:, None, None]
     alpha_high, alpha_low, sinks, ratio = knobs[0], knobs[1], knobs[2], knobs[3]
     where = dict(page=page, recent=recent)
-    if generation:
-        if policy == "leankv":
-            out, fate, low_out = place_generation(meta, sub.pages, rows, n, **where,
-                                                  alpha_high=alpha_high, alpha_low=alpha_low,
-                                                  sinks=sinks)
-        elif policy == "streaming":
-            out, fate, low_out = streaming_generation(meta, sub.pages, rows, n, **where,
-                                                      sinks=sinks)
-        else:
-            out, fate, low_out = h2o_generation(meta, sub.pages, rows, n, **where, ratio=ratio)
-        free, sub, rows, moves, ok = compact_one(free, sub, rows, out, fate, low_out, page)
+    if policy == "leankv" and generation:
+        fate_hi, fate_lo = place_generation(meta, sub.pages, rows, n_prev, n, **where,
+                                            alpha_high=alpha_high, alpha_low=alpha_low,
+                                            max_moves=max_moves, sinks=sinks)
+    elif policy == "leankv":
+        fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, **where,
+                                 alpha_high=alpha_high, alpha_low=alpha_low, sinks=sinks)
+    elif policy == "streaming":
+        fate_hi, fate_lo = streaming_fates(meta, sub.pages, rows, n_prev, n, **where,
+                                           sinks=sinks)
     else:
-        if policy == "leankv":
-            fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, True, **where,
-                                     alpha_high=alpha_high, alpha_low=alpha_low, sinks=sinks)
-        elif policy == "streaming":
-            fate_hi, fate_lo = streaming_fates(meta, sub.pages, rows, n_prev, n, **where,
-                                               sinks=sinks)
-        else:
-            fate_hi, fate_lo = h2o_fates(meta, sub.pages, rows, n_prev, n, **where, ratio=ratio)
-        free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page,
-                                             max_moves)
+        fate_hi, fate_lo = h2o_fates(meta, sub.pages, rows, n_prev, n, **where, ratio=ratio)
+    free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page, max_moves)
     pool, meta = move_pages(pool, moves, page), move_tokens(meta, moves)
     tables = tables.replace(pages=tables.pages.at[slots].set(sub.pages),
                             num_pages=tables.num_pages.at[slots].set(sub.num_pages),

@@ -33,7 +33,7 @@ from jax import lax
 from jkv.cache.allocator import FreeList, PageTables, allocate, unref
 from jkv.pallas_kernels.kv_pages import NULL_PAGE, KVPages
 
-KEEP, LOW, PRUNE = 0, 1, 2  # a token's fate in `place`
+KEEP, LOW, PRUNE = 0, 1, 2  # a token's fate in `place` and `place_generation`
 
 
 @struct.dataclass
@@ -159,58 +159,74 @@ def _mean(score: jax.Array, pos: jax.Array, n: jax.Array) -> jax.Array:
     return score / jnp.maximum(n[..., None] - pos, 1).astype(jnp.float32)
 
 
-def argmin_among(mean: jax.Array, pos: jax.Array, among: jax.Array) -> jax.Array:
-    """Index of the lowest mean among `among` (ties: the earliest position) per row [...]."""
-    big = jnp.float32(jnp.inf)
-    m = jnp.where(among, mean, big)
-    lowest = m.min(axis=-1, keepdims=True)
-    tied = among & (m == lowest)
-    return jnp.argmin(jnp.where(tied, pos, jnp.iinfo(jnp.int32).max), axis=-1)
-
-
 def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
-          n: jax.Array, prompt: jax.Array, *, page: int, recent: int, alpha_high: jax.Array,
+          n: jax.Array, *, page: int, recent: int, alpha_high: jax.Array,
           alpha_low: jax.Array, sinks: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
-    """Algorithm 1: the fate (KEEP, LOW, PRUNE) of each high slot [..., W * page] and each
-    low slot (KEEP, PRUNE) [..., W * 2 * page] of rows whose sequences grew from n_prev to n
-    tokens ([...], broadcast against the rows).
+    """Algorithm 1's prompt phase: the fate (KEEP, LOW, PRUNE) of each high slot [..., W *
+    page] (and KEEP for each low slot [..., W * 2 * page]) of rows whose sequences grew from
+    n_prev to n tokens ([...], broadcast against the rows) by a prompt chunk.
 
     The candidates are the high tokens that left the recent window, positions in
-    [n_prev - recent, n - recent). Prompt rows (`prompt`) place each candidate i (1-based
-    position) by its mean attention: high above alpha_high / i, low above alpha_low / i,
-    pruned below. Generation rows have one candidate, thresholds alpha / n, and then demote
-    one victim, the least significant token of the tier the candidate joined: high to low
-    or pruned, low to pruned. Tokens at positions below `sinks` are never candidates or
-    victims (attention sinks stay high; 0, the paper's rule, by default).
-    """
+    [n_prev - recent, n - recent). Each candidate i (1-based position) is placed by its mean
+    attention: high above alpha_high / i, low above alpha_low / i, pruned below. Tokens at
+    positions below `sinks` are never candidates (attention sinks stay high; 0, the paper's
+    rule, by default)."""
     rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent, sinks=sinks)
-    hi_mean, hi_pos, hi_held, lo_held, cand = (rows[k] for k in (
-        "hi_mean", "hi_pos", "hi_held", "lo_held", "cand"))
-    prompt = jnp.broadcast_to(prompt, counts.high.shape)[..., None]
-
-    # prompt phase: every candidate against alpha / i
+    hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
     i = (hi_pos + 1).astype(jnp.float32)
-    prompt_fate = jnp.where(hi_mean >= alpha_high / i, KEEP,
-                            jnp.where(hi_mean >= alpha_low / i, LOW, PRUNE))
-
-    # generation phase: the one high token leaving and the one low token pruned, if any
-    out, fate, low_out = _generation(rows, alpha_high, alpha_low)
-    gen_hi = jnp.where(jnp.arange(hi_mean.shape[-1]) == out[..., None], fate[..., None], KEEP)
-    gen_lo = jnp.where(jnp.arange(lo_held.shape[-1]) == low_out[..., None], PRUNE, KEEP)
-
-    fate_hi = jnp.where(prompt, jnp.where(cand, prompt_fate, KEEP), gen_hi)
-    fate_lo = jnp.where(prompt, KEEP, gen_lo)
-    return jnp.where(hi_held, fate_hi, KEEP), jnp.where(lo_held, fate_lo, KEEP)
+    fate = jnp.where(hi_mean >= alpha_high / i, KEEP,
+                     jnp.where(hi_mean >= alpha_low / i, LOW, PRUNE))
+    return jnp.where(cand, fate, KEEP), jnp.full(rows["lo_pos"].shape, KEEP)
 
 
-def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n: jax.Array, *,
-                     page: int, recent: int, alpha_high: jax.Array, alpha_low: jax.Array,
-                     sinks: jax.Array | int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`place` for rows that all grew by one token to n (a decode step), as indices: (the
-    high slot that leaves the high tier or -1, its fate LOW or PRUNE, the low slot pruned or
-    -1), each [...]; `compact_one` applies them."""
-    rows = read_rows(meta, pages, counts, n - 1, n, page=page, recent=recent, sinks=sinks)
-    return _generation(rows, alpha_high, alpha_low)
+def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
+                     n: jax.Array, *, page: int, recent: int, alpha_high: jax.Array,
+                     alpha_low: jax.Array, max_moves: int,
+                     sinks: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
+    """Algorithm 1's generation phase for rows that grew from n_prev to n tokens by decode
+    steps (at most `max_moves`), as `place`'s fates. Each candidate (as in `place`) is placed
+    against alpha / n: high, low or pruned. For each one that stays high the least
+    significant old high token goes down if it is below alpha_high / n (to the low tier, or
+    pruned below alpha_low / n); for each one that joins the low tier the least significant
+    low token is pruned if below alpha_low / n. With every mean as of n this is the
+    algorithm run once per candidate: a victim is never a candidate (one that stays is above
+    alpha_high / n, one that leaves is placed already) and a token joining the low tier is
+    never below alpha_low / n, so the victims are the lowest of fixed sets. Placing the
+    tokens of several steps in one call is the engine's amortization
+    (`kv_placement_interval`); one step's is the paper's."""
+    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent, sinks=sinks)
+    hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
+    lo_mean, lo_pos = rows["lo_mean"], rows["lo_pos"]
+    nf = rows["n"].astype(jnp.float32)[..., None]
+    t_high, t_low = alpha_high / nf, alpha_low / nf
+    fate = jnp.where(hi_mean >= t_high, KEEP, jnp.where(hi_mean >= t_low, LOW, PRUNE))
+    stay = (cand & (fate == KEEP)).sum(-1, dtype=jnp.int32)
+    join = (cand & (fate == LOW)).sum(-1, dtype=jnp.int32)
+    k = min(max_moves, hi_mean.shape[-1])
+    # (alpha_low above alpha_high, which the config refuses: a victim below t_low is pruned)
+    going = hi_mean < jnp.maximum(t_high, t_low)
+    high_victim = lowest(hi_mean, hi_pos, rows["old"] & ~cand & going, stay, k)
+    low_victim = lowest(lo_mean, lo_pos, rows["lo_held"] & (lo_mean < t_low), join, k)
+    fate_hi = jnp.where(cand, fate, jnp.where(high_victim, jnp.where(
+        hi_mean < t_low, PRUNE, LOW), KEEP))
+    return fate_hi, jnp.where(low_victim, PRUNE, KEEP)
+
+
+def lowest(mean: jax.Array, pos: jax.Array, among: jax.Array, count: jax.Array,
+           k: int) -> jax.Array:
+    """Mask of the `count` [...] (at most k, static) entries of `among` [..., C] with the
+    lowest mean, ties to the earliest position; all of `among` when it has fewer."""
+    m = jnp.where(among, mean, jnp.inf)
+    smallest = -lax.top_k(-m, k)[0]  # ascending
+    at = jnp.clip(count - 1, 0, k - 1)[..., None]
+    cut = jnp.where(count[..., None] > 0, jnp.take_along_axis(smallest, at, -1), -jnp.inf)
+    below = among & (m < cut)
+    tied = among & (m == cut)
+    need = count - below.sum(-1, dtype=jnp.int32)  # of the tied, the earliest
+    big = jnp.iinfo(jnp.int32).max
+    first = -lax.top_k(-jnp.where(tied, pos, big), k)[0]
+    last = jnp.take_along_axis(first, jnp.clip(need - 1, 0, k - 1)[..., None], -1)
+    return below | (tied & (pos <= last) & (need > 0)[..., None])
 
 
 def read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
@@ -229,34 +245,6 @@ def read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax
                 lo_mean=_mean(lo_score, lo_pos, n), lo_pos=lo_pos,
                 lo_held=jnp.arange(lo_pos.shape[-1]) < counts.low[..., None], n=n,
                 old=hi_held & old, cand=hi_held & old & (hi_pos >= (n_prev - recent)[..., None]))
-
-
-def _generation(rows: dict, alpha_high: jax.Array,
-                alpha_low: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Algorithm 1 for one candidate c per row against alpha / n, then one victim: (the high
-    slot leaving or -1, its fate, the low slot pruned or -1)."""
-    hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
-    lo_mean, lo_held = rows["lo_mean"], rows["lo_held"]
-    nf = rows["n"].astype(jnp.float32)
-    t_high, t_low = alpha_high / nf, alpha_low / nf
-    has_c = cand.any(axis=-1)
-    c = jnp.argmax(cand, axis=-1).astype(jnp.int32)
-    c_mean = jnp.take_along_axis(hi_mean, c[..., None], -1)[..., 0]
-    c_fate = jnp.where(c_mean >= t_high, KEEP, jnp.where(c_mean >= t_low, LOW, PRUNE))
-    # c stays high: the least significant old high token (c included) may go down
-    hv = argmin_among(hi_mean, hi_pos, rows["old"])
-    hv_mean = jnp.take_along_axis(hi_mean, hv[..., None], -1)[..., 0]
-    hv_fate = jnp.where((t_low <= hv_mean) & (hv_mean < t_high), LOW,  # lines 8-11
-                        jnp.where(hv_mean < t_low, PRUNE, KEEP))
-    # c joins the low tier: the least significant low token goes if below alpha_low / n (c,
-    # at least that significant, never is)
-    lv = argmin_among(lo_mean, rows["lo_pos"], lo_held)
-    lv_mean = jnp.take_along_axis(lo_mean, lv[..., None], -1)[..., 0]
-    prune_lv = has_c & (c_fate == LOW) & lo_held.any(axis=-1) & (lv_mean < t_low)
-    stays = c_fate == KEEP
-    out = jnp.where(has_c & ~stays, c, jnp.where(has_c & stays & (hv_fate != KEEP), hv, -1))
-    fate = jnp.where(stays, hv_fate, c_fate)
-    return out, fate, jnp.where(prune_lv, lv, -1)
 
 
 def _first(mask: jax.Array, k: int) -> jax.Array:
@@ -290,13 +278,14 @@ def _addresses(pages: jax.Array, slots: jax.Array, page: int, low: bool) -> jax.
 def compact(free: FreeList, tables: PageTables, counts: TierCounts, fate_hi: jax.Array,
             fate_lo: jax.Array, page: int, max_moves: int) -> tuple[
                 FreeList, PageTables, TierCounts, TierMoves, jax.Array]:
-    """Apply `place`'s fates: demoted tokens join the low tier, pruned ones go, both tiers
-    end dense (the tier's last tokens fill the holes), emptied pages drop their reference and
-    the low tier takes the pages it grows by. A row may lose at most `max_moves` tokens per
-    tier (static: 1 in a generation step, which moves one token at most, the prompt chunk's
-    length in a prompt step), so moves and page changes are [..., max_moves]-sized. Returns
-    (free, tables, counts, moves, ok); when a row would lose more, the pool cannot give the
-    low pages or a row's two sides would meet, nothing changes and ok is False."""
+    """Apply `place`'s or `place_generation`'s fates: demoted tokens join the low tier,
+    pruned ones go, both tiers end dense (the tier's last tokens fill the holes), emptied
+    pages drop their reference and the low tier takes the pages it grows by. A row may lose
+    at most `max_moves` tokens per tier (static: the most tokens the rows grew by since
+    their last placement, each of which takes at most one victim along), so moves and page
+    changes are [..., max_moves]-sized. Returns (free, tables, counts, moves, ok); when a
+    row would lose more, the pool cannot give the low pages or a row's two sides would
+    meet, nothing changes and ok is False."""
     lead = counts.high.shape
     w = tables.pages.shape[-1]
     k = max_moves
@@ -363,61 +352,6 @@ def compact(free: FreeList, tables: PageTables, counts: TierCounts, fate_hi: jax
         low_dst=_addresses(new_rows, lo_holes, page, True),
     )
     moves = TierMoves(*(jnp.where(ok, m, -1).reshape(*lead, k) for m in moves))
-    new_counts = TierCounts(high=new_hi.reshape(lead), low=new_lo.reshape(lead))
-    pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
-    return (pick(new_free, free), pick(new_tables, tables), pick(new_counts, counts), moves,
-            ok)
-
-
-def compact_one(free: FreeList, tables: PageTables, counts: TierCounts, out: jax.Array,
-                fate: jax.Array, low_out: jax.Array, page: int) -> tuple[
-                    FreeList, PageTables, TierCounts, TierMoves, jax.Array]:
-    """`compact` of a decode step's decisions (`place_generation`) in O(rows): at most one
-    high token leaves each row (demoted or pruned) and one low token is pruned; the tier's
-    last token fills the hole. The same result as `compact(..., max_moves=1)` on the same
-    decisions, without a pass over every slot."""
-    lead = counts.high.shape
-    w = tables.pages.shape[-1]
-    rows = tables.pages.reshape(-1, w)
-    hi, lo = counts.high.reshape(-1), counts.low.reshape(-1)
-    out, fate, low_out = out.reshape(-1), fate.reshape(-1), low_out.reshape(-1)
-    leaves, prune = out >= 0, low_out >= 0
-    demote = leaves & (fate == LOW)
-    new_hi = hi - leaves
-    new_lo = lo - prune + demote
-    hi_move = leaves & (out != hi - 1)  # the last high token fills the hole
-    lo_move = prune & ~demote & (low_out != lo - 1)  # else the demoted token fills it
-
-    old_hp, old_lp = tables.num_pages.reshape(-1), tables.low_pages.reshape(-1)
-    new_hp = (new_hi + page - 1) // page
-    new_lp = (new_lo + 2 * page - 1) // (2 * page)
-    hi_col, lo_col = jnp.clip(new_hp, 0, w - 1), jnp.clip(w - 1 - new_lp, 0, w - 1)
-    hi_gone, lo_gone = new_hp < old_hp, new_lp < old_lp
-    r = jnp.arange(rows.shape[0])
-    gone = jnp.stack([jnp.where(hi_gone, rows[r, hi_col], NULL_PAGE),
-                      jnp.where(lo_gone, rows[r, lo_col], NULL_PAGE)], -1)
-    fits = (new_hp + new_lp <= w).all()
-    grow = fits & (new_lp > old_lp)
-    new_free, ids, ok = allocate(unref(free, gone), grow.astype(jnp.int32), 1)
-    ok = ok & fits
-    new_rows = rows.at[r, jnp.where(hi_gone, hi_col, w)].set(NULL_PAGE, mode="drop")
-    new_rows = new_rows.at[r, jnp.where(lo_gone, lo_col, w)].set(NULL_PAGE, mode="drop")
-    grown_col = jnp.clip(w - 1 - old_lp, 0, w - 1)
-    new_rows = new_rows.at[r, jnp.where(grow, grown_col, w)].set(ids[:, 0], mode="drop")
-    new_tables = tables.replace(pages=new_rows.reshape(tables.pages.shape),
-                                num_pages=new_hp.reshape(lead), low_pages=new_lp.reshape(lead))
-
-    one = lambda x: x[:, None]  # noqa: E731
-    moves = TierMoves(
-        high_src=_addresses(rows, one(jnp.where(hi_move, hi - 1, -1)), page, False),
-        high_dst=_addresses(rows, one(jnp.where(hi_move, out, -1)), page, False),
-        demote_src=_addresses(rows, one(jnp.where(demote, out, -1)), page, False),
-        demote_dst=_addresses(new_rows, one(jnp.where(demote, jnp.where(prune, low_out, lo),
-                                                      -1)), page, True),
-        low_src=_addresses(rows, one(jnp.where(lo_move, lo - 1, -1)), page, True),
-        low_dst=_addresses(new_rows, one(jnp.where(lo_move, low_out, -1)), page, True),
-    )
-    moves = TierMoves(*(jnp.where(ok, m, -1).reshape(*lead, 1) for m in moves))
     new_counts = TierCounts(high=new_hi.reshape(lead), low=new_lo.reshape(lead))
     pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
     return (pick(new_free, free), pick(new_tables, tables), pick(new_counts, counts), moves,

@@ -77,6 +77,39 @@ def quantize_codes(x: jax.Array, lo: jax.Array, hi: jax.Array,
     return codes, scale, zero
 
 
+# Four levels spread from a group's minimum to its maximum leave most values far from the
+# middle two. For 2-bit codes two narrower ranges around the group's midpoint are tried as
+# well and the one that reconstructs the group best is kept. Chosen on SmolLM2's calibration
+# documents (kv_fidelity --docs calibration): none:k4v2t +2.95% -> +1.77% perplexity, leankv
+# +0.78% -> +0.65%; ratios down to 0.5 (near the least squared error on Gaussian values)
+# did worse there (+1.88%, +0.76%).
+CLIP_RATIOS = (0.9, 0.8)
+
+
+def group_range(g: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """The range (lo, hi) [..., 1] that groups g float32 [..., group] are quantized over:
+    min and max, or for 2-bit codes the best of those and the `CLIP_RATIOS` narrowings.
+    Shared with the quantize-and-write kernel."""
+    lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
+    if bits > 2:
+        return lo, hi
+
+    def error(a: jax.Array, b: jax.Array) -> jax.Array:
+        codes, scale, zero = quantize_codes(g, a, b, bits)
+        y = codes.astype(jnp.float32) * scale.astype(jnp.float32) + zero.astype(jnp.float32)
+        return ((y - g) * (y - g)).sum(axis=-1, keepdims=True)
+
+    mid, half = (lo + hi) * 0.5, (hi - lo) * 0.5
+    best = error(lo, hi)
+    for f in CLIP_RATIOS:
+        a, b = mid - half * f, mid + half * f
+        err = error(a, b)
+        better = err < best
+        lo, hi, best = (jnp.where(better, a, lo), jnp.where(better, b, hi),
+                        jnp.where(better, err, best))
+    return lo, hi
+
+
 def quantize_keys(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Keys [..., page, D] -> (packed [..., page, Dp], scale [..., D], zero [..., D])."""
     xf = x.astype(jnp.float32)
@@ -92,8 +125,8 @@ def quantize_values(x: jax.Array, bits: int,
     if d % group:
         raise ValueError(f"value group {group} does not divide head_dim {d}")
     xf = x.astype(jnp.float32).reshape(*lead, d // group, group)
-    lo, hi = xf.min(axis=-1), xf.max(axis=-1)
-    codes, scale, zero = quantize_codes(xf, lo[..., None], hi[..., None], bits)
+    lo, hi = group_range(xf, bits)
+    codes, scale, zero = quantize_codes(xf, lo, hi, bits)
     return pack(codes.reshape(*lead, d), bits), scale[..., 0], zero[..., 0]
 
 

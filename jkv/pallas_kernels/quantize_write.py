@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.kv_quant import codes_per_byte, quantize_codes
+from jkv.pallas_kernels.kv_quant import codes_per_byte, group_range, quantize_codes
 
 
 def _write_keys(src_ref, pid, out_ref, scale_ref, zero_ref, bits: int) -> None:
@@ -55,7 +55,7 @@ def _write_values(src_ref, pid, out_ref, scale_ref, zero_ref, bits: int, group: 
         # whole groups (a group may span several parts): statistics per (token, group)
         g = src_ref[:, pl.ds(first_group * group, n * group)].astype(jnp.float32)
         g = g.reshape(page, n, group)
-        lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)  # [page, n, 1]
+        lo, hi = group_range(g, bits)  # [page, n, 1]
         x = src_ref[:, pl.ds(i * dp, dp)].astype(jnp.float32).reshape(page, n, width)
         codes, scale, zero = quantize_codes(x, lo, hi, bits)
         codes = codes.reshape(page, dp)
