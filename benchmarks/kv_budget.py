@@ -8,8 +8,10 @@ sequences of prompt + generated tokens (a float32 model's `none:bf16` pool gets 
 bytes, so it holds what bf16 pages would). `--requests` requests (prompts of `--prompt` tokens
 cut from this machine's Python sources, `--generate` tokens each, EOS ignored) go in at once;
 the scheduler admits what fits. Reported per configuration: the most sequences running at
-once, decode tokens per second over the steps that only decoded, the whole run's generated
-tokens per second, preemptions, and KV bytes per token as sequences ended. Writes
+once and the mean over the run's steps (a pool admitted on current lengths preempts later:
+the mean is what it sustains), decode tokens per second over the steps that only decoded,
+the whole run's generated tokens per second, preemptions, and KV bytes per token as
+sequences ended. Writes
 benchmarks/results/kv_budget-<device>-<date>.json and prints a table.
 """
 
@@ -103,15 +105,18 @@ def main() -> None:
                                               ignore_eos=True)) for p in ps]
         for r in requests:
             sched.add(r)
-        peak, t0 = 0, time.perf_counter()
+        peak, running, t0 = 0, [], time.perf_counter()
         with tqdm(total=args.requests * args.generate, desc=text, unit="tok", leave=False) as bar:
             while sched.num_unfinished:
                 sched.step()
-                peak = max(peak, sched.snapshot()["num_requests_running"])
+                now = sched.snapshot()["num_requests_running"]
+                peak = max(peak, now)
+                running.append(now)
                 bar.update(sum(len(r.output) for r in requests) - bar.n)
         seconds = time.perf_counter() - t0
         stats, st = sched.snapshot(), engine.stats
-        rows[text] = {"peak_sequences": peak, "kv_cache_bytes": cache.kv_cache_bytes,
+        rows[text] = {"peak_sequences": peak, "mean_sequences": sum(running) / len(running),
+                      "kv_cache_bytes": cache.kv_cache_bytes,
                       "decode_tokens_per_s": st.decode_tokens / max(st.decode_seconds, 1e-9),
                       "generated_tokens_per_s": args.requests * args.generate / seconds,
                       "seconds": seconds, "preemptions": stats["preemptions"],
@@ -121,12 +126,12 @@ def main() -> None:
     base = next(iter(rows.values()))
     print(f"\nKV budget {budget / 2**20:.1f} MiB of bf16 pages ({args.budget_seqs} sequences of "
           f"{seq} tokens); {args.requests} requests\n")
-    print("| config | peak seqs | x first | decode tok/s | x first | run tok/s | preempt | "
-          "bytes/token |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | peak seqs | mean seqs | x first | decode tok/s | x first | run tok/s | "
+          "preempt | bytes/token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for text, r in rows.items():
-        print(f"| {text} | {r['peak_sequences']} | "
-              f"{r['peak_sequences'] / base['peak_sequences']:.2f} | "
+        print(f"| {text} | {r['peak_sequences']} | {r['mean_sequences']:.1f} | "
+              f"{r['mean_sequences'] / base['mean_sequences']:.2f} | "
               f"{r['decode_tokens_per_s']:.1f} | "
               f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f} | "
               f"{r['generated_tokens_per_s']:.1f} | {r['preemptions']} | "
