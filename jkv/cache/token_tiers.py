@@ -205,14 +205,14 @@ def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_pr
     k = min(max_moves, hi_mean.shape[-1])
     # (alpha_low above alpha_high, which the config refuses: a victim below t_low is pruned)
     going = hi_mean < jnp.maximum(t_high, t_low)
-    high_victim = lowest(hi_mean, hi_pos, rows["old"] & ~cand & going, stay, k)
-    low_victim = lowest(lo_mean, lo_pos, rows["lo_held"] & (lo_mean < t_low), join, k)
+    high_victim = _lowest(hi_mean, hi_pos, rows["old"] & ~cand & going, stay, k)
+    low_victim = _lowest(lo_mean, lo_pos, rows["lo_held"] & (lo_mean < t_low), join, k)
     fate_hi = jnp.where(cand, fate, jnp.where(high_victim, jnp.where(
         hi_mean < t_low, PRUNE, LOW), KEEP))
     return fate_hi, jnp.where(low_victim, PRUNE, KEEP)
 
 
-def lowest(mean: jax.Array, pos: jax.Array, among: jax.Array, count: jax.Array,
+def _lowest(mean: jax.Array, pos: jax.Array, among: jax.Array, count: jax.Array,
            k: int) -> jax.Array:
     """Mask of the `count` [...] (at most k, static) entries of `among` [..., C] with the
     lowest mean, ties to the earliest position; all of `among` when it has fewer."""
