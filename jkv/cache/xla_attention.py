@@ -112,8 +112,14 @@ def xla_attention(
     if block_q is None:  # about 384 rows of queries per window block, at most 8 blocks
         block_q = max(1 << max(0, round(math.log2(max(384 // g, 1)))), -(-t // 8))
     block_q = min(1 << (block_q - 1).bit_length(), 1 << (t - 1).bit_length())
-    if block_k is None:  # the pages take all queries at once: bigger blocks for fewer rows
-        block_k = 512 if -(-t // block_q) * block_q * g <= 64 else 256
+    if block_k is None:  # the pages take all queries at once
+        if -(-t // block_q) * block_q * g <= 64:
+            # few rows (decode): a block's float32 keys near 1 MiB or less, at most 128 tokens
+            # (on a 2-core CPU, 512-token blocks ran 1.5x to 3.5x slower at batch 4 to 32,
+            # most with two tiers: each tier's last block is masked)
+            block_k = max(64, min(128, 1 << ((1 << 18) // (b * hkv * d)).bit_length() - 1))
+        else:
+            block_k = 256
     if block_w is None:  # window tokens past a query block's span (outside the engine)
         block_w = 64
 
