@@ -114,10 +114,10 @@ def xla_attention(
     block_q = min(1 << (block_q - 1).bit_length(), 1 << (t - 1).bit_length())
     if block_k is None:  # the pages take all queries at once
         if -(-t // block_q) * block_q * g <= 64:
-            # few rows (decode): a block's float32 keys near 1 MiB or less, at most 128 tokens
-            # (on a 2-core CPU, 512-token blocks ran 1.5x to 3.5x slower at batch 4 to 32,
-            # most with two tiers: each tier's last block is masked)
-            block_k = max(64, min(128, 1 << ((1 << 18) // (b * hkv * d)).bit_length() - 1))
+            # few rows (decode): 128 tokens while a block's float32 keys stay within 1 MiB,
+            # else 64 (on a 2-core CPU, 512-token blocks ran 1.3x to 4x slower at batch 4 to
+            # 32, most with two tiers, whose last blocks are masked: benchmarks/xla_blocks.py)
+            block_k = 128 if b * hkv * 128 * d * 4 <= 1 << 20 else 64
         else:
             block_k = 256
     if block_w is None:  # window tokens past a query block's span (outside the engine)
