@@ -290,14 +290,12 @@ class KVCacheManager:
             if pending.max() < t.interval:
                 self.unplaced[list(slots)] = pending
                 return
-        n_prev = np.zeros(rows, np.int32)
+        n_prev, n = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         index = np.full(rows, self.scratch, np.int32)
-        for i, s in enumerate(slots):
-            index[i], n_prev[i] = s, len(self.slot_tokens[s]) - self.unplaced[s]
+        for i, (s, a) in enumerate(zip(slots, added, strict=True)):
+            held = len(self.slot_tokens[s])
+            index[i], n_prev[i], n[i] = s, held - self.unplaced[s], held + a
             self.unplaced[s] = 0
-        n = np.asarray([len(self.slot_tokens[s]) for s in slots] + [0] * (rows - len(slots)),
-                       np.int32)
-        n[: len(slots)] += np.asarray(added, np.int32)
         (self.pool, self.meta, self.free, self.tables, self.counts, ok) = tier_step.retier(
             self.pool, self.meta, self.free, self.tables, self.counts, jnp.asarray(index),
             jnp.asarray(n_prev), jnp.asarray(n),
