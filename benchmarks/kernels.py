@@ -80,13 +80,12 @@ def splits_for(batch: int, width: int, ppb: int, programs: int = 264) -> int:
 
 
 def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int, num_warps: int = 4,
-               num_stages: int = 2, formats: list[str] = FORMATS,
-               baselines: bool = True) -> list[dict]:
+               num_stages: int = 2) -> list[dict]:
     q, k, v, table, lengths = make_inputs(rng, batch, context)
     width = table.shape[-1]
     splits = splits_for(batch, width, ppb)
     rows = []
-    for fmt in formats:
+    for fmt in FORMATS:
         f = KV_FORMATS[fmt]
         pages = KVPages.from_dense(k, v, KVFormat(f.k_bits, f.v_bits, GROUP))
         fn = jax.jit(functools.partial(paged_decode_attention, k_splits=splits,
@@ -97,10 +96,9 @@ def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int, num_war
                      "num_stages": num_stages, "pages_per_block": ppb,
                      "kv_bytes": kv_bytes(fmt, batch * context, batch * width)})
         del pages
-    if not baselines:
-        return rows
     if not interpret:
-        rows += bench_jax_baseline(q, k, v, table, batch, context, ppb)
+        rows += [r for r in bench_jax_baseline(q, k, v, table, batch, context, [ppb])
+                 if r.get("best")]
     xla = jax.jit(functools.partial(paged_decode_attention_reference, dtype=jnp.bfloat16))
     t = timeit(xla, q, KVPages(k, v), table, lengths)
     rows.append({"impl": "xla bf16", "seconds": t, "kv_bytes": kv_bytes("bf16", batch * context,
@@ -108,8 +106,11 @@ def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int, num_war
     return rows
 
 
-def bench_jax_baseline(q, k, v, table, batch: int, context: int, ppb: int) -> list[dict]:
-    """jax.experimental.pallas.ops.gpu.paged_attention: head-major pages, one table per row."""
+def bench_jax_baseline(q, k, v, table, batch: int, context: int, ppbs: list[int],
+                       deadline: float = math.inf) -> list[dict]:
+    """jax.experimental.pallas.ops.gpu.paged_attention: head-major pages, one table per row,
+    each row's pages adjacent. bf16 at every pages-per-block x split setting (the best
+    marked), int8 at bf16's best."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     width = table.shape[-1]
@@ -118,33 +119,144 @@ def bench_jax_baseline(q, k, v, table, batch: int, context: int, ppb: int) -> li
     vh = v[table].transpose(1, 0, 2, 3, 4).reshape(HKV, batch * width, PAGE, D)
     tables = jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
     lengths = jnp.full((batch,), context, jnp.int32)
-    splits = splits_for(batch, width, ppb)
     qs = q / math.sqrt(D)
+    nbytes = kv_bytes("bf16", batch * context, batch * width)
     rows = []
-    fn = jax.jit(functools.partial(paged_attention, pages_per_compute_block=ppb, k_splits=splits))
-    rows.append({"impl": "jax paged_attention bf16", "seconds": timeit(fn, qs, kh, vh, tables,
-                                                                        lengths),
-                 "kv_bytes": kv_bytes("bf16", batch * context, batch * width)})
+    for ppb in ppbs:
+        for splits in split_options(batch, width, ppb):
+            if time.perf_counter() > deadline:
+                break
+            fn = jax.jit(functools.partial(paged_attention, pages_per_compute_block=ppb,
+                                           k_splits=splits))
+            rows.append({"impl": "jax paged_attention bf16", "pages_per_block": ppb,
+                         "k_splits": splits, "table": "contiguous", "kv_bytes": nbytes,
+                         "seconds": timeit(fn, qs, kh, vh, tables, lengths)})
+    if not rows:
+        return rows
+    top = min(rows, key=lambda r: r["seconds"])
+    top["best"] = True
+    if time.perf_counter() > deadline:
+        return rows
+    fn = jax.jit(functools.partial(paged_attention, pages_per_compute_block=top[
+        "pages_per_block"], k_splits=top["k_splits"]))
     ks = jnp.abs(kh).max(-1) / 127
     vs = jnp.abs(vh).max(-1) / 127
     k8 = jnp.round(kh / ks[..., None]).astype(jnp.int8)
     v8 = jnp.round(vh / vs[..., None]).astype(jnp.int8)
     t = timeit(fn, qs, k8, v8, tables, lengths, ks.astype(jnp.float32), vs.astype(jnp.float32))
-    rows.append({"impl": "jax paged_attention int8", "seconds": t,
+    rows.append({"impl": "jax paged_attention int8", "pages_per_block": top["pages_per_block"],
+                 "k_splits": top["k_splits"], "table": "contiguous", "best": True, "seconds": t,
                  "kv_bytes": int(HKV * batch * context * (2 * D + 8))})
     return rows
 
 
-def sweep(rng, batch: int, context: int, interpret: bool) -> None:
-    print(f"{'warps':>5} {'stages':>6} {'ppb':>4} " + "".join(f"{f:>10}" for f in FORMATS)
-          + "   (microseconds)")
-    for warps in (4, 8):
-        for stages in (1, 2, 3):
-            for ppb in (4, 8, 16):
-                rows = bench_case(rng, batch, context, interpret, ppb, warps, stages,
-                                  baselines=False)
-                print(f"{warps:>5} {stages:>6} {ppb:>4} "
-                      + "".join(f"{r['seconds'] * 1e6:>10.1f}" for r in rows), flush=True)
+def split_options(batch: int, width: int, ppb: int) -> list[int]:
+    """Split-K factors around `splits_for`'s choice (half, it, double) that divide the row."""
+    s = splits_for(batch, width, ppb)
+    return sorted({x for x in (max(1, s // 2), s, 2 * s)
+                   if x * ppb <= width and width % (x * ppb) == 0})
+
+
+def rel_err(fn, q, pages, table, lengths, rows: int = 4) -> float:
+    """||kernel - float32 reference|| / ||reference|| on the first `rows` sequences."""
+    q, table, lengths = q[:rows], table[:rows], lengths[:rows]
+    out = fn(q, pages, table, lengths).astype(jnp.float32)
+    ref = paged_decode_attention_reference(q, pages, table, lengths)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def tune_shape(rng, batch: int, context: int, interpret: bool, full: bool,
+               deadline: float) -> list[dict]:
+    """Every setting of the decode kernel at one shape, per format, beside JAX's kernel and
+    the xla path: rows with "setting" (all timed) and "best" (fastest per impl) marks.
+
+    bf16 runs the whole grid (pages per block x split-K x warps x stages; `full` shapes add
+    8 warps and 3 stages), then its best setting again with a contiguous page table (each
+    row's pages adjacent, as JAX's kernel is given them) to separate scattered-page cost from
+    kernel cost. Quantized formats run pages per block x warps at the best split.
+    """
+    q, k, v, table, lengths = make_inputs(rng, batch, context)
+    width = table.shape[-1]
+    contiguous = 1 + jnp.arange(batch * HKV * width, dtype=jnp.int32).reshape(table.shape)
+    base = {"batch": batch, "context": context}
+    rows: list[dict] = []
+
+    def timed(impl, fmt, fn, args, setting, table_kind="scattered"):
+        if time.perf_counter() > deadline:
+            return None
+        row = base | {"impl": impl, "table": table_kind, **setting,
+                      "seconds": timeit(fn, *args), "kv_bytes": kv_bytes(fmt, batch * context,
+                                                                         batch * width)}
+        rows.append(row)
+        return row
+
+    def kernel(setting):
+        return jax.jit(functools.partial(paged_decode_attention, interpret=interpret, **setting))
+
+    ppbs = [p for p in (4, 8, 16) if width % p == 0 and (interpret or p * PAGE >= 16)]
+    warps = (4, 8) if full else (4,)
+    stages = (2, 3) if full else (2,)
+    best: dict[str, dict] = {}
+    for fmt in FORMATS:
+        f = KV_FORMATS[fmt]
+        pages = KVPages.from_dense(k, v, KVFormat(f.k_bits, f.v_bits, GROUP))
+        if fmt == "bf16":
+            grid = [dict(pages_per_block=p, k_splits=s, num_warps=w, num_stages=st)
+                    for p in ppbs for s in split_options(batch, width, p) for w in warps
+                    for st in stages]
+        elif full:  # around bf16's best split and stages: pages per block x warps
+            b0 = best.get("jkv bf16") or dict(k_splits=1, num_stages=2)
+            grid = [dict(pages_per_block=p, k_splits=min(b0["k_splits"], width // p),
+                         num_warps=w, num_stages=b0["num_stages"])
+                    for p in ppbs if p >= 8 for w in warps]
+        else:  # small shapes: bf16's best setting
+            b0 = best.get("jkv bf16")
+            grid = [{k_: b0[k_] for k_ in ("pages_per_block", "k_splits", "num_warps",
+                                            "num_stages")}] if b0 else []
+        timed_rows = [r for r in (timed(f"jkv {fmt}", fmt, kernel(g), (q, pages, table, lengths),
+                                        g) for g in grid) if r]
+        if timed_rows:
+            top = min(timed_rows, key=lambda r: r["seconds"])
+            setting = {key: top[key] for key in ("pages_per_block", "k_splits", "num_warps",
+                                                 "num_stages")}
+            top["best"] = True
+            top["rel_err"] = rel_err(kernel(setting), q, pages, table, lengths)
+            best[f"jkv {fmt}"] = top
+            if fmt == "bf16":
+                timed("jkv bf16", fmt, kernel(setting), (q, pages, contiguous, lengths),
+                      setting, "contiguous")
+        del pages
+    if not interpret:
+        rows += [base | r for r in bench_jax_baseline(
+            q, k, v, table, batch, context, [p for p in ppbs if p >= 8 or not full][-2:],
+            deadline)]
+    if time.perf_counter() < deadline:
+        xla = jax.jit(functools.partial(paged_decode_attention_reference, dtype=jnp.bfloat16))
+        rows.append(base | {"impl": "xla bf16", "table": "scattered", "best": True,
+                            "seconds": timeit(xla, q, KVPages(k, v), table, lengths),
+                            "kv_bytes": kv_bytes("bf16", batch * context, batch * width)})
+    return rows
+
+
+def summarize_tuning(rows: list[dict], copy_bw: float) -> None:
+    """Per shape: the best setting of each impl, its share of copy bandwidth, its speed
+    against jkv bf16 and (quantized formats) the 0.85 x byte-ratio target."""
+    print(f"{'batch':>5} {'ctx':>6} {'impl':<26}{'table':>11}{'ppb':>4}{'spl':>4}{'w':>3}"
+          f"{'st':>3}{'us':>9}{'of copy':>8}{'vs bf16':>8}{'target':>7}{'err':>9}")
+    for shape in dict.fromkeys((r["batch"], r["context"]) for r in rows):
+        here = [r for r in rows if (r["batch"], r["context"]) == shape]
+        bf16 = next((r for r in here if r["impl"] == "jkv bf16" and r.get("best")), None)
+        shown = [r for r in here if r.get("best") or r["table"] == "contiguous"]
+        for r in shown:
+            speed = bf16["seconds"] / r["seconds"] if bf16 else math.nan
+            target = (0.85 * bf16["kv_bytes"] / r["kv_bytes"]
+                      if bf16 and r["impl"].startswith("jkv") and r["impl"] != "jkv bf16"
+                      else math.nan)
+            print(f"{shape[0]:>5} {shape[1]:>6} {r['impl']:<26}{r['table']:>11}"
+                  f"{r.get('pages_per_block', ''):>4}{r.get('k_splits', ''):>4}"
+                  f"{r.get('num_warps', ''):>3}{r.get('num_stages', ''):>3}"
+                  f"{r['seconds'] * 1e6:>9.1f}{r['kv_bytes'] / r['seconds'] / copy_bw:>8.2f}"
+                  f"{speed:>7.2f}x{target:>6.2f}x{r.get('rel_err', math.nan):>9.1e}")
 
 
 def main() -> None:
@@ -158,8 +270,12 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, default=4, help="Triton warps per program")
     ap.add_argument("--num-stages", type=int, default=2, help="Triton pipeline stages")
     ap.add_argument("--sweep", action="store_true",
-                    help="time kernel variants (warps x stages x pages per block) at one size "
-                         "(the first batch and context) instead of the full table")
+                    help="tune instead: every kernel setting (pages per block x split-K x warps "
+                         "x stages) per shape and format, largest shapes first, JAX's kernel at "
+                         "each of its settings; the best per shape is marked and tabulated")
+    ap.add_argument("--budget-s", type=float, default=math.inf,
+                    help="with --sweep: stop starting new settings after this many seconds "
+                         "(the JSON keeps what was timed)")
     args = ap.parse_args()
     interpret = args.smoke or jax.default_backend() == "cpu"
     batches = [1, 2] if args.smoke else [int(x) for x in args.batches.split(",")]
@@ -168,10 +284,41 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     copy_bw = copy_bandwidth(1 << 20 if args.smoke else 2 << 30)
     rng = np.random.default_rng()
-    if args.sweep:
-        sweep(rng, batches[0], contexts[0], interpret)
-        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "cpu-smoke" if args.smoke else device.replace(" ", "_")
+    stem = f"kernels{'-sweep' if args.sweep else ''}-{name}-{datetime.date.today().isoformat()}"
+    path = out / f"{stem}.json"
+    header = {"benchmark": "kernels-sweep" if args.sweep else "kernels",
+              "date": datetime.date.today().isoformat(), "device": device,
+              "jax": jax.__version__, "copy_bytes_per_s": copy_bw, "shape": {
+                  "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page": PAGE, "group": GROUP,
+                  "pages_per_block": None if args.sweep else ppb}}
     results = []
+    if args.sweep:
+        deadline = time.perf_counter() + args.budget_s
+        # the shapes of the bandwidth targets first, largest first; then the rest smallest
+        # first (more of them fit a budget)
+        big = 64 * 8192
+        shapes = sorted(((b, c) for b in batches for c in contexts),
+                        key=lambda x: -x[0] * x[1] if x[0] * x[1] >= big else x[0] * x[1])
+        for batch, context in tqdm(shapes, desc="shapes"):
+            if time.perf_counter() > deadline:
+                break
+            full = batch * context >= big
+            rows = tune_shape(rng, batch, context, interpret, full, deadline)
+            for r in rows:
+                r["bytes_per_s"] = r["kv_bytes"] / r["seconds"]
+                r["fraction_of_copy"] = r["bytes_per_s"] / copy_bw
+            results += rows
+            # written after every shape: a run cut short keeps what it measured
+            best = [r for r in results if r.get("best") or r["table"] == "contiguous"]
+            path.write_text(json.dumps(header | {"results": best, "sweep": results},
+                                       indent=2) + "\n")
+        print(f"\n{device}, jax {jax.__version__}, copy bandwidth {copy_bw / 1e9:.1f} GB/s")
+        summarize_tuning(results, copy_bw)
+        print(f"wrote {path}; plot it with: python benchmarks/plot_kernels.py {path}")
+        return
     for batch in tqdm(batches, desc="batch"):
         for context in tqdm(contexts, desc="context", leave=False):
             for row in bench_case(rng, batch, context, interpret, ppb, args.num_warps,
@@ -189,15 +336,7 @@ def main() -> None:
         speed = base[(r["batch"], r["context"])] / r["seconds"]
         print(f"{r['batch']:>5} {r['context']:>6} {r['impl']:<26}{r['seconds'] * 1e6:>10.1f}"
               f"{r['bytes_per_s'] / 1e9:>9.1f}{r['fraction_of_copy']:>9.2f}{speed:>8.2f}x")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "cpu-smoke" if args.smoke else device.replace(" ", "_")
-    path = out / f"kernels-{name}-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps({
-        "benchmark": "kernels", "date": datetime.date.today().isoformat(), "device": device,
-        "jax": jax.__version__, "copy_bytes_per_s": copy_bw, "shape": {
-            "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page": PAGE, "group": GROUP,
-            "pages_per_block": ppb}, "results": results}, indent=2) + "\n")
+    path.write_text(json.dumps(header | {"results": results}, indent=2) + "\n")
     print(f"wrote {path}; plot it with: python benchmarks/plot_kernels.py {path}")
 
 

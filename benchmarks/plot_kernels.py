@@ -17,11 +17,17 @@ COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b0
           "#ff9da7", "#9c755f", "#bab0ac"]
 
 
+def label(row: dict) -> str:
+    """The bar's name: the impl, and the page-table layout where a sweep timed it adjacent."""
+    return row["impl"] + (" (adjacent pages)" if row.get("table") == "contiguous"
+                          and row["impl"].startswith("jkv") else "")
+
+
 def svg(result: dict) -> str:
     rows = result["results"]
     cases = sorted({(r["batch"], r["context"]) for r in rows})
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    value = {(r["batch"], r["context"], r["impl"]): r["fraction_of_copy"] for r in rows}
+    impls = list(dict.fromkeys(label(r) for r in rows))
+    value = {(r["batch"], r["context"], label(r)): r["fraction_of_copy"] for r in rows}
     top = max(1.0, max(value.values()))
     bar, gap, left, height, base = 10, 16, 60, 260, 300
     width = left + len(cases) * (len(impls) * bar + gap) + 180

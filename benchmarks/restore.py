@@ -4,6 +4,10 @@ overlaps the restore with compute.
 
     python benchmarks/restore.py                       # SmolLM2 (embedded), 1K/2K/4K histories
     python benchmarks/restore.py --lengths 2048 --kv-format k8v4 --repeats 5
+    python benchmarks/restore.py --preset llama3-8b --lengths 1024,4096,16384   # GPU
+
+The host-to-device copy rate is measured first (pageable numpy buffers, and pinned host
+buffers where the backend has them), so the load times can be read against it.
 
 For each history length a first engine prefills the history and hands its full pages to two
 `jkv.store.KVStore`s, one with a host tier only and one with a persistent tier only
@@ -40,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jkv.config import CacheConfig, EngineConfig, KVFormat, StoreConfig  # noqa: E402
+from jkv.config import PRESETS, CacheConfig, EngineConfig, KVFormat, StoreConfig  # noqa: E402
 from jkv.engine import Engine, Row, SavedPages  # noqa: E402
+from jkv.models.loaders import random_params  # noqa: E402
 from jkv.models.params_cache import load_params  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
 from jkv.store.store import KVStore  # noqa: E402
@@ -105,6 +110,32 @@ def compute_run(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[float, 
     return ms, token
 
 
+def host_to_device(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float | None]:
+    """Bytes per second copied host -> device: from pageable numpy memory, and from a pinned
+    host buffer (None where the backend has no pinned_host memory)."""
+    dev = jax.devices()[0]
+    target = jax.sharding.SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind)
+    x = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+
+    def rate(src) -> float:
+        jax.block_until_ready(jax.device_put(src, target))
+        samples = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(jax.device_put(src, target))
+            samples.append(time.perf_counter() - t)
+        return nbytes / float(np.median(samples))
+
+    out: dict[str, float | None] = {"pageable": rate(x), "pinned": None}
+    try:
+        pinned = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev,
+                                                                     memory_kind="pinned_host"))
+        out["pinned"] = rate(pinned)
+    except (ValueError, RuntimeError) as e:  # JaxRuntimeError is a RuntimeError
+        print(f"no pinned host -> device copy here ({type(e).__name__}); pageable rate only")
+    return out
+
+
 def svg_bars(rows: list[dict], title: str) -> str:
     colors = {"recompute": "#d62728", "host": "#1f77b4", "disk": "#ff7f0e",
               "layerwise": "#2ca02c", "load": "#9467bd", "compute": "#8c564b",
@@ -138,6 +169,8 @@ def main() -> None:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None,
                     help="a .gguf file or HF model directory; default: embedded SmolLM2")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                    help="random weights of this model shape instead of --model (timing only)")
     ap.add_argument("--lengths", default="1024,2048,4096", help="history lengths in tokens")
     ap.add_argument("--new-tokens", type=int, default=84,
                     help="tokens of the follow-up message (ShareGPT's mean user turn)")
@@ -149,16 +182,39 @@ def main() -> None:
                     help="directory for the JSON and SVG results")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    cfg, params = load_params(args.model, jnp.bfloat16 if jax.default_backend() != "cpu"
-                              else jnp.float32)
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    h2d = host_to_device()
+    print("host -> device: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in h2d.items()
+                                         if v is not None))
     fmt = KVFormat.parse(args.kv_format)
     max_len = max(lengths) + args.new_tokens + 16
+    if args.preset:  # random weights: any context length times the same
+        cfg = PRESETS[args.preset]
+        cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, max_len))
+        params = random_params(cfg, args.seed, dtype)
+    else:
+        cfg, params = load_params(args.model, dtype)
+    # two sequences of max_len at 16-bit (or float32 on CPU) pages, with room to spare
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    pool_bytes = max(2_000_000_000, int(1.25 * 2 * max_len * per_token))
 
     def make_engine(**kw) -> Engine:
-        return Engine(cfg, params, cache=CacheConfig(page_size=16, kv_cache_bytes=2_000_000_000,
+        return Engine(cfg, params, cache=CacheConfig(page_size=16, kv_cache_bytes=pool_bytes,
                                                      kv_format=fmt),
                       config=EngineConfig(max_model_len=max_len, max_num_seqs=2,
                                           prefill_chunk=args.prefill_chunk, **kw))
+
+    device = jax.devices()[0]
+    tag = "cpu" if device.platform == "cpu" else device.device_kind.replace(" ", "_").lower()
+
+    def save(rows: list[dict]) -> None:  # after every length: a run cut short keeps its rows
+        svg = svg_bars(rows, f"TTFT of a follow-up (+{args.new_tokens} tokens), "
+                             f"{args.kv_format} KV, median of {args.repeats}")
+        stem = f"restore-{tag}" + (f"-{args.preset}" if args.preset else "")
+        write_results(args.out, stem, {
+            "benchmark": "restore", "device": device.device_kind, "jax": jax.__version__,
+            "model": args.preset or args.model or "smollm2", "host_to_device_bytes_per_s": h2d,
+            "rows": rows}, svg, args)
 
     rng = np.random.default_rng(args.seed)
     scan = make_engine(enable_prefix_caching=False)
@@ -197,28 +253,27 @@ def main() -> None:
                          "speedup_disk": times["recompute"] / times["disk"],
                          "speedup_layerwise": times["recompute"] / times["layerwise"],
                          "overlap_bound_ms": max(times["load"], times["compute_lw"]),
+                         "load_bytes_per_s": host.snapshot()["bytes"]["host"] / times["load"]
+                         * 1e3,
                          "read_buffer_layers": layerwise.read_buffer_layers(
                              host.snapshot()["bytes"]["host"], args.new_tokens),
                          "same_first_token": len(set(tokens.values())) == 1})
+            save(rows)
             for store in (host, disk):  # the next length starts from empty stores
                 store.clear()
         host.close()
         disk.close()
     print(f"{'history':>8}{'entry MB':>9}" + "".join(f"{k:>11}" for k in PATHS)
-          + f"{'bound':>9}{'host x':>8}{'disk x':>8}{'lw x':>7}{'buffer':>8}  same token")
+          + f"{'bound':>9}{'host x':>8}{'disk x':>8}{'lw x':>7}{'buffer':>8}{'load GB/s':>10}"
+          "  same token")
     for r in rows:
         print(f"{r['history_tokens']:>8}{r['entry_bytes'] / 1e6:>9.1f}"
               + "".join(f"{r[k + '_ms']:>9.0f}ms" for k in PATHS)
               + f"{r['overlap_bound_ms']:>7.0f}ms{r['speedup_host']:>8.1f}{r['speedup_disk']:>8.1f}"
               f"{r['speedup_layerwise']:>7.1f}{r['read_buffer_layers']:>8}"
+              f"{r['load_bytes_per_s'] / 1e9:>10.2f}"
               f"  {r['same_first_token']}")
-    device = jax.devices()[0]
-    tag = "cpu" if device.platform == "cpu" else device.device_kind.replace(" ", "_").lower()
-    svg = svg_bars(rows, f"TTFT of a follow-up (+{args.new_tokens} tokens), "
-                         f"{args.kv_format} KV, median of {args.repeats}")
-    write_results(args.out, f"restore-{tag}", {"benchmark": "restore",
-                                               "device": device.device_kind,
-                                               "jax": jax.__version__, "rows": rows}, svg, args)
+
 
 if __name__ == "__main__":
     main()
