@@ -206,7 +206,9 @@ def tune_shape(rng, batch: int, context: int, interpret: bool, full: bool,
                     for st in stages]
         elif full:  # around bf16's best split and stages: pages per block x warps
             b0 = best.get("jkv bf16") or dict(k_splits=1, num_stages=2)
-            grid = [dict(pages_per_block=p, k_splits=min(b0["k_splits"], width // p),
+            grid = [dict(pages_per_block=p, k_splits=max(
+                             [x for x in split_options(batch, width, p) if x <= b0["k_splits"]]
+                             or [1]),
                          num_warps=w, num_stages=b0["num_stages"])
                     for p in ppbs if p >= 8 for w in warps]
         else:  # small shapes: bf16's best setting
@@ -238,6 +240,13 @@ def tune_shape(rng, batch: int, context: int, interpret: bool, full: bool,
     return rows
 
 
+def shown_row(row: dict) -> bool:
+    """A sweep row the table and plot show: the best setting of each impl, and jkv bf16's
+    best again over adjacent pages."""
+    return bool(row.get("best")) or (row["table"] == "contiguous"
+                                     and row["impl"].startswith("jkv"))
+
+
 def summarize_tuning(rows: list[dict], copy_bw: float) -> None:
     """Per shape: the best setting of each impl, its share of copy bandwidth, its speed
     against jkv bf16 and (quantized formats) the 0.85 x byte-ratio target."""
@@ -246,7 +255,7 @@ def summarize_tuning(rows: list[dict], copy_bw: float) -> None:
     for shape in dict.fromkeys((r["batch"], r["context"]) for r in rows):
         here = [r for r in rows if (r["batch"], r["context"]) == shape]
         bf16 = next((r for r in here if r["impl"] == "jkv bf16" and r.get("best")), None)
-        shown = [r for r in here if r.get("best") or r["table"] == "contiguous"]
+        shown = [r for r in here if shown_row(r)]
         for r in shown:
             speed = bf16["seconds"] / r["seconds"] if bf16 else math.nan
             target = (0.85 * bf16["kv_bytes"] / r["kv_bytes"]
@@ -312,7 +321,7 @@ def main() -> None:
                 r["fraction_of_copy"] = r["bytes_per_s"] / copy_bw
             results += rows
             # written after every shape: a run cut short keeps what it measured
-            best = [r for r in results if r.get("best") or r["table"] == "contiguous"]
+            best = [r for r in results if shown_row(r)]
             path.write_text(json.dumps(header | {"results": best, "sweep": results},
                                        indent=2) + "\n")
         print(f"\n{device}, jax {jax.__version__}, copy bandwidth {copy_bw / 1e9:.1f} GB/s")
