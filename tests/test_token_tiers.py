@@ -357,3 +357,30 @@ def test_token_data_follows_its_metadata(name):
                     np.testing.assert_array_equal(a, b, err_msg=f"{row} low={is_low}")
         assert int(np.asarray(counts.low).sum()) > 0
 
+
+
+@pytest.mark.parametrize("k", [1, 4, 5, 16, 40])
+def test_first_and_lowest_against_numpy(k):
+    """The selections compaction and placement build on, on random rows (ties, empty and
+    full rows, k above the row length): `_first` gives the first k set indices in order,
+    padded with -1; `_lowest` marks the `count` (<= k) lowest means among a set, ties to
+    the earliest position, all of the set when it has fewer."""
+    rng = np.random.default_rng(k)
+    r, c = 64, 24
+    mask = rng.random((r, c)) < rng.choice([0.0, 0.2, 0.7, 1.0], size=(r, 1))
+    got = np.asarray(tt._first(jnp.asarray(mask), k))
+    for row, m in zip(got, mask, strict=True):
+        want = np.flatnonzero(m)[:k]
+        np.testing.assert_array_equal(row, np.pad(want, (0, k - len(want)), constant_values=-1))
+
+    mean = rng.integers(0, 4, (r, c)).astype(np.float32)  # few values: many ties
+    pos = np.stack([rng.permutation(1000)[:c] for _ in range(r)]).astype(np.int32)
+    kk = min(k, c)
+    count = rng.integers(-1, kk + 1, r).astype(np.int32)  # its contract: at most k
+    got = np.asarray(tt._lowest(jnp.asarray(mean), jnp.asarray(pos), jnp.asarray(mask),
+                                jnp.asarray(count), kk))
+    for i in range(r):
+        order = sorted(np.flatnonzero(mask[i]), key=lambda j: (mean[i, j], pos[i, j]))
+        want = np.zeros(c, bool)
+        want[order[:max(0, min(count[i], kk))]] = True
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
