@@ -51,7 +51,10 @@ from jkv.sampling import SamplingParams  # noqa: E402
 from jkv.scheduler import Request, Scheduler, generate_all  # noqa: E402
 
 TAIL, NEW_TOKENS, CHUNK, PAGE = 512, 64, 256, 16
+BLOCK, RESAMPLES = 32, 2000  # block bootstrap of the tails: neighbouring tokens correlate
 PASSKEY_LENGTHS = (1024, 2048, 4096)
+MIRRORS = (("none:k8v4t", "none:k4v8t"), ("none:k4v2t", "none:k2v4t"),
+           ("leankv:5:0.001", "leankv:5:0.001:k4v8t"))  # keys finer than values, and mirrored
 DEFAULT_CONFIGS = ("none:k8v4,none:k4v2,none:k8v4t,none:k4v8t,none:k4v2t,none:k2v4t,"
                    "leankv:5:0.001,leankv:3:0,leankv:10:0,leankv:5:0.001:k4v8t,"
                    "streaming:256,streaming:512,h2o:0.2,h2o:0.4,kivi")
@@ -206,6 +209,45 @@ def summarize(raw: dict, base: dict, tokenizer, keys: dict, bf16_bytes: float) -
     return row
 
 
+def bootstrap(raw: dict, base: dict, blocks: dict) -> dict[str, np.ndarray]:
+    """Resampled means over the documents of the perplexity change and the top-1 agreement:
+    each document's tail drawn again in blocks of BLOCK tokens (`blocks[doc]`: [RESAMPLES,
+    blocks] indices, the same for every configuration, so differences are paired)."""
+    def resampled(x, idx: np.ndarray) -> np.ndarray:
+        return np.asarray(x, np.float64).reshape(-1, BLOCK).mean(-1)[idx].mean(-1)
+
+    ppl, top1 = [], []
+    for name, idx in blocks.items():
+        d, b = raw["docs"][name], base["docs"][name]
+        ppl.append(np.exp(resampled(b["logprobs"], idx) - resampled(d["logprobs"], idx)) - 1)
+        top1.append(resampled(np.equal(d["top1"], b["top1"]), idx))
+    return {"perplexity_change": np.mean(ppl, 0), "top1_agreement": np.mean(top1, 0)}
+
+
+def interval(x: np.ndarray) -> list[float]:
+    """The central 95% of bootstrap samples."""
+    return [float(v) for v in np.percentile(x, [2.5, 97.5])]
+
+
+def mirror_pairs(raw: dict, base: dict) -> dict:
+    """For each pair of `MIRRORS` that ran: the difference (first minus second) of perplexity
+    change and of top-1 agreement, with 95% block-bootstrap intervals."""
+    rng = np.random.default_rng(1)
+    blocks = {name: rng.integers(0, TAIL // BLOCK, (RESAMPLES, TAIL // BLOCK))
+              for name in base["docs"]}
+    out = {}
+    for a, b in MIRRORS:
+        if a not in raw or b not in raw:
+            continue
+        sa, sb = bootstrap(raw[a], base, blocks), bootstrap(raw[b], base, blocks)
+        out[f"{a} - {b}"] = {
+            metric: {"difference": float(np.mean(sa[metric] - sb[metric])),
+                     "interval": interval(sa[metric] - sb[metric]),
+                     "intervals": [interval(sa[metric]), interval(sb[metric])]}
+            for metric in ("perplexity_change", "top1_agreement")}
+    return out
+
+
 def svg_frontier(rows: dict) -> str:
     """Bytes per token (x) against perplexity change (y), a point per configuration."""
     w, h, left, top, bottom = 720, 420, 70, 30, 50
@@ -285,10 +327,19 @@ def main() -> None:
         pk = "/".join("y" if r["passkey"][n] else "n" for n in lengths)
         print(f"| {name} | {r['bytes_vs_bf16']:.3f} | {100 * r['perplexity_change']:+.2f}% | "
               f"{r['top1_agreement']:.3f} | {r['greedy_agreement']:.3f} | {pk} |")
+    pairs = mirror_pairs(raw, base)
+    if pairs:
+        print("\n| pair (first - second) | ppl change difference [95%] | top-1 difference [95%] |")
+        print("|---|---|---|")
+    for pair, m in pairs.items():
+        p, t = m["perplexity_change"], m["top1_agreement"]
+        print(f"| {pair} | {100 * p['difference']:+.2f}% [{100 * p['interval'][0]:+.2f}, "
+              f"{100 * p['interval'][1]:+.2f}] | {t['difference']:+.3f} [{t['interval'][0]:+.3f}, "
+              f"{t['interval'][1]:+.3f}] |")
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "documents": args.docs, "doc_tokens": {k: len(v) for k, v in docs.items()},
               "tail": TAIL, "chunk": CHUNK, "new_tokens": NEW_TOKENS, "passkeys": keys,
-              "rows": rows}
+              "rows": rows, "mirror_pairs": pairs}
     write_results(Path(args.out), "kv_fidelity", result, svg_frontier(rows), args)
 
 
