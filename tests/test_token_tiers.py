@@ -358,7 +358,6 @@ def test_token_data_follows_its_metadata(name):
         assert int(np.asarray(counts.low).sum()) > 0
 
 
-
 @pytest.mark.parametrize("k", [1, 4, 5, 16, 40])
 def test_first_and_lowest_against_numpy(k):
     """The selections compaction and placement build on, on random rows (ties, empty and
