@@ -2,12 +2,13 @@
 
     python benchmarks/kv_budget.py [--requests 24] [--prompt 256] [--generate 512]
                                    [--budget-seqs 4] [--configs none:bf16,none:k8v4,leankv]
-                                   [--repeats 1]
+                                   [--repeats 1] [--preset llama3-8b]
 
 Every configuration gets the same KV budget: the bytes bf16 pages take for `--budget-seqs`
 sequences of prompt + generated tokens (a float32 model's `none:bf16` pool gets twice the
 bytes, so it holds what bf16 pages would). `--requests` requests (prompts of `--prompt` tokens
-cut from this machine's Python sources, `--generate` tokens each, EOS ignored) go in at once;
+cut from this machine's Python sources for the embedded SmolLM2, random ids for a `--preset`'s
+random weights; `--generate` tokens each, EOS ignored) go in at once;
 the scheduler admits what fits; every step shape is compiled before (`Engine.warmup`), so
 no compilation is timed. Reported per configuration: the most sequences running at
 once and the mean over the run's steps (a pool admitted on current lengths preempts later:
@@ -16,7 +17,7 @@ the whole run's generated tokens per second, preemptions, and KV bytes per token
 sequences ended. With `--repeats N` the configurations run N times in turn (A B A B ...: a
 slow spell of the machine falls on all of them) and each row is its median run by decode
 throughput (the slower middle one of an even count), every run's figure beside it. Writes
-benchmarks/results/kv_budget-<device>-<date>.json and prints a table.
+benchmarks/results/kv_budget-<device>[-<preset>]-<date>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -35,29 +35,16 @@ import jax.numpy as jnp  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_model import add_model_args, load_model  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from jkv.cache.page_pool import page_bytes  # noqa: E402
-from jkv.config import CacheConfig, EngineConfig, KVFormat  # noqa: E402
+from jkv.config import ATTENTION_BACKENDS, CacheConfig, EngineConfig, KVFormat  # noqa: E402
 from jkv.engine import Engine  # noqa: E402
-from jkv.models import load_params  # noqa: E402
-from jkv.models.loaders import default_model_path  # noqa: E402
-from jkv.models.tokenizer import load_tokenizer  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
 from jkv.scheduler import Request, Scheduler  # noqa: E402
 
 PAGE = 16
-
-
-def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """`n` prompts of `length` tokens from the standard library's sources."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    ids: list[int] = []
-    for path in sorted(stdlib.glob("*.py")):
-        ids += tokenizer.encode(path.read_text(errors="replace"))
-        if len(ids) >= n * length:
-            break
-    return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
 def parse(text: str) -> dict:
@@ -86,14 +73,17 @@ def main() -> None:
                     help="comma-separated none:<format> or leankv[:<alpha_high>:<alpha_low>]")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every configuration, in turn; rows report the median run")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                    help="auto: the Pallas kernels on a GPU, plain jnp (xla) on CPU")
+    add_model_args(ap)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
+                    help="directory for the JSON result")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
 
-    cfg, params = load_params(None, jnp.float32)
-    tokenizer = load_tokenizer(default_model_path())
-    ps = prompts(tokenizer, args.requests, args.prompt)
+    cfg, params, dtype, make_prompts, model = load_model(args)
+    ps = make_prompts(args.requests, args.prompt)
     seq = args.prompt + args.generate
     heads = cfg.num_layers * cfg.num_kv_heads
     bf16_page = page_bytes(KVFormat(), PAGE, cfg.head_dim, jnp.bfloat16)
@@ -103,12 +93,12 @@ def main() -> None:
     order = args.configs.split(",") * args.repeats
     for text in tqdm(order, desc="runs", unit="run"):
         knobs = parse(text)
-        f32_pages = knobs.get("kv_format") in ("bf16", "auto")
+        f32_pages = knobs.get("kv_format") in ("bf16", "auto") and dtype == jnp.float32
         cache = CacheConfig(page_size=PAGE, kv_cache_bytes=budget * (2 if f32_pages else 1),
                             **knobs)
         engine = Engine(cfg, params, cache=cache, config=EngineConfig(
             max_model_len=seq + PAGE, max_num_seqs=args.max_num_seqs, prefill_chunk=256,
-            attention_backend="xla", enable_prefix_caching=False))
+            attention_backend=args.attention_backend, enable_prefix_caching=False))
         engine.warmup()  # compile every step shape first: no compilation in the timed steps
         sched = Scheduler(engine)
         requests = [Request(p, SamplingParams(max_tokens=args.generate, temperature=0,
@@ -139,7 +129,8 @@ def main() -> None:
         rows[text] = {**ranked[(len(ranked) - 1) // 2],
                       "decode_tokens_per_s_runs": [r["decode_tokens_per_s"] for r in done]}
     base = next(iter(rows.values()))
-    print(f"\nKV budget {budget / 2**20:.1f} MiB of bf16 pages ({args.budget_seqs} sequences of "
+    print(f"\n{model}, {args.attention_backend} attention on {jax.devices()[0].device_kind}: "
+          f"KV budget {budget / 2**20:.1f} MiB of bf16 pages ({args.budget_seqs} sequences of "
           f"{seq} tokens); {args.requests} requests\n")
     print("| config | peak seqs | mean seqs | x first | decode tok/s | x first | runs' decode "
           "tok/s | run tok/s | preempt | bytes/token |")
@@ -153,9 +144,10 @@ def main() -> None:
               f"{r['generated_tokens_per_s']:.1f} | {r['preemptions']} | "
               f"{r['kv_bytes_per_token']:.0f} |")
     device = jax.devices()[0].device_kind.replace(" ", "_").lower()
-    write_results(Path(args.out), f"kv_budget-{device}",
+    write_results(Path(args.out), f"kv_budget-{device}" + (f"-{args.preset}" if args.preset
+                                                            else ""),
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "budget_bf16_bytes": budget, "rows": rows}, None, args)
+                   "model": model, "budget_bf16_bytes": budget, "rows": rows}, None, args)
 
 
 if __name__ == "__main__":

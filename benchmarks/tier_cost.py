@@ -1,10 +1,11 @@
 """What LeanKV's tiering costs inside the engine's decode step, on this machine, in one run.
 
     python benchmarks/tier_cost.py [--batches 8,32] [--context 512] [--new-tokens 32]
-                                   [--out benchmarks/results]
+                                   [--preset llama3-8b] [--out benchmarks/results]
 
-For each batch size, SmolLM2-135M (the embedded default, float32, xla attention) decodes
-`--batches` sequences of `--context` prompt tokens (this machine's Python sources) twice:
+For each batch size, SmolLM2-135M (the embedded default; float32 and xla attention on CPU)
+or random weights of a `--preset`'s shape decodes `--batches` sequences of `--context` prompt
+tokens (this machine's Python sources; random ids for a preset) twice:
 with `kv_policy="none"` in k8v4t pages (leankv's high format: the same attention without
 tiers) and with `kv_policy="leankv"` at its defaults. Reported per configuration: the mean
 engine step that decodes every sequence and prefills none, over the last `--new-tokens`
@@ -15,7 +16,7 @@ phase for every (sequence, layer, KV head), compaction and the token moves, once
 `grow`. Means, not medians: placement runs in one step of each interval and its cost is
 spread over all of them. The significance the attention computes on its way is part of the
 leankv step, not of the tiering calls; the two step times side by side show it. Writes
-benchmarks/results/tier_cost-<device>-<date>.json.
+benchmarks/results/tier_cost-<device>[-<preset>]-<date>.json.
 """
 
 from __future__ import annotations
@@ -33,21 +34,32 @@ import jax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kv_budget import prompts  # noqa: E402
+from bench_model import add_model_args, load_model  # noqa: E402
 from results_io import write_results  # noqa: E402
 
-from jkv import LLM, SamplingParams  # noqa: E402
+from jkv.config import ATTENTION_BACKENDS, CacheConfig, EngineConfig  # noqa: E402
+from jkv.engine import Engine  # noqa: E402
+from jkv.sampling import SamplingParams  # noqa: E402
+from jkv.scheduler import Request, Scheduler  # noqa: E402
 
 
-def measure(policy: str, batch: int, context: int, new_tokens: int) -> dict:
+def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int,
+            backend: str) -> dict:
     """Mean decode step (all `batch` rows decoding) and, with tiers, its tiering calls."""
+    cfg, params, _, make_prompts, _ = model
     # the first sequences decode while later ones prefill: enough tokens that all of them
     # then decode together for new_tokens steps after the steps that compile
     tokens = 2 * new_tokens + 2 * -(-batch * context // 256) + 1
-    llm = LLM(dtype="float32", kv_format="k8v4t", kv_policy=policy, attention_backend="xla",
-              max_model_len=context + tokens + 16, max_num_seqs=batch,
-              enable_prefix_caching=False, host_cache_bytes=0)
-    engine, cache = llm.engine, llm.engine.cache
+    max_len = context + tokens + 16
+    # every sequence's K and V unquantized at 16 bits, with room to spare (LLM's 512 MiB
+    # default at least): nothing is preempted
+    pool = max(512 << 20, int(1.25 * batch * max_len * cfg.num_layers * cfg.num_kv_heads
+                              * cfg.head_dim * 2 * 2))
+    engine = Engine(cfg, params, cache=CacheConfig(
+        kv_format="k8v4t", kv_policy=policy, kv_cache_bytes=pool),
+        config=EngineConfig(max_model_len=max_len, max_num_seqs=batch, prefill_chunk=256,
+                            attention_backend=backend, enable_prefix_caching=False))
+    cache = engine.cache
     interval = cache.tiers.interval if engine.tiered else 1
     steps, tiering, current = [], [], [0.0]
 
@@ -80,10 +92,13 @@ def measure(policy: str, batch: int, context: int, new_tokens: int) -> dict:
         return out
 
     engine.step = step
+    sched = Scheduler(engine)
     sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts(llm.tokenizer, batch, context), sp)
-    stats = llm.stats()
-    llm.close()
+    for p in make_prompts(batch, context):
+        sched.add(Request(p, sp))
+    while sched.num_unfinished:
+        sched.step()
+    stats = sched.snapshot()
     n = min(len(steps), new_tokens) // interval * interval
     if n < interval:
         raise RuntimeError(f"only {len(steps)} steps decoded all {batch} sequences at once "
@@ -105,30 +120,37 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--new-tokens", type=int, default=32,
                     help="decode steps (all sequences decoding) the means are over")
+    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                    help="auto: the Pallas kernels on a GPU, plain jnp (xla) on CPU")
+    add_model_args(ap)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     if not batches or min(batches) < 1 or args.context < 128:
         ap.error("--batches must be positive and --context at least 128")
+    model = load_model(args)
     rows = []
     for batch in tqdm(batches, desc="batches"):
-        none = measure("none", batch, args.context, args.new_tokens)
-        lean = measure("leankv", batch, args.context, args.new_tokens)
+        none = measure(model, "none", batch, args.context, args.new_tokens,
+                       args.attention_backend)
+        lean = measure(model, "leankv", batch, args.context, args.new_tokens,
+                       args.attention_backend)
         rows.append({"batch": batch, "none_k8v4t": none, "leankv": lean,
                      "tiering_fraction": lean["tiering_ms"] / lean["decode_step_ms"],
                      "leankv_over_none": lean["decode_step_ms"] / none["decode_step_ms"]})
-    print(f"\nSmolLM2-135M float32, {args.context}-token prompts, jax {jax.__version__} on "
-          f"{jax.devices()[0].device_kind}")
+    print(f"\n{model[4]}, {args.attention_backend} attention, {args.context}-token prompts, "
+          f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
     print("| batch | none:k8v4t step ms | leankv step ms | tiering ms | tiering/step | "
           "leankv/none |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['none_k8v4t']['decode_step_ms']:.1f} | "
               f"{r['leankv']['decode_step_ms']:.1f} | {r['leankv']['tiering_ms']:.1f} | "
               f"{r['tiering_fraction']:.1%} | {r['leankv_over_none']:.2f}x |")
-    write_results(Path(args.out), f"tier_cost-{jax.devices()[0].device_kind}",
+    write_results(Path(args.out), f"tier_cost-{jax.devices()[0].device_kind}"
+                  + (f"-{args.preset}" if args.preset else ""),
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "rows": rows}, None, args)
+                   "model": model[4], "rows": rows}, None, args)
 
 
 if __name__ == "__main__":
