@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.config import PRESETS, ModelConfig
+from jkv.config import ATTENTION_BACKENDS, PRESETS, ModelConfig
 from jkv.models import load_params
 from jkv.models.loaders import default_model_path, random_params
 from jkv.models.tokenizer import load_tokenizer
@@ -33,11 +33,19 @@ def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                    help="auto: the Pallas kernels on a GPU, plain jnp (xla) on CPU")
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
                     help="random weights of this shape instead of the embedded SmolLM2's real "
                          "ones, with random prompt ids (llama3-8b: the GPU table)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                     help="model dtype (default: float32 on CPU, bfloat16 on an accelerator)")
+
+
+def result_stem(benchmark: str, args: argparse.Namespace) -> str:
+    """<benchmark>-<device>[-<preset>]: the results file's name before its date."""
+    device = jax.devices()[0].device_kind.replace(" ", "_").lower()
+    return f"{benchmark}-{device}" + (f"-{args.preset}" if args.preset else "")
 
 
 def load_model(args: argparse.Namespace) -> tuple[ModelConfig, dict, jnp.dtype, Prompts, str]:

@@ -35,11 +35,11 @@ import jax.numpy as jnp  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_model import add_model_args, load_model  # noqa: E402
+from bench_model import add_model_args, load_model, result_stem  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from jkv.cache.page_pool import page_bytes  # noqa: E402
-from jkv.config import ATTENTION_BACKENDS, CacheConfig, EngineConfig, KVFormat  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig, KVFormat  # noqa: E402
 from jkv.engine import Engine  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
 from jkv.scheduler import Request, Scheduler  # noqa: E402
@@ -73,8 +73,6 @@ def main() -> None:
                     help="comma-separated none:<format> or leankv[:<alpha_high>:<alpha_low>]")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every configuration, in turn; rows report the median run")
-    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                    help="auto: the Pallas kernels on a GPU, plain jnp (xla) on CPU")
     add_model_args(ap)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
@@ -143,9 +141,7 @@ def main() -> None:
               f"{' / '.join(f'{x:.1f}' for x in r['decode_tokens_per_s_runs'])} | "
               f"{r['generated_tokens_per_s']:.1f} | {r['preemptions']} | "
               f"{r['kv_bytes_per_token']:.0f} |")
-    device = jax.devices()[0].device_kind.replace(" ", "_").lower()
-    write_results(Path(args.out), f"kv_budget-{device}" + (f"-{args.preset}" if args.preset
-                                                            else ""),
+    write_results(Path(args.out), result_stem("kv_budget", args),
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                    "model": model, "budget_bf16_bytes": budget, "rows": rows}, None, args)
 

@@ -34,10 +34,10 @@ import jax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_model import add_model_args, load_model  # noqa: E402
+from bench_model import add_model_args, load_model, result_stem  # noqa: E402
 from results_io import write_results  # noqa: E402
 
-from jkv.config import ATTENTION_BACKENDS, CacheConfig, EngineConfig  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine import Engine  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
 from jkv.scheduler import Request, Scheduler  # noqa: E402
@@ -120,8 +120,6 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--new-tokens", type=int, default=32,
                     help="decode steps (all sequences decoding) the means are over")
-    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                    help="auto: the Pallas kernels on a GPU, plain jnp (xla) on CPU")
     add_model_args(ap)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
@@ -147,8 +145,7 @@ def main() -> None:
         print(f"| {r['batch']} | {r['none_k8v4t']['decode_step_ms']:.1f} | "
               f"{r['leankv']['decode_step_ms']:.1f} | {r['leankv']['tiering_ms']:.1f} | "
               f"{r['tiering_fraction']:.1%} | {r['leankv_over_none']:.2f}x |")
-    write_results(Path(args.out), f"tier_cost-{jax.devices()[0].device_kind}"
-                  + (f"-{args.preset}" if args.preset else ""),
+    write_results(Path(args.out), result_stem("tier_cost", args),
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                    "model": model[4], "rows": rows}, None, args)
 
