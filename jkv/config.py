@@ -228,8 +228,9 @@ class CacheConfig:
                 "(LeanKV); streaming = attention sinks and the recent window, the rest pruned "
                 "(StreamingLLM); h2o = the recent window and the most attended tokens, "
                 "`kv_heavy_ratio` of them per head (H2O); kivi = 2-bit keys per channel and "
-                "values per token, the page being filled in full precision (KIVI). Prefix "
-                "caching and the KV store are off under leankv, streaming and h2o for now",
+                "values per token, the page being filled in full precision (KIVI). Under "
+                "leankv, streaming and h2o, prefix caching keeps an ended sequence whole, "
+                "tiers and all, for its next turn; the KV store is off under them for now",
         "choices": KV_POLICIES})
     # defaults chosen on SmolLM2 with `benchmarks/kv_fidelity.py --docs calibration`: the
     # best perplexity and top-1 agreement among the thresholds holding under 0.29x bf16 bytes

@@ -282,7 +282,8 @@ class Engine:
 
     def warmup(self, progress=None) -> int:
         """Compile every step shape now, so serving never waits on a compilation (padding
-        rows only: what they write is never read), and the store's page copies.
+        rows only: what they write is never read), the store's page copies and the calls that
+        keep tiered sequences.
         `progress(done, total)` after each shape. Returns how many shapes were new."""
         todo, new = self.shapes(), 0
         for i, (b, t) in enumerate(todo):
@@ -292,6 +293,7 @@ class Engine:
             if progress is not None:
                 progress(i + 1, len(todo))
         if self.tiered:
+            self.cache.warmup()
             self.cache.sync_tiers()
         self.connector.warmup()
         return new

@@ -120,7 +120,21 @@ def check_pages(engine: Engine) -> None:
     np.testing.assert_array_equal(tables.num_pages, -(-high // PAGE))
     np.testing.assert_array_equal(tables.low_pages, -(-low // (2 * PAGE)))
     held = sum(c.pages_held(s) for s in range(c.max_num_seqs) if c.is_open(s))
-    assert held == c.pages_used
+    kept = 0
+    if c.entries is not None:  # kept sequences: their rows hold the pages their tiers fill
+        entries, e_high, e_low = jax.device_get((c.entry_tables, c.entry_counts.high,
+                                                 c.entry_counts.low))
+        np.testing.assert_array_equal(entries.num_pages, -(-e_high // PAGE))
+        np.testing.assert_array_equal(entries.low_pages, -(-e_low // (2 * PAGE)))
+        for row in range(c.entries.rows):
+            if row in c.entries:
+                e = c.entries.get(row)
+                np.testing.assert_array_equal(e_high[row], e.high)
+                np.testing.assert_array_equal(e_low[row], e.low)
+            else:
+                assert not e_high[row].any() and not e_low[row].any()
+        kept = c.entries.pages
+    assert held + kept == c.pages_used
 
 
 def run_checked(engine: Engine, requests: list[Request]) -> tuple[int, Scheduler]:
@@ -137,8 +151,18 @@ def run_checked(engine: Engine, requests: list[Request]) -> tuple[int, Scheduler
         check_pages(engine)
         peak = max(peak, sched.snapshot()["num_requests_running"])
     assert not sched.num_unfinished
-    assert engine.cache.free_pages == engine.cache.total_pages  # nothing leaked
+    check_nothing_leaked(engine)
     return peak, sched
+
+
+def check_nothing_leaked(engine: Engine) -> None:
+    """With every sequence ended and every kept one evicted, every page is free."""
+    c = engine.cache
+    assert c.free_pages + c.pages_cached == c.total_pages
+    assert c.make_room(c.total_pages)
+    assert c.pages_cached == 0
+    assert int(jax.device_get(c.free.num_free)) == c.total_pages
+    assert not jax.device_get(c.free.refs).any()
 
 
 def test_leankv_pages_stay_exact_through_preemption_and_admit_more(tiny_params):

@@ -34,6 +34,7 @@ from jkv.cache.allocator import (
 from jkv.cache.page_cost import PageCost
 from jkv.cache.page_pool import init_filling, page_bytes
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
+from jkv.cache.tier_entries import Entry, TierEntries, adopt, forget, init_entries, move_row
 from jkv.cache.token_tiers import init_counts, init_meta
 from jkv.cache.transfer import slot_page_ids
 from jkv.config import KVFormat
@@ -118,14 +119,22 @@ class KVCacheManager:
         self.tier_refusals = 0  # compactions the pool was too short for
         self.finished = FinishedKV()
 
-        # prefix-cache blocks hold every token of a block; token tiers do not
-        enable_prefix_caching = enable_prefix_caching and tiers is None
+        # prefix-cache blocks hold every token of a block; token tiers do not: a tiered
+        # sequence is kept whole as an entry (`tier_entries`) instead
         self.enable_prefix_caching = enable_prefix_caching
-        capacity = self.total_pages // self.cost.heads if enable_prefix_caching else 0
+        blocks = enable_prefix_caching and tiers is None
+        capacity = self.total_pages // self.cost.heads if blocks else 0
         max_rows = None
         if device_cache_bytes is not None:
             max_rows = device_cache_bytes // (one_page * self.cost.heads)
         self.prefix = PrefixCache(capacity, max_rows)
+        self.max_entry_pages = (self.total_pages if device_cache_bytes is None
+                                else device_cache_bytes // one_page)
+        self.entries: TierEntries | None = None
+        if enable_prefix_caching and tiers is not None:
+            self.entries = TierEntries(max_num_seqs)
+            self.entry_tables, self.entry_counts = jax.device_put(init_entries(
+                max_num_seqs, num_layers, num_kv_heads, self.max_pages), device)
         self.blocks = jax.device_put(
             jnp.zeros((max(capacity, 1), num_layers, num_kv_heads), jnp.int32), device)
         self.hash_seed = hash_seed
@@ -147,8 +156,10 @@ class KVCacheManager:
 
     @property
     def available_pages(self) -> int:
-        """Pages a new allocation can have: free ones plus unreferenced cached blocks."""
-        return self.free_pages + self.prefix.num_evictable * self.cost.heads
+        """Pages a new allocation can have: free ones plus unreferenced cached blocks and
+        kept tiered sequences."""
+        kept = self.entries.pages if self.entries is not None else 0
+        return self.free_pages + self.prefix.num_evictable * self.cost.heads + kept
 
     @property
     def pages_used(self) -> int:
@@ -157,8 +168,9 @@ class KVCacheManager:
 
     @property
     def pages_cached(self) -> int:
-        """Pages held by the prefix cache's blocks."""
-        return len(self.prefix) * self.cost.heads
+        """Pages held by the prefix cache's blocks and by kept tiered sequences."""
+        kept = self.entries.pages if self.entries is not None else 0
+        return len(self.prefix) * self.cost.heads + kept
 
     def pages_to_grow(self, slot: int, num_tokens: int) -> int:
         """New pages `slot` needs to hold `num_tokens` more tokens."""
@@ -189,15 +201,36 @@ class KVCacheManager:
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
         """(tokens found in the prefix cache, pages of them that opening the sequence would
         take from `available_pages` because no one else holds them). No side effects."""
+        if self.entries is not None:  # a kept tiered sequence: opening copies its pages
+            found = self.entries.lookup(hashes)
+            if found is None:
+                return 0, 0
+            row, blocks = found
+            return blocks * self.page_size, self.entries.get(row).pages
         rows = self.prefix.lookup(hashes)
         return len(rows) * self.page_size, self.prefix.num_unreferenced(rows) * self.cost.heads
 
-    def make_room(self, pages: int) -> bool:
-        """Evict cached blocks until `pages` pages are free; False if that cannot be done."""
+    def make_room(self, pages: int, keep_entry: int | None = None) -> bool:
+        """Evict cached blocks and kept tiered sequences (least recently used first; never
+        entry `keep_entry`) until `pages` pages are free; False if that cannot be done."""
         short = pages - self.free_pages
         if short > 0:
             self._drop_rows(self.prefix.evict(-(-short // self.cost.heads)))
+        while self.free_pages < pages and self.entries is not None:
+            row = self.entries.oldest(keep=keep_entry)
+            if row is None:
+                break
+            self._drop_entry(row)
         return self.free_pages >= pages
+
+    def _drop_entry(self, row: int) -> None:
+        """Release a kept tiered sequence's pages (no table shares them)."""
+        mask = np.zeros(self.entries.rows, bool)
+        mask[row] = True
+        self.free, self.entry_tables = release(self.free, self.entry_tables, jnp.asarray(mask))
+        self.entry_tables, self.entry_counts = forget(self.entry_tables, self.entry_counts,
+                                                      jnp.int32(row))
+        self.free_pages += self.entries.remove(row).pages
 
     def _drop_rows(self, rows: list[int]) -> None:
         """Evicted cache rows: their pages are referenced by no table (only unreferenced rows
@@ -232,11 +265,16 @@ class KVCacheManager:
         return 0 <= slot < self.max_num_seqs and slot not in self._free_slots
 
     def open(self, token_ids: Sequence[int], use_prefix_cache: bool = True) -> tuple[int, int]:
-        """Take a free slot for `token_ids`; returns (slot, tokens found in the prefix cache,
-        which the slot now holds; 0 without `use_prefix_cache`)."""
+        """Take a free slot for `token_ids`; returns (slot, tokens found in the prefix cache
+        or, with token tiers, in a kept sequence, which the slot now holds; 0 without
+        `use_prefix_cache`)."""
         if not self._free_slots:
             raise RuntimeError("no free sequence slot")
         slot = self._free_slots.pop()
+        if self.entries is not None:
+            cached = self._adopt(slot, token_ids) if use_prefix_cache else 0
+            self.slot_tokens[slot] = list(token_ids[:cached])
+            return slot, cached
         rows = self.prefix.lookup(self.prompt_hashes(token_ids)) if use_prefix_cache else []
         cached = len(rows) * self.page_size
         if rows:
@@ -249,6 +287,33 @@ class KVCacheManager:
         self.slot_tokens[slot] = list(token_ids[:cached])
         self._slot_rows[slot] = rows
         return slot, cached
+
+    def _adopt(self, slot: int, token_ids: Sequence[int]) -> int:
+        """Start `slot` from the kept tiered sequence that `token_ids` extends, if one is
+        kept: a copy of it, or when its pages cannot be had besides it, the entry itself
+        (it is no longer kept). Returns the tokens the slot holds."""
+        found = self.entries.lookup(self.prompt_hashes(token_ids))
+        if found is None:
+            return 0
+        row, _ = found
+        entry = self.entries.get(row)
+        self.entries.touch(row)
+        if not self.make_room(entry.pages, keep_entry=row):  # take the entry over
+            self.entry_tables, self.entry_counts, self.tables, self.counts = move_row(
+                self.entry_tables, self.entry_counts, self.tables, self.counts,
+                jnp.int32(row), jnp.int32(slot), jnp.int32(entry.tokens))
+            self.entries.remove(row)
+            self.high[slot], self.low[slot] = entry.high, entry.low
+            return entry.tokens
+        (self.pool, self.meta, self.free, self.tables, self.counts, ok) = adopt(
+            self.pool, self.meta, self.free, self.tables, self.counts, self.entry_tables,
+            self.entry_counts, jnp.int32(row), jnp.int32(slot))
+        if not bool(ok):
+            raise RuntimeError("copying a kept sequence failed although the host count "
+                               "allowed it")
+        self.free_pages -= entry.pages
+        self.high[slot], self.low[slot] = entry.high, entry.low
+        return entry.tokens
 
     def grow(self, new_lengths: dict[int, int]) -> jax.Array:
         """Give slots the pages to hold `new_lengths[slot]` tokens (evicting cached blocks
@@ -305,6 +370,25 @@ class KVCacheManager:
             generation=generation)
         self.tier_ok.append(ok)
 
+    def warmup(self) -> None:
+        """Compile the calls that keep, copy and drop tiered sequences, on empty rows (the
+        scratch slot and a spare entry row): nothing changes."""
+        if self.entries is None or self.entries.spare_row() is None:
+            return
+        row, slot = jnp.int32(self.entries.spare_row()), jnp.int32(self.scratch)
+        (self.pool, self.meta, self.free, self.tables, self.counts, _) = adopt(
+            self.pool, self.meta, self.free, self.tables, self.counts, self.entry_tables,
+            self.entry_counts, row, slot)
+        self.tables, self.counts, self.entry_tables, self.entry_counts = move_row(
+            self.tables, self.counts, self.entry_tables, self.entry_counts, slot, row,
+            jnp.int32(0))  # there and back
+        self.entry_tables, self.entry_counts, self.tables, self.counts = move_row(
+            self.entry_tables, self.entry_counts, self.tables, self.counts, row, slot,
+            jnp.int32(0))
+        self.free, self.entry_tables = release(self.free, self.entry_tables,
+                                               jnp.zeros(self.entries.rows, bool))
+        self.entry_tables, self.entry_counts = forget(self.entry_tables, self.entry_counts, row)
+
     def sync_tiers(self) -> None:
         """Read back what the step's `retier` calls did: tier counts and free pages."""
         oks, high, low, num_free = jax.device_get((self.tier_ok, self.counts.high,
@@ -313,6 +397,31 @@ class KVCacheManager:
         self.tier_ok = []
         self.high, self.low = high.astype(np.int64), low.astype(np.int64)
         self.free_pages = int(num_free)
+
+    def _keep(self, slot: int) -> None:
+        """Move the tiered sequence in `slot` (its full pages' tokens) to an entry row and
+        free the slot. An entry of the same tokens is dropped first, and the least recently
+        used one when no row is spare; then the oldest while the kept pages exceed the
+        device cache's budget."""
+        n = len(self.slot_tokens[slot]) // self.page_size * self.page_size
+        key = block_hashes(self.slot_tokens[slot], self.page_size, self.hash_seed)[-1]
+        same = self.entries.row_of(key)
+        if same is not None:  # the same tokens kept before: the newer compression replaces it
+            self._drop_entry(same)
+        if self.entries.spare_row() is None:
+            self._drop_entry(self.entries.oldest())
+        row = self.entries.spare_row()
+        self.tables, self.counts, self.entry_tables, self.entry_counts = move_row(
+            self.tables, self.counts, self.entry_tables, self.entry_counts, jnp.int32(slot),
+            jnp.int32(row), jnp.int32(n))
+        self.entries.add(row, Entry(key, n, self.pages_held(slot), self.high[slot].copy(),
+                                    self.low[slot].copy()))
+        while self.entries.pages > self.max_entry_pages:
+            self._drop_entry(self.entries.oldest())
+        self.high[slot], self.low[slot] = 0, 0
+        self.unplaced[slot] = 0
+        self.slot_tokens[slot], self._slot_rows[slot] = [], []
+        self._free_slots.append(slot)
 
     def reserve_blocks(self, slot: int, first: int, n: int) -> jax.Array | None:
         """New pages for blocks [first, n) of `slot`, which holds `first` blocks, as page
@@ -346,11 +455,18 @@ class KVCacheManager:
     def close(self, slot: int, shareable: int, finished: bool = True) -> None:
         """End the sequence in `slot`: its first `shareable` full blocks (those whose KV is
         exactly its tokens') go to the prefix cache when that is on, and the table's
-        references are dropped, freeing pages no cache row holds. `finished` (not
-        preempted): what it held counts in `finished`."""
+        references are dropped, freeing pages no cache row holds. With token tiers and
+        prefix caching on, the sequence's full pages are kept whole instead (an entry of
+        `tier_entries`, evictable). `finished` (not preempted): what it held counts in
+        `finished`."""
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
+        if finished:
+            self._finished(slot)
+        if self.entries is not None and len(tokens) >= self.page_size:
+            self._keep(slot)
+            return
         new_rows: dict[int, int] = {}  # cache row -> the column of `slot` it takes
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and self.entries is None:
             self.prefix.release(shared)
             hashes = block_hashes(tokens, self.page_size, self.hash_seed,
                                   max(shareable, len(shared)))
@@ -374,8 +490,6 @@ class KVCacheManager:
         kept = len(shared) + len(new_rows)
         mask = np.zeros(self.max_num_seqs + 1, bool)
         mask[slot] = True
-        if finished:
-            self._finished(slot)
         self.free, self.tables = release(self.free, self.tables, jnp.asarray(mask))
         if self.tiers is not None:
             self.counts = tier_step.clear(self.counts, jnp.asarray(mask))

@@ -1,0 +1,126 @@
+"""Tiered sequences kept on the device for their conversation's next turn (`tier_entries`):
+a follow-up opens with a bit-for-bit copy of the kept tiers, two follow-ups from one kept
+sequence start alike, a pool too short for a copy takes the kept sequence over, and the
+pages stay exact throughout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_engine_formats import TINY
+from test_engine_tiers import PAGE, check_nothing_leaked, check_pages, prompts, tiered
+
+from jkv.cache.page_pool import page_bytes
+from jkv.config import KV_FORMATS
+from jkv.engine import Engine
+from jkv.models.loaders import random_params
+from jkv.sampling import SamplingParams
+from jkv.scheduler import Request, Scheduler
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return random_params(TINY, seed=3, dtype=jnp.float32)
+
+
+def run(engine: Engine, requests: list[Request]) -> Scheduler:
+    sched = Scheduler(engine)
+    for r in requests:
+        sched.add(r)
+    for _ in range(500):
+        if not sched.num_unfinished:
+            break
+        sched.step()
+        check_pages(engine)
+    assert not sched.num_unfinished
+    return sched
+
+
+def request(prompt: list[int], n: int) -> Request:
+    return Request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+
+
+def row_contents(engine: Engine, tables, counts, row: int) -> dict[str, np.ndarray]:
+    """Every array of the pages a (slot or entry) row holds, and their token metadata, in
+    column order of each (layer, KV head)."""
+    c = engine.cache
+    pages, high, low = jax.device_get((tables.pages[row], tables.num_pages[row],
+                                       tables.low_pages[row]))
+    np.testing.assert_array_equal(high, -(-np.asarray(counts.high[row]) // PAGE))
+    w = pages.shape[-1]
+    ids = np.concatenate([np.concatenate([p[:n], p[w - m:]]) for p, n, m in zip(
+        pages.reshape(-1, w), high.reshape(-1), low.reshape(-1), strict=True)])
+    out = {name: np.asarray(a)[ids] for name, a in c.pool.arrays().items()}
+    out["score"], out["pos"] = np.asarray(c.meta.score)[ids], np.asarray(c.meta.pos)[ids]
+    out["high"], out["low"] = np.asarray(counts.high[row]), np.asarray(counts.low[row])
+    assert len(set(ids.tolist())) == len(ids) and (ids > 0).all()
+    return out
+
+
+def test_a_follow_up_opens_with_a_copy_of_the_kept_sequence(tiny_params):
+    eng = tiered(tiny_params, "xla", 2.0, 1.0)
+    c = eng.cache
+    [p] = prompts((37,))
+    first = request(p, 20)
+    run(eng, [first])
+    # 37 + 19 tokens fed: the full pages' 56 are kept, with demoted and pruned tokens
+    assert len(c.entries) == 1 and c.entries.pages > 0
+    follow_up = p + first.output + [1, 2, 3, 4, 5]
+    row, blocks = c.entries.lookup(c.prompt_hashes(follow_up))
+    assert blocks * PAGE == 56
+    kept = row_contents(eng, c.entry_tables, c.entry_counts, row)
+    assert kept["low"].sum() > 0 and kept["high"].sum() + kept["low"].sum() < 56 * 4
+    free = c.free_pages
+    slots = []
+    for _ in range(2):  # two requests from one kept sequence: the same copy each
+        slot, cached = eng.open(follow_up)
+        assert cached == 56
+        got = row_contents(eng, c.tables, c.counts, slot)
+        for name, want in kept.items():
+            np.testing.assert_array_equal(got[name], want, err_msg=name)
+        check_pages(eng)
+        slots.append(slot)
+    assert c.free_pages == free - 2 * c.entries.get(row).pages
+    assert eng.stats.prefix_hit_tokens == 2 * 56
+    # a prompt that does not extend the kept tokens finds nothing
+    assert c.lookup(c.prompt_hashes(follow_up[:40] + [7] * 30)) == (0, 0)
+    for slot in slots:
+        eng.close(slot)
+        check_pages(eng)
+    assert len(c.entries) == 1  # the same tokens are kept once
+    check_nothing_leaked(eng)
+
+
+def test_two_follow_ups_of_a_kept_sequence_generate_alike(tiny_params):
+    eng = tiered(tiny_params, "xla", 2.0, 1.0)
+    [p] = prompts((30,))
+    first = request(p, 26)
+    run(eng, [first])
+    follow_up = p + first.output + prompts((9,))[0]
+    twins = [request(follow_up, 12) for _ in range(2)]
+    sched = run(eng, twins)
+    assert twins[0].output == twins[1].output
+    assert eng.stats.prefix_hit_tokens == 2 * 48  # 30 + 25 tokens fed: 6 full pages
+    assert sched.snapshot()["kv_tiers"]["pruned"] > 0
+    check_nothing_leaked(eng)
+
+
+def test_a_pool_too_short_for_a_copy_takes_the_kept_sequence_over(tiny_params):
+    one_page = page_bytes(KV_FORMATS["k8v4t"], PAGE, TINY.head_dim, jnp.float32)
+    heads = TINY.num_layers * TINY.num_kv_heads
+    # one sequence of max_model_len (16 pages per head) and a spare page: no room for two
+    eng = tiered(tiny_params, "xla", kv_cache_bytes=(16 * heads + 2) * one_page)
+    c = eng.cache
+    [p] = prompts((90,))
+    first = request(p, 20)
+    run(eng, [first])
+    assert c.entries.pages == 13 * heads  # 109 tokens fed, every one kept high
+    follow_up = p + first.output + [9] * 4
+    second = request(follow_up, 8)
+    run(eng, [second])
+    assert eng.stats.prefix_hit_tokens == 13 * PAGE
+    assert len(second.output) == 8
+    assert len(c.entries) == 1  # the follow-up's own pages; the first entry was taken over
+    check_nothing_leaked(eng)
