@@ -229,8 +229,8 @@ class CacheConfig:
                 "(StreamingLLM); h2o = the recent window and the most attended tokens, "
                 "`kv_heavy_ratio` of them per head (H2O); kivi = 2-bit keys per channel and "
                 "values per token, the page being filled in full precision (KIVI). Under "
-                "leankv, streaming and h2o, prefix caching keeps an ended sequence whole, "
-                "tiers and all, for its next turn; the KV store is off under them for now",
+                "leankv, streaming and h2o an ended sequence is kept whole, tiers and all "
+                "(prefix caching on the device, the KV store off it), for its next turn",
         "choices": KV_POLICIES})
     # defaults chosen on SmolLM2 with `benchmarks/kv_fidelity.py --docs calibration`: the
     # best perplexity and top-1 agreement among the thresholds holding under 0.29x bf16 bytes

@@ -94,7 +94,9 @@ class Engine:
         hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
                      f"{jnp.dtype(dtype).name}|{cfg}"
                      # k8v4t etc. were unrotated before: their stored entries must not match
-                     f"{'|rotated' if cache.kv_format.rotated else ''}").encode()
+                     f"{'|rotated' if cache.kv_format.rotated else ''}"
+                     # a tiered row is not blocks: stored rows and blocks never match
+                     f"{f'|{cache.kv_policy}' if cache.tiered else ''}").encode()
         # names the KV this engine writes (model, format, page size, shapes) in stored entries
         self.fingerprint = hashlib.blake2b(hash_seed, digest_size=16).hexdigest()
         self.kv_format = cache.kv_format.name
@@ -148,15 +150,19 @@ class Engine:
         if not 1 <= len(token_ids) < self.max_model_len:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
                              f"got {len(token_ids)}")
-        if restore is not None:
-            self.connector.restorable(restore, token_ids)  # raises before anything is taken
+        if restore is not None:  # raises before anything is taken
+            (self.connector.restorable_tiers if self.tiered
+             else self.connector.restorable)(restore, token_ids)
         slot, cached = self.cache.open(token_ids, use_prefix_cache)
         if self.cache.enable_prefix_caching:
             self.stats.prefix_query_tokens += len(token_ids)
         self.stats.prefix_hit_tokens += cached
         if restore is not None:
-            first = cached // self.page_size
-            held = self.connector.restore(slot, first, restore, token_ids)
+            if self.tiered:  # a saved tiered row starts an empty slot (not a kept one's)
+                held = cached or self.connector.restore_tiers(slot, restore, token_ids)
+            else:
+                held = self.connector.restore(slot, cached // self.page_size, restore,
+                                              token_ids)
             self.stats.restored_tokens += held - cached
             self.cache.add_tokens(slot, token_ids[cached:held])
             cached = held
@@ -171,8 +177,9 @@ class Engine:
         self.cache.close(slot, shareable, finished)
 
     def gather(self, slot: int) -> SavedPages:
-        """The full blocks `slot` holds, being copied out of the pool (`KVConnector.gather`)."""
-        return self.connector.gather(slot)
+        """The full blocks `slot` holds, being copied out of the pool (`KVConnector.gather`;
+        with token tiers, its tiered row: `gather_tiers`)."""
+        return (self.connector.gather_tiers if self.tiered else self.connector.gather)(slot)
 
     def save_pages(self, slot: int) -> SavedPages:
         """The full blocks `slot` holds, copied to the host."""

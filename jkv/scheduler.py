@@ -134,11 +134,6 @@ class Scheduler:
                  store: KVStore | StoreConfig | None = None) -> None:
         self.engine = engine
         self.config = config or SchedulerConfig()
-        if engine.tiered and isinstance(store, KVStore):
-            raise ValueError("a KV store cannot keep pruned or tiered KV (kv_policy leankv, "
-                             "streaming, h2o) yet")
-        if engine.tiered:
-            store = None  # stored entries hold every token of a block; tiers do not
         if isinstance(store, StoreConfig):  # a store for this engine's KV
             store = KVStore(store, model=engine.fingerprint, kv_format=engine.kv_format,
                             page_size=engine.page_size)
@@ -280,7 +275,13 @@ class Scheduler:
             st.hashes = eng.cache.prompt_hashes(r.tokens)
         cached, pinned = eng.cache.lookup(st.hashes)
         decision = RestoreDecision(cached)
-        if self.store is not None:
+        if self.store is not None and eng.tiered and not cached:
+            # a tiered row restores whole into an empty slot, never moved (no rebase)
+            decision = plan_restore(
+                0, self.store.lookup(st.hashes, whole=True), None, rates,
+                cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
+                probe=st.probe, declined_count=declined)
+        elif self.store is not None and not eng.tiered:
             decision = plan_restore(
                 cached, self.store.lookup(st.hashes), self._truncated_hit(r), rates,
                 cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
@@ -347,7 +348,8 @@ class Scheduler:
         """Hand `r`'s full blocks to the store's write-behind (never fails the request)."""
         try:
             saved = self.engine.gather(slot)
-            self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id)
+            self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id,
+                            rows=saved.rows)
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
 

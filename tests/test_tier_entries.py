@@ -1,7 +1,8 @@
-"""Tiered sequences kept on the device for their conversation's next turn (`tier_entries`):
-a follow-up opens with a bit-for-bit copy of the kept tiers, two follow-ups from one kept
-sequence start alike, a pool too short for a copy takes the kept sequence over, and the
-pages stay exact throughout."""
+"""Tiered sequences kept for their conversation's next turn (`tier_entries`): a follow-up
+opens with a bit-for-bit copy of the kept tiers, two follow-ups from one kept sequence start
+alike, a pool too short for a copy takes the kept sequence over, a tiered row saved to the
+store comes back bit for bit (and a damaged one is refused), and the pages stay exact
+throughout."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import pytest
 from test_engine_formats import TINY
 from test_engine_tiers import PAGE, check_nothing_leaked, check_pages, prompts, tiered
 
+from jkv.cache.connector import SavedPages
 from jkv.cache.page_pool import page_bytes
-from jkv.config import KV_FORMATS
+from jkv.config import KV_FORMATS, StoreConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
 from jkv.sampling import SamplingParams
 from jkv.scheduler import Request, Scheduler
+from jkv.store import KVStore
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +127,75 @@ def test_a_pool_too_short_for_a_copy_takes_the_kept_sequence_over(tiny_params):
     assert len(second.output) == 8
     assert len(c.entries) == 1  # the follow-up's own pages; the first entry was taken over
     check_nothing_leaked(eng)
+
+
+def test_a_saved_tiered_row_restores_bit_for_bit_through_the_store(tiny_params):
+    eng = tiered(tiny_params, "xla", 2.0, 1.0)
+    c = eng.cache
+    [p] = prompts((37,))
+    first = request(p, 20)
+    run(eng, [first])
+    follow_up = p + first.output + [1, 2, 3, 4, 5]
+    slot, cached = eng.open(follow_up)  # a copy of the kept row
+    want = row_contents(eng, c.tables, c.counts, slot)
+    saved = eng.save_pages(slot)
+    assert saved.rows == c.pages_held(slot) and saved.num_blocks == 7
+    eng.close(slot)
+    assert c.make_room(c.total_pages) and not len(c.entries)  # nothing kept on the device
+
+    store = KVStore(StoreConfig(host_cache_bytes=64 << 20), model=eng.fingerprint,
+                    kv_format=eng.kv_format, page_size=PAGE)
+    assert store.save(saved.num_blocks, saved.arrays, saved.hashes, rows=saved.rows)
+    store.flush()
+    hashes = c.prompt_hashes(follow_up)
+    assert store.lookup(hashes[:5], whole=True) is None  # a tiered row is used whole or not
+    hit = store.lookup(hashes, whole=True)
+    assert hit is not None and hit.blocks == 7
+    arrays, stored_hashes = store.load(hit)
+    restored = SavedPages(hit.blocks, arrays, stored_hashes)
+
+    bad = dict(arrays, tier_tokens=np.asarray(arrays["tier_tokens"]) + 1)
+    with pytest.raises(ValueError, match="tier counts|more tokens"):
+        eng.open(follow_up, restore=SavedPages(7, bad, stored_hashes))
+    with pytest.raises(ValueError, match="not this prompt's"):
+        eng.open(prompts((70,))[0], restore=restored)
+    assert c.num_free_slots == c.max_num_seqs  # a refused restore took nothing
+
+    slot, cached = eng.open(follow_up, restore=restored)
+    assert cached == 56 and eng.stats.restored_tokens == 56
+    got = row_contents(eng, c.tables, c.counts, slot)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    check_pages(eng)
+    eng.close(slot)
+    check_nothing_leaked(eng)
+    store.close()
+
+
+def test_a_conversation_restored_from_the_store_goes_on_as_one_kept_on_the_device(
+        tiny_params):
+    [p] = prompts((30,))
+    tail = prompts((9,))[0]
+
+    def turns(store: StoreConfig | None) -> tuple[list[int], Scheduler]:
+        eng = tiered(tiny_params, "xla", 2.0, 1.0)
+        sched = Scheduler(eng, store=store)
+        first = request(p, 26)
+        sched.add(first)
+        while sched.num_unfinished:
+            sched.step()
+        if store is not None:
+            sched.store.flush()
+            assert eng.cache.make_room(eng.cache.total_pages)  # only the store has it now
+        second = request(p + first.output + tail, 12)
+        sched.add(second)
+        while sched.num_unfinished:
+            sched.step()
+            check_pages(eng)
+        return second.output, sched
+
+    kept, _ = turns(None)
+    restored, sched = turns(StoreConfig(host_cache_bytes=64 << 20))
+    assert sched.snapshot()["prefix_hit_tokens"] == {"device": 0, "host": 48, "disk": 0}
+    assert restored == kept
+    sched.close()

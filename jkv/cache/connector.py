@@ -26,6 +26,7 @@ from jkv.buckets import bucket
 from jkv.cache.kv_cache import KVCacheManager
 from jkv.cache.prefix_cache import block_hashes
 from jkv.cache.rebase import rebase_pages
+from jkv.cache.tier_entries import TIER_ARRAYS, place_row, row_layout, tier_counts
 from jkv.cache.transfer import gather_pages, scatter_pages
 from jkv.pallas_kernels.kv_pages import KVPages
 
@@ -42,13 +43,17 @@ class SavedPages:
     # blocks from this one on hold approximate KV (moved by `rebase`): usable by the prompt
     # they were made for, never shared under their tokens' hashes
     exact_blocks: int | None = None
+    # a tiered row (`gather_tiers`): the arrays are its pages in `tier_entries.row_layout`'s
+    # order, this many rows of them real, not blocks
+    rows: int | None = None
 
     def fetch(self) -> SavedPages:
-        """The same blocks as host arrays of exactly `num_blocks` rows (waits for the copy)."""
+        """The same blocks as host arrays of exactly `num_blocks` rows (`rows` for a tiered
+        row; waits for the copy)."""
         arrays = jax.device_get(self.arrays)
-        return SavedPages(self.num_blocks,
-                          {f: np.asarray(x)[: self.num_blocks] for f, x in arrays.items()},
-                          self.hashes[: self.num_blocks], self.exact_blocks)
+        n = self.num_blocks if self.rows is None else self.rows
+        return SavedPages(self.num_blocks, {f: np.asarray(x)[:n] for f, x in arrays.items()},
+                          self.hashes[: self.num_blocks], self.exact_blocks, self.rows)
 
 
 @dataclass
@@ -116,6 +121,64 @@ class KVConnector:
         if not self.layerwise or not self.load_bytes_per_s:
             self.write([slot])  # at once, timed (the first one measures the rate)
         return n * self.cache.page_size
+
+    def restorable_tiers(self, saved: SavedPages, token_ids: Sequence[int]) -> tuple[
+            dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """A saved tiered row (`gather_tiers`) checked for `token_ids` and this pool: (its
+        layout, tier counts high, low [L, H]). ValueError if it is another prompt's, not a
+        whole tiered row, inconsistent, or wider than this pool's table."""
+        c, ps = self.cache, self.cache.page_size
+        n = saved.num_blocks
+        if not 1 <= n <= (len(token_ids) - 1) // ps:
+            raise ValueError(f"a saved tiered row of {n} blocks does not fit a prompt of "
+                             f"{len(token_ids)} tokens")
+        if saved.hashes[n - 1] != block_hashes(token_ids, ps, c.hash_seed, n)[n - 1]:
+            raise ValueError("the saved pages are not this prompt's (block hashes differ)")
+        arrays = saved.arrays
+        missing = [k for k in TIER_ARRAYS if k not in arrays]
+        if missing:
+            raise ValueError(f"the saved pages are not a tiered row (no {missing})")
+        layout = {k: np.asarray(arrays[k]) for k in TIER_ARRAYS[:4]}
+        rows = len(layout["tier_head"])
+        heads = self.num_layers * self.num_kv_heads
+        if any(x.shape != (rows,) for x in layout.values()) or not (
+                (layout["tier_head"] >= 0) & (layout["tier_head"] < heads)
+                & (layout["tier_tokens"] >= 0)).all():
+            raise ValueError("the saved tiered row's page layout is malformed")
+        high, low = tier_counts(layout, heads)
+        want = row_layout(high, low, ps)
+        if any(not np.array_equal(layout[k], want[k]) for k in want):
+            raise ValueError("the saved tiered row's pages do not match its tier counts")
+        if (high + low > n * ps).any():
+            raise ValueError("the saved tiered row holds more tokens than its blocks")
+        if (-(-high // ps) + -(-low // (2 * ps)) > c.max_pages).any():
+            raise ValueError("the saved tiered row is wider than this pool's page tables")
+        pages = {k: v for k, v in arrays.items() if k not in TIER_ARRAYS}
+        c.pool.check_saved(pages, (), rows)
+        for k in ("tier_score", "tier_pos"):
+            if np.shape(arrays[k]) != (rows, 2 * ps):
+                raise ValueError(f"saved {k} is {list(np.shape(arrays[k]))}, expected "
+                                 f"[{rows}, {2 * ps}]")
+        shape = (self.num_layers, self.num_kv_heads)
+        return layout, high.reshape(shape), low.reshape(shape)
+
+    def restore_tiers(self, slot: int, saved: SavedPages, token_ids: Sequence[int]) -> int:
+        """Start the empty `slot` with a saved tiered row (its compression kept); returns
+        the tokens it then holds (0 when its pages cannot be had: recomputed instead)."""
+        layout, high, low = self.restorable_tiers(saved, token_ids)
+        arrays = saved.arrays
+        pages = KVPages.from_arrays(self.cache.pool.kv_format, {
+            k: np.asarray(v) for k, v in arrays.items() if k not in TIER_ARRAYS})
+        tokens = saved.num_blocks * self.cache.page_size
+        compiled = place_row._cache_size()
+        t0 = time.perf_counter()
+        if not self.cache.place_tiers(slot, layout, pages, np.asarray(arrays["tier_score"]),
+                                      np.asarray(arrays["tier_pos"]), high, low, tokens):
+            return 0
+        jax.block_until_ready(self.cache.pool)
+        if place_row._cache_size() == compiled:  # a compile is not a load rate
+            self._learn_load(pages.nbytes, time.perf_counter() - t0)
+        return tokens
 
     def write(self, slots: Sequence[int]) -> None:
         """Write the queued restores of `slots` into the pool now, every layer at once
@@ -218,6 +281,16 @@ class KVConnector:
         c = self.cache
         return SavedPages(n, gather_pages(c.pool, ids).arrays(),
                           block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed))
+
+    def gather_tiers(self, slot: int) -> SavedPages:
+        """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),
+        as device arrays being copied out of the pool (`rows` of them real)."""
+        c = self.cache
+        layout, pages, score, pos = c.tier_pages(slot)
+        n = len(c.slot_tokens[slot]) // c.page_size
+        return SavedPages(n, {**pages.arrays(), **layout, "tier_score": score, "tier_pos": pos},
+                          block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed, n),
+                          rows=int((layout["tier_head"] >= 0).sum()))
 
     def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
                drop: int) -> SavedPages:

@@ -34,7 +34,17 @@ from jkv.cache.allocator import (
 from jkv.cache.page_cost import PageCost
 from jkv.cache.page_pool import init_filling, page_bytes
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
-from jkv.cache.tier_entries import Entry, TierEntries, adopt, forget, init_entries, move_row
+from jkv.cache.tier_entries import (
+    Entry,
+    TierEntries,
+    adopt,
+    forget,
+    gather_row,
+    init_entries,
+    move_row,
+    place_row,
+    row_layout,
+)
 from jkv.cache.token_tiers import init_counts, init_meta
 from jkv.cache.transfer import slot_page_ids
 from jkv.config import KVFormat
@@ -314,6 +324,49 @@ class KVCacheManager:
         self.free_pages -= entry.pages
         self.high[slot], self.low[slot] = entry.high, entry.low
         return entry.tokens
+
+    def tier_pages(self, slot: int) -> tuple[dict[str, np.ndarray], KVPages, jax.Array,
+                                             jax.Array]:
+        """The pages `slot`'s tiers hold, as the store keeps a tiered row: (the layout,
+        `tier_entries.row_layout`, padded to a bucket of pages with head -1; the pages and
+        their token metadata score, pos, device arrays being gathered)."""
+        layout = row_layout(self.high[slot], self.low[slot], self.page_size)
+        n = len(layout["tier_head"])
+        rows = bucket(max(n, 1))
+        padded = {k: np.pad(x, (0, rows - n), constant_values=-1 if k == "tier_head" else 0)
+                  for k, x in layout.items()}
+        pages, score, pos = gather_row(self.pool, self.meta, self.tables, jnp.int32(slot),
+                                       *(jnp.asarray(padded[k]) for k in
+                                         ("tier_head", "tier_low", "tier_index")))
+        return padded, pages, score, pos
+
+    def place_tiers(self, slot: int, layout: dict[str, np.ndarray], pages: KVPages,
+                    score: np.ndarray, pos: np.ndarray, high: np.ndarray, low: np.ndarray,
+                    tokens: int) -> bool:
+        """Start the empty `slot` with saved tiered pages (`tier_pages`' form, checked by the
+        caller; high, low [L, H]) holding its first `tokens` tokens; False when the pages
+        cannot be had (nothing changes)."""
+        n = len(layout["tier_head"])
+        if not self.make_room(n):
+            return False
+        rows = bucket(max(n, 1))
+
+        def pad(x: np.ndarray, fill: int = 0) -> jax.Array:
+            return jnp.asarray(np.pad(x, [(0, rows - n)] + [(0, 0)] * (x.ndim - 1),
+                                      constant_values=fill))
+
+        pages = KVPages.from_arrays(pages.kv_format, {k: pad(x) for k, x in
+                                                      pages.arrays().items()})
+        (self.pool, self.meta, self.free, self.tables, self.counts, ok) = place_row(
+            self.pool, self.meta, self.free, self.tables, self.counts, pages, pad(score),
+            pad(pos), pad(layout["tier_head"], -1), pad(layout["tier_low"]),
+            pad(layout["tier_index"]), jnp.asarray(high, jnp.int32), jnp.asarray(low, jnp.int32),
+            jnp.int32(slot), jnp.int32(tokens))
+        if not bool(ok):
+            raise RuntimeError("placing restored tiers failed although the host count allowed it")
+        self.free_pages -= n
+        self.high[slot], self.low[slot] = high, low
+        return True
 
     def grow(self, new_lengths: dict[int, int]) -> jax.Array:
         """Give slots the pages to hold `new_lengths[slot]` tokens (evicting cached blocks

@@ -198,3 +198,88 @@ def adopt(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
         high=counts.high.at[slot].set(jnp.where(ok, entry_counts.high[row], 0)),
         low=counts.low.at[slot].set(jnp.where(ok, entry_counts.low[row], 0)))
     return pool, TokenMeta(score=score, pos=pos), free, tables, counts, ok
+
+
+# ---------------------------------------------------------------------- the store's form
+# A tiered row leaves the device as the pages it holds, in (layer, KV head, tier, index)
+# order, with per page: its head (layer * KV heads + head), its tier (1: low), its index
+# within the tier and the tokens it holds, and the token metadata of its slots. The table
+# width is not part of it: an engine of another max_model_len reads it back.
+
+TIER_ARRAYS = ("tier_head", "tier_low", "tier_index", "tier_tokens", "tier_score", "tier_pos")
+
+
+def row_layout(high: np.ndarray, low: np.ndarray, page: int) -> dict[str, np.ndarray]:
+    """The held pages of a row with tier counts high, low [L, H]: `tier_head`, `tier_low`,
+    `tier_index` and `tier_tokens`, int32 [pages] each."""
+    high, low = np.asarray(high, np.int64).ravel(), np.asarray(low, np.int64).ravel()
+    per = np.stack([-(-high // page), -(-low // (2 * page))], -1).ravel()  # (head, tier)
+    counts = np.stack([high, low], -1).ravel()
+    head = np.repeat(np.repeat(np.arange(high.size), 2), per)
+    is_low = np.repeat(np.tile([0, 1], high.size), per)
+    index = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
+    cap = np.where(is_low == 1, 2 * page, page)
+    tokens = np.minimum(cap, np.repeat(counts, per) - index * cap)
+    return {name: x.astype(np.int32) for name, x in zip(
+        TIER_ARRAYS[:4], (head, is_low, index, tokens), strict=True)}
+
+
+def tier_counts(layout: dict[str, np.ndarray], heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tier counts [heads] a layout's pages hold (high, low)."""
+    head, is_low, tokens = layout["tier_head"], layout["tier_low"], layout["tier_tokens"]
+    return (np.bincount(head[is_low == 0], tokens[is_low == 0], heads).astype(np.int64),
+            np.bincount(head[is_low == 1], tokens[is_low == 1], heads).astype(np.int64))
+
+
+def _columns(head: jax.Array, is_low: jax.Array, index: jax.Array, width: int) -> tuple[
+        jax.Array, jax.Array]:
+    """Clipped (head, table column) of each page of a layout (padding: -1 heads)."""
+    col = jnp.where(is_low == 1, width - 1 - index, index)
+    return jnp.clip(head, 0, None), jnp.clip(col, 0, width - 1)
+
+
+@jax.jit
+def gather_row(pool: KVPages, meta: TokenMeta, tables: PageTables, slot: jax.Array,
+               head: jax.Array, is_low: jax.Array, index: jax.Array) -> tuple[
+                   KVPages, jax.Array, jax.Array]:
+    """The pages of `slot`'s row that a layout names (padding: head -1 reads the null
+    page), and their token metadata: (pages [n, ...], score, pos [n, 2 * page])."""
+    w = tables.pages.shape[-1]
+    rows = tables.pages[slot].reshape(-1, w)
+    h, col = _columns(head, is_low, index, w)
+    ids = jnp.where(head >= 0, rows[h, col], NULL_PAGE)
+    return pool.take(ids), meta.score[ids], meta.pos[ids]
+
+
+@partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4))
+def place_row(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
+              counts: TierCounts, pages: KVPages, score: jax.Array, pos: jax.Array,
+              head: jax.Array, is_low: jax.Array, index: jax.Array, high: jax.Array,
+              low: jax.Array, slot: jax.Array, tokens: jax.Array) -> tuple[
+                  KVPages, TokenMeta, FreeList, PageTables, TierCounts, jax.Array]:
+    """Start the empty `slot` with the pages of a layout (as `gather_row` gives them; head
+    -1: padding) and its tier counts high, low [L, H], holding `tokens` tokens: new pages at
+    each page's column. (pool, meta, free, tables, counts, ok); nothing is taken when the
+    pool is short (ok False)."""
+    page = free.page_size
+    w = tables.pages.shape[-1]
+    hp, lp = (high + page - 1) // page, (low + 2 * page - 1) // (2 * page)
+    free, ids, ok = allocate(free, hp + lp, w)
+    j = jnp.arange(w, dtype=jnp.int32)
+    k = jnp.where(j < hp[..., None], j, hp[..., None] + (w - 1 - j))  # the k-th new id
+    held = (j < hp[..., None]) | (j >= w - lp[..., None])
+    row = jnp.where(held & ok, jnp.take_along_axis(ids, jnp.clip(k, 0, w - 1), -1), NULL_PAGE)
+    h = jnp.clip(head, 0, None)
+    nth = jnp.where(is_low == 1, hp.reshape(-1)[h] + index, index)
+    dst = jnp.where((head >= 0) & ok, ids.reshape(-1, w)[h, jnp.clip(nth, 0, w - 1)],
+                    NULL_PAGE)
+    to = jnp.where(dst > NULL_PAGE, dst, meta.score.shape[0])
+    meta = TokenMeta(score=meta.score.at[to].set(score, mode="drop"),
+                     pos=meta.pos.at[to].set(pos, mode="drop"))
+    tables = PageTables(pages=tables.pages.at[slot].set(row),
+                        num_pages=tables.num_pages.at[slot].set(jnp.where(ok, hp, 0)),
+                        lengths=tables.lengths.at[slot].set(jnp.where(ok, tokens, 0)),
+                        low_pages=tables.low_pages.at[slot].set(jnp.where(ok, lp, 0)))
+    counts = TierCounts(high=counts.high.at[slot].set(jnp.where(ok, high, 0)),
+                        low=counts.low.at[slot].set(jnp.where(ok, low, 0)))
+    return pool.put(dst, pages), meta, free, tables, counts, ok

@@ -170,22 +170,31 @@ class KVStore:
                 if not holders:
                     del self._where[h]
 
-    def lookup(self, hashes: Sequence[bytes]) -> Hit | None:
+    def lookup(self, hashes: Sequence[bytes], whole: bool = False) -> Hit | None:
         """The longest run of `hashes` (a prompt's block hashes) that an entry holds, from
-        the host tier when two entries hold it; None when none does."""
+        the host tier when two entries hold it; None when none does. `whole`: only an
+        entry's whole run (a tiered row is not usable in part)."""
         with self._lock:
-            # an entry holding block i holds blocks 0..i of the same chain: the stored run
-            # is a prefix of `hashes`, found by bisection
-            lo, hi = 0, len(hashes)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if hashes[mid] in self._where:
-                    lo = mid + 1
-                else:
-                    hi = mid
+            if whole:  # the longest prefix of `hashes` that some entry ends with
+                lo = next((i + 1 for i in range(len(hashes) - 1, -1, -1) if any(
+                    self._entries[k].hashes[-1] == hashes[i]
+                    for k in self._where.get(hashes[i], ()))), 0)
+            else:
+                # an entry holding block i holds blocks 0..i of the same chain: the stored
+                # run is a prefix of `hashes`, found by bisection
+                lo, hi = 0, len(hashes)
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if hashes[mid] in self._where:
+                        lo = mid + 1
+                    else:
+                        hi = mid
             if lo == 0:
                 return None
-            tiers = {k: self.placement.where(k) for k in self._where[hashes[lo - 1]]}
+            holders = self._where[hashes[lo - 1]]
+            if whole:
+                holders = [k for k in holders if len(self._entries[k].hashes) == lo]
+            tiers = {k: self.placement.where(k) for k in holders}
             tiers = {k: t for k, t in tiers.items() if t is not None}  # not mid-eviction
             if not tiers:
                 return None
@@ -231,16 +240,18 @@ class KVStore:
         rate = len(data) / max(time.perf_counter() - t0, 1e-9)
         self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
         n = hit.blocks
+        if n == len(entry.hashes):  # the whole entry (a tiered row's arrays are not blocks)
+            return dict(arrays), entry.hashes
         return {f: x[:n] for f, x in arrays.items()}, entry.hashes[:n]
 
     # ------------------------------------------------------------------ saving
 
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
-             session: str | None = None) -> bool:
+             session: str | None = None, rows: int | None = None) -> bool:
         """Queue the first `num_blocks` blocks of a request (`arrays`: host or device arrays
-        with >= num_blocks rows, as `Engine.gather` returns them) for the writer. False
-        (nothing queued) when there is nothing new: no full block, or an entry already
-        holds these blocks."""
+        with >= num_blocks rows, as `Engine.gather` returns them; a tiered row's arrays
+        with >= `rows` rows) for the writer. False (nothing queued) when there is nothing
+        new: no full block, or an entry already holds these blocks."""
         if num_blocks < 1 or self._closed:
             return False
         hashes = list(hashes[:num_blocks])
@@ -256,7 +267,7 @@ class KVStore:
 
         def job() -> None:
             try:
-                self._write(num_blocks, arrays, hashes, session)
+                self._write(num_blocks, arrays, hashes, session, rows)
             finally:
                 with self._lock:
                     self._pending.pop(key, None)
@@ -268,8 +279,9 @@ class KVStore:
         return True
 
     def _write(self, n: int, arrays: Mapping[str, object], hashes: list[bytes],
-               session: str | None) -> None:
-        host = {f: np.asarray(x)[:n] for f, x in arrays.items()}  # waits for the device copy
+               session: str | None, rows: int | None = None) -> None:
+        rows = n if rows is None else rows
+        host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
         key = hashes[-1].hex()
         info = EntryInfo(self.model, self.kv_format, self.page_size, n * self.page_size, key)
         digests = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, -1)
