@@ -139,13 +139,13 @@ class Engine:
     # ------------------------------------------------------------------ sequences
 
     def open(self, token_ids: Sequence[int], restore: SavedPages | None = None,
-             use_prefix_cache: bool = True) -> tuple[int, int]:
+             use_prefix_cache: bool = True, max_cached: int | None = None) -> tuple[int, int]:
         """Take a free slot for a sequence whose prompt is `token_ids`.
 
         Returns (slot, cached): the first `cached` tokens are already held (prefix cache
-        hits unless `use_prefix_cache` is False, then the blocks of `restore` past them:
-        saved pages of this prompt's first blocks, written into new pages); feed the rest
-        with `step`.
+        hits unless `use_prefix_cache` is False, at most `max_cached` of them, then the blocks
+        of `restore` past them: saved pages of this prompt's first blocks, written into new
+        pages, or with token tiers a saved tiered row); feed the rest with `step`.
         """
         if not 1 <= len(token_ids) < self.max_model_len:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
@@ -153,7 +153,7 @@ class Engine:
         if restore is not None:  # raises before anything is taken
             (self.connector.restorable_tiers if self.tiered
              else self.connector.restorable)(restore, token_ids)
-        slot, cached = self.cache.open(token_ids, use_prefix_cache)
+        slot, cached = self.cache.open(token_ids, use_prefix_cache, max_cached)
         if self.cache.enable_prefix_caching:
             self.stats.prefix_query_tokens += len(token_ids)
         self.stats.prefix_hit_tokens += cached
@@ -168,13 +168,14 @@ class Engine:
             cached = held
         return slot, cached
 
-    def close(self, slot: int, finished: bool = True) -> None:
-        """End the sequence in `slot`: its full blocks go to the prefix cache (when on) and
-        its other pages back to the pool. `finished` False: preempted (what it held does
-        not count in the statistics of finished sequences)."""
-        shareable = self.connector.shareable_blocks(slot)
+    def close(self, slot: int, finished: bool = True, keep: bool = True) -> None:
+        """End the sequence in `slot`: its full blocks go to the prefix cache (when on; with
+        token tiers its whole row is kept) and its other pages back to the pool. `finished`
+        False: preempted (what it held does not count in the statistics of finished
+        sequences). `keep` False: nothing of it is kept (its KV is suspect)."""
+        shareable = self.connector.shareable_blocks(slot) if keep else 0
         self.connector.forget(slot)  # a restore never written: the request ended first
-        self.cache.close(slot, shareable, finished)
+        self.cache.close(slot, shareable, finished, keep)
 
     def gather(self, slot: int) -> SavedPages:
         """The full blocks `slot` holds, being copied out of the pool (`KVConnector.gather`;
@@ -182,7 +183,7 @@ class Engine:
         return (self.connector.gather_tiers if self.tiered else self.connector.gather)(slot)
 
     def save_pages(self, slot: int) -> SavedPages:
-        """The full blocks `slot` holds, copied to the host."""
+        """The full blocks `slot` holds (a tiered row: its tiers' pages), copied to the host."""
         return self.gather(slot).fetch()
 
     def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
@@ -289,8 +290,9 @@ class Engine:
 
     def warmup(self, progress=None) -> int:
         """Compile every step shape now, so serving never waits on a compilation (padding
-        rows only: what they write is never read), the store's page copies and the calls that
-        keep tiered sequences.
+        rows only: what they write is never read), the store's block copies and the calls
+        that keep tiered sequences on the device (a tiered row's store copies compile on
+        first use).
         `progress(done, total)` after each shape. Returns how many shapes were new."""
         todo, new = self.shapes(), 0
         for i, (b, t) in enumerate(todo):

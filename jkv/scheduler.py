@@ -13,7 +13,8 @@ store; blocks found there past the device prefix cache's hit count as held (thei
 pages admission takes) and are restored into the pool when it is admitted, unless restore
 planning expects recomputing them to be faster; the store gets the waiting queue as its
 prefetch/eviction hint every step, and a finishing request's full blocks are handed to the
-store's write-behind.
+store's write-behind. Under token tiers a kept or stored row is whole: a stored one is
+restored only into an empty slot, never past a device hit.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class _Tracked:
     hashes: list[bytes] | None = None  # its prompt's block hashes (until preempted)
     source_hashes: list[bytes] | None = None  # its truncation source's block hashes
     hit: Hit | None = None  # the store's blocks admission restores (this step's plan)
+    cached: int = 0  # tokens the plan found on the device (admission takes no more)
     rebase: int = 0  # blocks `hit` gives after re-rotation
     declined: bool = False  # recomputing its hit was planned (counted once)
     probe: bool = False  # restore its hit anyway, to measure
@@ -265,12 +267,13 @@ class Scheduler:
                                self.engine.cache.pages_freed_by_close(st.slot))
 
     def _waiting(self, r: Request, rates: RestoreRates,
-                 declined: int) -> tuple[Candidate, RestoreDecision]:
-        """`r` as the policy sees it, with the restore planned for it (not yet applied):
-        its prompt is looked up in the device prefix cache, then in the store."""
+                 declined: int) -> tuple[Candidate, RestoreDecision, int]:
+        """`r` as the policy sees it, with the restore planned for it (not yet applied) and
+        the tokens found on the device: its prompt is looked up in the device prefix cache
+        (kept tiered sequences under token tiers), then in the store."""
         eng, st = self.engine, self._state[r]
         if r.sampling.prompt_logprobs is not None:  # every prompt token is computed
-            return self._candidate(r, 0, 0), RestoreDecision(0)
+            return self._candidate(r, 0, 0), RestoreDecision(0), 0
         if st.hashes is None:
             st.hashes = eng.cache.prompt_hashes(r.tokens)
         cached, pinned = eng.cache.lookup(st.hashes)
@@ -286,7 +289,8 @@ class Scheduler:
                 cached, self.store.lookup(st.hashes), self._truncated_hit(r), rates,
                 cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
                 probe=st.probe, declined_count=declined)
-        return self._candidate(r, decision.held, pinned + decision.extra_pages), decision
+        return (self._candidate(r, decision.held, pinned + decision.extra_pages), decision,
+                cached)
 
     def _truncated_hit(self, r: Request) -> tuple[Hit, int] | None:
         """For a truncated prompt: the store's entry of its untruncated source and how many
@@ -329,13 +333,16 @@ class Scheduler:
                 self.stats.store_misses += 1
         before = eng.stats.restored_tokens
         try:
+            # no more of the device cache than planned: a row kept by this step's own
+            # preemption was not in the plan's page count
             st.slot, cached = eng.open(r.tokens, restore=restore,
-                                       use_prefix_cache=r.sampling.prompt_logprobs is None)
+                                       use_prefix_cache=r.sampling.prompt_logprobs is None,
+                                       max_cached=st.cached)
         except ValueError:  # the loaded blocks do not fit this prompt: never serve them
             log.exception("restoring request %s from the store failed; recomputing",
                           r.request_id)
             self.stats.store_misses += 1
-            st.slot, cached = eng.open(r.tokens)
+            st.slot, cached = eng.open(r.tokens, max_cached=st.cached)
         if hit is not None:
             restored = eng.stats.restored_tokens - before
             self.stats.restored_tokens[hit.tier] += restored
@@ -358,7 +365,8 @@ class Scheduler:
         if st is not None and st.slot is not None:
             if self.store is not None and reason != "error":
                 self._save(r, st.slot)
-            self.engine.close(st.slot)
+            # after a failed step its KV is suspect: nothing of it is kept
+            self.engine.close(st.slot, keep=reason != "error")
         r.finish_reason, r.finish_time = reason, time.monotonic()
         self.stats.finished += 1
         if reason in ("abort", "timeout", "error"):
@@ -410,15 +418,16 @@ class Scheduler:
             prefill_token_seconds=self._prefill_token_s)
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
                              eng.connector.load_bytes_per_s, self._prefill_token_s)
-        waiting, decisions, declined = [], {}, self.stats.restores_declined
+        waiting, decisions, cached, declined = [], {}, {}, self.stats.restores_declined
         for r in self.waiting:
-            c, decisions[r.request_id] = self._waiting(r, rates, declined)
+            c, decisions[r.request_id], cached[r.request_id] = self._waiting(r, rates, declined)
             declined += decisions[r.request_id].newly_declined
             waiting.append(c)
         plan = plan_step([self._running(r) for r in self.running], waiting, budget)
         for r in self.waiting:  # the restores planned: what admission loads, the hint, stats
             st, d = self._state[r], decisions[r.request_id]
             st.hit, st.rebase, st.probe = d.hit, d.rebase, d.probe
+            st.cached = cached[r.request_id]
             if d.newly_declined:
                 st.declined = True
                 self.stats.restores_declined += 1

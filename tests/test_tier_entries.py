@@ -87,8 +87,16 @@ def test_a_follow_up_opens_with_a_copy_of_the_kept_sequence(tiny_params):
         slots.append(slot)
     assert c.free_pages == free - 2 * c.entries.get(row).pages
     assert eng.stats.prefix_hit_tokens == 2 * 56
-    # a prompt that does not extend the kept tokens finds nothing
+    # a prompt that does not extend the kept tokens finds nothing, nor one that may take
+    # fewer tokens from the device than the entry holds (what the scheduler planned)
     assert c.lookup(c.prompt_hashes(follow_up[:40] + [7] * 30)) == (0, 0)
+    slot, cached = eng.open(follow_up, max_cached=48)
+    assert cached == 0
+    eng.close(slot)
+    # a sequence whose KV is suspect (a failed step) is not kept
+    slot, _ = eng.open(follow_up)
+    eng.close(slot, keep=False)
+    assert len(c.entries) == 1 and c.free_pages == free - 2 * c.entries.get(row).pages
     for slot in slots:
         eng.close(slot)
         check_pages(eng)

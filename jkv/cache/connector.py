@@ -35,7 +35,8 @@ from jkv.pallas_kernels.kv_pages import KVPages
 class SavedPages:
     """A sequence's first `num_blocks` full blocks in the pool's format: `arrays` as
     `KVPages.arrays()` names them, each [>= num_blocks, layers, KV heads, page, ...], rows past
-    `num_blocks` padding. Host arrays, or device arrays still being gathered (`gather`)."""
+    `num_blocks` padding (a tiered row's: its pages and layout, `rows`). Host arrays, or
+    device arrays still being gathered (`gather`)."""
 
     num_blocks: int
     arrays: dict[str, np.ndarray | jax.Array]
@@ -146,15 +147,17 @@ class KVConnector:
                 & (layout["tier_tokens"] >= 0)).all():
             raise ValueError("the saved tiered row's page layout is malformed")
         high, low = tier_counts(layout, heads)
-        want = row_layout(high, low, ps)
-        if any(not np.array_equal(layout[k], want[k]) for k in want):
-            raise ValueError("the saved tiered row's pages do not match its tier counts")
-        if (high + low > n * ps).any():
+        if (high + low > n * ps).any():  # bounds first: the layout is built from them
             raise ValueError("the saved tiered row holds more tokens than its blocks")
         if (-(-high // ps) + -(-low // (2 * ps)) > c.max_pages).any():
             raise ValueError("the saved tiered row is wider than this pool's page tables")
+        want = row_layout(high, low, ps)
+        if any(not np.array_equal(layout[k], want[k]) for k in want):
+            raise ValueError("the saved tiered row's pages do not match its tier counts")
         pages = {k: v for k, v in arrays.items() if k not in TIER_ARRAYS}
         c.pool.check_saved(pages, (), rows)
+        if any(len(x) != rows for x in pages.values()):
+            raise ValueError(f"the saved tiered row's pages are not {rows} rows")
         for k in ("tier_score", "tier_pos"):
             if np.shape(arrays[k]) != (rows, 2 * ps):
                 raise ValueError(f"saved {k} is {list(np.shape(arrays[k]))}, expected "

@@ -173,7 +173,7 @@ class KVCacheManager:
 
     @property
     def pages_used(self) -> int:
-        """Pages held by running sequences and by the prefix cache."""
+        """Pages held by running sequences, the prefix cache and kept tiered sequences."""
         return self.total_pages - self.free_pages
 
     @property
@@ -209,8 +209,9 @@ class KVCacheManager:
         return block_hashes(token_ids, self.page_size, self.hash_seed, n)
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
-        """(tokens found in the prefix cache, pages of them that opening the sequence would
-        take from `available_pages` because no one else holds them). No side effects."""
+        """(tokens found in the prefix cache or, with token tiers, a kept sequence, pages
+        that opening the sequence would take from `available_pages`: cached blocks no one
+        else holds, or a copy of the kept sequence). No side effects."""
         if self.entries is not None:  # a kept tiered sequence: opening copies its pages
             found = self.entries.lookup(hashes)
             if found is None:
@@ -274,18 +275,22 @@ class KVCacheManager:
     def is_open(self, slot: int) -> bool:
         return 0 <= slot < self.max_num_seqs and slot not in self._free_slots
 
-    def open(self, token_ids: Sequence[int], use_prefix_cache: bool = True) -> tuple[int, int]:
+    def open(self, token_ids: Sequence[int], use_prefix_cache: bool = True,
+             max_cached: int | None = None) -> tuple[int, int]:
         """Take a free slot for `token_ids`; returns (slot, tokens found in the prefix cache
         or, with token tiers, in a kept sequence, which the slot now holds; 0 without
-        `use_prefix_cache`)."""
+        `use_prefix_cache`, at most `max_cached`)."""
         if not self._free_slots:
             raise RuntimeError("no free sequence slot")
         slot = self._free_slots.pop()
+        hashes = self.prompt_hashes(token_ids) if use_prefix_cache else []
+        if max_cached is not None:
+            hashes = hashes[:max_cached // self.page_size]
         if self.entries is not None:
-            cached = self._adopt(slot, token_ids) if use_prefix_cache else 0
+            cached = self._adopt(slot, hashes)
             self.slot_tokens[slot] = list(token_ids[:cached])
             return slot, cached
-        rows = self.prefix.lookup(self.prompt_hashes(token_ids)) if use_prefix_cache else []
+        rows = self.prefix.lookup(hashes)
         cached = len(rows) * self.page_size
         if rows:
             self.prefix.acquire(rows)
@@ -298,17 +303,20 @@ class KVCacheManager:
         self._slot_rows[slot] = rows
         return slot, cached
 
-    def _adopt(self, slot: int, token_ids: Sequence[int]) -> int:
-        """Start `slot` from the kept tiered sequence that `token_ids` extends, if one is
-        kept: a copy of it, or when its pages cannot be had besides it, the entry itself
-        (it is no longer kept). Returns the tokens the slot holds."""
-        found = self.entries.lookup(self.prompt_hashes(token_ids))
+    def _adopt(self, slot: int, hashes: Sequence[bytes]) -> int:
+        """Start `slot` from the longest kept tiered sequence ending at one of `hashes` (a
+        prompt's block hashes), if one is kept: a copy of it, or when its pages cannot be
+        had besides it, the entry itself (it is no longer kept). Returns the tokens the
+        slot holds."""
+        found = self.entries.lookup(hashes)
         if found is None:
             return 0
         row, _ = found
         entry = self.entries.get(row)
         self.entries.touch(row)
-        if not self.make_room(entry.pages, keep_entry=row):  # take the entry over
+        others = self.available_pages - self.free_pages - entry.pages  # evictable besides it
+        if (self.free_pages + others < entry.pages  # no copy: evict nothing, take it over
+                or not self.make_room(entry.pages, keep_entry=row)):
             self.entry_tables, self.entry_counts, self.tables, self.counts = move_row(
                 self.entry_tables, self.entry_counts, self.tables, self.counts,
                 jnp.int32(row), jnp.int32(slot), jnp.int32(entry.tokens))
@@ -505,21 +513,22 @@ class KVCacheManager:
         restore that will)."""
         self.slot_tokens[slot].extend(int(t) for t in token_ids)
 
-    def close(self, slot: int, shareable: int, finished: bool = True) -> None:
+    def close(self, slot: int, shareable: int, finished: bool = True,
+              keep: bool = True) -> None:
         """End the sequence in `slot`: its first `shareable` full blocks (those whose KV is
         exactly its tokens') go to the prefix cache when that is on, and the table's
         references are dropped, freeing pages no cache row holds. With token tiers and
         prefix caching on, the sequence's full pages are kept whole instead (an entry of
         `tier_entries`, evictable). `finished` (not preempted): what it held counts in
-        `finished`."""
+        `finished`. `keep` False: nothing is kept (no block exported, no row kept)."""
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
         if finished:
             self._finished(slot)
-        if self.entries is not None and len(tokens) >= self.page_size:
+        if self.entries is not None and keep and len(tokens) >= self.page_size:
             self._keep(slot)
             return
         new_rows: dict[int, int] = {}  # cache row -> the column of `slot` it takes
-        if self.enable_prefix_caching and self.entries is None:
+        if self.enable_prefix_caching and self.entries is None:  # keep False: shareable 0
             self.prefix.release(shared)
             hashes = block_hashes(tokens, self.page_size, self.hash_seed,
                                   max(shareable, len(shared)))

@@ -5,8 +5,10 @@ An entry is the run of full blocks a request held when it finished (blocks 0..n-
 tokens), named by the hash of its last block. Every block hash of every entry is indexed, so
 a later prompt that shares any leading run of blocks with an entry (the next turn of a chat,
 a regenerated answer) finds it; a new entry that extends an older one (the next turn's save)
-replaces it. Which tier holds an entry, and what a full tier gives up, is `Placement`'s
-decision (LRU, FIFO or scheduler-aware, with the waiting queue as its hint).
+replaces it. A tiered row (token tiers: its pages are not blocks) is found only whole
+(`lookup(whole=True)`) and replaces nothing. Which tier holds an entry, and what a full tier
+gives up, is `Placement`'s decision (LRU, FIFO or scheduler-aware, with the waiting queue as
+its hint).
 
 Threads: `lookup` and `load` run on the scheduler's thread; saving (the copy off the device,
 encoding, checksumming, writing) and moving entries between tiers run on one background
@@ -207,8 +209,8 @@ class KVStore:
 
     def load(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes]] | None:
         """The first `hit.blocks` blocks of entry `hit.key`: (arrays [blocks, ...] in the
-        pool's format, their block hashes), validated; None on a miss (gone, or corrupt:
-        then counted and deleted)."""
+        pool's format, or a whole entry's arrays as saved, and their block hashes),
+        validated; None on a miss (gone, or corrupt: then counted and deleted)."""
         t0 = time.perf_counter()
         tiers = (self.host, self.disk) if hit.tier == "host" else (self.disk, self.host)
         data = None
@@ -241,7 +243,7 @@ class KVStore:
         self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
         n = hit.blocks
         if n == len(entry.hashes):  # the whole entry (a tiered row's arrays are not blocks)
-            return dict(arrays), entry.hashes
+            return dict(arrays), list(entry.hashes)
         return {f: x[:n] for f, x in arrays.items()}, entry.hashes[:n]
 
     # ------------------------------------------------------------------ saving
@@ -258,7 +260,9 @@ class KVStore:
         key = hashes[-1].hex()
         nbytes = sum(getattr(x, "nbytes", 0) for x in arrays.values())
         with self._lock:
-            if hashes[-1] in self._where or key in self._pending:
+            # a longer run of blocks serves this one; a tiered row (`rows`) only its own
+            held = (key in self._entries if rows is not None else hashes[-1] in self._where)
+            if held or key in self._pending:
                 return False
             if sum(self._pending.values()) + nbytes > self.max_pending_bytes:
                 self.stats.saves_dropped += 1
@@ -280,7 +284,7 @@ class KVStore:
 
     def _write(self, n: int, arrays: Mapping[str, object], hashes: list[bytes],
                session: str | None, rows: int | None = None) -> None:
-        rows = n if rows is None else rows
+        whole, rows = rows is not None, n if rows is None else rows
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
         key = hashes[-1].hex()
         info = EntryInfo(self.model, self.kv_format, self.page_size, n * self.page_size, key)
@@ -290,7 +294,8 @@ class KVStore:
         with self._lock:
             if key in self._entries or len(data) > max(self.placement.capacity.values()):
                 return  # already stored, or fits no tier (then the shorter runs stay)
-            older = [h.hex() for h in hashes[:-1] if h.hex() in self._entries]
+            # a longer run of blocks replaces shorter ones; tiered rows are used whole only
+            older = [] if whole else [h.hex() for h in hashes[:-1] if h.hex() in self._entries]
         for old in older:  # a longer run of the same prefix replaces them
             self._delete(old)
             self.stats.superseded += 1
