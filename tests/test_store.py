@@ -82,6 +82,30 @@ def test_any_leading_run_of_an_entry_is_found_and_a_longer_one_replaces_it():
     s.close()
 
 
+def test_tiered_rows_are_found_whole_only_and_replace_nothing():
+    """A tiered row (saved with `rows`: its arrays are pages, not blocks) is used whole or
+    not at all, so a longer row of the same conversation neither replaces a shorter one nor
+    is a shorter one refused beside it."""
+    rng = np.random.default_rng()
+    s = store(host_cache_bytes=1 << 24)
+    tokens = rng.integers(0, 1000, 6 * PAGE).tolist()
+    hashes = chain(tokens)
+    assert s.save(5, blocks(9, rng), hashes[:5], rows=9)  # 9 pages for 5 blocks of tokens
+    s.flush()
+    assert s.save(3, blocks(2, rng), hashes[:3], rows=2)  # inside a longer row: still saved
+    s.flush()
+    assert s.snapshot()["entries"]["host"] == 2 and s.snapshot()["superseded"] == 0
+    for n, rows in ((3, 2), (5, 9)):
+        hit = s.lookup(hashes[:n] + chain(tokens[:n * PAGE] + [7] * PAGE)[n:], whole=True)
+        assert hit is not None and hit.blocks == n
+        arrays, got = s.load(hit)
+        assert got == hashes[:n] and all(len(x) == rows for x in arrays.values())
+    assert s.lookup(hashes[:4], whole=True).blocks == 3  # the longest whole row
+    assert s.lookup(hashes[:2], whole=True) is None
+    assert s.lookup(hashes[:4]).blocks == 4  # block lookups would use it in part
+    s.close()
+
+
 @pytest.mark.parametrize("policy", ["lru", "fifo", "scheduler"])
 def test_capacities_hold_under_many_conversations(tmp_path, policy):
     rng = np.random.default_rng()
