@@ -110,8 +110,11 @@ def test_two_follow_ups_of_a_kept_sequence_generate_alike(tiny_params):
     first = request(p, 26)
     run(eng, [first])
     follow_up = p + first.output + prompts((9,))[0]
+    # one after the other: batched together, when each is placed would depend on the
+    # other's schedule (decode steps are placed once any row has `interval` of them)
     twins = [request(follow_up, 12) for _ in range(2)]
-    sched = run(eng, twins)
+    for twin in twins:
+        sched = run(eng, [twin])
     assert twins[0].output == twins[1].output
     assert eng.stats.prefix_hit_tokens == 2 * 48  # 30 + 25 tokens fed: 6 full pages
     assert sched.snapshot()["kv_tiers"]["pruned"] > 0

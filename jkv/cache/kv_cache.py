@@ -522,6 +522,7 @@ class KVCacheManager:
         `tier_entries`, evictable). `finished` (not preempted): what it held counts in
         `finished`. `keep` False: nothing is kept (no block exported, no row kept)."""
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
+        shareable = shareable if keep else 0
         if finished:
             self._finished(slot)
         if self.entries is not None and keep and len(tokens) >= self.page_size:
