@@ -62,15 +62,21 @@ def row_contents(engine: Engine, tables, counts, row: int) -> dict[str, np.ndarr
     return out
 
 
-def test_a_follow_up_opens_with_a_copy_of_the_kept_sequence(tiny_params):
-    eng = tiered(tiny_params, "xla", 2.0, 1.0)
-    c = eng.cache
+def kept_conversation(params) -> tuple[Engine, list[int]]:
+    """An engine keeping one finished 37-token conversation (20 tokens generated, 56 tokens
+    of full pages kept, with demoted and pruned tokens) and a follow-up prompt extending it."""
+    eng = tiered(params, "xla", 2.0, 1.0)
     [p] = prompts((37,))
     first = request(p, 20)
     run(eng, [first])
+    return eng, p + first.output + [1, 2, 3, 4, 5]
+
+
+def test_a_follow_up_opens_with_a_copy_of_the_kept_sequence(tiny_params):
+    eng, follow_up = kept_conversation(tiny_params)
+    c = eng.cache
     # 37 + 19 tokens fed: the full pages' 56 are kept, with demoted and pruned tokens
     assert len(c.entries) == 1 and c.entries.pages > 0
-    follow_up = p + first.output + [1, 2, 3, 4, 5]
     row, blocks = c.entries.lookup(c.prompt_hashes(follow_up))
     assert blocks * PAGE == 56
     kept = row_contents(eng, c.entry_tables, c.entry_counts, row)
@@ -141,12 +147,8 @@ def test_a_pool_too_short_for_a_copy_takes_the_kept_sequence_over(tiny_params):
 
 
 def test_a_saved_tiered_row_restores_bit_for_bit_through_the_store(tiny_params):
-    eng = tiered(tiny_params, "xla", 2.0, 1.0)
+    eng, follow_up = kept_conversation(tiny_params)
     c = eng.cache
-    [p] = prompts((37,))
-    first = request(p, 20)
-    run(eng, [first])
-    follow_up = p + first.output + [1, 2, 3, 4, 5]
     slot, cached = eng.open(follow_up)  # a copy of the kept row
     want = row_contents(eng, c.tables, c.counts, slot)
     saved = eng.save_pages(slot)

@@ -231,13 +231,6 @@ def tier_counts(layout: dict[str, np.ndarray], heads: int) -> tuple[np.ndarray, 
             np.bincount(head[is_low == 1], tokens[is_low == 1], heads).astype(np.int64))
 
 
-def _columns(head: jax.Array, is_low: jax.Array, index: jax.Array, width: int) -> tuple[
-        jax.Array, jax.Array]:
-    """Clipped (head, table column) of each page of a layout (padding: -1 heads)."""
-    col = jnp.where(is_low == 1, width - 1 - index, index)
-    return jnp.clip(head, 0, None), jnp.clip(col, 0, width - 1)
-
-
 @jax.jit
 def gather_row(pool: KVPages, meta: TokenMeta, tables: PageTables, slot: jax.Array,
                head: jax.Array, is_low: jax.Array, index: jax.Array) -> tuple[
@@ -246,8 +239,8 @@ def gather_row(pool: KVPages, meta: TokenMeta, tables: PageTables, slot: jax.Arr
     page), and their token metadata: (pages [n, ...], score, pos [n, 2 * page])."""
     w = tables.pages.shape[-1]
     rows = tables.pages[slot].reshape(-1, w)
-    h, col = _columns(head, is_low, index, w)
-    ids = jnp.where(head >= 0, rows[h, col], NULL_PAGE)
+    col = jnp.clip(jnp.where(is_low == 1, w - 1 - index, index), 0, w - 1)
+    ids = jnp.where(head >= 0, rows[jnp.clip(head, 0, None), col], NULL_PAGE)
     return pool.take(ids), meta.score[ids], meta.pos[ids]
 
 
