@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 
@@ -17,6 +16,7 @@ from jkv.store.codec import (
     CorruptEntry,
     EntryInfo,
     EntryMismatch,
+    checksum,
     decode,
     encode,
 )
@@ -84,7 +84,7 @@ def reforge(data: bytes, edit) -> bytes:
     new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (-(12 + len(new)) % ALIGN)  # the payload stays on a 64-byte boundary
     body = data[:8] + struct.pack("<I", len(new)) + new + data[12 + header_len:-32]
-    return body + hashlib.blake2b(body, digest_size=32).digest()
+    return body + checksum(body)
 
 
 @pytest.mark.parametrize("edit", [
@@ -119,3 +119,23 @@ def test_bad_input_to_encode_raises_value_errors():
         encode(INFO, {"": np.zeros(3, np.float32)})
     with pytest.raises(ValueError, match="num_tokens"):
         EntryInfo("m", "auto", 16, -1)
+
+
+def test_entries_of_several_checksum_chunks_round_trip_and_catch_damage_in_any_chunk():
+    rng = np.random.default_rng()
+    big = {"k.0": rng.integers(0, 256, (3, 5 << 20), dtype=np.uint8)}  # 15 MiB: 4 chunks
+    data = encode(INFO, big)
+    np.testing.assert_array_equal(decode(data)[1]["k.0"], big["k.0"])
+    for i in rng.integers(0, len(data), 4):
+        bad = bytearray(data)
+        bad[i] ^= 1 << int(rng.integers(0, 8))
+        with pytest.raises(CorruptEntry):
+            decode(bytes(bad))
+
+
+def test_an_entry_of_another_codec_version_is_refused_by_name():
+    data, _ = entry()
+    old = bytearray(data)
+    struct.pack_into("<H", old, 4, 1)  # version 1 hashed every byte with BLAKE2b
+    with pytest.raises(CorruptEntry, match="version 1"):
+        decode(bytes(old))

@@ -10,7 +10,11 @@ before returning an array, so a torn or corrupt file is a `CorruptEntry`, never 
 
 Layout: MAGIC | u16 version | u16 0 | u32 header length | header (JSON, padded with spaces so
 the payload starts on a 64-byte boundary) | payload (each array at a 64-byte boundary,
-zero-padded between) | 32-byte BLAKE2b of everything before it.
+zero-padded between) | checksum of everything before it: the 32-byte BLAKE2b of the CRC-32s
+of its 4 MiB chunks (version 2; version 1 hashed every byte with BLAKE2b, at under 1 GB/s
+per core the longest part of a host-tier restore). CRC-32 detects every burst of up to 32
+flipped bits and any other damage but for 2^-32; the chunks are summed on threads (zlib
+releases the GIL), so a long entry checks at several GB/s.
 """
 
 from __future__ import annotations
@@ -18,21 +22,26 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
+import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import ml_dtypes
 import numpy as np
 
 MAGIC = b"JKVE"
-VERSION = 1
+VERSION = 2
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHI")
 _DIGEST = 32
 DTYPES = {name: np.dtype(t) for name, t in (
     ("uint8", np.uint8), ("int8", np.int8), ("int32", np.int32), ("uint32", np.uint32),
     ("float16", np.float16), ("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16))}
+_CHUNK = 4 << 20
+_pool: ThreadPoolExecutor | None = None
 
 
 class CorruptEntry(ValueError):
@@ -64,6 +73,25 @@ class EntryInfo:
                 raise ValueError(f"EntryInfo.{name} must be an int >= 0, got {value!r}")
 
 
+def checksum(data: bytes | bytearray | memoryview) -> bytes:
+    """The entry checksum of `data`: BLAKE2b-256 of its 4 MiB chunks' CRC-32s. Every view
+    taken is released before returning, so a bytearray can grow again."""
+    global _pool
+    with memoryview(data) as whole, whole.cast("B") as view:
+        chunks = [view[i:i + _CHUNK] for i in range(0, len(view), _CHUNK)] or [view[:0]]
+        try:
+            if len(chunks) > 1:
+                if _pool is None:
+                    _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "jkv-checksum")
+                crcs = list(_pool.map(zlib.crc32, chunks))
+            else:
+                crcs = [zlib.crc32(chunks[0])]
+        finally:
+            for c in chunks:
+                c.release()
+    return hashlib.blake2b(struct.pack(f"<{len(crcs)}I", *crcs), digest_size=_DIGEST).digest()
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -90,7 +118,7 @@ def encode(info: EntryInfo, arrays: Mapping[str, np.ndarray]) -> bytes:
         out += b"\0" * (start + entry["offset"] - len(out))
         out += np.ascontiguousarray(a).tobytes()
     out += b"\0" * (start + offset - len(out))
-    out += hashlib.blake2b(out, digest_size=_DIGEST).digest()
+    out += checksum(out)
     return bytes(out)
 
 
@@ -108,7 +136,7 @@ def decode(data: bytes, *, model: str | None = None, kv_format: str | None = Non
     if version != VERSION:
         raise CorruptEntry(f"entry version {version}, this jkv reads {VERSION}")
     body = len(data) - _DIGEST
-    if hashlib.blake2b(data[:body], digest_size=_DIGEST).digest() != bytes(data[body:]):
+    if checksum(data[:body]) != bytes(data[body:]):
         raise CorruptEntry("checksum mismatch")
     start = _PREFIX.size + header_len
     if start > body or start % ALIGN:
