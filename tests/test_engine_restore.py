@@ -126,3 +126,16 @@ def test_after_warmup_saving_and_restoring_compile_nothing(params):
     eng.connector.load_bytes_per_s = 1e9  # then layer by layer, through the read buffer
     run(eng, fed + [3, 4], restore=saved, new=1)
     assert [f._cache_size() for f in fns] == before
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 45, 1000])
+def test_restores_are_written_in_power_of_two_runs_covering_every_block(n):
+    from jkv.cache.connector import power_of_two_runs
+
+    runs = power_of_two_runs(n)
+    bounds = [0] + [b for _, b in runs]
+    assert runs == list(zip(bounds[:-1], bounds[1:], strict=True))  # contiguous from 0
+    assert bounds[-1] == n
+    sizes = [b - a for a, b in runs]
+    assert all(s & (s - 1) == 0 for s in sizes) and sizes == sorted(sizes, reverse=True)
+    assert len(runs) == bin(n).count("1")  # as few compiled shapes per restore as can be

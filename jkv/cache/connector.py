@@ -6,6 +6,8 @@ blocks and queues their contents: written at once, or with layer-wise execution 
 layer a read buffer of layers ahead of the layer computing (`stage`, CachedAttention 3.2.1).
 `rebase` moves saved blocks to other positions for a truncated conversation (3.4).
 
+Saved pages are written as they come from the store (views of the entry's bytes: no padded
+host copy), in runs of power-of-two lengths so that a few compiled shapes cover any restore.
 Each slot has at most one `_Pending` record: the saved pages not yet written, and the first
 block whose KV is not its tokens' own (restored but unwritten, or moved and so approximate).
 Such blocks are never shared under their tokens' hashes (`shareable_blocks`).
@@ -61,14 +63,25 @@ class SavedPages:
 class _Pending:
     """What a slot's KV still owes to saved pages."""
 
-    ids: np.ndarray | None = None  # page ids [count, layers, KV heads] of unwritten pages
-    pages: KVPages | None = None  # their contents, host arrays [count, layers, KV heads, ...]
+    # unwritten pages in runs: (page ids [k, layers, KV heads], their contents as host
+    # arrays [k, layers, KV heads, ...]), k a power of two
+    runs: list[tuple[np.ndarray, KVPages]] | None = None
     unwritten_from: int | None = None  # first block restored but not yet written
     approx_from: int | None = None  # first block moved by `rebase` (approximate KV)
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.pages is None else self.pages.nbytes
+        return sum(pages.nbytes for _, pages in self.runs or ())
+
+
+def power_of_two_runs(n: int) -> list[tuple[int, int]]:
+    """[start, stop) runs covering [0, n), each a power of two long, longest first."""
+    out, start = [], 0
+    while start < n:
+        size = 1 << ((n - start).bit_length() - 1)
+        out.append((start, start + size))
+        start += size
+    return out
 
 
 class KVConnector:
@@ -108,17 +121,14 @@ class KVConnector:
         ids = self.cache.reserve_blocks(slot, first, n)
         if ids is None:
             return first * self.cache.page_size
-        count = ids.shape[0]
-        pages = {}
-        for f, x in saved.arrays.items():
-            part = np.zeros((count, *x.shape[1:]), x.dtype)
-            part[: n - first] = x[first:n]
-            pages[f] = part
+        ids, fmt = np.asarray(ids), self.cache.pool.kv_format
+        runs = [(ids[a:b], KVPages.from_arrays(fmt, {f: x[first + a:first + b]
+                                                     for f, x in saved.arrays.items()}))
+                for a, b in power_of_two_runs(n - first)]
         approx = None
         if saved.exact_blocks is not None and n > saved.exact_blocks:
             approx = max(saved.exact_blocks, first)
-        self._pending[slot] = _Pending(np.asarray(ids), KVPages.from_arrays(
-            self.cache.pool.kv_format, pages), first, approx)
+        self._pending[slot] = _Pending(runs, first, approx)
         if not self.layerwise or not self.load_bytes_per_s:
             self.write([slot])  # at once, timed (the first one measures the rate)
         return n * self.cache.page_size
@@ -188,11 +198,12 @@ class KVConnector:
         (layer-wise execution otherwise writes them layer by layer in the slot's next step)."""
         for slot in slots:
             p = self._pending.get(slot)
-            if p is not None and p.pages is not None:
+            if p is not None and p.runs is not None:
                 compiled = scatter_pages._cache_size()
                 t0 = time.perf_counter()
-                self.cache.pool = jax.block_until_ready(
-                    scatter_pages(self.cache.pool, p.ids, p.pages))
+                for ids, pages in p.runs:
+                    self.cache.pool = scatter_pages(self.cache.pool, ids, pages)
+                jax.block_until_ready(self.cache.pool)
                 if scatter_pages._cache_size() == compiled:  # a compile is not a load rate
                     self._learn_load(p.nbytes, time.perf_counter() - t0)
                 self.written([slot])
@@ -200,7 +211,7 @@ class KVConnector:
     def write_all_but(self, slots: Sequence[int]) -> None:
         """Write every queued restore except those of `slots` (a step's rows, which stage
         theirs layer by layer)."""
-        self.write([s for s, p in self._pending.items() if p.pages is not None
+        self.write([s for s, p in self._pending.items() if p.runs is not None
                     and s not in slots])
 
     def written(self, slots: Sequence[int]) -> None:
@@ -208,7 +219,7 @@ class KVConnector:
         for slot in slots:
             p = self._pending.get(slot)
             if p is not None:
-                p.ids = p.pages = p.unwritten_from = None
+                p.runs = p.unwritten_from = None
                 if p.approx_from is None:
                     del self._pending[slot]
 
@@ -249,7 +260,7 @@ class KVConnector:
         buffer) while earlier layers compute, and scattered just before their layer. None
         when none of `slots` has one."""
         pending = [p for s in slots if (p := self._pending.get(s)) is not None
-                   and p.pages is not None]
+                   and p.runs is not None]
         if not pending:
             return None
         layers = self.num_layers
@@ -258,8 +269,8 @@ class KVConnector:
         staged: dict[int, list] = {}
 
         def stage(index: int) -> None:
-            staged[index] = [(p.ids[:, index], jax.device_put(p.pages.layer(index)))
-                             for p in pending]
+            staged[index] = [(ids[:, index], jax.device_put(pages.layer(index)))
+                             for p in pending for ids, pages in p.runs]
 
         for index in range(min(ahead, layers)):
             stage(index)
