@@ -12,10 +12,13 @@ engine step that decodes every sequence and prefills none, over the last `--new-
 such steps (rounded down to whole placement intervals, none of them compiling), and for
 leankv the mean part of it spent in the tiering calls: `retier` (Algorithm 1's generation
 phase for every (sequence, layer, KV head), compaction and the token moves, once per
-`kv_placement_interval` steps; timed by waiting for the device before and after it) and
-`grow`. Means, not medians: placement runs in one step of each interval and its cost is
-spread over all of them. The significance the attention computes on its way is part of the
-leankv step, not of the tiering calls; the two step times side by side show it. Writes
+`kv_placement_interval` steps) and `grow` (each step's new pages, in the tiered table);
+each call timed by waiting for the device before and after it. `grow` is timed without
+tiers too, where it only reserves pages: the tiering columns give both the tiered calls'
+whole time and that time less the untiered `grow` (what tiers add to a step's page
+bookkeeping). Means, not medians: placement runs in one step of each interval and its cost
+is spread over all of them. The significance the attention computes on its way is part of
+the leankv step, not of the tiering calls; the two step times side by side show it. Writes
 benchmarks/results/tier_cost-<device>[-<preset>]-<date>.json.
 """
 
@@ -61,34 +64,38 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
                             attention_backend=backend, enable_prefix_caching=False))
     cache = engine.cache
     interval = cache.tiers.interval if engine.tiered else 1
-    steps, tiering, current = [], [], [0.0]
+    steps, calls, current = [], {"retier": [], "grow": []}, {"retier": 0.0, "grow": 0.0}
 
-    def timed(f):
+    def timed(name, f):
         def call(*a, **k):
             jax.block_until_ready(cache.pool)  # what ran before is not counted
             t0 = time.perf_counter()
             out = f(*a, **k)
-            jax.block_until_ready((cache.pool, cache.counts, out))
-            current[0] += time.perf_counter() - t0
+            jax.block_until_ready((cache.pool, cache.tables, getattr(cache, "counts", None),
+                                   out))
+            current[name] += time.perf_counter() - t0
             return out
         return call
 
+    cache.grow = timed("grow", cache.grow)
     if engine.tiered:
-        cache.retier, cache.grow = timed(cache.retier), timed(cache.grow)
+        cache.retier = timed("retier", cache.retier)
     engine_step = engine.step
 
     def step(prefill, decode):
-        current[0] = 0.0
+        current.update(retier=0.0, grow=0.0)
         compiles = engine.num_compiles
         t0 = time.perf_counter()
         out = engine_step(prefill, decode)
         if not prefill and len(decode) == batch:
             if engine.num_compiles > compiles:  # what follows is timed from scratch
                 steps.clear()
-                tiering.clear()
+                for v in calls.values():
+                    v.clear()
             else:
                 steps.append(time.perf_counter() - t0)
-                tiering.append(current[0])
+                for k, v in calls.items():
+                    v.append(current[k])
         return out
 
     engine.step = step
@@ -103,12 +110,15 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
     if n < interval:
         raise RuntimeError(f"only {len(steps)} steps decoded all {batch} sequences at once "
                            "after the last compilation")
-    steps, tiering = steps[-n:], tiering[-n:]
+    steps = steps[-n:]
+    retier, grow = calls["retier"][-n:], calls["grow"][-n:]
     out = {"decode_step_ms": statistics.mean(steps) * 1e3, "steps": n,
-           "median_step_ms": statistics.median(steps) * 1e3}
+           "median_step_ms": statistics.median(steps) * 1e3,
+           "grow_ms": statistics.mean(grow) * 1e3}
     if engine.tiered:
-        out |= {"tiering_ms": statistics.mean(tiering) * 1e3,
-                "placement_interval": interval, "placement_ms": max(tiering) * 1e3,
+        out |= {"retier_ms": statistics.mean(retier) * 1e3,
+                "tiering_ms": (statistics.mean(retier) + statistics.mean(grow)) * 1e3,
+                "placement_interval": interval, "placement_ms": max(retier) * 1e3,
                 "kv_tiers": stats["kv_tiers"], "kv_bytes_per_token": stats["kv_bytes_per_token"]}
     return out
 
@@ -134,17 +144,24 @@ def main() -> None:
                        args.attention_backend)
         lean = measure(model, "leankv", batch, args.context, args.new_tokens,
                        args.attention_backend)
+        added = lean["tiering_ms"] - none["grow_ms"]
         rows.append({"batch": batch, "none_k8v4t": none, "leankv": lean,
                      "tiering_fraction": lean["tiering_ms"] / lean["decode_step_ms"],
+                     "tiering_added_ms": added,
+                     "tiering_added_fraction": added / lean["decode_step_ms"],
                      "leankv_over_none": lean["decode_step_ms"] / none["decode_step_ms"]})
     print(f"\n{model[4]}, {args.attention_backend} attention, {args.context}-token prompts, "
           f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    print("| batch | none:k8v4t step ms | leankv step ms | tiering ms | tiering/step | "
-          "leankv/none |\n|---|---|---|---|---|---|")
+    print("| batch | none:k8v4t step ms | leankv step ms | retier ms | grow ms none / leankv | "
+          "tiering ms (/step) | less none's grow (/step) | leankv/none |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['none_k8v4t']['decode_step_ms']:.1f} | "
-              f"{r['leankv']['decode_step_ms']:.1f} | {r['leankv']['tiering_ms']:.1f} | "
-              f"{r['tiering_fraction']:.1%} | {r['leankv_over_none']:.2f}x |")
+        none, lean = r["none_k8v4t"], r["leankv"]
+        print(f"| {r['batch']} | {none['decode_step_ms']:.1f} | {lean['decode_step_ms']:.1f} | "
+              f"{lean['retier_ms']:.2f} | {none['grow_ms']:.2f} / {lean['grow_ms']:.2f} | "
+              f"{lean['tiering_ms']:.2f} ({r['tiering_fraction']:.1%}) | "
+              f"{r['tiering_added_ms']:.2f} ({r['tiering_added_fraction']:.1%}) | "
+              f"{r['leankv_over_none']:.2f}x |")
     write_results(Path(args.out), result_stem("tier_cost", args),
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                    "model": model[4], "rows": rows}, None, args)
