@@ -1,6 +1,6 @@
 """Where a host-tier restore's time goes: one history length, the load (lookup, checksum,
-decode, the copy into the pool's page arrays and the host-to-device write) timed and then
-profiled by cProfile, sorted by each function's own time.
+decode, the page writes with their host-to-device copies) timed and then profiled by
+cProfile, sorted by each function's own time.
 
     python benchmarks/restore_profile.py --preset llama3-8b --length 16384   # GPU
     python benchmarks/restore_profile.py --preset smollm2-135m --length 2048

@@ -122,8 +122,10 @@ class KVConnector:
         if ids is None:
             return first * self.cache.page_size
         ids, fmt = np.asarray(ids), self.cache.pool.kv_format
+        # host arrays, as warmup compiled the copies for (views: the store's are already)
+        arrays = {f: np.asarray(x) for f, x in saved.arrays.items()}
         runs = [(ids[a:b], KVPages.from_arrays(fmt, {f: x[first + a:first + b]
-                                                     for f, x in saved.arrays.items()}))
+                                                     for f, x in arrays.items()}))
                 for a, b in power_of_two_runs(n - first)]
         approx = None
         if saved.exact_blocks is not None and n > saved.exact_blocks:

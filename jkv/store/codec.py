@@ -24,9 +24,11 @@ import json
 import math
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import asdict, dataclass
 
 import ml_dtypes
@@ -42,6 +44,7 @@ DTYPES = {name: np.dtype(t) for name, t in (
     ("float16", np.float16), ("float32", np.float32), ("bfloat16", ml_dtypes.bfloat16))}
 _CHUNK = 4 << 20
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 class CorruptEntry(ValueError):
@@ -73,20 +76,44 @@ class EntryInfo:
                 raise ValueError(f"EntryInfo.{name} must be an int >= 0, got {value!r}")
 
 
-def checksum(data: bytes | bytearray | memoryview) -> bytes:
-    """The entry checksum of `data`: BLAKE2b-256 of its 4 MiB chunks' CRC-32s. Every view
-    taken is released before returning, so a bytearray can grow again."""
+def _executor() -> ThreadPoolExecutor:
     global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "jkv-checksum")
+        return _pool
+
+
+def _forget_executor() -> None:  # a forked child has the pool but not its threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_executor)
+
+
+def checksum(data: bytes | bytearray | memoryview) -> bytes:
+    """The entry checksum of `data`: BLAKE2b-256 of its 4 MiB chunks' CRC-32s, summed on
+    threads. Every view taken is released before returning (a bytearray can grow again),
+    and only after every thread reading one is done, whatever interrupts the wait."""
     with memoryview(data) as whole, whole.cast("B") as view:
         chunks = [view[i:i + _CHUNK] for i in range(0, len(view), _CHUNK)] or [view[:0]]
+        futures = []
         try:
             if len(chunks) > 1:
-                if _pool is None:
-                    _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "jkv-checksum")
-                crcs = list(_pool.map(zlib.crc32, chunks))
+                try:
+                    pool = _executor()
+                    for c in chunks:
+                        futures.append(pool.submit(zlib.crc32, c))
+                except RuntimeError:  # interpreter exit (a finalizer saving): no new work
+                    futures_wait(futures)
+                    futures = []
+            if len(futures) == len(chunks):
+                crcs = [f.result() for f in futures]
             else:
-                crcs = [zlib.crc32(chunks[0])]
+                crcs = [zlib.crc32(c) for c in chunks]
         finally:
+            futures_wait(futures)
             for c in chunks:
                 c.release()
     return hashlib.blake2b(struct.pack(f"<{len(crcs)}I", *crcs), digest_size=_DIGEST).digest()
