@@ -85,8 +85,8 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _forget_executor() -> None:  # a forked child has the pool but not its threads
-    global _pool
-    _pool = None
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # nor a lock another thread held
 
 
 os.register_at_fork(after_in_child=_forget_executor)
