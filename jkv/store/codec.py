@@ -19,6 +19,7 @@ releases the GIL), so a long entry checks at several GB/s.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -101,17 +102,13 @@ def checksum(data: bytes | bytearray | memoryview) -> bytes:
         futures = []
         try:
             if len(chunks) > 1:
-                try:
+                # at interpreter exit (a finalizer saving) no new work starts: summed here
+                with contextlib.suppress(RuntimeError):
                     pool = _executor()
                     for c in chunks:
                         futures.append(pool.submit(zlib.crc32, c))
-                except RuntimeError:  # interpreter exit (a finalizer saving): no new work
-                    futures_wait(futures)
-                    futures = []
-            if len(futures) == len(chunks):
-                crcs = [f.result() for f in futures]
-            else:
-                crcs = [zlib.crc32(c) for c in chunks]
+            crcs = ([f.result() for f in futures] if len(futures) == len(chunks)
+                    else [zlib.crc32(c) for c in chunks])
         finally:
             futures_wait(futures)
             for c in chunks:
