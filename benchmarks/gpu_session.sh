@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs first: the open GPU points, in two calls of under ten
 # minutes each (a session has fifteen minutes of device time, starts included: the limits
-# below add up to 450 s and 270 s). From the repository root on the device machine, which
+# below add up to 450 s and 300 s). From the repository root on the device machine, which
 # has jax, tqdm and tensorstore:
 #   bash benchmarks/gpu_session.sh 1    # restores and their profile, LeanKV's budget table
-#   bash benchmarks/gpu_session.sh 2    # LeanKV's tiering cost, the two-tier kernels compiled
+#   bash benchmarks/gpu_session.sh 2    # LeanKV's tiering cost and where retier's time goes,
+#                                       # the two-tier kernels compiled
 # Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
@@ -32,12 +33,19 @@ case ${1:-1} in
         --configs none:bf16,leankv --out "$out"
     logs="restore restore_profile kv_budget" ;;
 2)
-    step 180 tier_cost python benchmarks/tier_cost.py --preset llama3-8b --batches 8,32 \
-        --out "$out"
+    # one placement interval per batch traced (not timed) and the HLO of the step and of
+    # retier dumped, so trace_ops.py can say where retier's time goes
+    XLA_FLAGS="--xla_dump_to=$out/hlo --xla_dump_hlo_module_re=.*(layer_step|retier|grow).*" \
+        step 180 tier_cost python benchmarks/tier_cost.py --preset llama3-8b --batches 8,32 \
+        --trace "$out/trace" --out "$out"
+    find "$out/hlo" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null
+    find "$out/trace" -name '*.xplane.pb' -delete 2>/dev/null
+    step 30 trace_ops python benchmarks/trace_ops.py "$out/trace/leankv-b32" "$out/hlo" \
+        --module retier --top 30
     step 90 kernel_tests python -m pytest -q -p no:cacheprovider \
         tests/test_paged_decode_attention.py tests/test_chunked_prefill_attention.py \
         -k "two_tiers or significance"
-    logs="tier_cost kernel_tests" ;;
+    logs="tier_cost trace_ops kernel_tests" ;;
 *)
     echo "usage: $0 1|2" >&2
     exit 2 ;;

@@ -20,6 +20,12 @@ bookkeeping). Means, not medians: placement runs in one step of each interval an
 is spread over all of them. The significance the attention computes on its way is part of
 the leankv step, not of the tiering calls; the two step times side by side show it. Writes
 benchmarks/results/tier_cost-<device>[-<preset>]-<date>.json.
+
+With `--trace DIR`, one whole placement interval of leankv's decode steps at each batch (one
+`retier` and its steps; left out of the means) is traced with `jax.profiler` into
+DIR/leankv-b<batch>/; run
+with XLA_FLAGS="--xla_dump_to=DIR/hlo --xla_dump_hlo_pass_re=^$" as well, and
+`benchmarks/trace_ops.py DIR/leankv-b<batch> DIR/hlo` splits the time by source operation.
 """
 
 from __future__ import annotations
@@ -47,12 +53,14 @@ from jkv.scheduler import Request, Scheduler  # noqa: E402
 
 
 def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int,
-            backend: str) -> dict:
+            backend: str, trace: Path | None = None) -> dict:
     """Mean decode step (all `batch` rows decoding) and, with tiers, its tiering calls."""
     cfg, params, _, make_prompts, _ = model
     # the first sequences decode while later ones prefill: enough tokens that all of them
     # then decode together for new_tokens steps after the steps that compile
     tokens = 2 * new_tokens + 2 * -(-batch * context // 256) + 1
+    if trace is not None and policy != "none":  # the traced interval is not timed
+        tokens += CacheConfig().kv_placement_interval
     max_len = context + tokens + 16
     # every sequence's K and V unquantized at 16 bits, with room to spare (LLM's 512 MiB
     # default at least): nothing is preempted
@@ -81,13 +89,25 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
     if engine.tiered:
         cache.retier = timed("retier", cache.retier)
     engine_step = engine.step
+    tracing = {"want": trace is not None and engine.tiered, "left": 0}
 
     def step(prefill, decode):
         current.update(retier=0.0, grow=0.0)
         compiles = engine.num_compiles
+        everyone = not prefill and len(decode) == batch
+        if tracing["want"] and everyone and len(steps) == interval:
+            jax.profiler.start_trace(str(trace / f"{policy}-b{batch}"),
+                                     create_perfetto_trace=True)
+            tracing.update(want=False, left=interval)
         t0 = time.perf_counter()
         out = engine_step(prefill, decode)
-        if not prefill and len(decode) == batch:
+        if tracing["left"] and everyone:  # one whole interval, left out of the means
+            tracing["left"] -= 1
+            if not tracing["left"]:
+                jax.block_until_ready(cache.pool)
+                jax.profiler.stop_trace()
+            return out
+        if everyone:
             if engine.num_compiles > compiles:  # what follows is timed from scratch
                 steps.clear()
                 for v in calls.values():
@@ -105,6 +125,8 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
         sched.add(Request(p, sp))
     while sched.num_unfinished:
         sched.step()
+    if tracing["left"]:  # the run ended inside the traced interval
+        jax.profiler.stop_trace()
     stats = sched.snapshot()
     n = min(len(steps), new_tokens) // interval * interval
     if n < interval:
@@ -133,6 +155,10 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
+    ap.add_argument("--trace", default=None,
+                    help="write a jax.profiler trace of leankv's second placement interval "
+                         "at each batch under this directory (see benchmarks/trace_ops.py); "
+                         "the traced steps are left out of the means")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     if not batches or min(batches) < 1 or args.context < 128:
@@ -143,7 +169,7 @@ def main() -> None:
         none = measure(model, "none", batch, args.context, args.new_tokens,
                        args.attention_backend)
         lean = measure(model, "leankv", batch, args.context, args.new_tokens,
-                       args.attention_backend)
+                       args.attention_backend, Path(args.trace) if args.trace else None)
         added = lean["tiering_ms"] - none["grow_ms"]
         rows.append({"batch": batch, "none_k8v4t": none, "leankv": lean,
                      "tiering_fraction": lean["tiering_ms"] / lean["decode_step_ms"],

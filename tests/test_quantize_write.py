@@ -19,11 +19,27 @@ import pytest
 
 from jkv.config import SCALE_DTYPE, KVFormat
 from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.kv_quant import unpack
+from jkv.pallas_kernels.kv_quant import pack, unpack
 from jkv.pallas_kernels.quantize_write import quantize_write, quantize_write_reference
 
 INTERPRET = jax.default_backend() == "cpu"
 FORMATS = [(16, 16), (8, 8), (4, 4), (8, 4), (4, 2), (8, 16)]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_packed_codes_read_back_exactly(bits):
+    """pack's layout (byte j holds channels j, j + Dp, ... from its lowest bits up), written
+    from random codes and read back by unpack."""
+    rng = np.random.default_rng()
+    k, d = 8 // bits, 64
+    codes = rng.integers(0, 1 << bits, size=(5, d), dtype=np.uint8)
+    packed = np.asarray(pack(jnp.asarray(codes), bits))
+    dp = d // k
+    want = np.zeros((5, dp), np.uint8)
+    for i in range(k):
+        want |= codes[:, i * dp:(i + 1) * dp] << (bits * i)
+    np.testing.assert_array_equal(packed, want)
+    np.testing.assert_array_equal(unpack(jnp.asarray(packed), bits), codes)
 
 
 def poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, dtype=jnp.float32,
