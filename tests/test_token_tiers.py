@@ -372,14 +372,16 @@ def test_first_and_lowest_against_numpy(k):
         want = np.flatnonzero(m)[:k]
         np.testing.assert_array_equal(row, np.pad(want, (0, k - len(want)), constant_values=-1))
 
-    mean = rng.integers(0, 4, (r, c)).astype(np.float32)  # few values: many ties
     pos = np.stack([rng.permutation(1000)[:c] for _ in range(r)]).astype(np.int32)
     kk = min(k, c)
     count = rng.integers(-1, kk + 1, r).astype(np.int32)  # its contract: at most k
-    got = np.asarray(tt._lowest(jnp.asarray(mean), jnp.asarray(pos), jnp.asarray(mask),
-                                jnp.asarray(count), kk))
-    for i in range(r):
-        order = sorted(np.flatnonzero(mask[i]), key=lambda j: (mean[i, j], pos[i, j]))
-        want = np.zeros(c, bool)
-        want[order[:max(0, min(count[i], kk))]] = True
-        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+    # few values (many ties, broken by position) and distinct ones (no tie to break)
+    for mean in (rng.integers(0, 4, (r, c)).astype(np.float32),
+                 rng.permutation(r * c).reshape(r, c).astype(np.float32)):
+        got = np.asarray(tt._lowest(jnp.asarray(mean), jnp.asarray(pos), jnp.asarray(mask),
+                                    jnp.asarray(count), kk))
+        for i in range(r):
+            order = sorted(np.flatnonzero(mask[i]), key=lambda j: (mean[i, j], pos[i, j]))
+            want = np.zeros(c, bool)
+            want[order[:max(0, min(count[i], kk))]] = True
+            np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")

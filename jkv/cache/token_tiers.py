@@ -213,22 +213,29 @@ def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_pr
 
 
 def _lowest(mean: jax.Array, pos: jax.Array, among: jax.Array, count: jax.Array,
-           k: int) -> jax.Array:
+            k: int) -> jax.Array:
     """Mask of the `count` [...] (at most k, static) entries of `among` [..., C] with the
     lowest mean, ties to the earliest position; all of `among` when it has fewer."""
-    m = jnp.where(among, mean, jnp.inf)
-    smallest = -lax.top_k(-m, k)[0]  # ascending
+    neg = jnp.where(among, -mean, -jnp.inf)  # top_k's largest: the lowest means
+    top = lax.top_k(neg, k)[0]
     at = jnp.clip(count - 1, 0, k - 1)[..., None]
-    cut = jnp.where(count[..., None] > 0, jnp.take_along_axis(smallest, at, -1), -jnp.inf)
-    below = among & (m < cut)
-    tied = among & (m == cut)
+    cut = jnp.where(count[..., None] > 0, jnp.take_along_axis(top, at, -1), jnp.inf)  # -mean
+    below = among & (neg > cut)
+    tied = among & (neg == cut)
     need = count - below.sum(-1, dtype=jnp.int32)  # of the tied, the earliest
-    # positions as float32 (exact below 2**24): a float top_k is XLA's TopK, an integer one
-    # a full sort of the row on CPU (0.7 s of a 0.9 s placement at batch 32)
     at_pos = pos.astype(jnp.float32)
-    first = -lax.top_k(-jnp.where(tied, at_pos, jnp.inf), k)[0]
-    last = jnp.take_along_axis(first, jnp.clip(need - 1, 0, k - 1)[..., None], -1)
-    return below | (tied & (at_pos <= last) & (need > 0)[..., None])
+
+    def earliest() -> jax.Array:
+        # positions as float32 (exact below 2**24): a float top_k is XLA's TopK, an integer
+        # one a full sort of the row on CPU (0.7 s of a 0.9 s placement at batch 32)
+        first = -lax.top_k(-jnp.where(tied, at_pos, jnp.inf), k)[0]
+        last = jnp.take_along_axis(first, jnp.clip(need - 1, 0, k - 1)[..., None], -1)
+        return tied & (at_pos <= last) & (need > 0)[..., None]
+
+    # a second top_k only when some row has more tokens at its cut than it takes (means
+    # are rarely equal): without one, every tied token goes
+    more = ((tied.sum(-1, dtype=jnp.int32) > need) & (need > 0)).any()
+    return below | lax.cond(more, earliest, lambda: tied & (need > 0)[..., None])
 
 
 def read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
