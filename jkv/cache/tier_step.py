@@ -68,20 +68,24 @@ def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
     n_prev, n = n_prev[:, None, None], n[:, None, None]
     alpha_high, alpha_low, sinks, ratio = knobs[0], knobs[1], knobs[2], knobs[3]
     where = dict(page=page, recent=recent)
-    if policy == "leankv" and generation:
-        fate_hi, fate_lo = place_generation(meta, sub.pages, rows, n_prev, n, **where,
-                                            alpha_high=alpha_high, alpha_low=alpha_low,
-                                            max_moves=max_moves, sinks=sinks)
-    elif policy == "leankv":
-        fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, **where,
-                                 alpha_high=alpha_high, alpha_low=alpha_low, sinks=sinks)
-    elif policy == "streaming":
-        fate_hi, fate_lo = streaming_fates(meta, sub.pages, rows, n_prev, n, **where,
-                                           sinks=sinks)
-    else:
-        fate_hi, fate_lo = h2o_fates(meta, sub.pages, rows, n_prev, n, **where, ratio=ratio)
-    free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page, max_moves)
-    pool, meta = move_pages(pool, moves, page), move_tokens(meta, moves)
+    with jax.named_scope("place"):  # scopes name the phases in profiles (trace_ops.py)
+        if policy == "leankv" and generation:
+            fate_hi, fate_lo = place_generation(meta, sub.pages, rows, n_prev, n, **where,
+                                                alpha_high=alpha_high, alpha_low=alpha_low,
+                                                max_moves=max_moves, sinks=sinks)
+        elif policy == "leankv":
+            fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, **where,
+                                     alpha_high=alpha_high, alpha_low=alpha_low, sinks=sinks)
+        elif policy == "streaming":
+            fate_hi, fate_lo = streaming_fates(meta, sub.pages, rows, n_prev, n, **where,
+                                               sinks=sinks)
+        else:
+            fate_hi, fate_lo = h2o_fates(meta, sub.pages, rows, n_prev, n, **where,
+                                         ratio=ratio)
+    with jax.named_scope("compact"):
+        free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page, max_moves)
+    with jax.named_scope("move"):
+        pool, meta = move_pages(pool, moves, page), move_tokens(meta, moves)
     tables = tables.replace(pages=tables.pages.at[slots].set(sub.pages),
                             num_pages=tables.num_pages.at[slots].set(sub.num_pages),
                             low_pages=tables.low_pages.at[slots].set(sub.low_pages))

@@ -194,7 +194,9 @@ def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_pr
     never below alpha_low / n, so the victims are the lowest of fixed sets. Placing the
     tokens of several steps in one call is the engine's amortization
     (`kv_placement_interval`); one step's is the paper's."""
-    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent, sinks=sinks)
+    with jax.named_scope("read_rows"):
+        rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent,
+                         sinks=sinks)
     hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
     lo_mean, lo_pos = rows["lo_mean"], rows["lo_pos"]
     nf = rows["n"].astype(jnp.float32)[..., None]
@@ -205,8 +207,9 @@ def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_pr
     k = min(max_moves, hi_mean.shape[-1])
     # (alpha_low above alpha_high, which the config refuses: a victim below t_low is pruned)
     going = hi_mean < jnp.maximum(t_high, t_low)
-    high_victim = _lowest(hi_mean, hi_pos, rows["old"] & ~cand & going, stay, k)
-    low_victim = _lowest(lo_mean, lo_pos, rows["lo_held"] & (lo_mean < t_low), join, k)
+    with jax.named_scope("lowest"):
+        high_victim = _lowest(hi_mean, hi_pos, rows["old"] & ~cand & going, stay, k)
+        low_victim = _lowest(lo_mean, lo_pos, rows["lo_held"] & (lo_mean < t_low), join, k)
     fate_hi = jnp.where(cand, fate, jnp.where(high_victim, jnp.where(
         hi_mean < t_low, PRUNE, LOW), KEEP))
     return fate_hi, jnp.where(low_victim, PRUNE, KEEP)
@@ -223,11 +226,11 @@ def _lowest(mean: jax.Array, pos: jax.Array, among: jax.Array, count: jax.Array,
     below = among & (neg > cut)
     tied = among & (neg == cut)
     need = count - below.sum(-1, dtype=jnp.int32)  # of the tied, the earliest
-    at_pos = pos.astype(jnp.float32)
 
     def earliest() -> jax.Array:
         # positions as float32 (exact below 2**24): a float top_k is XLA's TopK, an integer
         # one a full sort of the row on CPU (0.7 s of a 0.9 s placement at batch 32)
+        at_pos = pos.astype(jnp.float32)
         first = -lax.top_k(-jnp.where(tied, at_pos, jnp.inf), k)[0]
         last = jnp.take_along_axis(first, jnp.clip(need - 1, 0, k - 1)[..., None], -1)
         return tied & (at_pos <= last) & (need > 0)[..., None]
