@@ -23,9 +23,9 @@ benchmarks/results/tier_cost-<device>[-<preset>]-<date>.json.
 
 With `--trace DIR`, one whole placement interval of leankv's decode steps at each batch (one
 `retier` and its steps; left out of the means) is traced with `jax.profiler` into
-DIR/leankv-b<batch>/; run
-with XLA_FLAGS="--xla_dump_to=DIR/hlo --xla_dump_hlo_pass_re=^$" as well, and
-`benchmarks/trace_ops.py DIR/leankv-b<batch> DIR/hlo` splits the time by source operation.
+DIR/leankv-b<batch>/; run with XLA_FLAGS="--xla_dump_to=DIR/hlo" as well (gpu_session.sh
+narrows it to the step's and retier's modules), and `benchmarks/trace_ops.py
+DIR/leankv-b<batch> DIR/hlo` splits the time by source operation.
 """
 
 from __future__ import annotations
@@ -156,9 +156,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
                     help="directory for the JSON result")
     ap.add_argument("--trace", default=None,
-                    help="write a jax.profiler trace of leankv's second placement interval "
-                         "at each batch under this directory (see benchmarks/trace_ops.py); "
-                         "the traced steps are left out of the means")
+                    help="write a jax.profiler trace of one placement interval of leankv's "
+                         "steps at each batch under this directory (see "
+                         "benchmarks/trace_ops.py); the traced steps are left out of the means")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b]
     if not batches or min(batches) < 1 or args.context < 128:
