@@ -118,7 +118,8 @@ class Engine:
         self.runner = ModelRunner(cfg, params, family, backend=self.attention_backend,
                                   layer_by_layer=self.execution == "layerwise",
                                   max_rows=self.max_num_seqs, scratch_slot=self.cache.scratch,
-                                  prefill_chunk=self.prefill_chunk, shape_step=shape_step)
+                                  prefill_chunk=self.prefill_chunk,
+                                  max_tokens=self.max_model_len, shape_step=shape_step)
         self._seed, self._requests_seen = config.seed, 0
         self.stats = EngineStats()
 

@@ -88,13 +88,16 @@ def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top
     return (tokens, *token_logprobs(logits, tokens, want_top=want_top))
 
 
-def _rows(pool, filling, meta, table_pages, counts, slots, index=None) -> LayerKV:
+def _rows(pool, filling, meta, table_pages, counts, slots, max_tokens: int,
+          index=None) -> LayerKV:
     """The KV of the step's rows: every layer's (`LayerKV` with a layer axis after the
     batch axis), or layer `index`'s only (gathered alone: not every layer's filling pages
-    for one layer's step), token tiers when `meta` is given."""
+    for one layer's step), token tiers when `meta` is given (no tier of a row holding more
+    than `max_tokens`)."""
     at = slots if index is None else (slots, index)
     tiers = None if meta is None else LayerTiers(
-        meta=meta, score=filling.score[at], high=counts.high[at], low=counts.low[at])
+        meta=meta, score=filling.score[at], high=counts.high[at], low=counts.low[at],
+        max_tokens=max_tokens)
     return LayerKV(pool=pool, fill_k=filling.k[at], fill_v=filling.v[at],
                    pages=table_pages[at], tiers=tiers)
 
@@ -112,8 +115,8 @@ def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
 
 def _step(params, pool, filling, meta, table_pages, counts, slots, tokens, positions, valid,
           last_idx, keys, num_generated, temperature, top_p, top_k, want_top, *,
-          family: ModelFamily, cfg: ModelConfig, backend: str):
-    kv = _rows(pool, filling, meta, table_pages, counts, slots)
+          family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int):
+    kv = _rows(pool, filling, meta, table_pages, counts, slots, max_tokens)
     hidden, kv = family.forward(params, cfg, tokens, positions, valid, kv, backend)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     out = _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k,
@@ -127,11 +130,11 @@ def _embed(params, tokens, positions, *, family: ModelFamily, cfg: ModelConfig):
 
 def _layer_step(weights, pool, filling, meta, table_pages, counts, slots, x, positional,
                 positions, valid, index, *, family: ModelFamily, cfg: ModelConfig,
-                backend: str):
+                backend: str, max_tokens: int):
     """Layer `index`; `weights` are its own, or the params (the layer taken at `index`)."""
     if "layers" in weights:
         weights = family.layer_weights(weights, index)
-    kv = _rows(pool, filling, meta, table_pages, counts, slots, index)
+    kv = _rows(pool, filling, meta, table_pages, counts, slots, max_tokens, index)
     x, kv = family.layer(weights, cfg, x, kv, positions, valid, positional, backend)
     return (x, *_put_rows(filling, slots, kv, index))
 
@@ -178,14 +181,16 @@ def _layer_views(layers: Params, num_layers: int) -> list[Params] | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str) -> tuple:
-    """The jitted step, embed, layer and head functions of one model and backend, shared by
-    every runner in the process: a second engine over the same model reuses what the first
-    compiled. A few models at most, so compilations of models no longer served are freed."""
+def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int) -> tuple:
+    """The jitted step, embed, layer and head functions of one model, backend and longest
+    sequence, shared by every runner in the process: a second engine over the same model
+    reuses what the first compiled. A few models at most, so compilations of models no
+    longer served are freed."""
     static = dict(family=family, cfg=cfg)
-    return (jax.jit(partial(_step, **static, backend=backend), donate_argnums=(1, 2, 3)),
+    kv = dict(backend=backend, max_tokens=max_tokens)
+    return (jax.jit(partial(_step, **static, **kv), donate_argnums=(1, 2, 3)),
             jax.jit(partial(_embed, **static)),
-            jax.jit(partial(_layer_step, **static, backend=backend), donate_argnums=(1, 2, 3)),
+            jax.jit(partial(_layer_step, **static, **kv), donate_argnums=(1, 2, 3)),
             jax.jit(partial(_head, **static)),
             jax.jit(partial(_position_logprobs, **static)))
 
@@ -195,7 +200,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, family: ModelFamily, *,
                  backend: str, layer_by_layer: bool, max_rows: int, scratch_slot: int,
-                 prefill_chunk: int, shape_step: int | None = None) -> None:
+                 prefill_chunk: int, max_tokens: int, shape_step: int | None = None) -> None:
         self.cfg, self.params, self.family = cfg, params, family
         self.max_rows, self.scratch_slot, self.prefill_chunk = max_rows, scratch_slot, prefill_chunk
         # shapes grow by this factor: 4 on a GPU (few shapes, all compiled up front; padding
@@ -210,7 +215,7 @@ class ModelRunner:
         self.views = _layer_views(params["layers"], cfg.num_layers)
         self.layer_by_layer = layer_by_layer or self.views is not None
         (self._step, self._embed, self._layer, self._head,
-         self._positions) = _compiled(family, cfg, backend)
+         self._positions) = _compiled(family, cfg, backend, max_tokens)
 
     @property
     def num_compiles(self) -> int:

@@ -260,6 +260,12 @@ def test_two_tiers(fmt):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(run()))
         xla_out, xla_sig = xla_attention(*args, return_significance=True, **tiers)
         assert rel_err(xla_out, want) < 1e-5
+        # scores kept only as wide as the longest tier of a row: the same results
+        most = int(max(np.asarray(args[3]).max(), low_lens.max()))
+        narrow = xla_attention(*args, return_significance=True, max_tokens=most, **tiers)
+        for got, full in zip(jax.tree.leaves(narrow), jax.tree.leaves((xla_out, xla_sig)),
+                             strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(full))
         assert len(sig) == len(ref_sig) == len(xla_sig) == 3
         assert (np.asarray(ref_sig[2]) > 0).sum() == low_lens.sum()  # each low token, once
         for got, other, expect in zip(sig, xla_sig, ref_sig, strict=True):

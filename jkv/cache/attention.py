@@ -70,7 +70,8 @@ def _decode_significance(p: jax.Array, m_part: jax.Array, m: jax.Array, denom: j
 
 def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Window,
                     q_positions: jax.Array, sm_scale: float, backend: str = "xla",
-                    tiers: tuple[jax.Array, jax.Array] | None = None):
+                    tiers: tuple[jax.Array, jax.Array] | None = None,
+                    max_tokens: int | None = None):
     """q [B, T, Hq, D] at `q_positions` [B, T] over one layer's pages [B, Hkv, W] (tokens
     [0, window.start) of each row) and the window; returns [B, T, Hq, D] in q's dtype.
 
@@ -78,7 +79,9 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
     tokens in the left pages, `low` in the right ones read at half the bits
     (`KVFormat.halved`); then it returns (out, significance): each key's attention, max over
     its KV head's query heads, averaged over the real queries that see it, as (high [B, Hkv,
-    W * page], window [B, Hkv, Tw], low [B, Hkv, W * 2 * page]), tiers in slot order."""
+    W * page], window [B, Hkv, Tw], low [B, Hkv, W * 2 * page]), tiers in slot order.
+    `max_tokens` bounds the tokens of a row's tier (the xla backend keeps scores only that
+    wide; None: the table's width)."""
     b, t, hq, d = q.shape
     hkv = pages.shape[1]
     if tiers is None:
@@ -96,7 +99,7 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
         out = xla_attention(q, pool, pages, prefix, window.k, window.v, window.start,
                             window.length, q_positions, q_lengths, sm_scale=sm_scale,
                             low_tier=low_tier, low_lengths=low,
-                            return_significance=significance)
+                            return_significance=significance, max_tokens=max_tokens)
         if significance:
             out, sig = out
             return out.astype(q.dtype), _with_low(sig, pages, pool.page_size)

@@ -31,6 +31,7 @@ class LayerTiers:
     score: jax.Array  # float32 [B, Hkv, page]: the filling page's tokens' summed attention
     high: jax.Array  # int32 [B, Hkv]: high-tier tokens, this step's full pages included
     low: jax.Array  # int32 [B, Hkv]
+    max_tokens: int | None = struct.field(pytree_node=False, default=None)  # in either tier
 
 
 @struct.dataclass
@@ -84,7 +85,8 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: ja
     addr = jnp.where((i < n_new[:, None])[:, None, :], addr, -1)
     pool = write_tokens(pool, addr, window.k, window.v, page)
     out, (sig_high, sig_window, sig_low) = paged_attention(
-        q, pool, pages, window, positions, sm_scale, backend=backend, tiers=(high, tiers.low))
+        q, pool, pages, window, positions, sm_scale, backend=backend, tiers=(high, tiers.low),
+        max_tokens=tiers.max_tokens)
 
     # significance as sums over the queries that saw each key (means x their number)
     t = q.shape[1]

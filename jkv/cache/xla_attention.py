@@ -78,7 +78,7 @@ def _normalize(state: tuple, real: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "block_w",
-                                             "return_significance"))
+                                             "return_significance", "max_tokens"))
 def xla_attention(
     q: jax.Array,  # [B, T, Hq, D]
     pages: KVPages,  # the pool [P, page, ...]
@@ -98,6 +98,7 @@ def xla_attention(
     low_tier: KVPages | None = None,  # a second tier [P', low page, ...], own format
     low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
     return_significance: bool = False,
+    max_tokens: int | None = None,  # most tokens a row holds in one tier (None: the table's)
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """`chunked_prefill_attention`'s function in jnp; returns float32 [B, T, Hq, D].
 
@@ -113,7 +114,10 @@ def xla_attention(
     queries that see it: (pages [B, Hkv, W * page] in slot order, window [B, Hkv, Tw], and
     with a low tier its pages [B, Hkv, W * low page] in slot order), 0 where no query sees
     a token. The scores are kept as they are computed (no second pass
-    over the pages) and normalised once every row's softmax state is final.
+    over the pages) and normalised once every row's softmax state is final, in a buffer as
+    wide as a tier can be: `max_tokens` when given (a row's tier must then hold no more;
+    LeanKV's low tier could fill twice the table's width in tokens, its rows never do), else
+    the table's width.
     """
     b, t, hq, d = q.shape
     _, hkv, w = page_table.shape
@@ -181,14 +185,16 @@ def xla_attention(
                 scores = lax.dynamic_update_slice_in_dim(scores, s, j * block, axis=3)
             return _online_update(state, s, v), scores
 
-        scores = (jnp.full((b, hkv, tp * g, table.shape[2] * page), MASK_VALUE, jnp.float32)
+        # kept: whole blocks covering the tokens a row can hold in this tier
+        cap = w * page if max_tokens is None else min(w * page, max_tokens)
+        scores = (jnp.full((b, hkv, tp * g, -(-cap // block) * block), MASK_VALUE, jnp.float32)
                   if return_significance else None)
         full = plen.min() // block
         carry = lax.fori_loop(0, full, functools.partial(page_body, masked=False),
                               (state, scores))
         state, scores = lax.fori_loop(full, -(-plen.max() // block),
                                       functools.partial(page_body, masked=True), carry)
-        return state, None if scores is None else scores[..., :w * page]
+        return state, None if scores is None else scores[..., :cap]
 
     state = (jnp.zeros((b, hkv, tp * g, d), jnp.float32),
              jnp.full((b, hkv, tp * g), -jnp.inf, jnp.float32),
@@ -274,12 +280,17 @@ def xla_attention(
     win_idx = jnp.arange(tw)
     sees = ((win_idx[None, None, :] < win_len[:, None, None])
             & (start[:, None, None] + win_idx[None, None, :] <= row_pos[:, :, None]))
+
+    def tier_significance(scores: jax.Array, slots: int) -> jax.Array:
+        """A tier's significance [B, Hkv, slots] from its kept scores (0 past them)."""
+        sig = key_significance(scores, m, denom, real, g, q_lengths[:, None, None])
+        return jnp.pad(sig, ((0, 0), (0, 0), (0, slots - sig.shape[-1])))
+
     significance = (
-        key_significance(page_scores, m, denom, real, g, q_lengths[:, None, None]),
+        tier_significance(page_scores, w * pages.page_size),
         key_significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom, real, g,
                          sees.sum(axis=1)[:, None, :]))
     if low_tier is not None:
-        significance += (key_significance(low_scores, m, denom, real, g,
-                                          q_lengths[:, None, None]),)
+        significance += (tier_significance(low_scores, w * low_tier.page_size),)
     return out, significance
 
