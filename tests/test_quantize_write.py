@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import SCALE_DTYPE, KVFormat
+from jkv.config import KV_FORMATS, SCALE_DTYPE, KVFormat
 from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.kv_quant import pack, unpack
 from jkv.pallas_kernels.quantize_write import quantize_write, quantize_write_reference
@@ -40,6 +40,20 @@ def test_packed_codes_read_back_exactly(bits):
         want |= codes[:, i * dp:(i + 1) * dp] << (bits * i)
     np.testing.assert_array_equal(packed, want)
     np.testing.assert_array_equal(unpack(jnp.asarray(packed), bits), codes)
+
+
+@pytest.mark.parametrize("name", ["k8v4t", "k4v2t", "k8v4", "int8", "k2v2"])
+def test_value_parts_are_the_dense_values(name):
+    """`value_parts` (the xla path's values, one channel block per packed part) put side by
+    side are `dense()`'s values bit for bit, whatever the bits and group size."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(3, 2, 16, 64)) * (1 + 5 * (rng.random(64) < 0.1)),
+                    jnp.float32)
+    pages = KVPages.from_dense(x, x, KV_FORMATS[name])
+    parts = pages.value_parts()
+    assert len(parts) == 8 // KV_FORMATS[name].v_bits
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in parts], -1),
+                                  np.asarray(pages.dense()[1]))
 
 
 def poisoned_pool(rng, num_pages, page, d, k_bits, v_bits, group, dtype=jnp.float32,

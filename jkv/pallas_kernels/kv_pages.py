@@ -29,6 +29,7 @@ from jkv.config import SCALE_DTYPE, KVFormat
 from jkv.pallas_kernels.kv_quant import (
     codes_per_byte,
     dequantize_keys,
+    dequantize_value_parts,
     dequantize_values,
     quantize_keys,
     quantize_values,
@@ -199,6 +200,13 @@ class KVPages:
         if fmt.v_bits < 16:
             v = dequantize_values(self.v, self.v_scale, self.v_zero, fmt.v_bits)
         return k, v
+
+    def value_parts(self) -> list[jax.Array]:
+        """Values as float32 channel blocks [..., page, D // parts], one per packed part
+        (`kv_quant.dequantize_value_parts`; a single block unless codes share bytes)."""
+        if self.kv_format.v_bits == 16:
+            return [self.v.astype(jnp.float32)]
+        return dequantize_value_parts(self.v, self.v_scale, self.v_zero, self.kv_format.v_bits)
 
     # ------------------------------------------------------------------ moving pages
 

@@ -148,6 +148,31 @@ def dequantize_keys(packed: jax.Array, scale: jax.Array, zero: jax.Array,
     return codes * scale[..., None, :] + zero[..., None, :]
 
 
+def dequantize_value_parts(packed: jax.Array, scale: jax.Array, zero: jax.Array,
+                           bits: int) -> list[jax.Array]:
+    """`dequantize_values` as its packed parts: float32 channel blocks [..., page, Dp], block
+    i holding channels [i * Dp, (i + 1) * Dp), each shifted by a constant and never
+    interleaved with the others (the same values, bit for bit)."""
+    k, dp = codes_per_byte(bits), packed.shape[-1]
+    groups = scale.shape[-1]
+    group = dp * k // groups
+    scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    wide = packed.astype(jnp.int32) if k > 1 else packed
+    parts = []
+    for i in range(k):
+        codes = ((wide >> (bits * i)) & ((1 << bits) - 1)) if k > 1 else wide
+        codes = codes.astype(jnp.float32)
+        if group >= dp:  # the block lies in one group
+            g = i * dp // group
+            parts.append(codes * scale[..., g:g + 1] + zero[..., g:g + 1])
+            continue
+        n = dp // group  # groups in the block
+        codes = codes.reshape(*codes.shape[:-1], n, group)
+        s, z = scale[..., i * n:(i + 1) * n, None], zero[..., i * n:(i + 1) * n, None]
+        parts.append((codes * s + z).reshape(*codes.shape[:-2], dp))
+    return parts
+
+
 def dequantize_values(packed: jax.Array, scale: jax.Array, zero: jax.Array,
                       bits: int) -> jax.Array:
     """Inverse of `quantize_values` up to rounding: float32 [..., page, D]."""
