@@ -180,7 +180,9 @@ def run(schedule, decode_steps, seed, recent, a_high, a_low, interval=1):
         last = step == len(lengths) - 2
         if not prompt and n - placed < interval and not last:
             continue  # decode steps wait for the next placement
-        where = dict(page=PAGE, recent=recent, alpha_high=alphas[0], alpha_low=alphas[1])
+        # odd seeds read only the slots a tier of MAX_TOKENS tokens reaches (the engine's way)
+        where = dict(page=PAGE, recent=recent, alpha_high=alphas[0], alpha_low=alphas[1],
+                     max_tokens=MAX_TOKENS if seed % 2 else None)
         if prompt:
             fate_hi, fate_lo = tt.place(meta, tables.pages, counts, jnp.int32(placed),
                                         jnp.int32(n), **where)

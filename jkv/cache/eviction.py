@@ -24,20 +24,22 @@ def _heavy_budget(n: jax.Array, ratio: jax.Array) -> jax.Array:
 
 
 def streaming_fates(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
-                    n: jax.Array, *, page: int, recent: int,
-                    sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    n: jax.Array, *, page: int, recent: int, sinks: jax.Array,
+                    max_tokens: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Every token leaving the window is pruned unless it is a sink."""
-    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent)
+    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent,
+                     max_tokens=max_tokens)
     fate = jnp.where(rows["cand"] & (rows["hi_pos"] >= sinks), PRUNE, KEEP)
     return fate, jnp.full(rows["lo_pos"].shape, KEEP)
 
 
 def h2o_fates(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
-              n: jax.Array, *, page: int, recent: int,
-              ratio: jax.Array) -> tuple[jax.Array, jax.Array]:
+              n: jax.Array, *, page: int, recent: int, ratio: jax.Array,
+              max_tokens: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Of the tokens outside the window, the `ratio * n` with the most
     attention received stay (ties: the earlier token), the others are pruned."""
-    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent)
+    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent,
+                     max_tokens=max_tokens)
     old, score, pos = rows["old"], rows["hi_score"], rows["hi_pos"]
     # a token's rank among its row's old tokens: how many beat it
     key = jnp.where(old, score, -jnp.inf)

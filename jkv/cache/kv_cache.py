@@ -428,7 +428,7 @@ class KVCacheManager:
             jnp.asarray([t.alpha_high, t.alpha_low, t.sinks, t.heavy_ratio], jnp.float32),
             policy=t.name, recent=t.recent_window,
             max_moves=t.interval if generation else tokens + t.interval - 1,
-            generation=generation)
+            generation=generation, max_tokens=self.max_model_len)
         self.tier_ok.append(ok)
 
     def warmup(self) -> None:

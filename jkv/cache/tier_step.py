@@ -47,27 +47,28 @@ def clear(counts: TierCounts, mask: jax.Array) -> TierCounts:
     return TierCounts(high=jnp.where(m, 0, counts.high), low=jnp.where(m, 0, counts.low))
 
 
-@partial(jax.jit, static_argnames=("policy", "recent", "max_moves", "generation"),
-         donate_argnums=(0, 1, 2, 3, 4))
+@partial(jax.jit, static_argnames=("policy", "recent", "max_moves", "generation",
+                                   "max_tokens"), donate_argnums=(0, 1, 2, 3, 4))
 def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
            counts: TierCounts, slots: jax.Array, n_prev: jax.Array, n: jax.Array,
            knobs: jax.Array, *, policy: str, recent: int, max_moves: int,
-           generation: bool) -> tuple[KVPages, TokenMeta, FreeList, PageTables, TierCounts,
-                                      jax.Array]:
+           generation: bool, max_tokens: int | None = None) -> tuple[
+               KVPages, TokenMeta, FreeList, PageTables, TierCounts, jax.Array]:
     """`policy`'s placement and compaction for the sequences in `slots` [B] (repeats only for
     rows that did not grow, n_prev == n) which grew from n_prev to n [B] tokens: (pool,
     meta, free, tables, counts, ok). `knobs` float32 [4]: alpha_high, alpha_low (leankv),
     sink tokens (streaming), heavy-hitter ratio (h2o). `generation`: they grew by decode
     steps (Algorithm 1's generation phase), else by a prompt chunk; by at most `max_moves`
     tokens. When compaction cannot run (the pool is short of the low tier's new pages)
-    nothing changes and ok is False."""
+    nothing changes and ok is False. `max_tokens`: no tier of a row holds more (the
+    placement then reads only the slots such a tier reaches)."""
     page = free.page_size
     sub = PageTables(pages=tables.pages[slots], num_pages=tables.num_pages[slots],
                      lengths=tables.lengths[slots], low_pages=tables.low_pages[slots])
     rows = TierCounts(high=counts.high[slots], low=counts.low[slots])
     n_prev, n = n_prev[:, None, None], n[:, None, None]
     alpha_high, alpha_low, sinks, ratio = knobs[0], knobs[1], knobs[2], knobs[3]
-    where = dict(page=page, recent=recent)
+    where = dict(page=page, recent=recent, max_tokens=max_tokens)
     with jax.named_scope("place"):  # scopes name the phases in profiles (trace_ops.py)
         if policy == "leankv" and generation:
             fate_hi, fate_lo = place_generation(meta, sub.pages, rows, n_prev, n, **where,

@@ -131,9 +131,17 @@ def _tier_slots(by_page: jax.Array, page: int) -> tuple[jax.Array, jax.Array]:
             by_page[..., ::-1, :].reshape(*lead, w * 2 * page))
 
 
-def _row_meta(x: jax.Array, pages: jax.Array, page: int) -> tuple[jax.Array, jax.Array]:
-    """Metadata array x [P, 2 * page] of every row's slots, one gather of whole pages."""
-    return _tier_slots(x[pages], page)
+def _row_meta(x: jax.Array, pages: jax.Array, page: int,
+              max_tokens: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Metadata array x [P, 2 * page] of every row's slots, one gather of whole pages; with
+    `max_tokens` (the most a row's tier holds) only the columns such a tier can reach: the
+    first slots [..., max_tokens rounded up to pages] of each tier."""
+    w = pages.shape[-1]
+    if max_tokens is None:
+        return _tier_slots(x[pages], page)
+    nh, nl = min(w, -(-max_tokens // page)), min(w, -(-max_tokens // (2 * page)))
+    return (_tier_slots(x[pages[..., :nh]], page)[0],
+            _tier_slots(x[pages[..., w - nl:]], page)[1])
 
 
 def add_significance(meta: TokenMeta, pages: jax.Array, counts: TierCounts, page: int,
@@ -161,7 +169,8 @@ def _mean(score: jax.Array, pos: jax.Array, n: jax.Array) -> jax.Array:
 
 def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
           n: jax.Array, *, page: int, recent: int, alpha_high: jax.Array,
-          alpha_low: jax.Array, sinks: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
+          alpha_low: jax.Array, sinks: jax.Array | int = 0,
+          max_tokens: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Algorithm 1's prompt phase: the fate (KEEP, LOW, PRUNE) of each high slot [..., W *
     page] (and KEEP for each low slot [..., W * 2 * page]) of rows whose sequences grew from
     n_prev to n tokens ([...], broadcast against the rows) by a prompt chunk.
@@ -171,7 +180,8 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
     attention: high above alpha_high / i, low above alpha_low / i, pruned below. Tokens at
     positions below `sinks` are never candidates (attention sinks stay high; 0, the paper's
     rule, by default)."""
-    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent, sinks=sinks)
+    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent, sinks=sinks,
+                     max_tokens=max_tokens)
     hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
     i = (hi_pos + 1).astype(jnp.float32)
     fate = jnp.where(hi_mean >= alpha_high / i, KEEP,
@@ -181,8 +191,8 @@ def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Arr
 
 def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
                      n: jax.Array, *, page: int, recent: int, alpha_high: jax.Array,
-                     alpha_low: jax.Array, max_moves: int,
-                     sinks: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
+                     alpha_low: jax.Array, max_moves: int, sinks: jax.Array | int = 0,
+                     max_tokens: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Algorithm 1's generation phase for rows that grew from n_prev to n tokens by decode
     steps (at most `max_moves`), as `place`'s fates. Each candidate (as in `place`) is placed
     against alpha / n: high, low or pruned. For each one that stays high the least
@@ -196,7 +206,7 @@ def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_pr
     (`kv_placement_interval`); one step's is the paper's."""
     with jax.named_scope("read_rows"):
         rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent,
-                         sinks=sinks)
+                         sinks=sinks, max_tokens=max_tokens)
     hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
     lo_mean, lo_pos = rows["lo_mean"], rows["lo_pos"]
     nf = rows["n"].astype(jnp.float32)[..., None]
@@ -242,12 +252,15 @@ def _lowest(mean: jax.Array, pos: jax.Array, among: jax.Array, count: jax.Array,
 
 
 def read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
-               n: jax.Array, *, page: int, recent: int, sinks: jax.Array | int = 0) -> dict:
+               n: jax.Array, *, page: int, recent: int, sinks: jax.Array | int = 0,
+               max_tokens: int | None = None) -> dict:
     """Every row's tokens as Algorithm 1 sees them: positions, mean attention and which
     slots hold a token, per tier in slot order, and the candidates (high tokens that left
-    the recent window, positions in [n_prev - recent, n - recent))."""
-    hi_pos, lo_pos = _row_meta(meta.pos, pages, page)
-    hi_score, lo_score = _row_meta(meta.score, pages, page)
+    the recent window, positions in [n_prev - recent, n - recent)). With `max_tokens` (no
+    tier of a row holds more) only the slots [..., :max_tokens rounded up to pages] of each
+    tier: the fates built from them are that wide too (`compact` takes any width)."""
+    hi_pos, lo_pos = _row_meta(meta.pos, pages, page, max_tokens)
+    hi_score, lo_score = _row_meta(meta.score, pages, page, max_tokens)
     n = jnp.broadcast_to(n, counts.high.shape)
     n_prev = jnp.broadcast_to(n_prev, counts.high.shape)
     hi_held = jnp.arange(hi_pos.shape[-1]) < counts.high[..., None]

@@ -5,10 +5,12 @@ page of the table's width and materialises the whole score matrix, so its cost g
 the table width and with the square of the step. This computes the same function blockwise:
 an online softmax of all queries over blocks of the pages the rows hold (the loop stops at
 the longest row's held pages, whatever the table width; dequantization is fused into each
-block's gather), then, a block of queries at a time, over the part of the window those
-queries can see (causal by absolute position, so a prefill chunk computes a little more than
-half of its window's scores). Blocks of padding queries (past every row's `q_lengths`) skip
-the window. Everything is float32 at the default matmul precision.
+block's gather, keys from sub-byte codes are laid out by channel for the score dot and 4-bit
+values are dotted one packed part at a time: shapes a 2-core CPU ran faster), then, a block
+of queries at a time, over the part of the window those queries can see (causal by absolute
+position, so a prefill chunk computes a little more than half of its window's scores).
+Blocks of padding queries (past every row's `q_lengths`) skip the window. Everything is
+float32 at the default matmul precision.
 """
 
 from __future__ import annotations
