@@ -119,7 +119,9 @@ class Engine:
                                   layer_by_layer=self.execution == "layerwise",
                                   max_rows=self.max_num_seqs, scratch_slot=self.cache.scratch,
                                   prefill_chunk=self.prefill_chunk,
-                                  max_tokens=self.max_model_len, shape_step=shape_step)
+                                  # only tiers read it: untiered engines share compilations
+                                  max_tokens=self.max_model_len if self.tiered else None,
+                                  shape_step=shape_step)
         self._seed, self._requests_seen = config.seed, 0
         self.stats = EngineStats()
 

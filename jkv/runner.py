@@ -88,7 +88,7 @@ def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top
     return (tokens, *token_logprobs(logits, tokens, want_top=want_top))
 
 
-def _rows(pool, filling, meta, table_pages, counts, slots, max_tokens: int,
+def _rows(pool, filling, meta, table_pages, counts, slots, max_tokens: int | None,
           index=None) -> LayerKV:
     """The KV of the step's rows: every layer's (`LayerKV` with a layer axis after the
     batch axis), or layer `index`'s only (gathered alone: not every layer's filling pages
@@ -115,7 +115,7 @@ def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
 
 def _step(params, pool, filling, meta, table_pages, counts, slots, tokens, positions, valid,
           last_idx, keys, num_generated, temperature, top_p, top_k, want_top, *,
-          family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int):
+          family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int | None):
     kv = _rows(pool, filling, meta, table_pages, counts, slots, max_tokens)
     hidden, kv = family.forward(params, cfg, tokens, positions, valid, kv, backend)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
@@ -130,7 +130,7 @@ def _embed(params, tokens, positions, *, family: ModelFamily, cfg: ModelConfig):
 
 def _layer_step(weights, pool, filling, meta, table_pages, counts, slots, x, positional,
                 positions, valid, index, *, family: ModelFamily, cfg: ModelConfig,
-                backend: str, max_tokens: int):
+                backend: str, max_tokens: int | None):
     """Layer `index`; `weights` are its own, or the params (the layer taken at `index`)."""
     if "layers" in weights:
         weights = family.layer_weights(weights, index)
@@ -181,11 +181,12 @@ def _layer_views(layers: Params, num_layers: int) -> list[Params] | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int) -> tuple:
-    """The jitted step, embed, layer and head functions of one model, backend and longest
-    sequence, shared by every runner in the process: a second engine over the same model
-    reuses what the first compiled. A few models at most, so compilations of models no
-    longer served are freed."""
+def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str,
+              max_tokens: int | None) -> tuple:
+    """The jitted step, embed, layer and head functions of one model, backend and (with token
+    tiers) longest sequence, shared by every runner in the process: a second engine over the
+    same model reuses what the first compiled. A few models at most, so compilations of
+    models no longer served are freed."""
     static = dict(family=family, cfg=cfg)
     kv = dict(backend=backend, max_tokens=max_tokens)
     return (jax.jit(partial(_step, **static, **kv), donate_argnums=(1, 2, 3)),
@@ -200,7 +201,8 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, family: ModelFamily, *,
                  backend: str, layer_by_layer: bool, max_rows: int, scratch_slot: int,
-                 prefill_chunk: int, max_tokens: int, shape_step: int | None = None) -> None:
+                 prefill_chunk: int, max_tokens: int | None,
+                 shape_step: int | None = None) -> None:
         self.cfg, self.params, self.family = cfg, params, family
         self.max_rows, self.scratch_slot, self.prefill_chunk = max_rows, scratch_slot, prefill_chunk
         # shapes grow by this factor: 4 on a GPU (few shapes, all compiled up front; padding
