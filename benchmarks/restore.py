@@ -21,7 +21,10 @@ prompt (history + --new-tokens) is timed to its first token:
   copied to the device a read buffer of layers ahead of the layer computing;
 - load: the host-tier load and page writes alone; compute, compute_lw: the new tokens'
   prefill alone (history already in place) in one compiled step and layer by layer. Overlap
-  is perfect when layerwise = max(load, compute_lw).
+  is perfect when layerwise = max(load, compute_lw);
+- split_<r> (`--split-ratios`): host, with about r of the history's block-layers recomputed
+  (Krul's pyramid: the first layers recompute most) while the rest loads; r = 0 is host,
+  r = 1 recomputes the history through the restore path.
 
 Each is run once untimed first (compilation), then --repeats times; the median is reported.
 Prints a table and writes benchmarks/results/restore-<device>-<date>.json and an SVG.
@@ -65,11 +68,14 @@ def prefill(eng: Engine, slot: int, prompt: list[int], cached: int) -> int:
     return s.token
 
 
-def restore(eng: Engine, store: KVStore, prompt: list[int]) -> tuple[int, int]:
-    """Look the prompt up in `store`, load the hit and open a slot with it."""
+def restore(eng: Engine, store: KVStore, prompt: list[int], recompute: float = 0.0
+            ) -> tuple[int, int]:
+    """Look the prompt up in `store`, load the hit and open a slot with it (`recompute`:
+    that share split off and recomputed)."""
     hit = store.lookup(eng.cache.prompt_hashes(prompt))
     arrays, hashes = store.load(hit)
-    return eng.open(prompt, restore=SavedPages(hit.blocks, arrays, hashes))
+    return eng.open(prompt, restore=SavedPages(hit.blocks, arrays, hashes),
+                    recompute=recompute)
 
 
 def timed(fn, repeats: int) -> tuple[float, int]:
@@ -79,11 +85,12 @@ def timed(fn, repeats: int) -> tuple[float, int]:
     return float(np.median(samples)), first
 
 
-def ttft_run(eng: Engine, prompt: list[int], store: KVStore | None = None
-             ) -> tuple[float, int]:
+def ttft_run(eng: Engine, prompt: list[int], store: KVStore | None = None,
+             recompute: float = 0.0) -> tuple[float, int]:
     """Time to the first token of `prompt`: recomputed, or restored from `store`."""
     t0 = time.perf_counter()
-    slot, cached = eng.open(prompt) if store is None else restore(eng, store, prompt)
+    slot, cached = (eng.open(prompt) if store is None
+                    else restore(eng, store, prompt, recompute))
     token = prefill(eng, slot, prompt, cached)
     ms = (time.perf_counter() - t0) * 1e3
     eng.close(slot)
@@ -177,11 +184,14 @@ def main() -> None:
     ap.add_argument("--kv-format", default="auto", help="KV format of the pages and entries")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="engine prefill chunk")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting")
+    ap.add_argument("--split-ratios", default="0.25,0.5,0.75,1",
+                    help="recompute shares of split restores to time (empty: none)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                     help="directory for the JSON and SVG results")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    splits = [float(x) for x in args.split_ratios.split(",") if x]
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     h2d = host_to_device()
     print("host -> device: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in h2d.items()
@@ -242,7 +252,9 @@ def main() -> None:
                     "layerwise": partial(ttft_run, layerwise, follow_up, host),
                     "load": partial(load_run, scan, host, follow_up),
                     "compute": partial(compute_run, scan, host, follow_up),
-                    "compute_lw": partial(compute_run, layerwise, host, follow_up)}
+                    "compute_lw": partial(compute_run, layerwise, host, follow_up),
+                    **{f"split_{r:g}": partial(ttft_run, scan, follow_up, host, r)
+                       for r in splits}}
             times, tokens = {}, {}
             for k, fn in runs.items():
                 times[k], tokens[k] = timed(fn, args.repeats)
@@ -273,6 +285,14 @@ def main() -> None:
               f"{r['speedup_layerwise']:>7.1f}{r['read_buffer_layers']:>8}"
               f"{r['load_bytes_per_s'] / 1e9:>10.2f}"
               f"  {r['same_first_token']}")
+    if splits:
+        print("\nsplit restores (host tier; r: share of the history recomputed)")
+        print(f"{'history':>8}" + "".join(f"{'r=' + format(r, 'g'):>10}"
+                                          for r in [0.0, *splits]) + f"{'recompute':>11}")
+        for r in rows:
+            print(f"{r['history_tokens']:>8}{r['host_ms']:>8.0f}ms"
+                  + "".join(f"{r[f'split_{x:g}_ms']:>8.0f}ms" for x in splits)
+                  + f"{r['recompute_ms']:>9.0f}ms")
 
 
 if __name__ == "__main__":

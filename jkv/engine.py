@@ -30,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.cache import tier_step
-from jkv.cache.connector import KVConnector, SavedPages
+from jkv.cache.connector import KVConnector, SavedPages, pyramid
 from jkv.cache.kv_cache import KVCacheManager, TierPolicy
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
 from jkv.runner import ModelRunner, Row
+from jkv.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineStats", "Row", "Sampled", "SavedPages", "resolve_backend"]
 
@@ -68,6 +69,8 @@ class EngineStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of which found on the device
     restored_tokens: int = 0  # prompt tokens whose KV came from saved pages (`open(restore=)`)
+    # of which recomputed instead by split restores, per layer (half the layers: 0.5 each)
+    recomputed_tokens: float = 0.0
     step_shapes: set = field(default_factory=set)  # (rows, tokens) buckets run
 
     @property
@@ -122,6 +125,11 @@ class Engine:
                                   # only tiers read it: untiered engines share compilations
                                   max_tokens=self.max_model_len if self.tiered else None,
                                   shape_step=shape_step)
+        # how much of a split restore's shorter part (recompute or load) hides behind the
+        # longer (`planning.split_share`): on a GPU the copies run on their own engine beside
+        # the compute (1); on CPU both take the same cores (0: never split there, as
+        # benchmarks/restore.py's split rows show). A tiered row is restored whole (0).
+        self.split_overlap = 0.0 if self.tiered or jax.default_backend() == "cpu" else 1.0
         self._seed, self._requests_seen = config.seed, 0
         self.stats = EngineStats()
 
@@ -142,14 +150,20 @@ class Engine:
     # ------------------------------------------------------------------ sequences
 
     def open(self, token_ids: Sequence[int], restore: SavedPages | None = None,
-             use_prefix_cache: bool = True, max_cached: int | None = None) -> tuple[int, int]:
+             use_prefix_cache: bool = True, max_cached: int | None = None,
+             recompute: float = 0.0) -> tuple[int, int]:
         """Take a free slot for a sequence whose prompt is `token_ids`.
 
         Returns (slot, cached): the first `cached` tokens are already held (prefix cache
         hits unless `use_prefix_cache` is False, at most `max_cached` of them, then the blocks
         of `restore` past them: saved pages of this prompt's first blocks, written into new
         pages, or with token tiers a saved tiered row); feed the rest with `step`.
+        `recompute` in [0, 1]: about that share of the restored blocks' KV is recomputed
+        while the rest loads (Krul's split restore, `KVConnector.pyramid`; not for a tiered
+        row, which is restored whole).
         """
+        if not 0.0 <= recompute <= 1.0:
+            raise ValueError(f"recompute must be in [0, 1], got {recompute}")
         if not 1 <= len(token_ids) < self.max_model_len:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
                              f"got {len(token_ids)}")
@@ -164,12 +178,50 @@ class Engine:
             if self.tiered:  # a saved tiered row starts an empty slot (not a kept one's)
                 held = cached or self.connector.restore_tiers(slot, restore, token_ids)
             else:
-                held = self.connector.restore(slot, cached // self.page_size, restore,
-                                              token_ids)
+                held = self._restore(slot, cached // self.page_size, restore, token_ids,
+                                     recompute)
             self.stats.restored_tokens += held - cached
             self.cache.add_tokens(slot, token_ids[cached:held])
             cached = held
         return slot, cached
+
+    def _restore(self, slot: int, first: int, saved: SavedPages, token_ids: Sequence[int],
+                 recompute: float) -> int:
+        """Saved blocks past `first` into `slot`; with `recompute`, the pyramid's recomputed
+        blocks are dispatched before the loads' copies (on a GPU they overlap). Returns the
+        tokens the slot then holds."""
+        ps, layers = self.page_size, self.cfg.num_layers
+        loaded_from = None
+        if recompute:
+            n = self.connector.restorable(saved, token_ids)
+            if n > first:
+                chunk = max(1, self.prefill_chunk // (4 * ps))
+                loaded_from = pyramid(first, n, layers, recompute, chunk)
+                if (loaded_from == first).all():  # too small a share to split off
+                    loaded_from = None
+        held = self.connector.restore(slot, first, saved, token_ids, loaded_from)
+        if held > first * ps:
+            if loaded_from is not None:
+                self._recompute(slot, token_ids, first, loaded_from)
+            self.connector.write_due(slot)
+        return held
+
+    def _recompute(self, slot: int, token_ids: Sequence[int], first: int,
+                   loaded_from: np.ndarray) -> None:
+        """Dispatch a split restore's recomputed part: blocks [lo, hi) through the layers
+        that do not load them, in prompt order, each call ending at its depth."""
+        ps, c = self.page_size, self.cache
+        edges = sorted({first, *(int(b) for b in loaded_from)})
+        key, sampling = np.zeros(2, np.uint32), SamplingParams()
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            depth = int(np.sum(loaded_from >= hi))
+            for a in range(lo * ps, hi * ps, self.prefill_chunk):
+                row = Row(slot, token_ids[a:min(hi * ps, a + self.prefill_chunk)], sampling, key)
+                batch = self.runner.batch([row], [a])
+                self.stats.step_shapes.add(batch.shape)
+                c.pool, c.filling = self.runner.run_layers(c.pool, c.filling, c.tables.pages,
+                                                           batch, depth)
+            self.stats.recomputed_tokens += (hi - lo) * ps * depth / self.cfg.num_layers
 
     def close(self, slot: int, finished: bool = True, keep: bool = True) -> None:
         """End the sequence in `slot`: its full blocks go to the prefix cache (when on; with

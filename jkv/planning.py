@@ -22,7 +22,9 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 Restore policy: a store hit past the device prefix cache's hit is restored only while loading
 it is expected to beat recomputing it (`restore_pays`, from measured rates); every
 `PROBE_EVERY`-th declined hit is restored anyway, so that rates measured once (badly, or
-before the load changed) are measured again.
+before the load changed) are measured again. A restored hit may be split (Krul 6.1, eq. 1):
+a share r_c of it recomputed while the rest loads, r_c balancing the two (`split_share`);
+full load (0) and full recompute (declining the hit) are its two ends.
 """
 
 from __future__ import annotations
@@ -166,6 +168,23 @@ def restore_pays(tokens: int, read_bytes: int, write_bytes: int, read_bytes_per_
     return load < tokens * prefill_token_seconds
 
 
+def split_share(recompute_s: float, write_s: float, read_s: float,
+                overlap: float) -> float:
+    """Krul's recompute ratio r_c (eq. 1: min |T_C - T_L|) for a hit that recomputes in
+    `recompute_s` seconds, or is read in `read_s` (whole, before anything) and written into
+    the pool in `write_s`: r_c = T_W / (T_C + T_W) when that beats both ends, else 0.
+    `overlap` in [0, 1]: how much of the shorter of the two parts the device hides behind the
+    longer (1: fully, separate copy and compute engines; 0: one after the other, when a split
+    only interpolates)."""
+    if recompute_s <= 0 or write_s <= 0:
+        return 0.0
+    share = write_s / (recompute_s + write_s)
+    both = share * recompute_s  # = (1 - share) * write_s: the two parts' common length
+    if read_s + (2.0 - overlap) * both < min(recompute_s, read_s + write_s):
+        return share
+    return 0.0
+
+
 @dataclass(frozen=True)
 class RestoreRates:
     """The measured rates restore planning weighs; 0.0 means not measured yet."""
@@ -173,6 +192,7 @@ class RestoreRates:
     read_bytes_per_s: Mapping[str, float]  # reading an entry, per store tier ("host", "disk")
     write_bytes_per_s: float  # host arrays into the pool (`Engine.load_bytes_per_s`)
     prefill_token_seconds: float  # computing one prompt token
+    split_overlap: float = 0.0  # `split_share`'s overlap (`Engine.split_overlap`)
 
 
 @dataclass(frozen=True)
@@ -186,6 +206,7 @@ class RestoreDecision:
     rebase: int = 0  # blocks `hit` gives once re-rotated (a truncated prompt); 0: in place
     newly_declined: bool = False  # recomputing the hit was planned for the first time
     probe: bool = False  # the request's probe flag from now on: restore anyway, to measure
+    recompute: float = 0.0  # share of the restored blocks recomputed meanwhile (a split)
 
     @property
     def restore(self) -> bool:
@@ -221,10 +242,17 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
             hit = None
     if hit is None or tokens <= cached:
         return RestoreDecision(cached, newly_declined=newly, probe=probe)
+    share = 0.0
+    read_rate = rates.read_bytes_per_s.get(hit.tier, 0.0)
+    if planning and not probe and read_rate and rates.write_bytes_per_s:
+        share = split_share((tokens - cached) * rates.prefill_token_seconds,
+                            hit.blocks_bytes * (tokens - cached) / tokens
+                            / rates.write_bytes_per_s,
+                            hit.entry_bytes / read_rate, rates.split_overlap)
     # restoring takes new pages for the stored blocks past the device hit
     return RestoreDecision(tokens, hit, cost.grow(cached, tokens - cached),
-                           blocks if rebase else 0, newly, probe)
+                           blocks if rebase else 0, newly, probe, share)
 
 
 __all__ = ["PROBE_EVERY", "Budget", "Candidate", "Plan", "RestoreDecision", "RestoreRates",
-           "plan_restore", "plan_step", "queue_order", "restore_pays"]
+           "plan_restore", "plan_step", "queue_order", "restore_pays", "split_share"]

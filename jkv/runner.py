@@ -309,19 +309,33 @@ class ModelRunner:
                 self.params, pool, filling, meta, table_pages, counts, batch.slots,
                 batch.tokens, batch.positions, batch.valid, *batch.sampling)
             return out, pool, filling, meta
+        x, pool, filling, meta = self._layers(pool, filling, meta, table_pages, counts, batch,
+                                              self.cfg.num_layers, before_layer)
+        out = self._head(self.params, x, *batch.sampling)
+        if batch.targets is not None:
+            out = (*out, *self._positions(self.params, x, batch.targets))
+        return out, pool, filling, meta
+
+    def run_layers(self, pool: KVPages, filling: FillingPages, table_pages: jax.Array,
+                   batch: Batch, num_layers: int) -> tuple[KVPages, FillingPages]:
+        """Layers [0, num_layers) only (no tiers), for their KV: nothing is sampled. A split
+        restore's recomputed blocks (deeper layers load theirs). Dispatched, not awaited."""
+        _, pool, filling, _ = self._layers(pool, filling, None, table_pages, None, batch,
+                                           num_layers, None)
+        return pool, filling
+
+    def _layers(self, pool, filling, meta, table_pages, counts, batch: Batch, num_layers: int,
+                before_layer) -> tuple:
         # committed to the device like every layer's outputs, so that layer 0's inputs are
         # placed as the others' and all layers share one compilation
         slots, tokens, positions, valid = jax.device_put(
             (batch.slots, batch.tokens, batch.positions, batch.valid), jax.devices()[0])
         x, positional = self._embed(self.params, tokens, positions)
-        for index in range(self.cfg.num_layers):
+        for index in range(num_layers):
             if before_layer is not None:
                 pool = before_layer(index, pool)
             weights = self.views[index] if self.views else self.params
             x, pool, filling, meta = self._layer(weights, pool, filling, meta, table_pages,
                                                  counts, slots, x, positional, positions, valid,
                                                  np.int32(index))
-        out = self._head(self.params, x, *batch.sampling)
-        if batch.targets is not None:
-            out = (*out, *self._positions(self.params, x, batch.targets))
-        return out, pool, filling, meta
+        return x, pool, filling, meta

@@ -114,6 +114,7 @@ class _Tracked:
     rebase: int = 0  # blocks `hit` gives after re-rotation
     declined: bool = False  # recomputing its hit was planned (counted once)
     probe: bool = False  # restore its hit anyway, to measure
+    recompute: float = 0.0  # share of `hit` recomputed while the rest loads (a split)
 
 
 @dataclass
@@ -245,6 +246,10 @@ class Scheduler:
             "kv_bytes_per_token": finished.bytes_per_token / max(finished.sequences, 1),
             "kv_tiers": dict(finished.tokens),
             "kv_compactions_refused": eng.cache.tier_refusals,  # the pool was short
+            # restored prompt tokens: loaded, or recomputed by split restores (per layer)
+            "restore": {"tokens_loaded": st.restored_tokens - st.recomputed_tokens,
+                        "tokens_recomputed": st.recomputed_tokens,
+                        "recompute_ratio": st.recomputed_tokens / max(st.restored_tokens, 1)},
         }
         if self.store is not None:
             out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses,
@@ -337,7 +342,7 @@ class Scheduler:
             # preemption was not in the plan's page count
             st.slot, cached = eng.open(r.tokens, restore=restore,
                                        use_prefix_cache=r.sampling.prompt_logprobs is None,
-                                       max_cached=st.cached)
+                                       max_cached=st.cached, recompute=st.recompute)
         except ValueError:  # the loaded blocks do not fit this prompt: never serve them
             log.exception("restoring request %s from the store failed; recomputing",
                           r.request_id)
@@ -348,7 +353,7 @@ class Scheduler:
             self.stats.restored_tokens[hit.tier] += restored
             if st.rebase:
                 self.stats.rebased_tokens += restored
-        st.hit, st.rebase = None, 0
+        st.hit, st.rebase, st.recompute = None, 0, 0.0
         return cached
 
     def _save(self, r: Request, slot: int) -> None:
@@ -417,7 +422,8 @@ class Scheduler:
             now=now, decode_step_seconds=self._decode_s,
             prefill_token_seconds=self._prefill_token_s)
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
-                             eng.connector.load_bytes_per_s, self._prefill_token_s)
+                             eng.connector.load_bytes_per_s, self._prefill_token_s,
+                             eng.split_overlap)
         waiting, decisions, cached, declined = [], {}, {}, self.stats.restores_declined
         for r in self.waiting:
             c, decisions[r.request_id], cached[r.request_id] = self._waiting(r, rates, declined)
@@ -426,7 +432,7 @@ class Scheduler:
         plan = plan_step([self._running(r) for r in self.running], waiting, budget)
         for r in self.waiting:  # the restores planned: what admission loads, the hint, stats
             st, d = self._state[r], decisions[r.request_id]
-            st.hit, st.rebase, st.probe = d.hit, d.rebase, d.probe
+            st.hit, st.rebase, st.probe, st.recompute = d.hit, d.rebase, d.probe, d.recompute
             st.cached = cached[r.request_id]
             if d.newly_declined:
                 st.declined = True

@@ -28,9 +28,9 @@ def engine(params, kv_format="auto", **kw) -> Engine:
         max_model_len=128, max_num_seqs=2, prefill_chunk=16, **kw))
 
 
-def run(eng: Engine, prompt: list[int], restore=None, new: int = 8):
+def run(eng: Engine, prompt: list[int], restore=None, new: int = 8, recompute: float = 0.0):
     """Prefill what is not held, then decode greedily; returns (tokens, slot, cached)."""
-    slot, cached = eng.open(prompt, restore=restore)
+    slot, cached = eng.open(prompt, restore=restore, recompute=recompute)
     key = eng.request_key(0)
     out = []
     while cached < len(prompt):
@@ -139,3 +139,66 @@ def test_restores_are_written_in_power_of_two_runs_covering_every_block(n):
     sizes = [b - a for a, b in runs]
     assert all(s & (s - 1) == 0 for s in sizes) and sizes == sorted(sizes, reverse=True)
     assert len(runs) == bin(n).count("1")  # as few compiled shapes per restore as can be
+
+
+@pytest.mark.parametrize("n,first,layers,chunk", [(12, 0, 6, 1), (40, 3, 30, 2), (7, 2, 1, 1),
+                                                  (100, 0, 32, 8)])
+def test_the_pyramid_recomputes_a_falling_prefix_of_about_its_share(n, first, layers, chunk):
+    from jkv.cache.connector import pyramid
+
+    assert (pyramid(first, n, layers, 0.0, chunk) == first).all()  # load everything
+    assert (pyramid(first, n, layers, 1.0, chunk) == n).all()  # recompute everything
+    for r in np.linspace(0, 1, 11):
+        b = pyramid(first, n, layers, r, chunk)
+        assert b.shape == (layers,) and ((first <= b) & (b <= n)).all()
+        assert (np.diff(b) <= 0).all()  # eq. 4: no layer recomputes past the layer below
+        assert (((b - first) % chunk == 0) | (b == n)).all()
+        share = (b - first).sum() / ((n - first) * layers)
+        assert abs(share - r) <= chunk / (n - first) / 2 + 1e-9  # rounding to chunks only
+        if layers > 1 and 0 < r < 1:
+            assert b[0] >= b[-1]  # the first layer recomputes the most
+    with pytest.raises(ValueError, match="recompute"):
+        pyramid(0, 4, 2, 1.5, 1)
+
+
+@pytest.fixture(scope="module")
+def deep_params():
+    return random_params(TINY.replace(num_layers=6), seed=3, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("execution", ["scan", "layerwise"])
+def test_split_restore_gives_the_recomputed_tokens_and_never_reads_the_recomputed_pages(
+        deep_params, execution):
+    from jkv.cache.connector import pyramid
+
+    cfg = TINY.replace(num_layers=6)
+    rng = np.random.default_rng()
+
+    def make(**kw) -> Engine:
+        return Engine(cfg, deep_params, cache=CacheConfig(page_size=8, kv_cache_bytes=8_000_000),
+                      config=EngineConfig(max_model_len=160, max_num_seqs=2, prefill_chunk=32,
+                                          enable_prefix_caching=False, **kw))
+
+    history = rng.integers(0, 512, 97).tolist()
+    first = make()
+    reply, slot, _ = run(first, history, new=2)
+    saved = first.save_pages(slot)
+    n = saved.num_blocks
+    follow_up = history + reply[:1] + rng.integers(0, 512, 6).tolist()
+    recomputed, _, _ = run(make(), follow_up)
+    for r in (0.0, 0.2, 0.5, 0.8, 1.0):
+        b = pyramid(0, n, cfg.num_layers, r, 1)  # what the engine will split by (chunk 1)
+        poisoned = {f: np.array(x) for f, x in saved.arrays.items()}
+        for layer in range(cfg.num_layers):  # the pages it recomputes: never to be read
+            poisoned["k"][:b[layer], layer] = np.nan
+            poisoned["v"][:b[layer], layer] = np.nan
+        eng = make(execution=execution)
+        eng.connector.load_bytes_per_s = 1e9  # layerwise: staged through the read buffer
+        tokens, _, cached = run(eng, follow_up, restore=type(saved)(
+            n, poisoned, saved.hashes), recompute=r)
+        assert tokens == recomputed, r
+        assert eng.stats.restored_tokens == n * 8
+        assert eng.stats.prefill_tokens == len(follow_up) - n * 8  # the rest: fed as usual
+        assert eng.stats.recomputed_tokens == pytest.approx(b.sum() * 8 / cfg.num_layers)
+    with pytest.raises(ValueError, match="recompute"):
+        make().open(follow_up, restore=saved, recompute=-0.1)

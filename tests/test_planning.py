@@ -3,6 +3,7 @@ hit is restored or recomputed (`restore_pays`, `plan_restore`); no model, no eng
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jkv.cache.page_cost import PageCost
@@ -15,6 +16,7 @@ from jkv.planning import (
     plan_restore,
     plan_step,
     restore_pays,
+    split_share,
 )
 from jkv.store.store import Hit
 
@@ -208,3 +210,36 @@ def test_a_truncated_prompt_rebases_its_source_when_that_gives_more_blocks():
     # the moved hit is weighed like any other (its entry's bytes, its tier's rate)
     d = restore(0, None, (source, 6), rates=RestoreRates({"disk": 1e9}, 1e9, 1e-6))
     assert not d.restore and d.rebase == 0 and d.newly_declined
+
+
+def test_split_share_balances_recompute_and_load():
+    # Krul eq. 1: 3 s of recompute, 1 s of writes, fully overlapped: recompute a quarter,
+    # both parts then take 0.75 s
+    share = split_share(3.0, 1.0, 0.0, overlap=1.0)
+    assert share == pytest.approx(0.25) and share * 3.0 == pytest.approx((1 - share) * 1.0)
+    assert split_share(3.0, 1.0, 0.0, overlap=0.0) == 0.0  # one after the other: interpolation
+    assert split_share(1.0, 1.0, 2.0, overlap=1.0) == 0.0  # the read alone outlasts recompute
+    assert split_share(0.0, 1.0, 0.0, overlap=1.0) == split_share(1.0, 0.0, 0.0, 1.0) == 0.0
+    rng = np.random.default_rng()
+    for _ in range(200):  # a chosen split is predicted faster than both of its ends
+        c, w, r = rng.exponential(size=3)
+        o = rng.uniform()
+        share = split_share(c, w, r, o)
+        if share:
+            split = r + (2 - o) * share * c
+            assert split < c and split < r + w
+    assert all(split_share(c, w, r, 0.0) == 0.0 for c, w, r in rng.exponential(size=(50, 3)))
+    # nothing to read first and full overlap: splitting always beats both ends
+    assert all(split_share(c, w, 0.0, 1.0) > 0 for c, w in rng.exponential(size=(50, 2)))
+
+
+def test_a_restore_is_split_where_the_device_overlaps_copies_and_compute():
+    overlapped = RestoreRates({"host": 1e9}, 1e9, 1e-5, split_overlap=1.0)
+    d = restore(16, hit(30), rates=overlapped)
+    # 464 tokens: 4.64 ms of recompute against 2 ms of reading and 1.93 ms of writing
+    compute, write = 464 * 1e-5, 2 * MB * 464 / 480 / 1e9
+    assert d.restore and d.recompute == pytest.approx(write / (compute + write))
+    assert d.held == 30 * PS and d.extra_pages == (30 - 1) * BP  # the pages are all taken
+    assert restore(16, hit(30)).recompute == 0.0  # FAST: no overlap, a whole load
+    assert restore(16, hit(30), rates=overlapped, probe=True).recompute == 0.0  # a probe loads
+    assert restore(16, hit(30), rates=overlapped, planning=False).recompute == 0.0

@@ -140,3 +140,29 @@ def test_restore_planning_recomputes_when_that_is_faster(params):
     generate_all(Scheduler(engine(params)), reference)
     assert follow[0].output == reference[0].output
     store.close()
+
+
+def test_restore_planning_splits_a_hit_where_copies_overlap_compute(params):
+    rng = np.random.default_rng()
+    eng = engine(params)
+    store = kv_store(eng, host_cache_bytes=1 << 24)
+    sched = Scheduler(eng, store=store)
+    first = [request(rng.integers(0, 512, 45).tolist())]
+    generate_all(sched, first)
+    store.flush()
+    follow = [request(first[0].prompt + first[0].output + [1, 2, 3])]
+    blocks = (len(first[0].prompt) + len(first[0].output) - 1) // 8
+    # a device that overlaps them (a GPU's), reads free, writing half as long as recomputing
+    eng.split_overlap = 1.0
+    store.read_bytes_per_s["host"] = 1e15
+    entry = store.snapshot()["bytes"]["host"]
+    eng.connector.load_bytes_per_s = 2 * entry / (blocks * 8 * sched._prefill_token_s)
+    generate_all(sched, follow)
+    restore = sched.snapshot()["restore"]
+    assert sched.snapshot()["prefix_hit_tokens"]["host"] == blocks * 8
+    assert 0 < restore["tokens_recomputed"] < blocks * 8  # split, not all-or-nothing
+    assert restore["tokens_loaded"] + restore["tokens_recomputed"] == blocks * 8
+    reference = [request(follow[0].prompt)]
+    generate_all(Scheduler(engine(params)), reference)
+    assert follow[0].output == reference[0].output
+    store.close()

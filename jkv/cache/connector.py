@@ -6,6 +6,9 @@ blocks and queues their contents: written at once, or with layer-wise execution 
 layer a read buffer of layers ahead of the layer computing (`stage`, CachedAttention 3.2.1).
 `rebase` moves saved blocks to other positions for a truncated conversation (3.4).
 
+A split restore (Krul 6.2) loads only part of each layer: `pyramid` says which blocks each
+layer loads, the rest being recomputed by the engine while the loads are in flight.
+
 Saved pages are written as they come from the store (views of the entry's bytes: no padded
 host copy), in runs of power-of-two lengths so that a few compiled shapes cover any restore.
 Each slot has at most one `_Pending` record: the saved pages not yet written, and the first
@@ -63,15 +66,45 @@ class SavedPages:
 class _Pending:
     """What a slot's KV still owes to saved pages."""
 
-    # unwritten pages in runs: (page ids [k, layers, KV heads], their contents as host
-    # arrays [k, layers, KV heads, ...]), k a power of two
-    runs: list[tuple[np.ndarray, KVPages]] | None = None
+    # unwritten pages in runs: (layer, page ids, their contents as host arrays), k a power
+    # of two: every layer's (layer None: ids [k, layers, KV heads], contents [k, layers, KV
+    # heads, ...]) or one layer's (ids [k, KV heads], contents [k, KV heads, ...])
+    runs: list[tuple[int | None, np.ndarray, KVPages]] | None = None
     unwritten_from: int | None = None  # first block restored but not yet written
     approx_from: int | None = None  # first block moved by `rebase` (approximate KV)
+    split: bool = False  # some blocks are recomputed meanwhile: its time is not a load rate
 
     @property
     def nbytes(self) -> int:
-        return sum(pages.nbytes for _, pages in self.runs or ())
+        return sum(pages.nbytes for _, _, pages in self.runs or ())
+
+    def layer_runs(self, index: int) -> list[tuple[np.ndarray, KVPages]]:
+        """Layer `index`'s runs: (ids [k, KV heads], contents [k, KV heads, ...])."""
+        return [(ids[:, index], pages.layer(index)) if layer is None else (ids, pages)
+                for layer, ids, pages in self.runs or () if layer in (None, index)]
+
+
+def pyramid(first: int, n: int, num_layers: int, recompute: float, chunk: int) -> np.ndarray:
+    """Krul's split of saved blocks [first, n) (6.2): layer l recomputes blocks [first, b_l)
+    and loads [b_l, n); returns b [layers]. The recomputed share falls linearly with depth
+    (the pyramid: the first layers load least, so their compute starts at once) and never
+    grows (eq. 4-5: a layer's recomputed tokens are a prefix of the layer below's, whose
+    hidden states it needs); about `recompute` of the (n - first) x layers block-layers are
+    recomputed, and b_l - first is a multiple of `chunk` blocks (or n - first)."""
+    if not 0.0 <= recompute <= 1.0:
+        raise ValueError(f"recompute must be in [0, 1], got {recompute}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1 block, got {chunk}")
+    depth = np.arange(num_layers) / max(num_layers - 1, 1)
+    if num_layers == 1:
+        share = np.full(1, recompute)
+    elif recompute <= 0.5:  # a triangle: 2r at the first layer down to 0 at the last
+        share = 2 * recompute * (1 - depth)
+    else:  # a trapezoid: everything at the first layer down to 2r - 1 at the last
+        share = 1 - 2 * (1 - recompute) * depth
+    grid = np.unique(np.r_[np.arange(0, n - first, chunk), n - first])
+    nearest = np.abs(grid[None, :] - share[:, None] * (n - first)).argmin(axis=1)
+    return first + grid[nearest].astype(np.int64)
 
 
 def power_of_two_runs(n: int) -> list[tuple[int, int]]:
@@ -111,12 +144,14 @@ class KVConnector:
         self.cache.pool.check_saved(saved.arrays, (self.num_layers, self.num_kv_heads), n)
         return n
 
-    def restore(self, slot: int, first: int, saved: SavedPages,
-                token_ids: Sequence[int]) -> int:
+    def restore(self, slot: int, first: int, saved: SavedPages, token_ids: Sequence[int],
+                loaded_from: np.ndarray | None = None) -> int:
         """Give `slot` (holding `first` blocks) new pages for saved blocks [first, n) (never
-        the prompt's last token: it is computed for its logits) and queue their contents;
-        returns the tokens the slot then holds (`first`'s when there is no room: those
-        blocks are recomputed instead)."""
+        the prompt's last token: it is computed for its logits) and queue their contents
+        (`loaded_from` [layers]: layer l only blocks [loaded_from[l], n), the others being
+        recomputed: `pyramid`); returns the tokens the slot then holds (`first`'s when there
+        is no room: those blocks are recomputed instead). The queue is written by `write`
+        (`write_due`) or layer by layer in the slot's next step (`stage`)."""
         n = self.restorable(saved, token_ids)
         ids = self.cache.reserve_blocks(slot, first, n)
         if ids is None:
@@ -124,16 +159,32 @@ class KVConnector:
         ids, fmt = np.asarray(ids), self.cache.pool.kv_format
         # host arrays, as warmup compiled the copies for (views: the store's are already)
         arrays = {f: np.asarray(x) for f, x in saved.arrays.items()}
-        runs = [(ids[a:b], KVPages.from_arrays(fmt, {f: x[first + a:first + b]
-                                                     for f, x in arrays.items()}))
-                for a, b in power_of_two_runs(n - first)]
+
+        def pages(a: int, b: int, layer: int | None = None) -> KVPages:
+            at = slice(a, b) if layer is None else (slice(a, b), layer)
+            return KVPages.from_arrays(fmt, {f: x[at] for f, x in arrays.items()})
+
+        if loaded_from is None:
+            runs = [(None, ids[a:b], pages(first + a, first + b))
+                    for a, b in power_of_two_runs(n - first)]
+        else:
+            runs = [(layer, ids[lo - first + a:lo - first + b, layer],
+                     pages(lo + a, lo + b, layer))
+                    for layer in range(self.num_layers)
+                    for lo in [min(max(int(loaded_from[layer]), first), n)]
+                    for a, b in power_of_two_runs(n - lo)]
         approx = None
         if saved.exact_blocks is not None and n > saved.exact_blocks:
             approx = max(saved.exact_blocks, first)
-        self._pending[slot] = _Pending(runs, first, approx)
-        if not self.layerwise or not self.load_bytes_per_s:
-            self.write([slot])  # at once, timed (the first one measures the rate)
+        self._pending[slot] = _Pending(runs, first, approx, split=loaded_from is not None)
         return n * self.cache.page_size
+
+    def write_due(self, slot: int) -> None:
+        """Write `slot`'s queued restore now unless its next step stages it layer by layer
+        (layer-wise execution, once a load rate has been measured: the first restore is
+        written at once and timed)."""
+        if not self.layerwise or not self.load_bytes_per_s:
+            self.write([slot])
 
     def restorable_tiers(self, saved: SavedPages, token_ids: Sequence[int]) -> tuple[
             dict[str, np.ndarray], np.ndarray, np.ndarray]:
@@ -203,10 +254,14 @@ class KVConnector:
             if p is not None and p.runs is not None:
                 compiled = scatter_pages._cache_size()
                 t0 = time.perf_counter()
-                for ids, pages in p.runs:
+                # every copy dispatched before any scatter: on a GPU they run beside the
+                # compute queued before them (a split restore's recomputed part)
+                runs = [(ids, jax.device_put(pages)) for _, ids, pages in p.runs]
+                for ids, pages in runs:
                     self.cache.pool = scatter_pages(self.cache.pool, ids, pages)
                 jax.block_until_ready(self.cache.pool)
-                if scatter_pages._cache_size() == compiled:  # a compile is not a load rate
+                # neither a compile nor waiting for recomputed blocks is a load rate
+                if scatter_pages._cache_size() == compiled and not p.split:
                     self._learn_load(p.nbytes, time.perf_counter() - t0)
                 self.written([slot])
 
@@ -271,8 +326,8 @@ class KVConnector:
         staged: dict[int, list] = {}
 
         def stage(index: int) -> None:
-            staged[index] = [(ids[:, index], jax.device_put(pages.layer(index)))
-                             for p in pending for ids, pages in p.runs]
+            staged[index] = [(ids, jax.device_put(pages))
+                             for p in pending for ids, pages in p.layer_runs(index)]
 
         for index in range(min(ahead, layers)):
             stage(index)
@@ -346,10 +401,11 @@ class KVConnector:
         while True:
             ids = c.page_ids(c.scratch, 0, 0, count=count)  # all null: nothing is written
             pages = jax.device_get(gather_pages(c.pool, ids))
-            c.pool = scatter_pages(c.pool, np.zeros(ids.shape, np.int32), pages)
-            if self.layerwise:
-                c.pool = scatter_pages(c.pool, np.zeros(ids.shape[::2], np.int32),
-                                       jax.device_put(pages.layer(0)))
+            c.pool = scatter_pages(c.pool, np.zeros(ids.shape, np.int32),
+                                   jax.device_put(pages))
+            # one layer's pages: layer-wise staging, and split restores in any execution
+            c.pool = scatter_pages(c.pool, np.zeros(ids.shape[::2], np.int32),
+                                   jax.device_put(pages.layer(0)))
             if count >= c.max_pages:
                 break
             count *= 2
