@@ -51,6 +51,7 @@ from jkv.config import PRESETS, CacheConfig, EngineConfig, KVFormat, StoreConfig
 from jkv.engine import Engine, Row, SavedPages  # noqa: E402
 from jkv.models.loaders import random_params  # noqa: E402
 from jkv.models.params_cache import load_params  # noqa: E402
+from jkv.planning import split_share  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
 from jkv.store.store import KVStore  # noqa: E402
 
@@ -269,6 +270,13 @@ def main() -> None:
                          * 1e3,
                          "read_buffer_layers": layerwise.read_buffer_layers(
                              host.snapshot()["bytes"]["host"], args.new_tokens),
+                         # the share restore planning would recompute, from the rates
+                         # the engine and store measured in these runs
+                         "planned_split": split_share(
+                             length * scan.stats.prefill_token_seconds,
+                             host.snapshot()["bytes"]["host"] / scan.connector.load_bytes_per_s,
+                             host.snapshot()["bytes"]["host"] / host.read_bytes_per_s["host"],
+                             scan.split_overlap),
                          "same_first_token": len(set(tokens.values())) == 1})
             save(rows)
             for store in (host, disk):  # the next length starts from empty stores
@@ -292,7 +300,7 @@ def main() -> None:
         for r in rows:
             print(f"{r['history_tokens']:>8}{r['host_ms']:>8.0f}ms"
                   + "".join(f"{r[f'split_{x:g}_ms']:>8.0f}ms" for x in splits)
-                  + f"{r['recompute_ms']:>9.0f}ms")
+                  + f"{r['recompute_ms']:>9.0f}ms  planned r={r['planned_split']:.2f}")
 
 
 if __name__ == "__main__":
