@@ -31,7 +31,7 @@ from jkv.engine import Engine
 from jkv.metrics import Metrics
 from jkv.models.loaders import default_model_path
 from jkv.models.params_cache import load_params
-from jkv.models.tokenizer import eos_token_ids, load_tokenizer
+from jkv.models.tokenizer import TextStream, eos_token_ids, load_tokenizer
 from jkv.sampling import SamplingParams
 from jkv.scheduler import Request, Scheduler, Truncation, generate_all
 
@@ -86,6 +86,7 @@ class _Tracker:
     # with prompt_logprobs: the scheduler's per prompt token (logprob, top ids, top logprobs)
     prompt_entries: list | None = None
     prompt_ids: list[int] | None = None
+    stream: TextStream | None = None  # the incremental detokenizer (on the first token)
 
     def take_logprobs(self) -> list:
         """Logprob entries not yet handed out (a stream attaches them to its next chunk)."""
@@ -105,19 +106,22 @@ class _Tracker:
                 for tok, e in zip(self.prompt_ids, self.prompt_entries, strict=True)]
 
     def add(self, token: int) -> bool:
+        """Take the next token: True when the request stops here. The text grows by what the
+        token completes (`TextStream`), and stop strings are looked for in the new text only:
+        no work per token grows with the output."""
         self.token_ids.append(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
             return True
         if self.tokenizer is None:
             return False
-        ids = [t for t in self.token_ids if t not in self.stop_ids]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-            return False
-        self.text = text
+        if self.stream is None:
+            self.stream = TextStream(self.tokenizer)
+        before = max(len(self.stream.text) - self.stream.hold, 0)
+        self.stream.add(token)
+        self.text = self.stream.text
         for s in self.params.stop or ():
-            idx = self.text.find(s, max(0, self.emitted - len(s)))
+            idx = self.text.find(s, max(0, before - len(s) + 1))
             if idx >= 0:
                 self.text = self.text[:idx]
                 self.finish_reason = "stop"
@@ -125,8 +129,10 @@ class _Tracker:
         return False
 
     def delta(self, final: bool = False) -> str:
-        """Text not yet streamed, holding back what could still start a stop string."""
-        hold = 0 if final else max((len(s) - 1 for s in self.params.stop or ()), default=0)
+        """Text not yet streamed, holding back what could still start a stop string (or
+        still change: `TextStream.hold`)."""
+        hold = 0 if final else max([len(s) - 1 for s in self.params.stop or ()]
+                                   + [self.stream.hold if self.stream else 0])
         end = max(self.emitted, len(self.text) - hold)
         out, self.emitted = self.text[self.emitted:end], end
         return out

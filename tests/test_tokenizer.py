@@ -93,3 +93,48 @@ def test_llm_generates_without_importing_torch(tmp_path):
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "NO-TORCH", run.stdout
+
+
+class _SlowTokenizer:
+    """A tokenizer with nothing but `decode` (transformers' slow ones): the windowed path."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("kind", ["stream", "cleanup", "windowed"])
+def test_streamed_text_equals_a_one_shot_decode(kind):
+    from jkv.api import _Tracker
+    from jkv.sampling import SamplingParams
+
+    tok = load_tokenizer(None)
+    if kind == "cleanup":
+        tok = Tokenizer(tok.backend, clean_up_tokenization_spaces=True, **tok.special)
+    text = "".join(TEXTS) + " a ,b . c ' d don 't 🧑‍🚀 ąę 한국어 ∑x² €"
+    ids = tok.encode(text)
+    # characters split across tokens: a token that completes no character on its own
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    tracker = _Tracker(_SlowTokenizer(tok) if kind == "windowed" else tok,
+                       SamplingParams(), frozenset())
+    deltas = []
+    for i in ids:
+        assert not tracker.add(i)
+        deltas.append(tracker.delta())
+    deltas.append(tracker.delta(final=True))
+    assert tracker.text == "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" not in "".join(deltas)
+
+    # a stop string is found in the new text, spanning tokens, and cuts the text there
+    stop = "日本"
+    tracker = _Tracker(tok, SamplingParams(stop=[stop]), frozenset())
+    streamed = ""
+    for n, i in enumerate(ids):
+        done = tracker.add(i)
+        streamed += tracker.delta(final=done)
+        if done:
+            break
+    full = tok.decode(ids[:n + 1], skip_special_tokens=True)
+    assert tracker.finish_reason == "stop" and streamed == tracker.text == full[:full.index(stop)]

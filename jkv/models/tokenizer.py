@@ -18,6 +18,7 @@ from functools import cached_property
 from pathlib import Path
 
 import tokenizers
+import tokenizers.decoders
 
 from jkv.models.gguf_tokenizer import UnsupportedTokenizer, build_tokenizer, read_metadata
 from jkv.models.loaders import default_model_path
@@ -76,10 +77,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        if self.clean_up_tokenization_spaces:
-            for old, new in _CLEANUPS:
-                text = text.replace(old, new)
-        return text
+        return _clean_up(text) if self.clean_up_tokenization_spaces else text
 
     @cached_property
     def _template(self):
@@ -148,6 +146,68 @@ class Tokenizer:
                    chat_template=template,
                    clean_up_tokenization_spaces=bool(conf.get("clean_up_tokenization_spaces")),
                    **{name: token(name) for name in SPECIAL_NAMES})
+
+
+def _clean_up(text: str) -> str:
+    for old, new in _CLEANUPS:
+        text = text.replace(old, new)
+    return text
+
+
+# later text can still change this many trailing characters of the cleaned-up text (a cleanup
+# pattern is at most this long plus the character that completes it)
+CLEANUP_REACH = max(len(old) for old, _ in _CLEANUPS) - 1
+
+
+class TextStream:
+    """One sequence's text, token by token, with per-token work independent of its length:
+    `add(id)` appends the text that id completes (a character split across tokens comes
+    with its last byte), so `text` equals decoding all ids at once (special tokens skipped).
+    With the cleanup of spaces before punctuation on, the last `hold` characters may still
+    change. A `tokenizers` backend decodes with its `DecodeStream`; any other tokenizer
+    (transformers' slow ones) through a window of its last tokens."""
+
+    def __init__(self, tokenizer) -> None:
+        backend = getattr(tokenizer, "backend", None) or getattr(
+            tokenizer, "backend_tokenizer", None)
+        self._clean = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.hold = CLEANUP_REACH if self._clean else 0
+        self.text = ""
+        if isinstance(backend, tokenizers.Tokenizer):
+            stream = tokenizers.decoders.DecodeStream(skip_special_tokens=True)
+            self._step = lambda token: stream.step(backend, token) or ""
+        else:
+            self._step = self._windowed(tokenizer)
+
+    @staticmethod
+    def _windowed(tokenizer):
+        """vLLM's incremental detokenization: decode the tokens since the last emitted piece
+        with a few before them, keep what they add."""
+        ids: list[int] = []
+        start = emitted = 0  # window start, tokens whose text is out
+
+        def step(token: int) -> str:
+            nonlocal start, emitted
+            ids.append(token)
+            before = tokenizer.decode(ids[start:emitted], skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False)
+            after = tokenizer.decode(ids[start:], skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+            if len(after) <= len(before) or after.endswith("\ufffd"):
+                return ""  # nothing new yet, or a character still incomplete
+            start, emitted = emitted, len(ids)
+            return after[len(before):]
+
+        return step
+
+    def add(self, token: int) -> None:
+        """Append `token`'s text (cleaned up: the last `hold` characters rewritten)."""
+        piece = self._step(token)
+        if self._clean and piece:
+            keep = max(len(self.text) - self.hold, 0)
+            self.text = self.text[:keep] + _clean_up(self.text[keep:] + piece)
+        else:
+            self.text += piece
 
 
 def load_tokenizer(path: str | os.PathLike | None):
