@@ -115,6 +115,8 @@ class _Tracked:
     declined: bool = False  # recomputing its hit was planned (counted once)
     probe: bool = False  # restore its hit anyway, to measure
     recompute: float = 0.0  # share of `hit` recomputed while the rest loads (a split)
+    read_since: float | None = None  # when it began waiting for its hit's read ahead
+    abandoned: bool = False  # its read took longer than recomputing: recomputed
 
 
 @dataclass
@@ -127,6 +129,10 @@ class SchedulerStats:
     store_misses: int = 0  # store hits that could not be restored (gone, corrupt): recomputed
     restores_declined: int = 0  # store hits recomputed because that was expected faster
     rebased_tokens: int = 0  # restored tokens re-rotated for a truncated conversation
+    restores_abandoned: int = 0  # hits whose read outlasted recomputing them: recomputed
+
+
+READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before returning
 
 
 class Scheduler:
@@ -254,7 +260,8 @@ class Scheduler:
         if self.store is not None:
             out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses,
                             "restores_declined": self.stats.restores_declined,
-                            "rebased_tokens": self.stats.rebased_tokens}
+                            "rebased_tokens": self.stats.rebased_tokens,
+                            "restores_abandoned": self.stats.restores_abandoned}
         return out
 
     # ------------------------------------------------------------------ one step
@@ -271,19 +278,22 @@ class Scheduler:
         return self._candidate(r, st.num_computed,
                                self.engine.cache.pages_freed_by_close(st.slot))
 
-    def _waiting(self, r: Request, rates: RestoreRates,
-                 declined: int) -> tuple[Candidate, RestoreDecision, int]:
-        """`r` as the policy sees it, with the restore planned for it (not yet applied) and
-        the tokens found on the device: its prompt is looked up in the device prefix cache
-        (kept tiered sequences under token tiers), then in the store."""
+    def _waiting(self, r: Request, rates: RestoreRates, declined: int, now: float
+                 ) -> tuple[Candidate, RestoreDecision, int, bool]:
+        """`r` as the policy sees it, with the restore planned for it (not yet applied), the
+        tokens found on the device, and whether it may be admitted now: its prompt is looked
+        up in the device prefix cache (kept tiered sequences under token tiers), then in the
+        store, whose entry is read ahead (`KVStore.read_ahead`) while it waits."""
         eng, st = self.engine, self._state[r]
         if r.sampling.prompt_logprobs is not None:  # every prompt token is computed
-            return self._candidate(r, 0, 0), RestoreDecision(0), 0
+            return self._candidate(r, 0, 0), RestoreDecision(0), 0, True
         if st.hashes is None:
             st.hashes = eng.cache.prompt_hashes(r.tokens)
         cached, pinned = eng.cache.lookup(st.hashes)
         decision = RestoreDecision(cached)
-        if self.store is not None and eng.tiered and not cached:
+        if st.abandoned:
+            pass
+        elif self.store is not None and eng.tiered and not cached:
             # a tiered row restores whole into an empty slot, never moved (no rebase)
             decision = plan_restore(
                 0, self.store.lookup(st.hashes, whole=True), None, rates,
@@ -294,8 +304,19 @@ class Scheduler:
                 cached, self.store.lookup(st.hashes), self._truncated_hit(r), rates,
                 cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
                 probe=st.probe, declined_count=declined)
+        ready = decision.hit is None or self.store.read_ahead(decision.hit)
+        if ready:
+            st.read_since = None
+        else:  # its read is under way: it waits, unless recomputing would be done by now
+            st.read_since = now if st.read_since is None else st.read_since
+            recompute_s = (decision.held - cached) * self._prefill_token_s
+            if (self.config.restore_planning and recompute_s
+                    and now - st.read_since > recompute_s):
+                st.abandoned, ready = True, True
+                self.stats.restores_abandoned += 1
+                decision = RestoreDecision(cached)
         return (self._candidate(r, decision.held, pinned + decision.extra_pages), decision,
-                cached)
+                cached, ready)
 
     def _truncated_hit(self, r: Request) -> tuple[Hit, int] | None:
         """For a truncated prompt: the store's entry of its untruncated source and how many
@@ -325,8 +346,10 @@ class Scheduler:
         hit, restore = st.hit, None
         if hit is not None:
             try:
-                loaded = self.store.load(hit)
+                loaded = self.store.take(hit)  # read ahead while it waited
                 if loaded is not None:
+                    *loaded, tier = loaded
+                    hit = hit._replace(tier=tier)  # counted where it was read from
                     restore = SavedPages(hit.blocks, *loaded)
                     if st.rebase:
                         t = r.truncation
@@ -424,11 +447,15 @@ class Scheduler:
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
                              eng.connector.load_bytes_per_s, self._prefill_token_s,
                              eng.split_overlap)
-        waiting, decisions, cached, declined = [], {}, {}, self.stats.restores_declined
+        waiting, queued, decisions, cached = [], [], {}, {}
+        declined = self.stats.restores_declined
         for r in self.waiting:
-            c, decisions[r.request_id], cached[r.request_id] = self._waiting(r, rates, declined)
+            c, decisions[r.request_id], cached[r.request_id], ready = self._waiting(
+                r, rates, declined, now)
             declined += decisions[r.request_id].newly_declined
-            waiting.append(c)
+            queued.append(c)
+            if ready:  # a request still waiting for its read ahead is not admitted yet
+                waiting.append(c)
         plan = plan_step([self._running(r) for r in self.running], waiting, budget)
         for r in self.waiting:  # the restores planned: what admission loads, the hint, stats
             st, d = self._state[r], decisions[r.request_id]
@@ -438,8 +465,9 @@ class Scheduler:
                 st.declined = True
                 self.stats.restores_declined += 1
         if self.store is not None:
-            order = [decisions[c.request_id].hit for c in sorted(waiting, key=queue_order)]
+            order = [decisions[c.request_id].hit for c in sorted(queued, key=queue_order)]
             self.store.hint([hit.key for hit in order if hit is not None])
+            self.store.drop_reads({hit for hit in order if hit is not None})
 
         for rid in plan.preempt:
             r = by_id[rid]
@@ -447,6 +475,7 @@ class Scheduler:
             st.computed_before = st.num_computed
             eng.close(st.slot, finished=False)
             st.slot, st.num_computed, st.hashes = None, 0, None
+            st.read_since, st.abandoned = None, False
             r.num_preemptions += 1
             self.stats.preemptions += 1
             self.running.remove(r)
@@ -476,6 +505,8 @@ class Scheduler:
             st = self._state[r]
             decode.append((r, Row(st.slot, r.tokens[-1:], r.sampling, st.key, len(r.output))))
         if not prefill and not decode:
+            if len(queued) > len(waiting):  # only reads ahead to wait for: no step to hold up
+                self.store.wait_reads(READ_POLL_S)
             return finished
         t0 = time.perf_counter()
         out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])

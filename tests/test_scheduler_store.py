@@ -166,3 +166,50 @@ def test_restore_planning_splits_a_hit_where_copies_overlap_compute(params):
     generate_all(Scheduler(engine(params)), reference)
     assert follow[0].output == reference[0].output
     store.close()
+
+
+@pytest.mark.parametrize("tier", ["slow", "failing"])
+def test_a_slow_or_failing_tier_never_stalls_the_running_requests(params, tier):
+    import time
+
+    rng = np.random.default_rng()
+    eng = engine(params)
+    store = kv_store(eng, host_cache_bytes=1 << 24)
+    sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
+    first = request(rng.integers(0, 512, 40).tolist())
+    generate_all(sched, [first])
+    store.flush()
+    delay = 1.0
+    get = store.host.get
+
+    def slow_or_failing(key):
+        time.sleep(delay)  # the tier hangs this long on every read
+        if tier == "failing":
+            raise OSError("the tier is gone")
+        return get(key)
+
+    store.host.get = slow_or_failing
+    running = request(rng.integers(0, 512, 30).tolist(), n=40)
+    sched.add(running)
+    while not running.output:  # decoding
+        sched.step()
+    follow = request(first.prompt + first.output + [1, 2, 3])
+    sched.add(follow)
+    slowest = 0.0
+    while sched.num_unfinished:
+        t0 = time.perf_counter()
+        sched.step()
+        if not running.finished:
+            slowest = max(slowest, time.perf_counter() - t0)
+    # a step that waited for the read would take the whole delay
+    assert slowest < delay / 2
+    snap = sched.snapshot()
+    if tier == "slow":  # restored once its read was done
+        assert snap["prefix_hit_tokens"]["host"] == (len(first.prompt) + 5) // 8 * 8
+    else:  # a miss, counted; recomputed
+        assert snap["prefix_hit_tokens"]["host"] == 0
+        assert snap["store"]["read_failures"] == 1 and snap["store"]["misses"] == 1
+    reference = [request(follow.prompt)]
+    generate_all(Scheduler(engine(params)), reference)
+    assert follow.output == reference[0].output
+    store.close()

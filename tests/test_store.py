@@ -310,3 +310,40 @@ def test_saves_past_the_pending_budget_are_dropped_and_counted():
     assert s.snapshot()["saves_dropped"] == 1 and s.lookup(chain(tokens)) is None
     s.close()
     assert not s.save(2, blocks(2, rng), chain(tokens))  # closed: nothing queued
+
+
+def test_reads_ahead_run_on_the_reader_and_are_taken_without_waiting():
+    import threading
+
+    rng = np.random.default_rng()
+    s = store(host_cache_bytes=1 << 24, max_pending_bytes=entry_bytes(4) + 1)
+    tokens = rng.integers(0, 1000, 8 * PAGE).tolist()
+    hashes, data = chain(tokens), blocks(4, rng)
+    other = chain(rng.integers(0, 1000, 4 * PAGE).tolist())
+    for h in (hashes, other):  # (one at a time: the pending budget holds one entry)
+        s.save(4, data, h)
+        s.flush()
+    hit = s.lookup(hashes)
+    assert s.take(hit) is None  # nothing read ahead: a miss, no wait
+    release = threading.Event()
+    get = s.host.get
+    s.host.get = lambda key: release.wait() and get(key)  # the tier hangs until released
+    assert not s.read_ahead(hit)  # under way
+    assert not s.read_ahead(s.lookup(other))  # no room for a second entry's bytes yet
+    assert not s.read_ahead(hit) and s.take(hit) is None  # still not ready: never waits
+    assert not s.read_ahead(hit)  # taken (and dropped): read again
+    release.set()
+    s.wait_reads(5.0)
+    assert s.read_ahead(hit)
+    arrays, got, tier = s.take(hit)
+    assert got == hashes[:4] and tier == "host"
+    for f in data:
+        np.testing.assert_array_equal(arrays[f], data[f])
+    assert s.read_ahead(s.lookup(other)) is False  # room again: started
+    s.drop_reads([])  # its request left the queue
+    assert s.take(s.lookup(other)) is None
+    s.host.get = lambda key: (_ for _ in ()).throw(OSError("gone"))  # a failing tier
+    s.read_ahead(hit)
+    s.wait_reads(5.0)
+    assert s.take(hit) is None and s.snapshot()["read_failures"] == 1
+    s.close()

@@ -131,8 +131,8 @@ def test_streamed_text_equals_a_one_shot_decode(kind):
     stop = "日本"
     tracker = _Tracker(tok, SamplingParams(stop=[stop]), frozenset())
     streamed = ""
-    for n, i in enumerate(ids):
-        done = tracker.add(i)
+    for n in range(len(ids)):
+        done = tracker.add(ids[n])
         streamed += tracker.delta(final=done)
         if done:
             break

@@ -10,9 +10,12 @@ replaces it. A tiered row (token tiers: its pages are not blocks) is found only 
 gives up, is `Placement`'s decision (LRU, FIFO or scheduler-aware, with the waiting queue as
 its hint).
 
-Threads: `lookup` and `load` run on the scheduler's thread; saving (the copy off the device,
-encoding, checksumming, writing) and moving entries between tiers run on one background
-writer, so a finishing request never waits for its save. The index is rebuilt from the
+Threads: `lookup` runs on the scheduler's thread (the index only); `read_ahead` loads an entry
+(read, checksum, decode) on the store's reader thread while the request waits in the queue,
+and `take` hands the result over at admission without waiting, so a slow or failing tier
+never stalls a step (`load` is the same read, on the caller's thread); saving (the copy off
+the device, encoding, checksumming, writing) and moving entries between tiers run on one
+background writer, so a finishing request never waits for its save. The index is rebuilt from the
 persistent tier's meta records when the store opens. An entry that fails to decode (torn,
 flipped bytes, foreign) is a miss, counted in `corrupt_entries`, and deleted.
 """
@@ -24,7 +27,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -65,6 +69,7 @@ class StoreStats:
     saves_dropped: int = 0  # saves refused because the writer was too far behind
     save_failures: int = 0  # saves that raised (logged; the request was not affected)
     loads: int = 0  # entries read for a restore
+    read_failures: int = 0  # reads that raised (a failing tier): misses, recomputed
     corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
     evictions: int = 0  # entries dropped from the store to make room
     offloads: int = 0  # entries moved host -> disk
@@ -98,7 +103,8 @@ class KVStore:
     entries of other fingerprints in a shared persistent tier are never matched; they count
     against the capacity and are evicted like any other entry when room is needed.
     max_pending_bytes: most bytes of saves waiting for the writer (each holds a device copy
-    of its pages until written); a save past it is dropped and counted.
+    of its pages until written); a save past it is dropped and counted. Reads ahead hold at
+    most as many bytes (a request past it waits for room).
     """
 
     def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
@@ -126,6 +132,14 @@ class KVStore:
         self._pending: dict[str, int] = {}  # entry key -> bytes of saves not yet written
         if self.disk is not None:
             self._adopt_disk()
+        # reads ahead, by (entry key, blocks): under way or ready for `take`, and the tier
+        # each was read from (an entry may move while its request waits)
+        self._reads: dict[tuple[str, int], tuple[Future, str]] = {}
+        self._read_jobs: queue.Queue = queue.Queue()
+        # a daemon: a tier that hangs must not keep the process from exiting
+        self._reader = threading.Thread(target=self._read_work, name="jkv-store-reader",
+                                        daemon=True)
+        self._reader.start()
         self._writer = threading.Thread(target=self._work, name="jkv-store-writer",
                                         daemon=True)
         self._writer.start()
@@ -245,6 +259,65 @@ class KVStore:
         if n == len(entry.hashes):  # the whole entry (a tiered row's arrays are not blocks)
             return dict(arrays), list(entry.hashes)
         return {f: x[:n] for f, x in arrays.items()}, entry.hashes[:n]
+
+    def read_ahead(self, hit: Hit) -> bool:
+        """Have `hit` loaded (`load`) on the store's reader thread unless it is under way
+        already; True once the result is ready for `take`. Never waits: a request whose
+        read is not ready waits in the queue, and the steps of the others go on."""
+        with self._lock:
+            read = self._reads.get((hit.key, hit.blocks))
+            if read is None:
+                held = sum(self.placement.size(k) or 0 for k, _ in self._reads)
+                if self._closed or (self._reads and held + hit.entry_bytes
+                                    > self.max_pending_bytes):
+                    return False  # no room for another read: later
+                read = self._reads[hit.key, hit.blocks] = (Future(), hit.tier)
+                self._read_jobs.put((read[0], hit))
+        return read[0].done()
+
+    def _read_work(self) -> None:
+        while (job := self._read_jobs.get()) is not None:
+            future, hit = job
+            if not future.set_running_or_notify_cancel():
+                continue  # dropped before it started
+            try:
+                future.set_result(self.load(hit))
+            except Exception as e:  # handed to `take`, which counts it
+                future.set_exception(e)
+
+    def take(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes], str] | None:
+        """What `read_ahead(hit)` read: `load`'s result and the tier it was read from, or
+        None (a miss: the entry gone, corrupt or its tier failing, or no read ready); never
+        waits."""
+        with self._lock:
+            read = self._reads.pop((hit.key, hit.blocks), None)
+        if read is None or not read[0].done():
+            if read is not None:
+                read[0].cancel()
+            return None
+        try:
+            loaded = read[0].result()
+        except Exception:  # a failing tier: a miss, counted
+            log.exception("reading stored KV entry %s failed; recomputing", hit.key)
+            self.stats.read_failures += 1
+            return None
+        return None if loaded is None else (*loaded, read[1])
+
+    def wait_reads(self, timeout: float) -> None:
+        """Wait until a read ahead is done, at most `timeout` seconds (a loop with nothing
+        else to do, instead of spinning)."""
+        with self._lock:
+            reads = [f for f, _ in self._reads.values()]
+        if reads:
+            wait(reads, timeout, return_when=FIRST_COMPLETED)
+
+    def drop_reads(self, keep: Collection[Hit]) -> None:
+        """Forget the reads ahead of hits not in `keep` (their requests left the queue or
+        will recompute): their bytes are freed, a read not started is cancelled."""
+        wanted = {(h.key, h.blocks) for h in keep}
+        with self._lock:
+            for k in [k for k in self._reads if k not in wanted]:
+                self._reads.pop(k)[0].cancel()
 
     # ------------------------------------------------------------------ saving
 
@@ -422,6 +495,10 @@ class KVStore:
             if self.disk is not None:
                 self._jobs.put(self._spill_all)
             self._jobs.put(None)
+            for future, _ in self._reads.values():
+                future.cancel()
+            self._reads.clear()
+            self._read_jobs.put(None)  # a read under way finishes on its own
         self._writer.join()
 
     def _spill_all(self) -> None:
@@ -445,6 +522,7 @@ class KVStore:
                                    "disk": 0 if self.disk is None else self.disk.capacity},
                 "corrupt_entries": st.corrupt_entries, "evictions": st.evictions,
                 "prefetches": st.prefetches, "offloads": st.offloads, "saves": st.saves,
-                "loads": st.loads, "superseded": st.superseded,
+                "loads": st.loads, "read_failures": st.read_failures,
+                "superseded": st.superseded,
                 "save_failures": st.save_failures, "saves_dropped": st.saves_dropped,
                 "disk_resets": st.disk_resets}
