@@ -22,15 +22,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jax
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jkv.api import LLM, ROLES, Truncation
@@ -75,6 +76,53 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+_ERRORS = {400: "the request is invalid; the message names the field (`param`)",
+           401: "a missing or wrong API key (the server was started with --api-key)",
+           404: "no such model, or no such route",
+           413: "the request body is too large",
+           503: "the queue is full (Retry-After) or the server is shutting down"}
+
+
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _json_schema_bounds(node: Any) -> Any:
+    """Bounds in JSON Schema's words: pydantic writes a number's ge/le as they are when a
+    validator runs before them (`JsonInt`), which no schema reader understands."""
+    if isinstance(node, dict):
+        typed = node.get("type") in ("integer", "number")
+        return {(_BOUNDS[k] if typed and k in _BOUNDS else k): _json_schema_bounds(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_json_schema_bounds(v) for v in node]
+    return node
+
+
+def _errors(*codes: int) -> dict:
+    """OpenAPI `responses` for these error statuses, each with the error body."""
+    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
+
+
+_COMPLETION_RESPONSES = {
+    200: {"description": "the completion as JSON, or with `stream: true` as server-sent "
+                         "events (`data: {chunk}` lines, then `data: [DONE]`)",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **_errors(400, 401, 404, 413, 503)}
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """The first pydantic error as a 400 whose message names the field."""
     errors = exc.errors()
@@ -105,6 +153,18 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 # ---------------------------------------------------------------------------- request bodies
 
 
+def _json_number(value: Any) -> Any:
+    """A JSON number: a boolean is none (pydantic's lax mode would take it as 0 or 1)."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_number)]  # 2.0 is 2, as JSON Schema has it
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+Flag = Annotated[bool, Field(strict=True)]  # true or false, never "yes" or 1
+
+
 def _text_content(value: Any) -> str:
     """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
     if value is None:
@@ -124,9 +184,15 @@ def _text_content(value: Any) -> str:
     raise ValueError("content must be a string or a list of text parts")
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     role: Literal[ROLES]
-    content: str
+    # parts are joined into one string before validation (`_content`); null is ""
+    content: str | list[TextPart] | None
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -136,31 +202,35 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by chat and completion requests; unknown fields are ignored."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool | None = False
+    max_tokens: JsonInt | None = Field(None, ge=1, description=(
+        "tokens to generate at most; default 512 for chat, 16 for completions, and never "
+        "more than the context leaves (more than it leaves is a 400)"))
+    temperature: JsonFloat | None = Field(None, ge=0, le=2)
+    top_p: JsonFloat | None = Field(None, gt=0, le=1)
+    top_k: JsonInt | None = Field(None, ge=-1)
+    seed: JsonInt | None = Field(None, ge=-_INT64, lt=_INT64)
+    stop: (Annotated[str, Field(min_length=1)]
+           | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]
+           | None) = None
+    stop_token_ids: list[JsonInt] | None = None
+    ignore_eos: Flag = False
+    stream: Flag | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
-    best_of: int | None = None
+    n: JsonInt | None = Field(1, ge=1, le=1, description="one choice per request")
+    best_of: JsonInt | None = Field(None, ge=1, le=1, description="not supported beyond 1")
     user: str | None = None
     # jkv extensions: a conversation's name, and what the scheduler was promised
     session_id: str | None = Field(None, max_length=256)
-    priority: int | None = Field(None, ge=-1_000_000, le=1_000_000)  # lower goes first
-    ttft_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
-    tpot_slo_ms: float | None = Field(None, gt=0, le=3_600_000)
+    priority: JsonInt | None = Field(None, ge=-1_000_000, le=1_000_000)  # lower goes first
+    ttft_slo_ms: JsonFloat | None = Field(None, gt=0, le=3_600_000)
+    tpot_slo_ms: JsonFloat | None = Field(None, gt=0, le=3_600_000)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -177,26 +247,33 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value or None
 
-    @field_validator("n")
+    @field_validator("n", mode="before")
     @classmethod
-    def _n(cls, value: int | None) -> int | None:
+    def _n(cls, value: Any) -> Any:
         if value not in (None, 1):
             raise ValueError(f"only n=1 is supported (one choice per request), got {value}")
         return value
 
-    @field_validator("best_of")
+    @field_validator("best_of", mode="before")
     @classmethod
-    def _best_of(cls, value: int | None) -> int | None:
+    def _best_of(cls, value: Any) -> Any:
         if value not in (None, 1):
             raise ValueError(f"best_of is not supported, got {value}")
         return value
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    # top_logprobs needs logprobs: true (as OpenAI and vLLM have it)
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer"}},
+               "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: JsonInt | None = Field(None, ge=1)
+    logprobs: Flag | None = None
+    top_logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                         description="needs `logprobs: true`")
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -205,9 +282,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
-    echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[Annotated[JsonInt, Field(ge=0)]], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(min_length=1, max_length=1)]) = Field(
+        description="text, token ids below the model's vocabulary size, or a list of one "
+                    "text (one prompt per request)")
+    echo: Literal[False] | None = False
+    logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -225,13 +307,17 @@ class CompletionRequest(_SamplingRequest):
             value = value[0]
             if isinstance(value, str):
                 return value
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not all(isinstance(t, int | float) and not isinstance(t, bool)
+                   and float(t).is_integer() for t in value):
             raise ValueError(shape)
+        value = [int(t) for t in value]
         return value
 
-    @field_validator("echo")
+    @field_validator("echo", mode="before")
     @classmethod
-    def _echo(cls, value: bool | None) -> bool | None:
+    def _echo(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError("echo must be a boolean")
         if value:
             raise ValueError("echo is not supported")
         return value
@@ -679,27 +765,30 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
         return JSONResponse(APIError(exc.status_code, str(exc.detail), code=code).body(),
                             status_code=exc.status_code, headers=exc.headers)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {
+        "description": "the server is shutting down",
+        "content": {"application/json": {"example": {"status": "draining"}}}}})
     async def health():
         if server.closing.is_set():
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus metrics (text exposition format)"}})
     async def metrics() -> Response:
         llm.metrics.sync(llm.stats())
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models() -> dict:
         return {"object": "list", "data": [server.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
     async def model(model_id: str) -> dict:
         server.check_model(model_id)
         return server.model_card()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_COMPLETION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
@@ -712,12 +801,39 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
 
         return await server.complete(request, body, True, make_ids, max_tokens)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         return await server.complete(request, body, False,
                                      lambda _reserve: (llm.encode(body.prompt), None),
                                      body.max_tokens)
 
+    def openapi() -> dict:
+        """FastAPI's schema less the 422 it documents for every body: a bad body is a 400
+        here (`_validation_error`), whose shape `_errors` documents."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
+                                 routes=app.routes)
+            for operations in schema["paths"].values():
+                for op in operations.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            vocab = llm.cfg.vocab_size  # token ids are the model's
+            prompt = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+            for option in prompt.get("anyOf", ()):
+                if option.get("items", {}).get("type") == "integer":
+                    option["items"]["maximum"] = vocab - 1
+            # (a chat's max_tokens is ignored beside max_completion_tokens: no bound stated)
+            for body, field in (("CompletionRequest", "max_tokens"),
+                                ("ChatCompletionRequest", "max_completion_tokens")):
+                for option in schema["components"]["schemas"][body]["properties"][field].get(
+                        "anyOf", ()):
+                    if option.get("type") == "integer":  # the prompt takes a token at least
+                        option["le"] = llm.max_model_len - 1
+            app.openapi_schema = _json_schema_bounds(schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.add_middleware(_Guard, api_key=api_key)
     return app
 
