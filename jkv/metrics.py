@@ -40,6 +40,8 @@ _COUNTERS = (  # (stats key, metric name, help); prometheus adds the _total suff
     ("compilations", "jkv_compilations", "Compiled step variants."),
     ("prompt_tokens_computed", "jkv_prompt_tokens", "Prompt tokens run through the model."),
     ("generation_tokens", "jkv_generation_tokens", "Tokens decoded."),
+    ("requests_within_slo", "jkv_goodput_requests",
+     "Requests that ended normally within every TTFT/TPOT target they had."),
 )
 
 
@@ -53,6 +55,12 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("jkv_e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("jkv_request_queue_time_seconds", "Arrival to admission (the "
+                               "queueing part of TTFT).", buckets=_LATENCY_BUCKETS, registry=r)
+        self.slo_violations = Counter("jkv_slo_violations", "Requests that missed their "
+                                      "TTFT or TPOT target, by kind.", ["kind"], registry=r)
+        for kind in ("ttft", "tpot"):
+            self.slo_violations.labels(kind=kind)
         self.gauges = {key: Gauge(f"jkv_{key}", doc, registry=r) for key, doc in _GAUGES}
         self.hits = Counter("jkv_prefix_cache_hit_tokens", "Prompt tokens found cached, "
                             "by tier.", ["tier"], registry=r)
@@ -84,6 +92,8 @@ class Metrics:
         for tier in _TIERS:
             self._advance(self.hits.labels(tier=tier), f"hit/{tier}",
                           stats["prefix_hit_tokens"][tier])
+        for kind, n in stats["slo_violations"].items():
+            self._advance(self.slo_violations.labels(kind=kind), f"slo/{kind}", n)
         store = stats.get("store")
         if store is not None:
             for tier in _STORE_TIERS:
@@ -98,6 +108,8 @@ class Metrics:
         if request.first_token_time is None or request.finish_time is None:
             return
         self.ttft.observe(request.first_token_time - request.arrival)
+        if request.admit_time is not None:
+            self.queue.observe(request.admit_time - request.arrival)
         self.e2e.observe(request.finish_time - request.arrival)
         if len(request.output) > 1:
             self.tpot.observe((request.finish_time - request.first_token_time)

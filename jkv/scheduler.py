@@ -84,6 +84,7 @@ class Request:
     prompt_logprobs: list[tuple[float, list[int], list[float]] | None] = field(
         default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort", "timeout" or "error"
+    admit_time: float | None = None  # first given a slot: arrival to here is its queueing
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -130,6 +131,10 @@ class SchedulerStats:
     restores_declined: int = 0  # store hits recomputed because that was expected faster
     rebased_tokens: int = 0  # restored tokens re-rotated for a truncated conversation
     restores_abandoned: int = 0  # hits whose read outlasted recomputing them: recomputed
+    # finished requests that missed their TTFT / TPOT target (counted once each), and those
+    # that ended normally meeting every target they had (goodput)
+    slo_violations: dict = field(default_factory=lambda: {"ttft": 0, "tpot": 0})
+    slo_met: int = 0
 
 
 READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before returning
@@ -247,6 +252,10 @@ class Scheduler:
             "steps": st.steps,
             "requests_finished": self.stats.finished,
             "requests_aborted": self.stats.aborted,
+            # requests that ended normally: those that missed a target, by kind, and those
+            # that kept every target they had (goodput; a request with none counts)
+            "slo_violations": dict(self.stats.slo_violations),
+            "requests_within_slo": self.stats.slo_met,
             # what the pool held per token of context as each sequence ended (all layers and
             # KV heads, scales included), averaged; tokens per tier, summed
             "kv_bytes_per_token": finished.bytes_per_token / max(finished.sequences, 1),
@@ -399,8 +408,24 @@ class Scheduler:
         self.stats.finished += 1
         if reason in ("abort", "timeout", "error"):
             self.stats.aborted += 1
+        else:
+            self._count_slo(r)
         if r.on_finish is not None:
             r.on_finish(r)
+
+    def _count_slo(self, r: Request) -> None:
+        """A request that ended normally: did it keep its TTFT and TPOT targets?"""
+        missed = False
+        if r.ttft_slo_ms is not None and r.first_token_time is not None and (
+                r.first_token_time - r.arrival > r.ttft_slo_ms / 1000):
+            self.stats.slo_violations["ttft"] += 1
+            missed = True
+        if r.tpot_slo_ms is not None and len(r.output) > 1 and (
+                (r.finish_time - r.first_token_time) / (len(r.output) - 1)
+                > r.tpot_slo_ms / 1000):
+            self.stats.slo_violations["tpot"] += 1
+            missed = True
+        self.stats.slo_met += not missed
 
     def _emit(self, r: Request, sampled: Sampled, now: float) -> None:
         token = sampled.token
@@ -484,6 +509,8 @@ class Scheduler:
             r = by_id[rid]
             st = self._state[r]
             st.num_computed = self._open(r)
+            if r.admit_time is None:
+                r.admit_time = now
             self.stats.recomputed_tokens += max(0, st.computed_before - st.num_computed)
             st.computed_before = 0
             self.waiting.remove(r)

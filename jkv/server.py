@@ -337,10 +337,12 @@ class _Server:
     pages are freed at the loop's next step)."""
 
     def __init__(self, llm: LLM, served_model_name: str | None, max_queue: int | None,
-                 request_timeout: float | None) -> None:
+                 request_timeout: float | None, ttft_slo_ms: float | None = None,
+                 tpot_slo_ms: float | None = None) -> None:
         self.llm = llm
         self.name = served_model_name or llm.model_name
         self.max_queue, self.request_timeout = max_queue, request_timeout
+        self.ttft_slo_ms, self.tpot_slo_ms = ttft_slo_ms, tpot_slo_ms  # for requests without
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jkv-tokenize")
         self.closing = threading.Event()
         self.created = int(time.time())
@@ -414,7 +416,9 @@ class _Server:
             ids, params, on_delta=lambda text, entries: put((text, entries)),
             on_finish=lambda t: put((_END, t)),
             session_id=body.session_id, priority=body.priority or 0,
-            ttft_slo_ms=body.ttft_slo_ms, tpot_slo_ms=body.tpot_slo_ms, truncation=truncation,
+            ttft_slo_ms=self.ttft_slo_ms if body.ttft_slo_ms is None else body.ttft_slo_ms,
+            tpot_slo_ms=self.tpot_slo_ms if body.tpot_slo_ms is None else body.tpot_slo_ms,
+            truncation=truncation,
             timeout_s=self.request_timeout)
         self.in_flight.add(request)
         return request
@@ -725,7 +729,8 @@ class _Guard:
 
 
 def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | None = None,
-              max_queue: int | None = None, request_timeout: float | None = None) -> FastAPI:
+              max_queue: int | None = None, request_timeout: float | None = None,
+              ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> FastAPI:
     """The OpenAI-compatible app around a loaded LLM; its scheduler loop runs while the app
     does (the LLM's offline `generate`/`chat` must not be called meanwhile).
 
@@ -733,8 +738,10 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
     api_key: when set, /v1 routes want `Authorization: Bearer <api_key>` (401 otherwise).
     max_queue: requests waiting beyond this are refused with 503 and Retry-After.
     request_timeout: seconds a request may take from arrival to its last token.
+    ttft_slo_ms, tpot_slo_ms: the targets of requests that name none.
     """
-    server = _Server(llm, served_model_name, max_queue, request_timeout)
+    server = _Server(llm, served_model_name, max_queue, request_timeout, ttft_slo_ms,
+                     tpot_slo_ms)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -916,6 +923,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take from arrival to its last token before it "
                         "is aborted (503); default: no limit")
+    p.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="time-to-first-token target of requests that set no ttft_slo_ms: "
+                        "the queue is ordered by it, and misses are counted "
+                        "(jkv_slo_violations_total{kind=\"ttft\"}); default: none")
+    p.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="time-per-output-token target of requests that set no tpot_slo_ms: "
+                        "prefill work per step is capped to keep it, and misses are counted "
+                        "(jkv_slo_violations_total{kind=\"tpot\"}); default: none")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds to let requests in flight finish before "
                         "aborting them and exiting (new requests get 503 meanwhile)")
@@ -947,12 +962,13 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         n = llm.warmup()
         log.info("compiled %d step shapes in %.1f s", n, time.perf_counter() - t0)
-    for flag in ("max_queue", "request_timeout", "drain_timeout"):
+    for flag in ("max_queue", "request_timeout", "drain_timeout", "ttft_slo_ms", "tpot_slo_ms"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive, got {value}")
     app = build_app(llm, args.served_model_name, api_key=args.api_key,
-                    max_queue=args.max_queue, request_timeout=args.request_timeout)
+                    max_queue=args.max_queue, request_timeout=args.request_timeout,
+                    ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
     log.info("serving %r (max_model_len=%d) on http://%s:%d/v1", app.state.served_model_name,
              llm.max_model_len, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

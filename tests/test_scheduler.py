@@ -194,3 +194,33 @@ def test_layerwise_dispatch_gives_the_scan_outputs(params):
     assert outs["layerwise"] == outs["scan"]
     with pytest.raises(ValueError, match="execution"):
         engine(params, execution="eager")
+
+
+def test_slo_misses_and_goodput_are_counted_and_exported(params):
+    from jkv.metrics import Metrics
+
+    sched = Scheduler(engine(params))
+    rng = np.random.default_rng()
+    reqs = [Request(rng.integers(0, TINY.vocab_size, 20).tolist(),
+                    SamplingParams(max_tokens=6, temperature=0), **slo)
+            for slo in ({"ttft_slo_ms": 1e-6},  # missed: no first token within a nanosecond
+                        {"tpot_slo_ms": 1e-6},  # missed
+                        {"ttft_slo_ms": 1e-6, "tpot_slo_ms": 1e-6},  # both missed
+                        {"ttft_slo_ms": 3.6e6, "tpot_slo_ms": 3.6e6},  # kept (an hour)
+                        {})]  # no target: kept
+    aborted = Request([1, 2, 3], SamplingParams(max_tokens=50), ttft_slo_ms=1e-6)
+    aborted.cancelled = True  # ended early: neither a miss nor goodput
+    generate_all(sched, reqs + [aborted])
+    stats = sched.snapshot()
+    assert stats["slo_violations"] == {"ttft": 2, "tpot": 2}
+    assert stats["requests_within_slo"] == 2
+    assert all(r.arrival <= r.admit_time <= r.first_token_time for r in reqs)
+    metrics = Metrics()
+    metrics.sync(stats)
+    for r in reqs:
+        metrics.observe_finished(r)
+    text = metrics.render().decode()
+    assert 'jkv_slo_violations_total{kind="ttft"} 2.0' in text
+    assert 'jkv_slo_violations_total{kind="tpot"} 2.0' in text
+    assert "jkv_goodput_requests_total 2.0" in text
+    assert "jkv_request_queue_time_seconds_count 5.0" in text
