@@ -15,9 +15,12 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 - prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
   before new ones are admitted; a new request is admitted only while a slot is free and its
   first chunk's pages fit;
-- while running decodes carry a TPOT target, prefill tokens per step are capped so the
-  estimated step time stays within the tightest target, unless a waiting request is already
-  past its TTFT deadline (then both promises are broken and the oldest one wins).
+- while running decodes carry a TPOT target, prefill tokens per step are capped so that the
+  prefill time fits the smallest slack among them (LayerKV eq. 1-2: what a request's target
+  allows over its whole output, (generated - 1 + remaining) x target, less the time it has
+  spent since its first token and the remaining tokens' decode steps; with no slack known,
+  the target less one decode step), unless a waiting request is already past its TTFT
+  deadline (then both promises are broken and the oldest one wins).
 
 Restore policy: a store hit past the device prefix cache's hit is restored only while loading
 it is expected to beat recomputing it (`restore_pays`, from measured rates); every
@@ -55,6 +58,9 @@ class Candidate:
     pin_pages: int = 0  # waiting: cached pages admission pins; running: pages preemption frees
     ttft_deadline: float | None = None  # absolute seconds
     tpot_slo: float | None = None  # seconds
+    # a decoding request's TPOT slack: seconds of prefill a step may add now and still keep
+    # its whole output within tpot_slo (LayerKV eq. 1); None: not known, tpot_slo per step
+    tpot_slack: float | None = None
 
 
 @dataclass(frozen=True)
@@ -106,13 +112,13 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
     avail -= need
     tokens = budget.max_tokens - len(decodes)
 
-    tpots = [c.tpot_slo for c in decodes if c.tpot_slo is not None]
-    if tpots and budget.prefill_token_seconds > 0:
+    spares = [c.tpot_slo - budget.decode_step_seconds if c.tpot_slack is None
+              else c.tpot_slack for c in decodes if c.tpot_slo is not None]
+    if spares and budget.prefill_token_seconds > 0:
         late = any(c.ttft_deadline is not None and c.ttft_deadline <= budget.now
                    for c in list(keep) + list(waiting) if c.pending > 1)
-        if not late:
-            spare = min(tpots) - budget.decode_step_seconds
-            tokens = min(tokens, max(0, int(spare / budget.prefill_token_seconds)))
+        if not late:  # eq. 2: the step's prefill time within the smallest slack
+            tokens = min(tokens, max(0, int(min(spares) / budget.prefill_token_seconds)))
 
     for c in keep:
         if c.pending > 1 and tokens > 0:

@@ -19,6 +19,8 @@ restored only into an empty slot, never past a device hit.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -140,6 +142,30 @@ class SchedulerStats:
 READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before returning
 
 
+class OutputLengths:
+    """How long a reply will be, for TPOT slack (LayerKV 3.1): the lengths of finished
+    replies, per session and of the last `window` overall. An estimate is conservative (a
+    low quantile: a short future leaves less slack), never above the request's max_tokens."""
+
+    def __init__(self, quantile: float = 0.25, window: int = 256) -> None:
+        self.quantile, self.window = quantile, window
+        self.recent: collections.deque[int] = collections.deque(maxlen=window)
+        self.sessions: dict[str, collections.deque[int]] = {}
+
+    def add(self, session: str | None, length: int) -> None:
+        self.recent.append(length)
+        if session is not None:
+            self.sessions.setdefault(session, collections.deque(maxlen=16)).append(length)
+
+    def remaining(self, r: Request) -> int:
+        """Tokens `r` is expected to generate still (at least 1): its session's replies, else
+        recent ones, else just the next."""
+        seen = self.sessions.get(r.session_id) if r.session_id is not None else None
+        seen = seen or self.recent
+        total = int(np.quantile(list(seen), self.quantile)) if seen else 0
+        return max(1, min(total, r.sampling.max_tokens) - len(r.output))
+
+
 class Scheduler:
     """The serving loop's state. `add` and `abort` may be called from any thread; `step`
     from one thread only."""
@@ -161,6 +187,7 @@ class Scheduler:
         self._state: dict[Request, _Tracked] = {}  # every request it holds past `add`
         self._decode_s = 0.0
         self._prefill_token_s = 0.0
+        self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
 
     def add(self, request: Request) -> None:
         """Queue a request. A prompt that cannot fit the model's context is a ValueError."""
@@ -282,10 +309,17 @@ class Scheduler:
         return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held,
                          self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot)
 
-    def _running(self, r: Request) -> Candidate:
+    def _running(self, r: Request, now: float) -> Candidate:
         st = self._state[r]
-        return self._candidate(r, st.num_computed,
-                               self.engine.cache.pages_freed_by_close(st.slot))
+        c = self._candidate(r, st.num_computed, self.engine.cache.pages_freed_by_close(st.slot))
+        if c.tpot_slo is not None and r.first_token_time is not None and self._decode_s:
+            # LayerKV eq. 1: what its target allows over the whole output, less what it has
+            # used and what its remaining tokens' decode steps will take
+            m = self.lengths.remaining(r)
+            slack = ((len(r.output) - 1 + m) * c.tpot_slo - (now - r.first_token_time)
+                     - m * self._decode_s)
+            c = dataclasses.replace(c, tpot_slack=slack)
+        return c
 
     def _waiting(self, r: Request, rates: RestoreRates, declined: int, now: float
                  ) -> tuple[Candidate, RestoreDecision, int, bool]:
@@ -410,6 +444,7 @@ class Scheduler:
             self.stats.aborted += 1
         else:
             self._count_slo(r)
+            self.lengths.add(r.session_id, len(r.output))
         if r.on_finish is not None:
             r.on_finish(r)
 
@@ -481,7 +516,7 @@ class Scheduler:
             queued.append(c)
             if ready:  # a request still waiting for its read ahead is not admitted yet
                 waiting.append(c)
-        plan = plan_step([self._running(r) for r in self.running], waiting, budget)
+        plan = plan_step([self._running(r, now) for r in self.running], waiting, budget)
         for r in self.waiting:  # the restores planned: what admission loads, the hint, stats
             st, d = self._state[r], decisions[r.request_id]
             st.hit, st.rebase, st.probe, st.recompute = d.hit, d.rebase, d.probe, d.recompute
@@ -586,4 +621,5 @@ def generate_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:
         scheduler.step()
 
 
-__all__ = ["Request", "Scheduler", "SchedulerStats", "Truncation", "generate_all"]
+__all__ = ["OutputLengths", "Request", "Scheduler", "SchedulerStats", "Truncation",
+           "generate_all"]

@@ -120,6 +120,39 @@ def test_tpot_targets_cap_prefill_tokens_unless_a_ttft_deadline_has_passed():
     assert plan.prefill == [] and plan.decode == ["d"]
 
 
+def test_tpot_slack_lets_a_longer_prefill_in_and_the_smallest_one_caps_it():
+    # LayerKV eq. 1-2: a request that decoded faster than its target has slack to spend
+    cost = dict(decode_step_seconds=0.03, prefill_token_seconds=0.001, now=10.0)
+    ahead = running("a", 40, tpot_slo=0.05, tpot_slack=0.09)
+    plan = plan_step([ahead], [waiting("w", 100)], budget(max_tokens=256, chunk=256, **cost))
+    assert plan.prefill == [("w", 90)]  # 0.09 s of prefill
+    behind = running("b", 40, tpot_slo=0.5, tpot_slack=0.004)  # a looser target, less slack
+    plan = plan_step([ahead, behind], [waiting("w", 100)],
+                     budget(max_tokens=256, chunk=256, **cost))
+    assert plan.prefill == [("w", 4)] and sorted(plan.decode) == ["a", "b"]
+    late = running("l", 40, tpot_slo=0.05, tpot_slack=-1.0)  # already past its target
+    plan = plan_step([late], [waiting("w", 100)], budget(max_tokens=256, chunk=256, **cost))
+    assert plan.prefill == [] and plan.decode == ["l"]
+
+
+def test_output_lengths_estimate_low_from_the_session_then_recent_replies():
+    from jkv.sampling import SamplingParams
+    from jkv.scheduler import OutputLengths, Request
+
+    lengths = OutputLengths(quantile=0.25)
+    r = Request([1], SamplingParams(max_tokens=100), session_id="s")
+    assert lengths.remaining(r) == 1  # nothing seen: only the next token is certain
+    for n in (40, 80, 120, 160, 200):
+        lengths.add(None, n)
+    assert lengths.remaining(r) == 80  # a low quantile of recent replies (80)
+    r.output = [0] * 30
+    assert lengths.remaining(r) == 50
+    lengths.add("s", 20)
+    lengths.add("s", 24)
+    assert lengths.remaining(Request([1], SamplingParams(max_tokens=100), session_id="s")) == 21
+    assert lengths.remaining(Request([1], SamplingParams(max_tokens=8))) == 8  # max_tokens
+
+
 # ---------------------------------------------------------------------------- restores
 
 MB = 10**6

@@ -224,3 +224,21 @@ def test_slo_misses_and_goodput_are_counted_and_exported(params):
     assert 'jkv_slo_violations_total{kind="tpot"} 2.0' in text
     assert "jkv_goodput_requests_total 2.0" in text
     assert "jkv_request_queue_time_seconds_count 5.0" in text
+
+
+def test_a_decoding_requests_tpot_slack_follows_layerkv_eq_1(params):
+    sched = Scheduler(engine(params))
+    r = Request(list(range(1, 20)), SamplingParams(max_tokens=50, temperature=0),
+                tpot_slo_ms=200)
+    sched.add(r)
+    while len(r.output) < 11:
+        sched.step()
+    for n in (40, 40, 40):
+        sched.lengths.add(None, n)
+    sched._decode_s = 0.05
+    now = r.first_token_time + 1.0  # a second since its first token
+    c = sched._running(r, now)
+    m = 40 - 11  # the estimate (40) less what it generated
+    assert c.tpot_slack == pytest.approx((10 + m) * 0.2 - 1.0 - m * 0.05)
+    r.tpot_slo_ms = None  # no target: no slack
+    assert sched._running(r, now).tpot_slack is None
