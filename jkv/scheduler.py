@@ -533,6 +533,8 @@ class Scheduler:
             r = by_id[rid]
             st = self._state[r]
             st.computed_before = st.num_computed
+            if self.store is not None:  # what it holds, saved before its pages are reused
+                self._save(r, st.slot)
             eng.close(st.slot, finished=False)
             st.slot, st.num_computed, st.hashes = None, 0, None
             st.read_since, st.abandoned = None, False

@@ -213,3 +213,31 @@ def test_a_slow_or_failing_tier_never_stalls_the_running_requests(params, tier):
     generate_all(Scheduler(engine(params)), reference)
     assert follow.output == reference[0].output
     store.close()
+
+
+def test_a_preempted_request_saves_what_it_holds_and_resumes_from_the_store(params):
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 512, n).tolist() for n in (20, 22, 24, 26)]
+
+    def small() -> Engine:  # 4 requests growing to 44..46 tokens need 24 blocks; 17 fit
+        return Engine(TINY, params, cache=CacheConfig(page_size=8, kv_cache_bytes=(
+            17 * 4 + 1) * PAGE_BYTES), config=EngineConfig(
+            max_model_len=64, max_num_seqs=4, prefill_chunk=16, enable_prefix_caching=False))
+
+    without = Scheduler(small())
+    alone = [request(p, n=20) for p in prompts]
+    generate_all(without, alone)
+    eng = small()
+    store = kv_store(eng, host_cache_bytes=1 << 24)
+    sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
+    reqs = [request(p, n=20) for p in prompts]
+    generate_all(sched, reqs)
+    snap = sched.snapshot()
+    assert snap["preemptions"] > 0 and without.stats.preemptions > 0
+    # the preempted requests found their blocks in the store (no device cache here) and
+    # recomputed less than they do without one
+    assert snap["prefix_hit_tokens"]["host"] > 0
+    assert snap["recomputed_tokens"] < without.stats.recomputed_tokens
+    assert [r.output for r in reqs] == [r.output for r in alone]
+    assert eng.cache.free_pages == eng.cache.total_pages
+    store.close()
