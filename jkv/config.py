@@ -314,6 +314,10 @@ class SchedulerConfig:
     restore_planning: bool = field(default=True, metadata={
         "help": "restore a stored KV hit only while loading it is expected to beat "
                 "recomputing it, from measured load and prefill rates; off: restore every hit"})
+    store_read_ahead: bool = field(default=True, metadata={
+        "help": "read (and checksum) a stored KV hit on the store's own thread while its "
+                "request waits, so no step waits on a store tier; off: read at admission, on "
+                "the serving loop (for comparison)"})
 
     def __post_init__(self) -> None:
         n = self.max_num_batched_tokens

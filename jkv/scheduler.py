@@ -347,7 +347,8 @@ class Scheduler:
                 cached, self.store.lookup(st.hashes), self._truncated_hit(r), rates,
                 cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
                 probe=st.probe, declined_count=declined)
-        ready = decision.hit is None or self.store.read_ahead(decision.hit)
+        ready = (decision.hit is None or not self.config.store_read_ahead
+                 or self.store.read_ahead(decision.hit))
         if ready:
             st.read_since = None
         else:  # its read is under way: it waits, unless recomputing would be done by now
@@ -389,7 +390,11 @@ class Scheduler:
         hit, restore = st.hit, None
         if hit is not None:
             try:
-                loaded = self.store.take(hit)  # read ahead while it waited
+                if self.config.store_read_ahead:
+                    loaded = self.store.take(hit)  # read ahead while it waited
+                else:  # read here, the step waiting
+                    loaded = self.store.load(hit)
+                    loaded = None if loaded is None else (*loaded, hit.tier)
                 if loaded is not None:
                     *loaded, tier = loaded
                     hit = hit._replace(tier=tier)  # counted where it was read from
