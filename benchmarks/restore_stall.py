@@ -90,7 +90,8 @@ def measure(sched: Scheduler, history: list[int], args, rng) -> dict:
             "baseline_step_ms": 1e3 * float(np.median(base)),
             "during_mean_ms": 1e3 * float(np.mean(during)),
             "during_max_ms": 1e3 * float(np.max(during)), "steps_during": len(during),
-            "restored_tokens": int(restored)}
+            "restored_tokens": int(restored),
+            "steps_with_restore_ms": [round(1e3 * x, 1) for x in with_restore]}
 
 
 def main() -> None:
