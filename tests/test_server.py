@@ -778,3 +778,16 @@ def test_the_published_schema_is_what_the_server_does(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_server_slo_defaults_apply_to_requests_that_set_none():
+    with serving(LLM(max_model_len=128, max_num_seqs=2), ttft_slo_ms=1e-6,
+                 tpot_slo_ms=3.6e6) as s:
+        body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+        assert post(s, "/v1/completions", body).status_code == 200  # the defaults: ttft missed
+        assert post(s, "/v1/completions", {**body, "ttft_slo_ms": 3.6e6}).status_code == 200
+        stats = s.llm.stats()
+        assert stats["slo_violations"] == {"ttft": 1, "tpot": 0}
+        assert stats["requests_within_slo"] == 1  # its own target, an hour, kept
+        text = s.http.get(s.base + "/metrics").text
+        assert 'jkv_slo_violations_total{kind="ttft"} 1.0' in text
