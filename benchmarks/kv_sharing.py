@@ -56,9 +56,8 @@ from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine import Engine  # noqa: E402
 from jkv.kv_format import KV_FORMATS  # noqa: E402
 from jkv.models import load_params  # noqa: E402
-from jkv.models.llama import mlp, positional_tables, rms_norm  # noqa: E402
+from jkv.models.llama import mlp, positional_tables, project_qkv, rms_norm  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
-from jkv.models.rope import rotate  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
 from jkv.runner import Row  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
@@ -73,15 +72,7 @@ def _layer_probs(w, x, rope, cfg, stride):
     its keys [T, Hkv, Dh] rotated, softmax weights [Hq, T // stride, T] of every
     stride-th query, edge mass)."""
     t = x.shape[0]
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-    qkv = h @ w["wqkv"]
-    if cfg.qkv_bias:
-        qkv = qkv + w["bqkv"]
-    q_end = cfg.num_heads * cfg.head_dim
-    q, k, v = jnp.split(qkv, [q_end, q_end + cfg.num_kv_heads * cfg.head_dim], axis=-1)
-    q = rotate(q.reshape(1, t, cfg.num_heads, cfg.head_dim), rope)[0]
-    k = rotate(k.reshape(1, t, cfg.num_kv_heads, cfg.head_dim), rope)[0]
-    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = (a[0] for a in project_qkv(w, cfg, x[None], rope))  # the model's own projections
     g = cfg.num_heads // cfg.num_kv_heads
     kq, vq = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)
     scores = jnp.einsum("qhd,khd->hqk", q, kq) / math.sqrt(cfg.head_dim)

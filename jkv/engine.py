@@ -168,8 +168,10 @@ class Engine:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
                              f"got {len(token_ids)}")
         if restore is not None:  # raises before anything is taken
-            (self.connector.restorable_tiers if self.tiered
-             else self.connector.restorable)(restore, token_ids)
+            if self.tiered:
+                self.connector.restorable_tiers(restore, token_ids)
+            else:
+                restorable = self.connector.restorable(restore, token_ids)
         slot, cached = self.cache.open(token_ids, use_prefix_cache, max_cached)
         if self.cache.enable_prefix_caching:
             self.stats.prefix_query_tokens += len(token_ids)
@@ -178,22 +180,21 @@ class Engine:
             if self.tiered:  # a saved tiered row starts an empty slot (not a kept one's)
                 held = cached or self.connector.restore_tiers(slot, restore, token_ids)
             else:
-                held = self._restore(slot, cached // self.page_size, restore, token_ids,
-                                     recompute)
+                held = self._restore(slot, cached // self.page_size, restorable, restore,
+                                     token_ids, recompute)
             self.stats.restored_tokens += held - cached
             self.cache.add_tokens(slot, token_ids[cached:held])
             cached = held
         return slot, cached
 
-    def _restore(self, slot: int, first: int, saved: SavedPages, token_ids: Sequence[int],
-                 recompute: float) -> int:
-        """Saved blocks past `first` into `slot`; with `recompute`, the pyramid's recomputed
+    def _restore(self, slot: int, first: int, n: int, saved: SavedPages,
+                 token_ids: Sequence[int], recompute: float) -> int:
+        """Saved blocks [first, n) into `slot`; with `recompute`, the pyramid's recomputed
         blocks are dispatched before the loads' copies (on a GPU they overlap). Returns the
         tokens the slot then holds."""
         ps, layers = self.page_size, self.cfg.num_layers
         loaded_from = None
         if recompute:
-            n = self.connector.restorable(saved, token_ids)
             if n > first:
                 chunk = max(1, self.prefill_chunk // (4 * ps))
                 loaded_from = pyramid(first, n, layers, recompute, chunk)

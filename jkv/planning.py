@@ -1,6 +1,7 @@
 """The scheduler's decisions as pure functions: which requests run in the next step
 (`plan_step`) and whether a waiting request's store hit is restored or recomputed
-(`plan_restore`). They take plain numbers (`Candidate`s, a `Budget`, `RestoreRates`) and return
+(`plan_restore`), and the output-length estimate TPOT slack needs (`OutputLengths`). They take
+plain numbers (`Candidate`s, a `Budget`, `RestoreRates`) and return
 records the scheduler applies, so policies can be unit-tested and simulated without a model or
 an engine; nothing here imports the engine or the store at run time. Page counts come from the
 KV cache manager's `PageCost` (in the `Budget`), never from a formula of this module.
@@ -32,10 +33,13 @@ full load (0) and full recompute (declining the hit) are its two ends.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from jkv.cache.page_cost import PageCost
 
@@ -158,6 +162,29 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
     return plan
 
 
+class OutputLengths:
+    """How long a reply will be, for TPOT slack (LayerKV 3.1): the lengths of finished
+    replies, per session and of the last `window` overall. An estimate is conservative (a
+    low quantile: a short future leaves less slack), never above the request's max_tokens."""
+
+    def __init__(self, quantile: float = 0.25, window: int = 256) -> None:
+        self.quantile = quantile
+        self.recent: collections.deque[int] = collections.deque(maxlen=window)
+        self.sessions: dict[str, collections.deque[int]] = {}
+
+    def add(self, session: str | None, length: int) -> None:
+        self.recent.append(length)
+        if session is not None:
+            self.sessions.setdefault(session, collections.deque(maxlen=16)).append(length)
+
+    def remaining(self, session: str | None, max_tokens: int, generated: int) -> int:
+        """Tokens a request that has generated `generated` is expected to generate still
+        (at least 1): from its session's replies, else recent ones, else just the next."""
+        seen = (self.sessions.get(session) if session is not None else None) or self.recent
+        total = int(np.quantile(list(seen), self.quantile)) if seen else 0
+        return max(1, min(total, max_tokens) - generated)
+
+
 # ---------------------------------------------------------------------------- restores
 
 PROBE_EVERY = 16  # of the store hits restore planning declines, one is restored anyway
@@ -260,5 +287,6 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
                            blocks if rebase else 0, newly, probe, share)
 
 
-__all__ = ["PROBE_EVERY", "Budget", "Candidate", "Plan", "RestoreDecision", "RestoreRates",
-           "plan_restore", "plan_step", "queue_order", "restore_pays", "split_share"]
+__all__ = ["PROBE_EVERY", "Budget", "Candidate", "OutputLengths", "Plan", "RestoreDecision",
+           "RestoreRates", "plan_restore", "plan_step", "queue_order", "restore_pays",
+           "split_share"]

@@ -19,7 +19,6 @@ restored only into an empty slot, never past a device hit.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
@@ -36,6 +35,7 @@ from jkv.engine import Engine, Row, Sampled, SavedPages
 from jkv.planning import (
     Budget,
     Candidate,
+    OutputLengths,
     RestoreDecision,
     RestoreRates,
     plan_restore,
@@ -140,30 +140,6 @@ class SchedulerStats:
 
 
 READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before returning
-
-
-class OutputLengths:
-    """How long a reply will be, for TPOT slack (LayerKV 3.1): the lengths of finished
-    replies, per session and of the last `window` overall. An estimate is conservative (a
-    low quantile: a short future leaves less slack), never above the request's max_tokens."""
-
-    def __init__(self, quantile: float = 0.25, window: int = 256) -> None:
-        self.quantile, self.window = quantile, window
-        self.recent: collections.deque[int] = collections.deque(maxlen=window)
-        self.sessions: dict[str, collections.deque[int]] = {}
-
-    def add(self, session: str | None, length: int) -> None:
-        self.recent.append(length)
-        if session is not None:
-            self.sessions.setdefault(session, collections.deque(maxlen=16)).append(length)
-
-    def remaining(self, r: Request) -> int:
-        """Tokens `r` is expected to generate still (at least 1): its session's replies, else
-        recent ones, else just the next."""
-        seen = self.sessions.get(r.session_id) if r.session_id is not None else None
-        seen = seen or self.recent
-        total = int(np.quantile(list(seen), self.quantile)) if seen else 0
-        return max(1, min(total, r.sampling.max_tokens) - len(r.output))
 
 
 class Scheduler:
@@ -315,7 +291,7 @@ class Scheduler:
         if c.tpot_slo is not None and r.first_token_time is not None and self._decode_s:
             # LayerKV eq. 1: what its target allows over the whole output, less what it has
             # used and what its remaining tokens' decode steps will take
-            m = self.lengths.remaining(r)
+            m = self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
             slack = ((len(r.output) - 1 + m) * c.tpot_slo - (now - r.first_token_time)
                      - m * self._decode_s)
             c = dataclasses.replace(c, tpot_slack=slack)
@@ -628,5 +604,4 @@ def generate_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:
         scheduler.step()
 
 
-__all__ = ["OutputLengths", "Request", "Scheduler", "SchedulerStats", "Truncation",
-           "generate_all"]
+__all__ = ["Request", "Scheduler", "SchedulerStats", "Truncation", "generate_all"]

@@ -11,6 +11,7 @@ from jkv.planning import (
     PROBE_EVERY,
     Budget,
     Candidate,
+    OutputLengths,
     RestoreDecision,
     RestoreRates,
     plan_restore,
@@ -136,21 +137,16 @@ def test_tpot_slack_lets_a_longer_prefill_in_and_the_smallest_one_caps_it():
 
 
 def test_output_lengths_estimate_low_from_the_session_then_recent_replies():
-    from jkv.sampling import SamplingParams
-    from jkv.scheduler import OutputLengths, Request
-
     lengths = OutputLengths(quantile=0.25)
-    r = Request([1], SamplingParams(max_tokens=100), session_id="s")
-    assert lengths.remaining(r) == 1  # nothing seen: only the next token is certain
+    assert lengths.remaining("s", 100, 0) == 1  # nothing seen: only the next token is certain
     for n in (40, 80, 120, 160, 200):
         lengths.add(None, n)
-    assert lengths.remaining(r) == 80  # a low quantile of recent replies (80)
-    r.output = [0] * 30
-    assert lengths.remaining(r) == 50
+    assert lengths.remaining("s", 100, 0) == 80  # a low quantile of recent replies (80)
+    assert lengths.remaining("s", 100, 30) == 50
     lengths.add("s", 20)
     lengths.add("s", 24)
-    assert lengths.remaining(Request([1], SamplingParams(max_tokens=100), session_id="s")) == 21
-    assert lengths.remaining(Request([1], SamplingParams(max_tokens=8))) == 8  # max_tokens
+    assert lengths.remaining("s", 100, 0) == 21
+    assert lengths.remaining(None, 8, 0) == 8  # max_tokens
 
 
 # ---------------------------------------------------------------------------- restores

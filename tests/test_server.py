@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,22 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name one color of the rainbow."}]
 
 
+def wait_until_healthy(base: str, alive: Callable[[], str | None], seconds: float) -> None:
+    """Poll `base`/health until it answers 200; `alive()` names why the server died (None
+    while it runs)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        died = alive()
+        assert died is None, died
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not come up within {seconds} s"
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def serving(llm, **app_kw):
     """`llm` behind a real uvicorn server on 127.0.0.1 (a free port), for the test's length."""
@@ -43,16 +60,8 @@ def serving(llm, **app_kw):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert thread.is_alive(), "the server thread died"
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up within 60 s"
-        time.sleep(0.1)
+    wait_until_healthy(base, lambda: None if thread.is_alive() else "the server thread died",
+                       60)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
     try:
         yield SimpleNamespace(llm=llm, app=app, base=base, client=client,
@@ -757,16 +766,8 @@ def test_the_published_schema_is_what_the_server_does(tmp_path):
             [sys.executable, "-m", "jkv.server", "--port", str(port), "--max-model-len", "40",
              "--max-num-seqs", "4"], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up within 300 s"
-            time.sleep(0.5)
+        wait_until_healthy(base, lambda: None if server.poll() is None
+                           else log.read_text()[-3000:], 300)
         done = subprocess.run(
             [cli, "run", f"{base}/openapi.json", "--checks", "all",
              "--exclude-checks", "positive_data_acceptance", "--max-examples", "5",

@@ -145,23 +145,5 @@ def expand(m: Merged, which: str) -> jax.Array:
     raise ValueError(f"which must be 'a' or 'b', got {which!r}")
 
 
-def merge_reference(a: np.ndarray, b: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
-    """Test oracle: both layers' vectors [N, D] after a merge with nothing retained, one
-    vector at a time in float64 (SLERP by its textbook formula)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    out_a, out_b = np.empty_like(a), np.empty_like(b)
-    for n in range(len(a)):
-        na, nb = np.linalg.norm(a[n]), np.linalg.norm(b[n])
-        ua, ub = a[n] / na, b[n] / nb
-        omega = math.acos(min(1.0, max(-1.0, float(ua @ ub))))
-        if math.sin(omega) < 1e-6:
-            d = (1 - t) * ua + t * ub
-        else:
-            d = (math.sin((1 - t) * omega) * ua + math.sin(t * omega) * ub) / math.sin(omega)
-        d /= np.linalg.norm(d)
-        out_a[n], out_b[n] = na * d, nb * d
-    return out_a, out_b
-
-
 __all__ = ["EDGE_FRACTION", "Merged", "deepest_pairs", "edge_mass", "expand", "ir_layers",
-           "merge_pair", "merge_reference", "select_pairs", "slerp"]
+           "merge_pair", "select_pairs", "slerp"]

@@ -103,12 +103,10 @@ def positional_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array
     return rope_tables(positions, inv_freq)
 
 
-def layer(weights: Params, cfg: ModelConfig, x: jax.Array, kv: LayerKV, positions: jax.Array,
-          valid: jax.Array, rope: tuple[jax.Array, jax.Array],
-          attention_backend: str = "xla") -> tuple[jax.Array, LayerKV]:
-    """One layer with its own `weights` (`layer_weights`) on hidden states x [B, T, D] over
-    that layer's KV (`LayerKV`), `rope` the `positional_tables` of `positions`. Returns
-    (x, kv after the step)."""
+def project_qkv(weights: Params, cfg: ModelConfig, x: jax.Array,
+                rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A layer's queries, keys (both rotated) and values of hidden states x [B, T, D]:
+    [B, T, heads, head_dim] each (KV heads for keys and values)."""
     b, t, _ = x.shape
     h = rms_norm(x, weights["attn_norm"], cfg.rms_norm_eps)
     qkv = h @ weights["wqkv"]
@@ -118,7 +116,17 @@ def layer(weights: Params, cfg: ModelConfig, x: jax.Array, kv: LayerKV, position
     q, k, v = jnp.split(qkv, [q_end, q_end + cfg.num_kv_heads * cfg.head_dim], axis=-1)
     q = rotate(q.reshape(b, t, cfg.num_heads, cfg.head_dim), rope)
     k = rotate(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), rope)
-    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    return q, k, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+
+
+def layer(weights: Params, cfg: ModelConfig, x: jax.Array, kv: LayerKV, positions: jax.Array,
+          valid: jax.Array, rope: tuple[jax.Array, jax.Array],
+          attention_backend: str = "xla") -> tuple[jax.Array, LayerKV]:
+    """One layer with its own `weights` (`layer_weights`) on hidden states x [B, T, D] over
+    that layer's KV (`LayerKV`), `rope` the `positional_tables` of `positions`. Returns
+    (x, kv after the step)."""
+    b, t, _ = x.shape
+    q, k, v = project_qkv(weights, cfg, x, rope)
     attn, kv = attend(q, k, v, kv, positions, valid, 1.0 / math.sqrt(cfg.head_dim),
                       attention_backend)
     x = x + attn.reshape(b, t, -1) @ weights["wo"]
