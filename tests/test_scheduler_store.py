@@ -3,6 +3,8 @@ the tokens recomputing gives; the host tier stays within its budget under 200 co
 
 from __future__ import annotations
 
+import time
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -170,8 +172,6 @@ def test_restore_planning_splits_a_hit_where_copies_overlap_compute(params):
 
 @pytest.mark.parametrize("tier", ["slow", "failing", "slow, read on the loop"])
 def test_a_slow_or_failing_tier_never_stalls_the_running_requests(params, tier):
-    import time
-
     rng = np.random.default_rng()
     eng = engine(params)
     store = kv_store(eng, host_cache_bytes=1 << 24)
@@ -217,7 +217,8 @@ def test_a_slow_or_failing_tier_never_stalls_the_running_requests(params, tier):
     store.close()
 
 
-def test_a_preempted_request_saves_what_it_holds_and_resumes_from_the_store(params):
+def test_a_preempted_request_saves_what_it_holds_and_resumes_from_the_store(params,
+                                                                            monkeypatch):
     rng = np.random.default_rng()
     prompts = [rng.integers(0, 512, n).tolist() for n in (20, 22, 24, 26)]
 
@@ -231,6 +232,13 @@ def test_a_preempted_request_saves_what_it_holds_and_resumes_from_the_store(para
     generate_all(without, alone)
     eng = small()
     store = kv_store(eng, host_cache_bytes=1 << 24)
+    write = store._write
+
+    def slow_write(*args, **kw):  # a busy writer: readmitted before its save is written
+        time.sleep(0.3)
+        return write(*args, **kw)
+
+    monkeypatch.setattr(store, "_write", slow_write)
     sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
     reqs = [request(p, n=20) for p in prompts]
     generate_all(sched, reqs)

@@ -347,3 +347,36 @@ def test_reads_ahead_run_on_the_reader_and_are_taken_without_waiting():
     s.wait_reads(5.0)
     assert s.take(hit) is None and s.snapshot()["read_failures"] == 1
     s.close()
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_save_not_yet_written_is_found_and_its_read_waits_for_the_write(whole):
+    """A preempted request readmitted before its save is written still finds it: `lookup`
+    sees the queued save, and its read ahead is ready once the writer is done."""
+    import threading
+
+    rng = np.random.default_rng()
+    s = store(host_cache_bytes=1 << 24)
+    tokens = rng.integers(0, 1000, 6 * PAGE).tolist()
+    hashes, data = chain(tokens), blocks(4, rng)
+    release = threading.Event()
+    s._submit(release.wait)  # the writer is busy with an earlier job
+    assert s.save(4, data, hashes, rows=4 if whole else None)
+    hit = s.lookup(hashes, whole=whole)
+    assert hit is not None and hit.blocks == 4 and hit.tier == "host"
+    if not whole:  # any leading run of it, as of a written entry
+        assert s.lookup(hashes[:2]).blocks == 2
+    else:
+        assert s.lookup(hashes[:3], whole=True) is None
+    assert s.lookup(chain([t + 1 for t in tokens]), whole=whole) is None
+    assert not s.read_ahead(hit)
+    s.wait_reads(0.2)
+    assert not s.read_ahead(hit)  # its read waits for the write
+    release.set()
+    s.wait_reads(5.0)
+    assert s.read_ahead(hit)
+    arrays, got, tier = s.take(hit)
+    assert got == hashes[:4] and tier == "host"
+    for f in data:
+        np.testing.assert_array_equal(arrays[f], data[f])
+    s.close()

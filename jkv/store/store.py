@@ -15,9 +15,11 @@ Threads: `lookup` runs on the scheduler's thread (the index only); `read_ahead` 
 and `take` hands the result over at admission without waiting, so a slow or failing tier
 never stalls a step (`load` is the same read, on the caller's thread); saving (the copy off
 the device, encoding, checksumming, writing) and moving entries between tiers run on one
-background writer, so a finishing request never waits for its save. The index is rebuilt from the
-persistent tier's meta records when the store opens. An entry that fails to decode (torn,
-flipped bytes, foreign) is a miss, counted in `corrupt_entries`, and deleted.
+background writer, so a finishing request never waits for its save; `lookup` finds a save not
+yet written too (a preempted request readmitted at once), and its read waits for the write.
+The index is rebuilt from the persistent tier's meta records when the store opens. An entry
+that fails to decode (torn, flipped bytes, foreign) is a miss, counted in `corrupt_entries`,
+and deleted.
 """
 
 from __future__ import annotations
@@ -61,6 +63,17 @@ class Hit(NamedTuple):
 class _Entry:
     hashes: list[bytes]
     session: str | None
+
+
+@dataclass
+class _Pending:
+    """A save queued for the writer: found by `lookup` before it is written (a preempted
+    request readmitted at once), its reads waiting for `written`."""
+
+    nbytes: int
+    hashes: list[bytes]
+    whole: bool
+    written: threading.Event
 
 
 @dataclass
@@ -129,7 +142,7 @@ class KVStore:
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
         self.max_pending_bytes = max_pending_bytes
-        self._pending: dict[str, int] = {}  # entry key -> bytes of saves not yet written
+        self._pending: dict[str, _Pending] = {}  # entry key -> its save not yet written
         if self.disk is not None:
             self._adopt_disk()
         # reads ahead, by (entry key, blocks): under way or ready for `take`, and the tier
@@ -205,6 +218,11 @@ class KVStore:
                         lo = mid + 1
                     else:
                         hi = mid
+            pending = self._pending_run(hashes, whole)
+            if pending is not None and pending[1] > lo:  # its reads wait for the write
+                key, n = pending
+                size = self._pending[key].nbytes
+                return Hit(key, n, "host", size, size * n // len(self._pending[key].hashes))
             if lo == 0:
                 return None
             holders = self._where[hashes[lo - 1]]
@@ -219,12 +237,31 @@ class KVStore:
             return Hit(key, lo, TIER_NAMES[tiers[key]], size,
                        size * lo // len(self._entries[key].hashes))
 
+    def _pending_run(self, hashes: Sequence[bytes], whole: bool) -> tuple[str, int] | None:
+        """The longest run of `hashes` that a save not yet written holds (under the lock)."""
+        best = None
+        for key, p in self._pending.items():
+            if whole:
+                n = len(p.hashes) if (p.whole and len(p.hashes) <= len(hashes)
+                                      and hashes[len(p.hashes) - 1] == p.hashes[-1]) else 0
+            else:  # chained hashes: equal at block i means equal at every block before it
+                n = next((i + 1 for i in range(min(len(p.hashes), len(hashes)) - 1, -1, -1)
+                          if p.hashes[i] == hashes[i]), 0)
+            if n and (best is None or n > best[1]):
+                best = (key, n)
+        return best
+
     # ------------------------------------------------------------------ loading
 
     def load(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes]] | None:
         """The first `hit.blocks` blocks of entry `hit.key`: (arrays [blocks, ...] in the
         pool's format, or a whole entry's arrays as saved, and their block hashes),
-        validated; None on a miss (gone, or corrupt: then counted and deleted)."""
+        validated; None on a miss (gone, or corrupt: then counted and deleted). An entry
+        still being saved is read once written."""
+        with self._lock:
+            pending = self._pending.get(hit.key)
+        if pending is not None:
+            pending.written.wait()
         t0 = time.perf_counter()
         tiers = (self.host, self.disk) if hit.tier == "host" else (self.disk, self.host)
         data = None
@@ -337,21 +374,25 @@ class KVStore:
             held = (key in self._entries if rows is not None else hashes[-1] in self._where)
             if held or key in self._pending:
                 return False
-            if sum(self._pending.values()) + nbytes > self.max_pending_bytes:
+            if sum(p.nbytes for p in self._pending.values()) + nbytes > self.max_pending_bytes:
                 self.stats.saves_dropped += 1
                 return False
-            self._pending[key] = nbytes
+            pending = self._pending[key] = _Pending(nbytes, hashes, rows is not None,
+                                                    threading.Event())
+
+        def done() -> None:
+            with self._lock:
+                self._pending.pop(key, None)
+            pending.written.set()
 
         def job() -> None:
             try:
                 self._write(num_blocks, arrays, hashes, session, rows)
             finally:
-                with self._lock:
-                    self._pending.pop(key, None)
+                done()
 
         if not self._submit(job):
-            with self._lock:
-                self._pending.pop(key, None)
+            done()
             return False
         return True
 
