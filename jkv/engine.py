@@ -32,6 +32,7 @@ import numpy as np
 from jkv.cache import tier_step
 from jkv.cache.connector import KVConnector, SavedPages, pyramid
 from jkv.cache.kv_cache import KVCacheManager, TierPolicy
+from jkv.cache.layer_offload import LayerOffload, resident_layers
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
@@ -114,6 +115,8 @@ class Engine:
                              cache.kv_placement_interval)
             if cache.tiered else None)
         self.tiered = cache.tiered
+        # LayerKV's layer-wise offload (block pages only: a tiered row is not blocks)
+        self.layers = None if cache.tiered else LayerOffload(self.cache)
         self.connector = KVConnector(self.cache, num_layers=cfg.num_layers,
                                      num_kv_heads=cfg.num_kv_heads,
                                      rotate=family.rotate_keys(cfg),
@@ -151,7 +154,7 @@ class Engine:
 
     def open(self, token_ids: Sequence[int], restore: SavedPages | None = None,
              use_prefix_cache: bool = True, max_cached: int | None = None,
-             recompute: float = 0.0) -> tuple[int, int]:
+             recompute: float = 0.0, resident: int | None = None) -> tuple[int, int]:
         """Take a free slot for a sequence whose prompt is `token_ids`.
 
         Returns (slot, cached): the first `cached` tokens are already held (prefix cache
@@ -160,10 +163,17 @@ class Engine:
         pages, or with token tiers a saved tiered row); feed the rest with `step`.
         `recompute` in [0, 1]: about that share of the restored blocks' KV is recomputed
         while the rest loads (Krul's split restore, `KVConnector.pyramid`; not for a tiered
-        row, which is restored whole).
+        row, which is restored whole). `resident`: only that many layers keep pages in the
+        pool, spread over the depth (`resident_layers`); the others are held on the host
+        from the start and their prefill goes through the pool a layer at a time
+        (LayerKV; `fetch_layers` brings them back).
         """
         if not 0.0 <= recompute <= 1.0:
             raise ValueError(f"recompute must be in [0, 1], got {recompute}")
+        if resident is not None:
+            if self.layers is None:
+                raise ValueError("resident layers need block pages (not a token-tier policy)")
+            keep = resident_layers(self.cfg.num_layers, resident)  # ValueError if out of range
         if not 1 <= len(token_ids) < self.max_model_len:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
                              f"got {len(token_ids)}")
@@ -185,7 +195,34 @@ class Engine:
             self.stats.restored_tokens += held - cached
             self.cache.add_tokens(slot, token_ids[cached:held])
             cached = held
+        if resident is not None and not keep.all():
+            self.offload_layers(slot, np.flatnonzero(~keep).tolist())
         return slot, cached
+
+    def offload_layers(self, slot: int, layers: Sequence[int]) -> int:
+        """Move `layers` of the open sequence in `slot` to host memory (its pages in them
+        are freed; its steps bring each back for its layer's turn, `fetch_layers` for
+        good); returns the pages freed."""
+        if self.layers is None:
+            raise ValueError("layer offload needs block pages (not a token-tier policy)")
+        if not self.cache.is_open(slot):
+            raise ValueError(f"slot {slot} holds no open sequence")
+        self.connector.write([slot])  # a queued restore goes into its pages first
+        return self.layers.offload(slot, layers)
+
+    def offloaded_layers(self, slot: int) -> list[int]:
+        """The layers of `slot` held in host memory."""
+        return [] if self.layers is None else self.layers.layers(slot)
+
+    def pages_to_fetch(self, slot: int) -> int:
+        """Pages `fetch_layers(slot)` takes."""
+        return 0 if self.layers is None else self.layers.pages_to_fetch(slot)
+
+    def fetch_layers(self, slot: int) -> None:
+        """Bring every offloaded layer of `slot` back into the pool (RuntimeError when
+        `pages_to_fetch` pages cannot be had)."""
+        if self.layers is not None:
+            self.layers.fetch(slot)
 
     def _restore(self, slot: int, first: int, n: int, saved: SavedPages,
                  token_ids: Sequence[int], recompute: float) -> int:
@@ -287,7 +324,8 @@ class Engine:
         lengths = self._check_rows(prefill, decode)
         t0 = time.perf_counter()
         self.connector.write_all_but(list(lengths))
-        ok = self.cache.grow(lengths)
+        ok = self.cache.grow(lengths, 0 if self.layers is None
+                             else self.layers.step_pages(lengths))
         groups = [[prefill[i] for i in g]
                   for g in self.runner.prefill_groups([len(r.tokens) for r in prefill])]
         groups += [list(decode)] if decode else []
@@ -295,6 +333,8 @@ class Engine:
         ok, outs = jax.device_get((ok, outs))
         if not ok:
             raise RuntimeError("page reservation failed although the host count allowed it")
+        if self.layers is not None:
+            self.layers.settle()
         if self.tiered:
             self.cache.sync_tiers()
         self.connector.written(list(lengths))  # layer-wise restores are in the pool now
@@ -329,14 +369,44 @@ class Engine:
         self.stats.step_shapes.add(batch.shape)
         before_layer = self.connector.stage([r.slot for r in rows], int(batch.valid.sum()),
                                             self.stats.prefill_token_seconds)
+        after_layer = None
+        if self.layers is not None and any(r.slot in c.offloaded for r in rows):
+            before_layer, after_layer = self._offload_hooks(rows, before_layer)
         tiers = (c.meta, c.counts) if self.tiered else None
         out, c.pool, c.filling, meta = self.runner.run(c.pool, c.filling, c.tables.pages, batch,
-                                                       before_layer, tiers)
+                                                       before_layer, tiers, after_layer)
         if self.tiered:
             c.meta = meta
             b, t = batch.shape
             c.retier([r.slot for r in rows], [len(r.tokens) for r in rows], b, t, t == 1)
         return out
+
+    def _offload_hooks(self, rows: Sequence[Row], stage) -> tuple:
+        """Layer hooks for rows with offloaded layers (after `stage`, a restore's): each such
+        layer's pages brought in before it runs and sent out after (the pool as LayerKV's
+        send buffer)."""
+        c, moves = self.cache, self.layers
+        lengths = {r.slot: len(c.slot_tokens[r.slot]) + len(r.tokens) for r in rows
+                   if r.slot in c.offloaded}
+
+        def before(index: int, pool, table_pages):
+            if stage is not None:
+                pool, table_pages = stage(index, pool, table_pages)
+            moved = False
+            for slot, n in lengths.items():
+                if index in c.offloaded[slot]:
+                    pool, moved = moves.bring(slot, index, n, pool), True
+            return pool, c.tables.pages if moved else table_pages
+
+        def after(index: int, pool, table_pages):
+            moved = False
+            for slot, n in lengths.items():
+                if index in c.offloaded[slot]:
+                    moves.send(slot, index, n, pool)
+                    moved = True
+            return pool, c.tables.pages if moved else table_pages
+
+        return before, after
 
     # ------------------------------------------------------------------ shapes
 

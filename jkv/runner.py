@@ -11,10 +11,11 @@ a compilation.
 Two ways through the layers, with the same outputs: one compiled call that scans every
 layer (`_step`), or one dispatch of the same compiled layer per layer (`_layer_step`), which
 lets the caller write restored KV into the pool just before the layer that reads it
-(`run(before_layer=)`). On CPU the layer-by-layer way always runs, over each layer's own
-weight arrays (`_layer_views`): XLA there copies a layer's weights out of the stacked arrays
-whenever the layer is picked by a traced index, which costs as much as a decode step's
-matmuls (and 5 to 10% of a prefill chunk).
+(`run(before_layer=)`) and move a layer's pages out after it (`after_layer`: layer
+offload). On CPU the layer-by-layer way always runs, over each layer's own weight arrays
+(`_layer_views`): XLA there copies a layer's weights out of the stacked arrays whenever the
+layer is picked by a traced index, which costs as much as a decode step's matmuls (and 5 to
+10% of a prefill chunk).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.sampling import SamplingParams, sample, token_logprobs
 
 Params = dict
+
+
+# a hook around one layer of a call: (index, pool, table pages) -> (pool, table pages)
+LayerHook = Callable[[int, KVPages, jax.Array], tuple[KVPages, jax.Array]]
 
 
 class Batch(NamedTuple):
@@ -292,25 +297,26 @@ class ModelRunner:
         return out
 
     def run(self, pool: KVPages, filling: FillingPages, table_pages: jax.Array, batch: Batch,
-            before_layer: Callable[[int, KVPages], KVPages] | None = None,
-            tiers: tuple[TokenMeta, TierCounts] | None = None
+            before_layer: LayerHook | None = None,
+            tiers: tuple[TokenMeta, TierCounts] | None = None,
+            after_layer: LayerHook | None = None
             ) -> tuple[tuple, KVPages, FillingPages, TokenMeta | None]:
         """One call: returns ((tokens, logprobs, top ids, top logprobs), pool, filling, meta),
         dispatched, not awaited; with `batch.targets`, the first part also has each
-        position's (target logprob, top ids, top logprobs). `before_layer(index, pool)`
-        (layer by layer only) may write into the pool before layer `index` runs. `tiers`: the
-        token meta and tier counts of LeanKV's tiers (the high counts already include the
-        pages this step fills)."""
+        position's (target logprob, top ids, top logprobs). `before_layer` and `after_layer`
+        (either makes the call go layer by layer) may write into the pool and change the
+        page tables before and after layer `index` runs. `tiers`: the token meta and tier
+        counts of LeanKV's tiers (the high counts already include the pages this step
+        fills)."""
         meta, counts = (None, None) if tiers is None else tiers
-        if not self.layer_by_layer and batch.targets is None:
-            if before_layer is not None:
-                raise ValueError("before_layer needs layer-by-layer execution")
+        hooked = before_layer is not None or after_layer is not None
+        if not self.layer_by_layer and batch.targets is None and not hooked:
             out, pool, filling, meta = self._step(
                 self.params, pool, filling, meta, table_pages, counts, batch.slots,
                 batch.tokens, batch.positions, batch.valid, *batch.sampling)
             return out, pool, filling, meta
         x, pool, filling, meta = self._layers(pool, filling, meta, table_pages, counts, batch,
-                                              self.cfg.num_layers, before_layer)
+                                              self.cfg.num_layers, before_layer, after_layer)
         out = self._head(self.params, x, *batch.sampling)
         if batch.targets is not None:
             out = (*out, *self._positions(self.params, x, batch.targets))
@@ -321,11 +327,11 @@ class ModelRunner:
         """Layers [0, num_layers) only (no tiers), for their KV: nothing is sampled. A split
         restore's recomputed blocks (deeper layers load theirs). Dispatched, not awaited."""
         _, pool, filling, _ = self._layers(pool, filling, None, table_pages, None, batch,
-                                           num_layers, None)
+                                           num_layers, None, None)
         return pool, filling
 
     def _layers(self, pool, filling, meta, table_pages, counts, batch: Batch, num_layers: int,
-                before_layer) -> tuple:
+                before_layer: LayerHook | None, after_layer: LayerHook | None) -> tuple:
         # committed to the device like every layer's outputs, so that layer 0's inputs are
         # placed as the others' and all layers share one compilation
         slots, tokens, positions, valid = jax.device_put(
@@ -333,9 +339,11 @@ class ModelRunner:
         x, positional = self._embed(self.params, tokens, positions)
         for index in range(num_layers):
             if before_layer is not None:
-                pool = before_layer(index, pool)
+                pool, table_pages = before_layer(index, pool, table_pages)
             weights = self.views[index] if self.views else self.params
             x, pool, filling, meta = self._layer(weights, pool, filling, meta, table_pages,
                                                  counts, slots, x, positional, positions, valid,
                                                  np.int32(index))
+            if after_layer is not None:
+                pool, table_pages = after_layer(index, pool, table_pages)
         return x, pool, filling, meta

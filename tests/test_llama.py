@@ -137,6 +137,37 @@ def test_smollm2_greedy_32_tokens_match_transformers(smollm2):
     print(f"SmolLM2: {len(PROMPTS)} prompts x 32 greedy tokens identical to transformers")
 
 
+@pytest.mark.smollm2
+def test_smollm2_with_most_layers_on_the_host_generates_the_same_tokens(smollm2):
+    """LayerKV's offload on real weights: 10 of 30 layers resident from the prefill on (the
+    other 20 go through the pool a layer at a time), then fetched back mid-decode."""
+    from jkv.runner import Row
+
+    llm, _ = smollm2
+    eng = llm.engine
+    ids = llm.tokenizer.encode(LONG_TEXT)[:150]
+    greedy = SamplingParams(temperature=0, logprobs=2)
+
+    def generate(resident):
+        slot, pos = eng.open(ids, use_prefix_cache=False, resident=resident)
+        key = eng.request_key(0)
+        while pos < len(ids):
+            (s,), _ = eng.step([Row(slot, ids[pos:pos + 64], greedy, key)], [])
+            pos += 64
+        out = [(s.token, s.logprob)]
+        for i in range(12):
+            if i == 6:
+                eng.fetch_layers(slot)
+            _, (s,) = eng.step([], [Row(slot, [out[-1][0]], greedy, key, len(out))])
+            out.append((s.token, s.logprob))
+        eng.close(slot, keep=False)
+        return out
+
+    resident = generate(None)
+    assert generate(10) == resident
+    assert eng.cache.free_pages + eng.cache.pages_cached == eng.cache.total_pages
+
+
 # ---------------------------------------------------------------- tiny HF-directory models
 
 

@@ -311,7 +311,7 @@ class KVConnector:
         return min(layers, max(1, math.ceil(buffer_bytes / (load_bytes / layers))))
 
     def stage(self, slots: Sequence[int], new_tokens: int, prefill_token_seconds: float
-              ) -> Callable[[int, KVPages], KVPages] | None:
+              ) -> Callable[[int, KVPages, jax.Array], tuple[KVPages, jax.Array]] | None:
         """A `before_layer` that writes the queued restores of `slots` into the pool layer by
         layer: each layer's pages are copied to the device a few layers ahead (the read
         buffer) while earlier layers compute, and scattered just before their layer. None
@@ -332,12 +332,13 @@ class KVConnector:
         for index in range(min(ahead, layers)):
             stage(index)
 
-        def before_layer(index: int, pool: KVPages) -> KVPages:
+        def before_layer(index: int, pool: KVPages, table_pages: jax.Array
+                         ) -> tuple[KVPages, jax.Array]:
             if index + ahead < layers:
                 stage(index + ahead)
             for ids, pages in staged.pop(index, ()):
                 pool = scatter_pages(pool, ids, pages)
-            return pool
+            return pool, table_pages
 
         return before_layer
 
@@ -350,8 +351,17 @@ class KVConnector:
         n = self.shareable_blocks(slot)
         ids = self.cache.page_ids(slot, 0, n)
         c = self.cache
-        return SavedPages(n, gather_pages(c.pool, ids).arrays(),
-                          block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed))
+        arrays = gather_pages(c.pool, ids).arrays()
+        for layer, h in c.offloaded.get(slot, {}).items():  # those blocks are on the host
+            start = h.first
+            for part in h.parts:
+                stop = min(start + part.k.shape[0], n)
+                if stop > start:
+                    arrays = {f: x.at[start:stop, layer].set(part.arrays()[f][:stop - start])
+                              for f, x in arrays.items()}
+                start += part.k.shape[0]
+        return SavedPages(n, arrays, block_hashes(c.slot_tokens[slot], c.page_size,
+                                                  c.hash_seed))
 
     def gather_tiers(self, slot: int) -> SavedPages:
         """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),

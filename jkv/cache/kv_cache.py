@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,9 @@ from jkv.cache.allocator import (
     reserve,
 )
 from jkv.cache.page_cost import PageCost
+
+if TYPE_CHECKING:
+    from jkv.cache.layer_offload import HostLayer
 from jkv.cache.page_pool import init_filling, page_bytes
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
 from jkv.cache.tier_entries import (
@@ -88,6 +92,7 @@ class KVCacheManager:
                  device_cache_bytes: int | None, hash_seed: bytes,
                  tiers: TierPolicy | None = None) -> None:
         self.page_size, self.max_model_len = page_size, max_model_len
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.tiers = tiers
         # token tiers take a row's pages as its pages fill (the page being filled stays
         # beside the pool); otherwise a row's next page is taken with its first token
@@ -152,6 +157,9 @@ class KVCacheManager:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self._slot_rows: list[list[int]] = [[] for _ in range(max_num_seqs)]  # cache rows read
+        # slot -> its layers held on the host (`layer_offload`), which hold no pages of
+        # their own: every page count below counts only resident layers' own pages
+        self.offloaded: dict[int, dict[int, HostLayer]] = {}
 
     # ------------------------------------------------------------------ the budget
 
@@ -182,14 +190,26 @@ class KVCacheManager:
         kept = self.entries.pages if self.entries is not None else 0
         return len(self.prefix) * self.cost.heads + kept
 
+    def resident(self, slot: int) -> int:
+        """Layers of `slot` whose pages are in the pool (the others: `offloaded`)."""
+        return self.num_layers - len(self.offloaded.get(slot, ()))
+
+    def shared_rows(self, slot: int) -> list[int]:
+        """The prefix-cache rows `slot` started from (its first blocks' pages)."""
+        return self._slot_rows[slot]
+
     def pages_to_grow(self, slot: int, num_tokens: int) -> int:
-        """New pages `slot` needs to hold `num_tokens` more tokens."""
-        return self.cost.grow(len(self.slot_tokens[slot]), num_tokens)
+        """New pages `slot` needs to hold `num_tokens` more tokens (in its resident layers)."""
+        grow = self.cost.grow(len(self.slot_tokens[slot]), num_tokens)
+        return grow // self.num_layers * self.resident(slot)
 
     def pages_held(self, slot: int) -> int:
         """Pages of the pool `slot` holds (shared ones included)."""
         if self.tiers is None:
-            return self.cost.pages(len(self.slot_tokens[slot]))
+            blocks = -(-len(self.slot_tokens[slot]) // self.page_size)
+            off = self.num_layers - self.resident(slot)
+            shared = min(len(self._slot_rows[slot]), blocks)
+            return (blocks * (self.num_layers - off) + shared * off) * self.num_kv_heads
         p = self.page_size
         return int((-(-self.high[slot] // p)).sum() + (-(-self.low[slot] // (2 * p))).sum())
 
@@ -198,8 +218,11 @@ class KVCacheManager:
         if self.tiers is not None:
             return self.pages_held(slot)
         held = -(-len(self.slot_tokens[slot]) // self.page_size)
-        pinned = len(self._slot_rows[slot]) - self.prefix.num_sole(self._slot_rows[slot])
-        return (held - pinned) * self.cost.heads
+        rows = self._slot_rows[slot]
+        # its own pages (resident layers only) and the cached rows only it pins, which
+        # become evictable (every layer's pages)
+        return ((held - len(rows)) * self.num_kv_heads * self.resident(slot)
+                + self.prefix.num_sole(rows) * self.cost.heads)
 
     def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Block hashes of the part of a prompt that could come from the prefix cache or the
@@ -376,14 +399,15 @@ class KVCacheManager:
         self.high[slot], self.low[slot] = high, low
         return True
 
-    def grow(self, new_lengths: dict[int, int]) -> jax.Array:
-        """Give slots the pages to hold `new_lengths[slot]` tokens (evicting cached blocks
-        if needed); returns the device's ok flag (read it with the step's outputs).
-        RuntimeError when the pages cannot be had."""
-        need = sum(self.cost.grow(len(self.slot_tokens[s]), n - len(self.slot_tokens[s]))
+    def grow(self, new_lengths: dict[int, int], spare: int = 0) -> jax.Array:
+        """Give slots the pages to hold `new_lengths[slot]` tokens in their resident
+        layers (evicting cached blocks if needed), with `spare` more pages free after (what
+        the step brings in of offloaded layers); returns the device's ok flag (read it with
+        the step's outputs). RuntimeError when the pages cannot be had."""
+        need = sum(self.pages_to_grow(s, n - len(self.slot_tokens[s]))
                    for s, n in new_lengths.items())
-        if not self.make_room(need):
-            raise RuntimeError(f"the step needs {need} new KV pages and only "
+        if not self.make_room(need + spare):
+            raise RuntimeError(f"the step needs {need + spare} KV pages and only "
                                f"{self.available_pages} can be had")
         lengths = np.zeros(self.max_num_seqs + 1, np.int32)
         for s, n in new_lengths.items():
@@ -395,6 +419,15 @@ class KVCacheManager:
             self.free, self.tables, self.counts, ok = tier_step.grow(
                 self.free, self.tables, self.counts, jnp.asarray(n_new, jnp.int32))
             self.high += n_new[:, None, None]
+        elif self.offloaded:  # offloaded layers take no pages: only their shared blocks
+            head = np.array([len(t) for t in self.slot_tokens] + [0], np.int32)
+            head[list(new_lengths)] = list(new_lengths.values())
+            head = np.repeat(head[:, None], self.num_layers, 1)
+            for s, held in self.offloaded.items():
+                head[s, list(held)] = 0
+            head = np.repeat(head[..., None], self.num_kv_heads, 2)
+            self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths),
+                                                 jnp.asarray(head))
         else:
             self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths))
         self.free_pages -= need
@@ -523,6 +556,10 @@ class KVCacheManager:
         `finished`. `keep` False: nothing is kept (no block exported, no row kept)."""
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
         shareable = shareable if keep else 0
+        if slot in self.offloaded:  # its offloaded layers' blocks are not in the pool
+            shareable = min(shareable, len(shared))
+        resident = self.resident(slot)
+        self.offloaded.pop(slot, None)
         if finished:
             self._finished(slot)
         if self.entries is not None and keep and len(tokens) >= self.page_size:
@@ -561,6 +598,6 @@ class KVCacheManager:
             self.unplaced[slot] = 0
         else:
             held = -(-len(tokens) // self.page_size)
-            self.free_pages += (held - kept) * self.cost.heads
+            self.free_pages += (held - kept) * self.num_kv_heads * resident
         self.slot_tokens[slot], self._slot_rows[slot] = [], []
         self._free_slots.append(slot)

@@ -1,0 +1,244 @@
+"""LayerKV's layer-wise offload: a sequence whose layers are partly or wholly held on the host
+(from its prefill on, or pushed out mid-decode and fetched back) samples exactly what a
+resident one samples, its saved pages are the same bytes, and the host count of free pages
+matches the device's through any schedule of steps, offloads, fetches and closes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jkv.cache.layer_offload import resident_layers
+from jkv.config import CacheConfig, EngineConfig, ModelConfig
+from jkv.engine import Engine
+from jkv.models.loaders import random_params
+from jkv.runner import Row
+from jkv.sampling import SamplingParams
+
+TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
+                   num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
+PAGE_BYTES = 8 * 64 * 4 * 2  # one float32 page of 8 tokens, keys and values
+CHUNK = 16
+# sampled at temperature 1 with the top logprobs: any difference in the KV read shows
+SAMPLING = SamplingParams(temperature=1.0, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(TINY, seed=3, dtype=jnp.float32)
+
+
+def engine(params, pages: int = 400, **kw) -> Engine:
+    kw = {"max_model_len": 128, "max_num_seqs": 4, "prefill_chunk": CHUNK, **kw}
+    return Engine(TINY, params, cache=CacheConfig(page_size=8, kv_cache_bytes=pages * PAGE_BYTES),
+                  config=EngineConfig(**kw))
+
+
+def counts_agree(eng: Engine) -> None:
+    assert eng.cache.free_pages == int(eng.cache.free.num_free)
+
+
+def run(eng: Engine, prompt: list[int], decode: int = 10, events=None, **open_kw):
+    """Prefill `prompt` in chunks and decode `decode` tokens; `events` {decode step:
+    callable(slot)} run before that step. Returns (tokens, top logprobs, slot)."""
+    events = events or {}
+    slot, pos = eng.open(prompt, **open_kw)
+    key = eng.request_key(0)
+    tokens, lps = [], []
+    while pos < len(prompt):
+        (s,), _ = eng.step([Row(slot, prompt[pos:pos + CHUNK], SAMPLING, key)], [])
+        pos += CHUNK
+        counts_agree(eng)
+    tokens.append(s.token)
+    lps.append(s.top_logprobs)
+    for i in range(decode):
+        if i in events:
+            events[i](slot)
+            counts_agree(eng)
+        _, (s,) = eng.step([], [Row(slot, [tokens[-1]], SAMPLING, key, len(tokens))])
+        counts_agree(eng)
+        tokens.append(s.token)
+        lps.append(s.top_logprobs)
+    return tokens, np.stack(lps), slot
+
+
+def test_resident_layers_are_spread_over_the_depth():
+    assert np.flatnonzero(resident_layers(8, 4)).tolist() == [1, 3, 5, 7]  # LayerKV's example
+    for layers in (1, 4, 30):
+        for keep in range(layers + 1):
+            r = resident_layers(layers, keep)
+            assert r.sum() == keep
+            if keep:  # no gap between resident layers wider than the even spacing allows
+                assert np.diff(np.r_[-1, np.flatnonzero(r)]).max() <= -(-layers // keep)
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="keep"):
+            resident_layers(4, bad)
+
+
+def test_offloaded_layers_sample_what_resident_ones_do(params):
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 512, 45).tolist()
+    ref_tokens, ref_lps, _ = run(engine(params), prompt)
+    cases = {f"resident {r} from the prefill": lambda e, r=r: dict(resident=r)
+             for r in (0, 1, 3)}
+    cases["three layers out mid-decode, fetched later"] = lambda e: dict(events={
+        3: lambda s: e.offload_layers(s, [0, 2, 3]), 7: e.fetch_layers})
+    cases["one layer out mid-decode, never fetched"] = lambda e: dict(events={
+        2: lambda s: e.offload_layers(s, [1])})
+    for name, kw in cases.items():
+        e = engine(params)
+        tokens, lps, slot = run(e, prompt, **kw(e))
+        assert tokens == ref_tokens, name
+        np.testing.assert_array_equal(lps, ref_lps, err_msg=name)
+        e.close(slot)
+        counts_agree(e)
+        assert e.cache.free_pages + e.cache.pages_cached == e.cache.total_pages, name
+
+
+def test_offloaded_layers_keep_shared_blocks_save_and_restore_exactly(params):
+    """A prompt that starts from prefix-cache blocks keeps those blocks in the pool for its
+    offloaded layers; its saved pages are the resident sequence's bytes, and a restore
+    into a slot with offloaded layers samples what recomputing does."""
+    rng = np.random.default_rng()
+    history = rng.integers(0, 512, 40).tolist()
+    prompt = history + rng.integers(0, 512, 13).tolist()
+
+    eng = engine(params)
+    _, _, first = run(eng, history, decode=0)
+    eng.close(first)  # its 5 full blocks go to the prefix cache
+    resident_saved = ref = None
+    for resident in (None, 1):
+        hits = eng.stats.prefix_hit_tokens
+        # (the first run's blocks are cached too when it closes: the history's only)
+        tokens, lps, slot = run(eng, prompt, resident=resident, max_cached=40)
+        assert eng.stats.prefix_hit_tokens - hits == 40
+        ref = ref or (tokens, lps)
+        assert tokens == ref[0] and (lps == ref[1]).all(), resident
+        if resident is not None:
+            assert eng.offloaded_layers(slot) == [0, 1, 2]
+            assert eng.cache.pages_held(slot) == eng.cache.pages_to_grow(slot, 0) + (
+                # one resident layer's 8 blocks, three offloaded layers' 5 shared blocks
+                8 * 1 + 5 * 3) * TINY.num_kv_heads
+        saved = eng.save_pages(slot)
+        if resident_saved is None:
+            resident_saved = saved
+        else:  # the host copies fill in what the pool does not hold
+            for f, x in saved.arrays.items():
+                np.testing.assert_array_equal(x, resident_saved.arrays[f], err_msg=f)
+        eng.close(slot)
+        counts_agree(eng)
+
+    # a restore into a slot that keeps one layer: the rest leave the pool as they are written
+    ref = None
+    for resident in (None, 1):
+        fresh = engine(params, enable_prefix_caching=False)
+        tokens, lps, slot = run(fresh, prompt, restore=resident_saved, resident=resident)
+        assert fresh.stats.restored_tokens == 48
+        ref = ref or (tokens, lps)
+        assert tokens == ref[0] and (lps == ref[1]).all(), resident
+        fresh.close(slot)
+        counts_agree(fresh)
+        assert fresh.cache.free_pages == fresh.cache.total_pages
+
+
+def test_bad_offload_requests_are_value_errors(params):
+    eng = engine(params)
+    with pytest.raises(ValueError, match="keep"):
+        eng.open([1, 2, 3], resident=5)
+    slot, _ = eng.open([1, 2, 3])
+    with pytest.raises(ValueError, match="layers"):
+        eng.offload_layers(slot, [4])
+    with pytest.raises(ValueError, match="open"):
+        eng.offload_layers(slot + 1, [0])
+    tiered = Engine(TINY, eng.params, cache=CacheConfig(page_size=8, kv_cache_bytes=400 * 1024,
+                                                        kv_policy="leankv"),
+                    config=EngineConfig(max_model_len=128, max_num_seqs=2, prefill_chunk=CHUNK))
+    with pytest.raises(ValueError, match="token-tier"):
+        tiered.open([1, 2, 3], resident=1)
+
+
+# ---------------------------------------------------------------- random schedules
+
+SLOTS = 3
+step = st.tuples(st.just("step"), st.integers(1, 7))  # a bit mask of who takes part
+op = st.one_of(
+    st.tuples(st.just("open"), st.integers(0, SLOTS - 1), st.integers(9, 60),
+              st.integers(0, TINY.num_layers)),
+    step, step, step, step,  # most of a schedule is steps
+    st.tuples(st.just("offload"), st.integers(0, SLOTS - 1), st.integers(1, 15)),
+    st.tuples(st.just("fetch"), st.integers(0, SLOTS - 1)),
+    st.tuples(st.just("close"), st.integers(0, SLOTS - 1)),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(op, min_size=6, max_size=30), st.integers(0, 2**31 - 1))
+def test_page_counts_and_samples_hold_through_random_schedules(params, schedule, seed):
+    """Two engines run the same steps; one also offloads and fetches layers at random. Every
+    step samples the same tokens and logprobs in both, and after every call the host count of
+    free pages is the device's; once all is closed, every page is free or cached."""
+    rng = np.random.default_rng(seed)
+    # a tight pool: 3 sequences of 60 tokens hold 8 blocks x 8 (layer, head) pages each
+    plain, moved = engine(params, pages=200), engine(params, pages=200)
+    prompts = [rng.integers(0, 64, 64).tolist() for _ in range(SLOTS)]
+    live: dict[int, dict] = {}  # who -> {slot in each engine, tokens fed, to feed}
+    starts = [("open", i, int(rng.integers(9, 60)), int(rng.integers(0, 5))) for i in range(2)]
+    for action, *args in starts + schedule:
+        who = args[0] if action != "step" else None
+        if action == "open" and who not in live and len(live) < SLOTS:
+            prompt = prompts[who][:args[1]]
+            # the same prefix-cache hit in both (a sequence with offloaded layers leaves
+            # fewer blocks to the cache when it closes)
+            hashes = plain.cache.prompt_hashes(prompt)
+            hit = min(plain.cache.lookup(hashes)[0], moved.cache.lookup(hashes)[0])
+            a, ca = plain.open(prompt, max_cached=hit)
+            b, cb = moved.open(prompt, max_cached=hit, resident=args[2])
+            assert ca == cb == hit
+            live[who] = dict(a=a, b=b, fed=ca, todo=prompt, out=[])
+        elif action == "offload" and who in live:
+            layers = [x for x in range(TINY.num_layers) if args[1] >> x & 1]
+            moved.offload_layers(live[who]["b"], layers)
+        elif action == "fetch" and who in live:
+            slot = live[who]["b"]
+            if moved.pages_to_fetch(slot) <= moved.cache.available_pages:
+                moved.fetch_layers(slot)
+        elif action == "close" and who in live:
+            s = live.pop(who)
+            plain.close(s["a"])
+            moved.close(s["b"])
+        elif action == "step":
+            rows_a, rows_b = [], []
+            for i, s in sorted(live.items()):
+                if not args[0] >> i & 1:
+                    continue
+                feed = (s["todo"][s["fed"]:s["fed"] + CHUNK] if s["fed"] < len(s["todo"])
+                        else s["out"][-1:])
+                if s["fed"] + len(feed) >= 120:
+                    continue
+                key = np.array([0, i], np.uint32)
+                rows_a.append((s, Row(s["a"], feed, SAMPLING, key, len(s["out"]))))
+                rows_b.append(Row(s["b"], feed, SAMPLING, key, len(s["out"])))
+            if not rows_b:
+                continue
+            try:
+                outs_a = plain.step([r for _, r in rows_a], [])[0]
+            except RuntimeError:  # no room in the plain engine: skip the step in both
+                continue
+            outs_b = moved.step(rows_b, [])[0]
+            for (s, row), x, y in zip(rows_a, outs_a, outs_b, strict=True):
+                assert (x.token, x.logprob) == (y.token, y.logprob)
+                np.testing.assert_array_equal(x.top_logprobs, y.top_logprobs)
+                s["fed"] += len(row.tokens)
+                if s["fed"] >= len(s["todo"]):
+                    s["out"].append(x.token)
+        counts_agree(moved)
+        counts_agree(plain)
+    for s in live.values():
+        plain.close(s["a"])
+        moved.close(s["b"])
+    for eng in (plain, moved):
+        counts_agree(eng)
+        assert eng.cache.free_pages + eng.cache.pages_cached == eng.cache.total_pages
