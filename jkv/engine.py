@@ -210,6 +210,15 @@ class Engine:
         self.connector.write([slot])  # a queued restore goes into its pages first
         return self.layers.offload(slot, layers)
 
+    def keep_resident(self, slot: int, keep: int) -> int:
+        """Offload layers of `slot` until `keep` stay in the pool, those kept spread over the
+        depth; returns how many were offloaded."""
+        layers = [x for x in range(self.cfg.num_layers) if x not in self.offloaded_layers(slot)]
+        kept = resident_layers(len(layers), min(keep, len(layers)))
+        out = [x for x, k in zip(layers, kept, strict=True) if not k]
+        self.offload_layers(slot, out)
+        return len(out)
+
     def offloaded_layers(self, slot: int) -> list[int]:
         """The layers of `slot` held in host memory."""
         return [] if self.layers is None else self.layers.layers(slot)

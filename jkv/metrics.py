@@ -45,6 +45,19 @@ _COUNTERS = (  # (stats key, metric name, help); prometheus adds the _total suff
 )
 
 
+_OFFLOAD_COUNTERS = (  # (key of stats()["layer_offload"], metric name, help)
+    ("layers_offloaded", "jkv_layer_offload_layers",
+     "Layers of running requests moved to host memory instead of preempting (LayerKV)."),
+    ("fetches", "jkv_layer_offload_fetches",
+     "Running requests whose offloaded layers came back into device pages."),
+    ("admitted_offloaded", "jkv_layer_offload_admissions",
+     "Requests admitted with some layers' KV in host memory."),
+    ("bytes_to_host", "jkv_layer_offload_bytes_to_host", "KV bytes copied to host memory."),
+    ("bytes_from_host", "jkv_layer_offload_bytes_from_host",
+     "KV bytes copied back into device pages."),
+)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -75,6 +88,10 @@ class Metrics:
                                    ["tier"], registry=r)
         self.store_counters = {key: Counter(name, doc, registry=r)
                                for key, name, doc in _STORE_COUNTERS}
+        self.offload_counters = {key: Counter(name, doc, registry=r)
+                                 for key, name, doc in _OFFLOAD_COUNTERS}
+        self.offloaded_requests = Gauge("jkv_layer_offload_requests", "Running requests "
+                                        "with some layers' KV in host memory.", registry=r)
         self._seen: dict[str, float] = {}
 
     def _advance(self, counter, name: str, value: float) -> None:
@@ -102,6 +119,11 @@ class Metrics:
                 self.store_entries.labels(tier=tier).set(store["entries"][tier])
             for key, counter in self.store_counters.items():
                 self._advance(counter, f"store/{key}", store[key])
+        offload = stats.get("layer_offload")
+        if offload is not None:
+            self.offloaded_requests.set(offload["requests_offloaded"])
+            for key, counter in self.offload_counters.items():
+                self._advance(counter, f"offload/{key}", offload[key])
 
     def observe_finished(self, request) -> None:
         """Latency histograms for a finished request (a `jkv.scheduler.Request`)."""

@@ -13,6 +13,13 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   running request (the newest, among equals) is preempted: its pages are released (its full
   blocks stay in the prefix cache when that is on) and it is recomputed later; so are the
   least important running prefills when, with no decode running, none of them can get a page;
+- with layer-wise offload (LayerKV), before anyone is preempted: while the decodes' pages over
+  the next `forecast_steps` steps do not fit (eq. 5), the least important running requests
+  move as few resident layers to the host as cover the gap (a request with offloaded layers
+  goes on running, each such layer brought through the pool for its turn); a running
+  request's offloaded layers come back, most important first, while the forecast still fits
+  after; a new request whose chunk does not fit with every layer is admitted with as many
+  resident layers as fit, at least `min_resident` (eq. 4);
 - prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
   before new ones are admitted; a new request is admitted only while a slot is free and its
   first chunk's pages fit;
@@ -34,6 +41,7 @@ full load (0) and full recompute (declining the hit) are its two ends.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +73,11 @@ class Candidate:
     # a decoding request's TPOT slack: seconds of prefill a step may add now and still keep
     # its whole output within tpot_slo (LayerKV eq. 1); None: not known, tpot_slo per step
     tpot_slack: float | None = None
+    # layer-wise offload (running): layers in the pool when not all (None: all), the pages
+    # offloading every resident layer frees, the pages fetching the offloaded ones takes
+    resident: int | None = None
+    offload_pages: int = 0
+    fetch_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,12 @@ class Budget:
     now: float = 0.0
     decode_step_seconds: float = 0.0  # cost model: a step of decodes alone
     prefill_token_seconds: float = 0.0  # cost model: each prefill token on top
+    # LayerKV: admit a prefill with some of its layers on the host, offload running requests'
+    # layers instead of preempting them; an admitted prefill keeps `min_resident` layers at
+    # least (eq. 4); the decodes' pages over `forecast_steps` steps must fit (eq. 5)
+    layer_offload: bool = False
+    min_resident: int = 0
+    forecast_steps: int = 1
 
 
 @dataclass
@@ -89,6 +108,12 @@ class Plan:
     decode: list[str] = field(default_factory=list)
     prefill: list[tuple[str, int]] = field(default_factory=list)  # (request, tokens to feed)
     admit: list[str] = field(default_factory=list)  # waiting requests among `prefill`
+    # layer-wise offload: running requests to keep only this many layers in the pool (the
+    # rest offloaded before the step), running requests whose offloaded layers come back,
+    # admitted requests that start with only this many layers in the pool
+    offload: dict[str, int] = field(default_factory=dict)
+    fetch: list[str] = field(default_factory=list)
+    resident: dict[str, int] = field(default_factory=dict)
 
 
 def queue_order(c: Candidate) -> tuple:
@@ -97,20 +122,106 @@ def queue_order(c: Candidate) -> tuple:
     return (c.priority, deadline, c.arrival, c.request_id)
 
 
+def step_pages(cost: PageCost, resident: int | None, held: int, n: int) -> int:
+    """Pages a request holding `held` tokens takes to add `n` in a step with `resident`
+    layers in the pool (None: all): its resident layers' new pages and, with any layer
+    offloaded, one layer's pages of its whole length while that layer runs."""
+    if resident is None:
+        return cost.grow(held, n)
+    return cost.grow(held, n) // cost.layers * resident + cost.layer_pages(held + n)
+
+
+def step_fits(cost: PageCost, resident: int | None, held: int, want: int, pages: int) -> int:
+    """The most of `want` tokens `pages` pages let such a request add in a step."""
+    if resident is None:
+        return cost.fits(held, want, pages)
+    lo, hi = 0, want
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if step_pages(cost, resident, held, mid) <= pages else (lo, mid - 1)
+    return lo
+
+
+def min_resident(layers: int, layer_bytes_per_token: float, offload_bytes_per_s: float,
+                 prefill_token_seconds: float) -> int:
+    """LayerKV eq. 4: the fewest layers a prefill keeps in the pool so that copying the
+    others out, (layers - r) x tokens x `layer_bytes_per_token` / bandwidth, hides behind
+    computing it, tokens x `prefill_token_seconds` (both linear in the tokens: the prefill's
+    quadratic part only leaves more room). 0 until both rates are measured."""
+    if not (offload_bytes_per_s and prefill_token_seconds and layer_bytes_per_token):
+        return 0
+    hidden = int(prefill_token_seconds * offload_bytes_per_s // layer_bytes_per_token)
+    return max(0, layers - hidden)
+
+
+def _decode_pages(cost: PageCost, running: Sequence[Candidate], steps: int) -> int:
+    """Pages the decoding requests among `running` take over the next `steps` steps."""
+    return sum(step_pages(cost, c.resident, c.held, steps) for c in running if c.pending == 1)
+
+
+def _offload(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> int:
+    """LayerKV eq. 5: while the decodes' pages over the next `forecast_steps` steps do not
+    fit, the least important running requests keep fewer layers in the pool (as few
+    offloaded as cover the gap). Updates `keep` and `plan.offload`; returns `avail`."""
+    cost, horizon = budget.cost, max(budget.forecast_steps, 1)
+    for i in range(len(keep) - 1, -1, -1):
+        if _decode_pages(cost, keep, horizon) <= avail:
+            break
+        c = keep[i]
+        r = cost.layers if c.resident is None else c.resident
+        if r == 0 or c.offload_pages <= 0:
+            continue
+        per = c.offload_pages // r  # its own pages in one layer
+        for k in range(1, r + 1):
+            new = dataclasses.replace(c, resident=r - k, offload_pages=per * (r - k),
+                                      fetch_pages=c.fetch_pages + per * k)
+            if _decode_pages(cost, keep[:i] + [new] + keep[i + 1:], horizon) <= avail + per * k:
+                break
+        keep[i] = new
+        avail += per * k
+        plan.offload[c.request_id] = r - k
+    return avail
+
+
+def _fetch(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> int:
+    """Running requests with offloaded layers get them back, most important first, while
+    the decodes' pages over the forecast still fit after. Returns `avail`."""
+    cost, horizon = budget.cost, max(budget.forecast_steps, 1)
+    for i, c in enumerate(keep):
+        if c.fetch_pages <= 0 or c.request_id in plan.offload:
+            continue
+        new = dataclasses.replace(c, resident=None, offload_pages=c.offload_pages
+                                  + c.fetch_pages, fetch_pages=0)
+        after = keep[:i] + [new] + keep[i + 1:]
+        if c.fetch_pages + _decode_pages(cost, after, horizon) <= avail:
+            keep[i] = new
+            avail -= c.fetch_pages
+            plan.fetch.append(c.request_id)
+    return avail
+
+
 def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
               budget: Budget) -> Plan:
     """The next step's work; see the module docstring for the policy."""
-    grow, fits = budget.cost.grow, budget.cost.fits
+    cost = budget.cost
     plan = Plan()
     avail = budget.available_pages
     keep = sorted(running, key=queue_order)
+    if budget.layer_offload:
+        avail = _offload(plan, keep, avail, budget)
+    freed = {c.request_id: c.offload_pages for c in running if c.request_id in plan.offload}
     while True:
-        need = sum(grow(c.held, 1) for c in keep if c.pending == 1)
+        need = _decode_pages(cost, keep, 1)
         if need <= avail or not keep:
             break
         victim = keep.pop()
         plan.preempt.append(victim.request_id)
+        if plan.offload.pop(victim.request_id, None) is not None:  # not offloaded after all
+            avail -= freed[victim.request_id] - victim.offload_pages
         avail += victim.pin_pages
+    if budget.layer_offload:
+        avail = _fetch(plan, keep, avail, budget)
+        need = _decode_pages(cost, keep, 1)
     decodes = [c for c in keep if c.pending == 1]
     plan.decode = [c.request_id for c in decodes]
     avail -= need
@@ -126,10 +237,10 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
 
     for c in keep:
         if c.pending > 1 and tokens > 0:
-            n = fits(c.held, min(c.pending, tokens, budget.chunk), avail)
+            n = step_fits(cost, c.resident, c.held, min(c.pending, tokens, budget.chunk), avail)
             if n > 0:
                 plan.prefill.append((c.request_id, n))
-                avail -= grow(c.held, n)
+                avail -= step_pages(cost, c.resident, c.held, n)
                 tokens -= n
     if keep and not plan.decode and not plan.prefill and tokens > 0:
         # running prefills hold every page and none can take another (no decode will ever
@@ -139,10 +250,11 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             victim = keep.pop()
             plan.preempt.append(victim.request_id)
             avail += victim.pin_pages
-            n = fits(first.held, min(first.pending, tokens, budget.chunk), avail)
+            n = step_fits(cost, first.resident, first.held,
+                          min(first.pending, tokens, budget.chunk), avail)
             if n > 0:
                 plan.prefill.append((first.request_id, n))
-                avail -= grow(first.held, n)
+                avail -= step_pages(cost, first.resident, first.held, n)
                 tokens -= n
                 break
 
@@ -151,12 +263,18 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if slots <= 0 or tokens <= 0:
             break
         n = min(c.pending, tokens, budget.chunk)
-        cost = grow(c.held, n) + c.pin_pages
-        if cost > avail:
+        pages = cost.grow(c.held, n) + c.pin_pages
+        if pages > avail and budget.layer_offload:  # LayerKV: as many layers as fit
+            resident = next((r for r in range(cost.layers - 1, budget.min_resident - 1, -1)
+                             if step_pages(cost, r, c.held, n) + c.pin_pages <= avail), None)
+            if resident is not None:
+                plan.resident[c.request_id] = resident
+                pages = step_pages(cost, resident, c.held, n) + c.pin_pages
+        if pages > avail:
             break  # head of line waits for pages; later requests do not overtake it
         plan.prefill.append((c.request_id, n))
         plan.admit.append(c.request_id)
-        avail -= cost
+        avail -= pages
         tokens -= n
         slots -= 1
     return plan
@@ -288,5 +406,5 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
 
 
 __all__ = ["PROBE_EVERY", "Budget", "Candidate", "OutputLengths", "Plan", "RestoreDecision",
-           "RestoreRates", "plan_restore", "plan_step", "queue_order", "restore_pays",
-           "split_share"]
+           "RestoreRates", "min_resident", "plan_restore", "plan_step", "queue_order",
+           "restore_pays", "split_share", "step_fits", "step_pages"]

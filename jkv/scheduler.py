@@ -38,6 +38,7 @@ from jkv.planning import (
     OutputLengths,
     RestoreDecision,
     RestoreRates,
+    min_resident,
     plan_restore,
     plan_step,
     queue_order,
@@ -120,6 +121,7 @@ class _Tracked:
     recompute: float = 0.0  # share of `hit` recomputed while the rest loads (a split)
     read_since: float | None = None  # when it began waiting for its hit's read ahead
     abandoned: bool = False  # its read took longer than recomputing: recomputed
+    resident: int | None = None  # layers admission keeps in the pool (None: all)
 
 
 @dataclass
@@ -133,6 +135,9 @@ class SchedulerStats:
     restores_declined: int = 0  # store hits recomputed because that was expected faster
     rebased_tokens: int = 0  # restored tokens re-rotated for a truncated conversation
     restores_abandoned: int = 0  # hits whose read outlasted recomputing them: recomputed
+    layers_offloaded: int = 0  # running requests' layers moved to the host (LayerKV)
+    layer_fetches: int = 0  # running requests whose offloaded layers came back
+    admitted_offloaded: int = 0  # requests admitted with some layers on the host
     # finished requests that missed their TTFT / TPOT target (counted once each), and those
     # that ended normally meeting every target they had (goodput)
     slo_violations: dict = field(default_factory=lambda: {"ttft": 0, "tpot": 0})
@@ -140,6 +145,7 @@ class SchedulerStats:
 
 
 READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before returning
+FORECAST_STEPS = 4  # layer offload (LayerKV eq. 5): decodes' pages over this many steps
 
 
 class Scheduler:
@@ -164,6 +170,8 @@ class Scheduler:
         self._decode_s = 0.0
         self._prefill_token_s = 0.0
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
+        # LayerKV's layer-wise offload, where the engine's pages are blocks
+        self.layer_offload = self.config.layer_offload and engine.layers is not None
 
     def add(self, request: Request) -> None:
         """Queue a request. A prompt that cannot fit the model's context is a ValueError."""
@@ -269,6 +277,16 @@ class Scheduler:
                         "tokens_recomputed": st.recomputed_tokens,
                         "recompute_ratio": st.recomputed_tokens / max(st.restored_tokens, 1)},
         }
+        if eng.layers is not None:  # LayerKV's layer-wise offload
+            out["layer_offload"] = {
+                "enabled": self.layer_offload,
+                "layers_offloaded": self.stats.layers_offloaded,
+                "fetches": self.stats.layer_fetches,
+                "admitted_offloaded": self.stats.admitted_offloaded,
+                "bytes_to_host": eng.layers.offloaded_bytes,
+                "bytes_from_host": eng.layers.fetched_bytes,
+                "requests_offloaded": sum(1 for r in self.running
+                                          if eng.offloaded_layers(self._state[r].slot))}
         if self.store is not None:
             out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses,
                             "restores_declined": self.stats.restores_declined,
@@ -286,8 +304,14 @@ class Scheduler:
                          self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot)
 
     def _running(self, r: Request, now: float) -> Candidate:
-        st = self._state[r]
-        c = self._candidate(r, st.num_computed, self.engine.cache.pages_freed_by_close(st.slot))
+        st, cache = self._state[r], self.engine.cache
+        c = self._candidate(r, st.num_computed, cache.pages_freed_by_close(st.slot))
+        if self.layer_offload:
+            resident = cache.resident(st.slot)
+            c = dataclasses.replace(
+                c, resident=None if resident == cache.num_layers else resident,
+                offload_pages=cache.pages_offloadable(st.slot),
+                fetch_pages=self.engine.pages_to_fetch(st.slot))
         if c.tpot_slo is not None and r.first_token_time is not None and self._decode_s:
             # LayerKV eq. 1: what its target allows over the whole output, less what it has
             # used and what its remaining tokens' decode steps will take
@@ -389,18 +413,21 @@ class Scheduler:
             # preemption was not in the plan's page count
             st.slot, cached = eng.open(r.tokens, restore=restore,
                                        use_prefix_cache=r.sampling.prompt_logprobs is None,
-                                       max_cached=st.cached, recompute=st.recompute)
+                                       max_cached=st.cached, recompute=st.recompute,
+                                       resident=st.resident)
         except ValueError:  # the loaded blocks do not fit this prompt: never serve them
             log.exception("restoring request %s from the store failed; recomputing",
                           r.request_id)
             self.stats.store_misses += 1
-            st.slot, cached = eng.open(r.tokens, max_cached=st.cached)
+            st.slot, cached = eng.open(r.tokens, max_cached=st.cached, resident=st.resident)
+        if st.resident is not None:
+            self.stats.admitted_offloaded += 1
         if hit is not None:
             restored = eng.stats.restored_tokens - before
             self.stats.restored_tokens[hit.tier] += restored
             if st.rebase:
                 self.stats.rebased_tokens += restored
-        st.hit, st.rebase, st.recompute = None, 0, 0.0
+        st.hit, st.rebase, st.recompute, st.resident = None, 0, 0.0, None
         return cached
 
     def _save(self, r: Request, slot: int) -> None:
@@ -484,7 +511,12 @@ class Scheduler:
             max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,
             chunk=eng.prefill_chunk, cost=eng.cache.cost,
             now=now, decode_step_seconds=self._decode_s,
-            prefill_token_seconds=self._prefill_token_s)
+            prefill_token_seconds=self._prefill_token_s, layer_offload=self.layer_offload,
+            min_resident=min_resident(
+                eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
+                0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,
+                self._prefill_token_s),
+            forecast_steps=FORECAST_STEPS)
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
                              eng.connector.load_bytes_per_s, self._prefill_token_s,
                              eng.split_overlap)
@@ -510,6 +542,8 @@ class Scheduler:
             self.store.hint([hit.key for hit in order if hit is not None])
             self.store.drop_reads({hit for hit in order if hit is not None})
 
+        for rid, keep in plan.offload.items():  # before preemptions reuse pages
+            self.stats.layers_offloaded += eng.keep_resident(self._state[by_id[rid]].slot, keep)
         for rid in plan.preempt:
             r = by_id[rid]
             st = self._state[r]
@@ -523,9 +557,13 @@ class Scheduler:
             self.stats.preemptions += 1
             self.running.remove(r)
             self.waiting.append(r)
+        for rid in plan.fetch:
+            eng.fetch_layers(self._state[by_id[rid]].slot)
+            self.stats.layer_fetches += 1
         for rid in plan.admit:
             r = by_id[rid]
             st = self._state[r]
+            st.resident = plan.resident.get(rid)
             st.num_computed = self._open(r)
             if r.admit_time is None:
                 r.admit_time = now

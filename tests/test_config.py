@@ -113,6 +113,7 @@ BAD = [(LoadConfig, "model", 3), (LoadConfig, "dtype", "fp8"),
        (CacheConfig, "kv_heavy_ratio", 1.5), (CacheConfig, "kv_placement_interval", 0),
        (SchedulerConfig, "max_num_batched_tokens", 0), (SchedulerConfig, "restore_planning", 1),
        (SchedulerConfig, "store_read_ahead", "yes"),
+       (SchedulerConfig, "layer_offload", 1),
        (StoreConfig, "host_cache_bytes", -1), (StoreConfig, "disk_cache_bytes", -1),
        (StoreConfig, "store_dir", 5), (StoreConfig, "store_spec", 5),
        (StoreConfig, "eviction_policy", "random")]

@@ -14,10 +14,13 @@ from jkv.planning import (
     OutputLengths,
     RestoreDecision,
     RestoreRates,
+    min_resident,
     plan_restore,
     plan_step,
     restore_pays,
     split_share,
+    step_fits,
+    step_pages,
 )
 from jkv.store.store import Hit
 
@@ -40,6 +43,22 @@ def running(rid: str, held: int, arrival: float = 0.0, pending: int = 1, **kw) -
 
 
 # ---------------------------------------------------------------------------- plan_step
+
+LAYERS, HEADS = 4, 2  # the layer-offload tests' model: 8 pages per block, 2 per layer
+LAYERED = PageCost(PS, LAYERS * HEADS, layers=LAYERS)
+
+
+def layered(**kw) -> Budget:
+    return budget(cost=LAYERED, layer_offload=True, **kw)
+
+
+def offloadable(rid: str, held: int, arrival: float, resident: int | None = None,
+                **kw) -> Candidate:
+    """A running request of the layered model holding its own pages (nothing shared)."""
+    r = LAYERS if resident is None else resident
+    own = -(-held // PS) * HEADS
+    return running(rid, held, arrival, pin_pages=own * r, offload_pages=own * r,
+                   fetch_pages=own * (LAYERS - r), resident=resident, **kw)
 
 
 def test_fcfs_chunks_prefill_under_the_token_budget_after_decodes():
@@ -272,3 +291,57 @@ def test_a_restore_is_split_where_the_device_overlaps_copies_and_compute():
     assert restore(16, hit(30)).recompute == 0.0  # FAST: no overlap, a whole load
     assert restore(16, hit(30), rates=overlapped, probe=True).recompute == 0.0  # a probe loads
     assert restore(16, hit(30), rates=overlapped, planning=False).recompute == 0.0
+
+
+# ---------------------------------------------------------------------------- layer offload
+
+
+def test_step_pages_count_resident_layers_and_one_offloaded_layer_in_flight():
+    assert step_pages(LAYERED, None, 15, 2) == 8  # a new block in every layer
+    assert step_pages(LAYERED, 3, 15, 2) == 3 * 2 + 2 * 2  # 3 layers' new block + one layer
+    assert step_pages(LAYERED, 0, 0, 40) == 3 * 2  # one layer of 3 blocks in flight
+    for resident in (None, 0, 1, 3):
+        for pages in range(0, 30):
+            n = step_fits(LAYERED, resident, 10, 60, pages)
+            assert n == 0 or step_pages(LAYERED, resident, 10, n) <= pages
+            assert n == 60 or step_pages(LAYERED, resident, 10, n + 1) > pages
+
+
+def test_short_of_pages_the_newest_request_offloads_layers_instead_of_being_preempted():
+    # two decodes each crossing into a new block: 16 pages needed, 10 available
+    a, b = offloadable("a", 32, 1.0), offloadable("b", 48, 2.0)
+    plan = plan_step([a, b], [], layered(available_pages=10))
+    assert plan.preempt == [] and plan.decode == ["a", "b"]
+    # b (the newest) keeps as many layers as the gap allows: with r resident it takes
+    # 2r new pages + one layer of 4 blocks in flight (8) and frees 6 per offloaded layer
+    keep = plan.offload["b"]
+    assert list(plan.offload) == ["b"] and 0 <= keep < LAYERS
+    assert 8 + 2 * keep + 8 <= 10 + 6 * (LAYERS - keep)
+    assert keep == LAYERS - 1 or 8 + 2 * (keep + 1) + 8 > 10 + 6 * (LAYERS - keep - 1)
+    # without layer offload it is preempted
+    assert plan_step([a, b], [], budget(cost=LAYERED, available_pages=10)).preempt == ["b"]
+
+
+def test_offloaded_layers_come_back_when_the_forecast_allows_and_admission_keeps_fewer():
+    a = offloadable("a", 20, 1.0, resident=1)  # 3 layers of 2 blocks on the host: 12 pages
+    plan = plan_step([a], [], layered(available_pages=100))
+    assert plan.fetch == ["a"] and plan.offload == {}
+    plan = plan_step([a], [], layered(available_pages=11))  # the fetch does not fit
+    assert plan.fetch == [] and plan.decode == ["a"]
+    # a 64-token chunk needs 4 blocks x 8 pages; with 20 pages it starts with 1 layer
+    # resident (8 + one layer in flight: 8) and never fewer than min_resident
+    chunk = dict(chunk=64, max_tokens=64)
+    plan = plan_step([], [waiting("w", 64)], layered(available_pages=20, **chunk))
+    assert plan.admit == ["w"] and plan.resident == {"w": 1}
+    plan = plan_step([], [waiting("w", 64)], layered(available_pages=20, min_resident=2,
+                                                     **chunk))
+    assert plan.admit == [] and plan.resident == {}
+    plan = plan_step([], [waiting("w", 64)], layered(available_pages=40, **chunk))
+    assert plan.admit == ["w"] and plan.resident == {}  # all fits: all resident
+
+
+def test_min_resident_hides_the_copy_out_behind_the_prefill():
+    # 1 ms a token, 1 GB/s out of the pool, 200 KB a token per layer: 5 layers' copies hide
+    assert min_resident(30, 200_000, 1e9, 1e-3) == 25
+    assert min_resident(30, 200_000, 1e12, 1e-3) == 0
+    assert min_resident(30, 200_000, 0.0, 1e-3) == 0  # not measured: offload freely

@@ -85,17 +85,74 @@ def test_device_cache_bytes_bounds_the_cached_blocks(params):
     assert len(eng.cache.prefix) == 3 and eng.cache.pages_used == 3 * eng.cache.block_pages
 
 
-def test_out_of_pages_preempts_and_recomputes_with_the_same_tokens(params):
+@pytest.mark.parametrize("layer_offload", [False, True])
+def test_out_of_pages_preempts_or_offloads_layers_with_the_same_tokens(params, layer_offload):
+    """Short of pages, running requests are preempted and recomputed, or (LayerKV) keep
+    running with some layers on the host, fetched back once pages free up."""
     prompts = prompts_of((20, 22, 24, 26))
     big = run(Scheduler(engine(params, enable_prefix_caching=False)), prompts, n=20)
     # 4 requests growing to 44..46 tokens need 24 blocks; the pool holds 17 (one sequence of
     # max_model_len 64 needs 8)
     eng = engine(params, pages=17 * 4 + 1, enable_prefix_caching=False)
-    sched = Scheduler(eng)
+    sched = Scheduler(eng, SchedulerConfig(layer_offload=layer_offload))
     small = run(sched, prompts, n=20)
-    assert sched.stats.preemptions > 0 and sched.stats.recomputed_tokens > 0
+    if layer_offload:
+        snap = sched.snapshot()["layer_offload"]
+        assert sched.stats.preemptions == 0 and sched.stats.recomputed_tokens == 0
+        assert snap["layers_offloaded"] > 0 and snap["bytes_to_host"] > 0
+        assert snap["fetches"] > 0  # brought back as the others finished
+        from jkv.metrics import Metrics
+
+        metrics = Metrics()
+        metrics.sync(sched.snapshot())
+        text = metrics.render().decode()
+        assert f"jkv_layer_offload_layers_total {float(snap['layers_offloaded'])}" in text
+        assert "jkv_layer_offload_requests 0.0" in text  # none left offloaded
+    else:
+        assert sched.stats.preemptions > 0 and sched.stats.recomputed_tokens > 0
     assert [r.output for r in small] == [r.output for r in big]
     assert eng.cache.free_pages == eng.cache.total_pages
+
+
+def test_a_prompt_arriving_at_a_full_pool_starts_at_once_with_its_layers_offloaded(params):
+    """LayerKV: two long decodes hold the pool; a third prompt arrives. Without layer
+    offload it waits for pages (and the two others outgrow the pool: one is preempted);
+    with it, it is admitted at once with its layers on the host, and nothing is preempted;
+    every request's tokens are those it gets alone."""
+    cfg = TINY.replace(num_layers=8)  # a layer's pages: an eighth of a request's
+    deep = random_params(cfg, seed=5, dtype=jnp.float32)
+
+    def make(pages: int) -> Engine:
+        return Engine(cfg, deep, cache=CacheConfig(page_size=8, kv_cache_bytes=pages * PAGE_BYTES),
+                      config=EngineConfig(max_model_len=64, max_num_seqs=4, prefill_chunk=16,
+                                          enable_prefix_caching=False))
+
+    prompts = prompts_of((40, 40, 40), seed=7)
+    alone = [run(Scheduler(make(512)), [p], n=20)[0].output for p in prompts]
+    for offload in (False, True):
+        # 13 blocks: the two running requests hold 6 each when the third arrives, 8 at the end
+        eng = make(13 * 16 + 1)
+        sched = Scheduler(eng, SchedulerConfig(layer_offload=offload))
+        reqs = [Request(p, SamplingParams(max_tokens=20, temperature=0)) for p in prompts]
+        for r in reqs[:2]:
+            sched.add(r)
+        first_token, finished = None, []
+        for i in range(300):  # bounded: a stalled loop fails here instead of hanging
+            if i == 8:
+                sched.add(reqs[2])  # both others decoding by now
+            if i > 8 and not sched.num_unfinished:
+                break
+            finished += [i for r in sched.step() if r is not reqs[2]]
+            if reqs[2].output and first_token is None:
+                first_token = i
+        assert not sched.num_unfinished
+        assert [r.output for r in reqs] == alone
+        assert eng.cache.free_pages == eng.cache.total_pages
+        if offload:  # its prefill ran at once: 40 tokens, 14 a step beside the 2 decodes
+            assert first_token == 8 + 2 < finished[0]
+            assert sched.stats.preemptions == 0 and sched.stats.admitted_offloaded == 1
+        else:  # it waited for pages; the two others alone outgrow the pool (16 blocks)
+            assert first_token > 8 + 2 and sched.stats.preemptions > 0
 
 
 def test_prefills_that_fill_the_pool_do_not_stall(params):

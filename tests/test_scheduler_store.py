@@ -227,7 +227,7 @@ def test_a_preempted_request_saves_what_it_holds_and_resumes_from_the_store(para
             17 * 4 + 1) * PAGE_BYTES), config=EngineConfig(
             max_model_len=64, max_num_seqs=4, prefill_chunk=16, enable_prefix_caching=False))
 
-    without = Scheduler(small())
+    without = Scheduler(small(), SchedulerConfig(layer_offload=False))
     alone = [request(p, n=20) for p in prompts]
     generate_all(without, alone)
     eng = small()
@@ -239,7 +239,8 @@ def test_a_preempted_request_saves_what_it_holds_and_resumes_from_the_store(para
         return write(*args, **kw)
 
     monkeypatch.setattr(store, "_write", slow_write)
-    sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
+    sched = Scheduler(eng, SchedulerConfig(restore_planning=False, layer_offload=False),
+                      store=store)
     reqs = [request(p, n=20) for p in prompts]
     generate_all(sched, reqs)
     snap = sched.snapshot()

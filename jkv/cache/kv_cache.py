@@ -96,7 +96,8 @@ class KVCacheManager:
         self.tiers = tiers
         # token tiers take a row's pages as its pages fill (the page being filled stays
         # beside the pool); otherwise a row's next page is taken with its first token
-        self.cost = PageCost(page_size, num_layers * num_kv_heads, on_fill=tiers is not None)
+        self.cost = PageCost(page_size, num_layers * num_kv_heads, on_fill=tiers is not None,
+                             layers=num_layers)
         self.one_page = one_page = page_bytes(kv_format, page_size, head_dim, dtype)
         num_pages = kv_cache_bytes // one_page
         # table width; with tiers, room for both sides' partly filled pages, and a multiple
@@ -202,6 +203,11 @@ class KVCacheManager:
         """New pages `slot` needs to hold `num_tokens` more tokens (in its resident layers)."""
         grow = self.cost.grow(len(self.slot_tokens[slot]), num_tokens)
         return grow // self.num_layers * self.resident(slot)
+
+    def pages_offloadable(self, slot: int) -> int:
+        """Pages offloading every resident layer of `slot` frees (its own, not shared)."""
+        own = -(-len(self.slot_tokens[slot]) // self.page_size) - len(self._slot_rows[slot])
+        return max(own, 0) * self.num_kv_heads * self.resident(slot)
 
     def pages_held(self, slot: int) -> int:
         """Pages of the pool `slot` holds (shared ones included)."""

@@ -19,6 +19,7 @@ here changes the host count of free pages by exactly what it frees or takes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.averages import moving_average
 from jkv.cache.allocator import FreeList, PageTables, reserve, unref
 from jkv.cache.connector import power_of_two_runs
 from jkv.cache.kv_cache import KVCacheManager
@@ -106,6 +108,7 @@ class LayerOffload:
         self.cache = cache
         self.offloaded_bytes = 0  # copied to the host, over the engine's life
         self.fetched_bytes = 0  # copied back into the pool
+        self.offload_bytes_per_s = 0.0  # measured copy rate out of the pool (LayerKV eq. 4)
         self._unchecked: list[jax.Array] = []  # a step's reservation flags, read by `settle`
 
     def layers(self, slot: int) -> list[int]:
@@ -137,9 +140,15 @@ class LayerOffload:
         tokens = len(c.slot_tokens[slot])
         first = len(c.shared_rows(slot))
         held = c.offloaded.setdefault(slot, {})
+        compiled, t0, before = gather_pages._cache_size(), time.perf_counter(), \
+            self.offloaded_bytes
         for layer in layers:
             held[layer] = HostLayer(first)
             self._copy_out(c.pool, slot, layer, held[layer], tokens // c.page_size)
+        self.settle()  # on the host now: the copy timed (a compile is not a copy rate)
+        if gather_pages._cache_size() == compiled and self.offloaded_bytes > before:
+            rate = (self.offloaded_bytes - before) / max(time.perf_counter() - t0, 1e-9)
+            self.offload_bytes_per_s = moving_average(self.offload_bytes_per_s, rate)
         c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), self._mask(layers),
                                        jnp.int32(first))
         freed = self._own_pages(slot, first, tokens) * len(layers)

@@ -20,11 +20,18 @@ class PageCost:
     page_size: int
     heads: int
     on_fill: bool = False
+    layers: int = 1  # of which `heads` are layers x KV heads (layer-wise offload's unit)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.heads <= 0:
             raise ValueError(f"page_size and heads must be positive, got {self.page_size} "
                              f"and {self.heads}")
+        if self.layers <= 0 or self.heads % self.layers:
+            raise ValueError(f"layers must divide heads ({self.heads}), got {self.layers}")
+
+    def layer_pages(self, tokens: int) -> int:
+        """Pages one layer of a sequence holding `tokens` tokens occupies."""
+        return self.pages(tokens) // self.layers
 
     def pages(self, tokens: int) -> int:
         """Pages a sequence holding `tokens` tokens occupies (at most, with token tiers)."""
