@@ -140,12 +140,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, caching: bool) -> tuple[subprocess.Popen, str]:
+def start_server(args, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """A jkv server on a free local port with `args.server_args` and `flags`, once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "jkv.server", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(args.max_model_len), "--log-level", "warning",
-           "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
-           *shlex.split(args.server_args)]
+           *flags, *shlex.split(args.server_args)]
     proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.startup_timeout
@@ -160,6 +160,21 @@ def start_server(args, caching: bool) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
     proc.kill()
     raise SystemExit(f"the server did not come up in {args.startup_timeout} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def device_kind() -> str:
+    """The accelerator the servers run on, as JAX names it."""
+    return subprocess.run([sys.executable, "-c",
+                           "import jax; print(jax.devices()[0].device_kind)"],
+                          capture_output=True, text=True).stdout.strip()
 
 
 def scrape(base: str) -> dict:
@@ -280,7 +295,8 @@ def main() -> None:
           f"{np.mean([t > 1 for t in turns]):.0%} multi-turn)")
     rows, device = {}, None
     for setting in args.settings.split(","):
-        proc, base = start_server(args, caching=setting == "on")
+        proc, base = start_server(args, ["--enable-prefix-caching" if setting == "on"
+                                         else "--no-enable-prefix-caching"])
         try:
             model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             # warm-up: compile the common shapes before the clock starts
@@ -289,15 +305,9 @@ def main() -> None:
             before = scrape(base)
             results, elapsed = asyncio.run(run_workload(base, model, convs, args))
             rows[f"prefix caching {setting}"] = summarize(results, elapsed, before, scrape(base))
-            device = device or subprocess.run(
-                [sys.executable, "-c", "import jax; print(jax.devices()[0].device_kind)"],
-                capture_output=True, text=True).stdout.strip()
+            device = device or device_kind()
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
     print(f"\n{'setting':<20}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
           f"{'out tok/s':>11}{'turns/s':>9}{'hit rate':>10}{'compiles':>10}{'errors':>8}")

@@ -11,7 +11,7 @@ import pytest
 from test_engine_formats import TINY, greedy, make_engine
 
 from jkv.cache.page_pool import page_bytes
-from jkv.config import KV_FORMATS, CacheConfig, EngineConfig, KVFormat
+from jkv.config import KV_FORMATS, CacheConfig, EngineConfig, KVFormat, SchedulerConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
 from jkv.sampling import SamplingParams
@@ -179,7 +179,8 @@ def test_leankv_pages_stay_exact_through_preemption_and_admit_more(tiny_params):
     cache = CacheConfig(page_size=PAGE, kv_cache_bytes=pool_bytes, kv_format="k8v4t")
     plain = Engine(TINY, tiny_params, cache=cache, config=EngineConfig(
         max_model_len=128, max_num_seqs=4, attention_backend="xla", prefill_chunk=16))
-    plain_sched = Scheduler(plain)
+    # (without layer offload, which admits more by holding layers on the host instead)
+    plain_sched = Scheduler(plain, SchedulerConfig(layer_offload=False))
     for r in requests():
         plain_sched.add(r)
     plain_peak = 0
