@@ -353,13 +353,11 @@ class KVConnector:
         c = self.cache
         arrays = gather_pages(c.pool, ids).arrays()
         for layer, h in c.offloaded.get(slot, {}).items():  # those blocks are on the host
-            start = h.first
-            for part in h.parts:
-                stop = min(start + part.k.shape[0], n)
-                if stop > start:
-                    arrays = {f: x.at[start:stop, layer].set(part.arrays()[f][:stop - start])
-                              for f, x in arrays.items()}
-                start += part.k.shape[0]
+            stop = min(h.first + h.blocks, n)
+            if stop > h.first:
+                host = h.host().arrays()
+                arrays = {f: x.at[h.first:stop, layer].set(host[f][:stop - h.first])
+                          for f, x in arrays.items()}
         return SavedPages(n, arrays, block_hashes(c.slot_tokens[slot], c.page_size,
                                                   c.hash_seed))
 

@@ -29,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.averages import moving_average
+from jkv.buckets import bucket
 from jkv.cache.allocator import FreeList, PageTables, reserve, unref
-from jkv.cache.connector import power_of_two_runs
 from jkv.cache.kv_cache import KVCacheManager
-from jkv.cache.transfer import gather_pages, scatter_pages
 from jkv.pallas_kernels.kv_pages import NULL_PAGE, KVPages
 
 
@@ -48,36 +47,78 @@ def resident_layers(num_layers: int, keep: int) -> np.ndarray:
 @dataclass
 class HostLayer:
     """One offloaded (slot, layer): the slot's table keeps blocks [0, first) of it (shared
-    with the prefix cache), the host holds its own full blocks from `first` on."""
+    with the prefix cache), the host holds its own full blocks from `first` on: `blocks` of
+    them, in `pages` (host arrays [capacity, KV heads, ...], grown by doubling)."""
 
     first: int
-    # its full blocks' pages [k, KV heads, ...] in order: device arrays being copied to the
-    # host until `settle`, then host arrays
-    parts: list[KVPages] = field(default_factory=list)
+    pages: KVPages | None = None
+    blocks: int = 0
+    # copies on their way to the host: (index of its first block, blocks, device pages)
+    pending: list[tuple[int, int, KVPages]] = field(default_factory=list)
 
-    @property
-    def blocks(self) -> int:
-        return sum(p.k.shape[0] for p in self.parts)
+    def add(self, index: int, count: int, pages: KVPages) -> None:
+        """Blocks [index, index + count) are `pages`[:count] (device arrays being copied)."""
+        for x in pages.arrays().values():
+            x.copy_to_host_async()
+        self.pending.append((index, count, pages))
+        self.blocks = max(self.blocks, index + count)
+
+    def settle(self) -> None:
+        """Write the copies on their way into `pages`."""
+        for index, count, part in self.pending:
+            part = jax.device_get(part)
+            if self.pages is None or self.pages.k.shape[0] < self.blocks:
+                size = bucket(self.blocks)
+                grown = jax.tree.map(lambda x, n=size: np.zeros((n, *x.shape[1:]), x.dtype),
+                                     part)
+                if self.pages is not None:
+                    old = self.pages.k.shape[0]
+                    grown = jax.tree.map(lambda g, x, m=old: _put(g, 0, x[:m]), grown,
+                                         self.pages)
+                self.pages = grown
+            self.pages = jax.tree.map(lambda g, x, i=index, n=count: _put(g, i, x[:n]),
+                                      self.pages, part)
+        self.pending = []
+
+    def host(self) -> KVPages:
+        """Its blocks as host arrays [blocks, KV heads, ...] (copies settled)."""
+        self.settle()
+        return jax.tree.map(lambda x: x[:self.blocks], self.pages)
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        return 0 if self.pages is None else self.pages.nbytes * self.blocks // len(self.pages.k)
 
 
-@partial(jax.jit, static_argnames="count")
-def layer_page_ids(pages: jax.Array, slot: jax.Array, layer: jax.Array, first: jax.Array,
-                   count: int) -> jax.Array:
+def _put(dest: np.ndarray, index: int, src: np.ndarray) -> np.ndarray:
+    dest[index:index + len(src)] = src
+    return dest
+
+
+def _row_ids(tables: PageTables, slot: jax.Array, layer: jax.Array, first: jax.Array,
+             count: int) -> jax.Array:
     """Page ids of table columns [first, first + count) of (slot, layer) as [count, KV
-    heads] (pages: the tables' [S, L, H, W])."""
+    heads]; columns past the row's pages read as the null page."""
     cols = first + jnp.arange(count)
-    return jnp.take(pages[slot, layer], cols, axis=-1, mode="fill", fill_value=NULL_PAGE).T
+    row = tables.pages[slot, layer]  # [H, W]
+    ids = jnp.take(row, cols, axis=-1, mode="fill", fill_value=NULL_PAGE)
+    return jnp.where(cols < tables.num_pages[slot, layer][:, None], ids, NULL_PAGE).T
+
+
+def _layer_mask(tables: PageTables, layers: jax.Array) -> jax.Array:
+    """bool [L] from one layer index or a bool mask."""
+    if layers.dtype == jnp.bool_:
+        return layers
+    return jnp.arange(tables.num_pages.shape[1]) == layers
 
 
 @jax.jit
 def drop_layers(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax.Array,
                 first: jax.Array) -> tuple[FreeList, PageTables]:
-    """Drop the entries of `slot`'s rows of `layers` (bool [L]) from column `first` on:
-    their references go, pages no one else holds are freed; the rows keep `first` pages."""
+    """Drop the entries of `slot`'s rows of `layers` (bool [L], or one layer index) from
+    column `first` on: their references go, pages no one else holds are freed; the rows keep
+    `first` pages."""
+    layers = _layer_mask(tables, layers)
     row, held = tables.pages[slot], tables.num_pages[slot]  # [L, H, W], [L, H]
     j = jnp.arange(row.shape[-1])
     drop = layers[:, None, None] & (j >= first) & (j < held[..., None])
@@ -87,15 +128,29 @@ def drop_layers(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax
             jnp.where(layers[:, None], jnp.minimum(held, first), held)))
 
 
-@jax.jit
-def grow_layers(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax.Array,
-                tokens: jax.Array) -> tuple[FreeList, PageTables, jax.Array]:
-    """Give `slot`'s rows of `layers` (bool [L]) the pages to hold `tokens` tokens; no other
-    row changes. Returns (free, tables, ok) as `reserve` does."""
+@partial(jax.jit, static_argnames="count")
+def copy_layer_out(pool: KVPages, tables: PageTables, slot: jax.Array, layer: jax.Array,
+                   start: jax.Array, count: int) -> KVPages:
+    """The pages of table columns [start, start + count) of (slot, layer): [count, KV heads,
+    ...] (columns past the row's pages: the null page's contents)."""
+    return pool.take(_row_ids(tables, slot, layer, start, count))
+
+
+@partial(jax.jit, donate_argnums=2)
+def bring_layer(free: FreeList, tables: PageTables, pool: KVPages, slot: jax.Array,
+                layer: jax.Array, tokens: jax.Array, first: jax.Array, blocks: jax.Array,
+                pages: KVPages) -> tuple[FreeList, PageTables, KVPages, jax.Array]:
+    """Give (slot, layer) the pages to hold `tokens` tokens and write `pages` (its host copy
+    [capacity, KV heads, ...], the first `blocks` real) into columns [first, first +
+    blocks): one call per layer. Returns (free, tables, pool, ok) as `reserve` does."""
     s, n_layers, heads = tables.num_pages.shape
+    mask = jnp.arange(n_layers) == layer
     want = jnp.zeros((s, n_layers, heads), jnp.int32).at[slot].set(
-        jnp.where(layers[:, None], tokens, 0))
-    return reserve(free, tables, jnp.zeros((s,), jnp.int32), want)
+        jnp.where(mask[:, None], tokens, 0))
+    free, tables, ok = reserve(free, tables, jnp.zeros((s,), jnp.int32), want)
+    ids = _row_ids(tables, slot, layer, first, pages.k.shape[0])
+    ids = jnp.where((jnp.arange(ids.shape[0]) < blocks)[:, None], ids, NULL_PAGE)
+    return free, tables, pool.put(ids, pages), ok
 
 
 class LayerOffload:
@@ -110,18 +165,16 @@ class LayerOffload:
         self.fetched_bytes = 0  # copied back into the pool
         self.offload_bytes_per_s = 0.0  # measured copy rate out of the pool (LayerKV eq. 4)
         self._unchecked: list[jax.Array] = []  # a step's reservation flags, read by `settle`
+        heads = cache.num_kv_heads  # what a layer with nothing on the host brings in
+        self._empty = jax.tree.map(lambda x: np.zeros((1, heads, *x.shape[1:]), x.dtype),
+                                   cache.pool)
 
     def layers(self, slot: int) -> list[int]:
         """The offloaded layers of `slot`."""
         return sorted(self.cache.offloaded.get(slot, {}))
 
-    def _mask(self, layers: Sequence[int]) -> jax.Array:
-        mask = np.zeros(self.cache.num_layers, bool)
-        mask[list(layers)] = True
-        return jnp.asarray(mask)
-
-    def _own_pages(self, slot: int, first: int, tokens: int) -> int:
-        """Pages one layer of `slot` holds past its shared blocks when it holds `tokens`."""
+    def _own_pages(self, first: int, tokens: int) -> int:
+        """Pages one layer holds past its `first` shared blocks when it holds `tokens`."""
         return (-(-tokens // self.cache.page_size) - first) * self.cache.num_kv_heads
 
     # ------------------------------------------------------------------ idle slots
@@ -140,36 +193,41 @@ class LayerOffload:
         tokens = len(c.slot_tokens[slot])
         first = len(c.shared_rows(slot))
         held = c.offloaded.setdefault(slot, {})
-        compiled, t0, before = gather_pages._cache_size(), time.perf_counter(), \
-            self.offloaded_bytes
+        compiled, t0, before = (copy_layer_out._cache_size(), time.perf_counter(),
+                                self.offloaded_bytes)
         for layer in layers:
             held[layer] = HostLayer(first)
             self._copy_out(c.pool, slot, layer, held[layer], tokens // c.page_size)
-        self.settle()  # on the host now: the copy timed (a compile is not a copy rate)
-        if gather_pages._cache_size() == compiled and self.offloaded_bytes > before:
+        for layer in layers:  # on the host now: the copy timed (a compile is not a rate)
+            held[layer].settle()
+        if copy_layer_out._cache_size() == compiled and self.offloaded_bytes > before:
             rate = (self.offloaded_bytes - before) / max(time.perf_counter() - t0, 1e-9)
             self.offload_bytes_per_s = moving_average(self.offload_bytes_per_s, rate)
-        c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), self._mask(layers),
+        mask = np.zeros(c.num_layers, bool)
+        mask[layers] = True
+        c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), jnp.asarray(mask),
                                        jnp.int32(first))
-        freed = self._own_pages(slot, first, tokens) * len(layers)
+        freed = self._own_pages(first, tokens) * len(layers)
         c.free_pages += freed
         return freed
 
     def pages_to_fetch(self, slot: int) -> int:
         """Pages `fetch(slot)` takes."""
         c = self.cache
-        return sum(self._own_pages(slot, h.first, len(c.slot_tokens[slot]))
+        return sum(self._own_pages(h.first, len(c.slot_tokens[slot]))
                    for h in c.offloaded.get(slot, {}).values())
 
     def fetch(self, slot: int) -> None:
         """Bring every offloaded layer of `slot` back into the pool. RuntimeError when the
         pages cannot be had (check `pages_to_fetch` against `available_pages` first)."""
         c = self.cache
-        layers = self.layers(slot)
-        if not layers:
-            return
-        c.pool = self._copy_in(c.pool, slot, layers, len(c.slot_tokens[slot]))
-        del c.offloaded[slot]
+        if self.pages_to_fetch(slot) > c.available_pages:
+            raise RuntimeError(f"fetching the layers of slot {slot} needs "
+                               f"{self.pages_to_fetch(slot)} pages and only "
+                               f"{c.available_pages} can be had")
+        for layer in self.layers(slot):
+            c.pool = self._copy_in(c.pool, slot, layer, len(c.slot_tokens[slot]))
+        c.offloaded.pop(slot, None)
         self._check()
 
     # ------------------------------------------------------------------ inside a step
@@ -177,7 +235,7 @@ class LayerOffload:
     def bring(self, slot: int, layer: int, tokens: int, pool: KVPages) -> KVPages:
         """Before layer `layer` of a step after which `slot` holds `tokens` tokens: its
         pages for all of them, the host copy written in; returns the pool."""
-        return self._copy_in(pool, slot, [layer], tokens)
+        return self._copy_in(pool, slot, layer, tokens)
 
     def send(self, slot: int, layer: int, tokens: int, pool: KVPages) -> None:
         """After layer `layer` of that step: its new full pages copied out, its own pages
@@ -185,9 +243,9 @@ class LayerOffload:
         c = self.cache
         h = c.offloaded[slot][layer]
         self._copy_out(pool, slot, layer, h, tokens // c.page_size)
-        c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), self._mask([layer]),
+        c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), jnp.int32(layer),
                                        jnp.int32(h.first))
-        c.free_pages += self._own_pages(slot, h.first, tokens)
+        c.free_pages += self._own_pages(h.first, tokens)
 
     def step_pages(self, lengths: dict[int, int]) -> int:
         """The most pages a step's `bring`s hold at once: one layer's of every row with that
@@ -196,22 +254,16 @@ class LayerOffload:
         per_layer = np.zeros(c.num_layers, np.int64)
         for slot, n in lengths.items():
             for layer, h in c.offloaded.get(slot, {}).items():
-                per_layer[layer] += self._own_pages(slot, h.first, n)
+                per_layer[layer] += self._own_pages(h.first, n)
         return int(per_layer.max(initial=0))
 
     def settle(self) -> None:
-        """After a step: hold every host copy as host arrays in power-of-two runs (the
-        device copies made in the step are freed; a decode step adds a block at a time)."""
+        """After a step: the copies it sent are written into the host copies (the device
+        arrays are freed), and its reservations checked."""
         self._check()
         for held in self.cache.offloaded.values():
             for h in held.values():
-                if all(isinstance(p.k, np.ndarray) for p in h.parts) and len(h.parts) <= len(
-                        power_of_two_runs(h.blocks)):
-                    continue
-                whole = jax.tree.map(lambda *xs: np.concatenate(xs),
-                                     *jax.device_get(h.parts))
-                h.parts = [jax.tree.map(lambda x, a=a, b=b: x[a:b], whole)
-                           for a, b in power_of_two_runs(h.blocks)]
+                h.settle()
 
     def _check(self) -> None:
         oks, self._unchecked = self._unchecked, []
@@ -222,40 +274,33 @@ class LayerOffload:
 
     def _copy_out(self, pool: KVPages, slot: int, layer: int, h: HostLayer,
                   full: int) -> None:
-        """Append blocks [first + h.blocks, full) of (slot, layer) to `h`, as device copies
-        on their way to the host."""
+        """Queue blocks [first + h.blocks, full) of (slot, layer) for `h` (device copies on
+        their way to the host: one gather, a power-of-two of columns)."""
         c = self.cache
         start = h.first + h.blocks
-        for a, b in power_of_two_runs(max(full - start, 0)):
-            ids = layer_page_ids(c.tables.pages, jnp.int32(slot), jnp.int32(layer),
-                                 jnp.int32(start + a), count=b - a)
-            part = gather_pages(pool, ids)
-            for x in part.arrays().values():
-                x.copy_to_host_async()
-            h.parts.append(part)
-            self.offloaded_bytes += part.nbytes
+        n = full - start
+        if n <= 0:
+            return
+        pages = copy_layer_out(pool, c.tables, jnp.int32(slot), jnp.int32(layer),
+                               jnp.int32(start), count=bucket(n))
+        h.add(h.blocks, n, pages)
+        self.offloaded_bytes += pages.nbytes * n // bucket(n)
 
-    def _copy_in(self, pool: KVPages, slot: int, layers: Sequence[int],
-                 tokens: int) -> KVPages:
-        """Give (slot, layer) for each of `layers` the pages to hold `tokens` tokens and
-        write its host copy into them."""
+    def _copy_in(self, pool: KVPages, slot: int, layer: int, tokens: int) -> KVPages:
+        """Give (slot, layer) the pages to hold `tokens` tokens and write its host copy into
+        them (one call); returns the pool."""
         c = self.cache
-        need = sum(self._own_pages(slot, c.offloaded[slot][x].first, tokens) for x in layers)
+        h = c.offloaded[slot][layer]
+        need = self._own_pages(h.first, tokens)
         if not c.make_room(need):
-            raise RuntimeError(f"bringing back {len(layers)} layers of slot {slot} needs "
-                               f"{need} pages and only {c.available_pages} can be had")
-        c.free, c.tables, ok = grow_layers(c.free, c.tables, jnp.int32(slot),
-                                           self._mask(layers), jnp.int32(tokens))
+            raise RuntimeError(f"bringing back layer {layer} of slot {slot} needs {need} "
+                               f"pages and only {c.available_pages} can be had")
+        h.settle()
+        pages = self._empty if h.pages is None else h.pages
+        c.free, c.tables, pool, ok = bring_layer(
+            c.free, c.tables, pool, jnp.int32(slot), jnp.int32(layer), jnp.int32(tokens),
+            jnp.int32(h.first), jnp.int32(h.blocks), jax.device_put(pages))
         c.free_pages -= need
-        for layer in layers:
-            h = c.offloaded[slot][layer]
-            start = h.first
-            for part in h.parts:
-                k = part.k.shape[0]
-                ids = layer_page_ids(c.tables.pages, jnp.int32(slot), jnp.int32(layer),
-                                     jnp.int32(start), count=k)
-                pool = scatter_pages(pool, ids, jax.device_put(part))
-                self.fetched_bytes += part.nbytes
-                start += k
+        self.fetched_bytes += h.nbytes
         self._unchecked.append(ok)
         return pool

@@ -1,0 +1,140 @@
+"""What LayerKV's layer-wise offload costs: a prompt prefilled with some of its layers held on
+the host (each brought through the pool for its layer's turn) against the same prompt with
+every layer resident, decode steps with offloaded layers against resident ones, and the time
+to fetch offloaded layers back, side by side in one run on the same inputs.
+
+    python benchmarks/layer_offload.py                       # SmolLM2 (embedded), CPU
+    python benchmarks/layer_offload.py --preset llama3-8b --lengths 2048,8192   # GPU
+
+For each prompt length and each resident-layer count (`--resident`; the model's layer count
+is all resident) one engine prefills the prompt in `--prefill-chunk` chunks, decodes
+`--decode-steps` tokens with a batch of one, and (offloaded runs) fetches the layers back and
+decodes as many again. Each run is repeated (`--repeats`, after one untimed run that
+compiles); medians are reported, with each offloaded run's ratio to the resident one.
+Writes benchmarks/results/layer_offload-<device>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from results_io import write_results
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jkv.config import PRESETS, CacheConfig, EngineConfig  # noqa: E402
+from jkv.engine import Engine, Row  # noqa: E402
+from jkv.models.loaders import random_params  # noqa: E402
+from jkv.models.params_cache import load_params  # noqa: E402
+from jkv.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def one_run(eng: Engine, prompt: list[int], resident: int | None, steps: int,
+            chunk: int) -> dict[str, float]:
+    """Seconds: the prefill, a decode step (mean of `steps`), and with offloaded layers the
+    fetch and a decode step after it."""
+    key = eng.request_key(0)
+    t0 = time.perf_counter()
+    slot, pos = eng.open(prompt, use_prefix_cache=False, resident=resident)
+    while pos < len(prompt):
+        (s,), _ = eng.step([Row(slot, prompt[pos:pos + chunk], GREEDY, key)], [])
+        pos += chunk
+    out = {"prefill": time.perf_counter() - t0}
+    token = s.token
+
+    def decode(n: int) -> float:
+        nonlocal token
+        t = time.perf_counter()
+        for i in range(n):
+            _, (d,) = eng.step([], [Row(slot, [token], GREEDY, key, i + 1)])
+            token = d.token
+        return (time.perf_counter() - t) / n
+
+    out["decode_step"] = decode(steps)
+    if eng.offloaded_layers(slot):
+        t0 = time.perf_counter()
+        eng.fetch_layers(slot)
+        jax.block_until_ready(eng.cache.pool)
+        out["fetch"] = time.perf_counter() - t0
+        out["decode_step_fetched"] = decode(steps)
+    eng.close(slot, keep=False)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="a .gguf file or HF directory (default: the embedded SmolLM2)")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                    help="random weights at a known model's shapes instead")
+    ap.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")
+    ap.add_argument("--resident", default="0,10",
+                    help="resident layer counts to compare with all layers resident")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="engine prefill chunk")
+    ap.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per run")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                    help="directory for the JSON results")
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    max_len = max(lengths) + 2 * args.decode_steps + 16
+    if args.preset:
+        cfg = PRESETS[args.preset]
+        cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, max_len))
+        params = random_params(cfg, args.seed, dtype)
+    else:
+        cfg, params = load_params(args.model, dtype)
+    settings = [None] + [int(x) for x in args.resident.split(",") if int(x) < cfg.num_layers]
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    eng = Engine(cfg, params, cache=CacheConfig(page_size=16, kv_cache_bytes=int(
+                     1.25 * max_len * per_token)),
+                 config=EngineConfig(max_model_len=max_len, max_num_seqs=1,
+                                     prefill_chunk=args.prefill_chunk,
+                                     enable_prefix_caching=False))
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for length in tqdm(lengths, desc="prompt lengths"):
+        prompt = rng.integers(0, cfg.vocab_size, length).tolist()
+        base = None
+        for resident in settings:
+            one_run(eng, prompt, resident, 2, args.prefill_chunk)  # compiles
+            runs = [one_run(eng, prompt, resident, args.decode_steps, args.prefill_chunk)
+                    for _ in range(args.repeats)]
+            row = {"length": length, "resident": cfg.num_layers if resident is None
+                   else resident, **{k: float(np.median([r[k] for r in runs]))
+                                     for k in runs[0]}}
+            base = base or row
+            row["prefill_vs_resident"] = row["prefill"] / base["prefill"]
+            row["decode_vs_resident"] = row["decode_step"] / base["decode_step"]
+            rows.append(row)
+    print(f"\n{'tokens':>7}{'resident':>9}{'prefill':>10}{'ratio':>7}{'decode':>9}{'ratio':>7}"
+          f"{'fetch':>9}{'decode after':>14}")
+    for r in rows:
+        fetch = f"{r['fetch'] * 1000:.0f}ms" if "fetch" in r else "-"
+        after = (f"{r['decode_step_fetched'] * 1000:.1f}ms" if "decode_step_fetched" in r
+                 else "-")
+        print(f"{r['length']:>7}{r['resident']:>9}{r['prefill'] * 1000:>8.0f}ms"
+              f"{r['prefill_vs_resident']:>7.2f}{r['decode_step'] * 1000:>7.1f}ms"
+              f"{r['decode_vs_resident']:>7.2f}{fetch:>9}{after:>14}")
+    device = jax.devices()[0]
+    tag = "cpu" if device.platform == "cpu" else device.device_kind.replace(" ", "_").lower()
+    write_results(args.out, f"layer_offload-{tag}" + (f"-{args.preset}" if args.preset else ""),
+                  {"benchmark": "layer_offload", "device": device.device_kind,
+                   "jax": jax.__version__, "model": args.preset or args.model or "smollm2",
+                   "layers": cfg.num_layers, "rows": rows}, None, args)
+
+
+if __name__ == "__main__":
+    main()
