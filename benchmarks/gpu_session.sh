@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs first: the open GPU points, in two calls of under ten
 # minutes each (a session has fifteen minutes of device time, starts included: the limits
-# below add up to 450 s and 300 s). From the repository root on the device machine, which
+# below add up to 450 s and 360 s). From the repository root on the device machine, which
 # has jax, tqdm and tensorstore:
 #   bash benchmarks/gpu_session.sh 1    # restores and their profile, LeanKV's budget table
 #   bash benchmarks/gpu_session.sh 2    # LeanKV's tiering cost and where retier's time goes,
-#                                       # the two-tier kernels compiled
+#                                       # the two-tier kernels compiled, LayerKV's offload cost
 # Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
@@ -45,7 +45,10 @@ case ${1:-1} in
     step 90 kernel_tests python -m pytest -q -p no:cacheprovider \
         tests/test_paged_decode_attention.py tests/test_chunked_prefill_attention.py \
         -k "two_tiers or significance"
-    logs="tier_cost trace_ops kernel_tests" ;;
+    # LayerKV: a prefill and decode steps with layers on the host against resident, fetches
+    step 60 layer_offload python benchmarks/layer_offload.py --preset llama3-8b \
+        --lengths 2048,8192 --resident 0,16 --repeats 2 --out "$out"
+    logs="tier_cost trace_ops kernel_tests layer_offload" ;;
 *)
     echo "usage: $0 1|2" >&2
     exit 2 ;;

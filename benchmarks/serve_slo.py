@@ -169,7 +169,7 @@ def svg_plots(rows: dict[str, dict[str, dict]], rates: list[float], title: str) 
                            for r, v in by_rate.items() if v[key] is not None)
             out.append(f'<polyline fill="none" stroke="{colors[name]}" stroke-width="2" '
                        f'points="{pts}"/>')
-    out += svg_legend(colors, w - pad - 120, top)
+    out += svg_legend(colors, pad + 10, top + 4)  # upper left: low rates, low TTFT
     out.append("</svg>")
     return "\n".join(out) + "\n"
 

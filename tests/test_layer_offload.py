@@ -171,6 +171,7 @@ op = st.one_of(
     st.tuples(st.just("offload"), st.integers(0, SLOTS - 1), st.integers(1, 15)),
     st.tuples(st.just("fetch"), st.integers(0, SLOTS - 1)),
     st.tuples(st.just("close"), st.integers(0, SLOTS - 1)),
+    st.tuples(st.just("preempt"), st.integers(0, SLOTS - 1)),  # saved, then closed
 )
 
 
@@ -178,8 +179,9 @@ op = st.one_of(
 @given(st.lists(op, min_size=6, max_size=30), st.integers(0, 2**31 - 1))
 def test_page_counts_and_samples_hold_through_random_schedules(params, schedule, seed):
     """Two engines run the same steps; one also offloads and fetches layers at random. Every
-    step samples the same tokens and logprobs in both, and after every call the host count of
-    free pages is the device's; once all is closed, every page is free or cached."""
+    step samples the same tokens and logprobs in both, a preempted sequence saves the same
+    bytes from both, and after every call the host count of free pages is the device's; once
+    all is closed, every page is free or cached."""
     rng = np.random.default_rng(seed)
     # a tight pool: 3 sequences of 60 tokens hold 8 blocks x 8 (layer, head) pages each
     plain, moved = engine(params, pages=200), engine(params, pages=200)
@@ -209,6 +211,14 @@ def test_page_counts_and_samples_hold_through_random_schedules(params, schedule,
             s = live.pop(who)
             plain.close(s["a"])
             moved.close(s["b"])
+        elif action == "preempt" and who in live:  # what a preempted request saves
+            s = live.pop(who)
+            a, b = plain.save_pages(s["a"]), moved.save_pages(s["b"])
+            assert (a.num_blocks, a.hashes) == (b.num_blocks, b.hashes)
+            for f, x in a.arrays.items():
+                np.testing.assert_array_equal(b.arrays[f], x, err_msg=f)
+            plain.close(s["a"], finished=False)
+            moved.close(s["b"], finished=False)
         elif action == "step":
             rows_a, rows_b = [], []
             for i, s in sorted(live.items()):
