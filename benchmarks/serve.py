@@ -14,8 +14,13 @@ history holding the dataset-length replies (as a replayed trace does) while the 
 asked for at most `--max-tokens` new tokens, so histories grow to thousands of tokens without
 decoding them all. A history longer than the context drops its oldest turns.
 
-Prints TTFT and TPOT p50/p99, throughput and the prefix-cache hit rate per setting, and
-writes benchmarks/results/serve-<device>-<date>.json and an SVG of the TTFT distributions.
+With `--settings 'name=flags;...'` any server settings are compared instead (the store on
+and off under a small device cache: 'store=--device-cache-bytes 50000000;no
+store=--device-cache-bytes 50000000 --host-cache-bytes 0').
+
+Prints TTFT and TPOT p50/p99, throughput and the prefix-cache hit rate per tier (device,
+host, disk) per setting, and writes benchmarks/results/serve-<device>-<date>.json and an SVG
+of the TTFT distributions.
 """
 
 from __future__ import annotations
@@ -198,7 +203,8 @@ def summarize(results: list[dict], elapsed: float, before: dict, after: dict) ->
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     query = delta("jkv_prefix_cache_query_tokens_total")
-    hits = delta('jkv_prefix_cache_hit_tokens_total{tier="device"}')
+    hits = {tier: delta(f'jkv_prefix_cache_hit_tokens_total{{tier="{tier}"}}')
+            for tier in ("device", "host", "disk")}
     return {
         "turns": len(results), "errors": len(results) - len(ok),
         "elapsed_s": elapsed,
@@ -210,7 +216,8 @@ def summarize(results: list[dict], elapsed: float, before: dict, after: dict) ->
         "turns_per_s": len(ok) / elapsed,
         "mean_prompt_tokens": float(np.mean([r["prompt_tokens"] for r in ok])) if ok else 0,
         "max_prompt_tokens": max((r["prompt_tokens"] for r in ok), default=0),
-        "prefix_hit_rate": hits / query if query else 0.0,
+        "prefix_hit_rate": sum(hits.values()) / query if query else 0.0,
+        "hit_rate_by_tier": {t: h / query if query else 0.0 for t, h in hits.items()},
         "prompt_tokens_computed": delta("jkv_prompt_tokens_total"),
         "preemptions": delta("jkv_preemptions_total"),
         "compilations": delta("jkv_compilations_total"),
@@ -277,7 +284,9 @@ def main() -> None:
     ap.add_argument("--server-args", default="--kv-cache-bytes 2000000000 --max-num-seqs 8",
                     help="more flags for both servers (python -m jkv.server --help)")
     ap.add_argument("--settings", default="on,off",
-                    help="prefix caching settings to run, in order")
+                    help="settings to run, in order, each a server of its own: on/off (prefix "
+                         "caching), or 'name=flags' entries separated by ';' (e.g. 'store=; "
+                         "no store=--host-cache-bytes 0')")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--warmup", type=int, default=4,
                     help="conversations run (all at once) before measuring, to compile")
@@ -294,9 +303,16 @@ def main() -> None:
     print(f"{len(convs)} conversations, {sum(turns)} turns (mean {np.mean(turns):.2f}, "
           f"{np.mean([t > 1 for t in turns]):.0%} multi-turn)")
     rows, device = {}, None
-    for setting in args.settings.split(","):
-        proc, base = start_server(args, ["--enable-prefix-caching" if setting == "on"
-                                         else "--no-enable-prefix-caching"])
+    settings = {}
+    for entry in args.settings.split(";" if "=" in args.settings else ","):
+        name, _, flags = entry.partition("=")
+        if not flags and name.strip() in ("on", "off"):
+            name, flags = f"prefix caching {name.strip()}", (
+                "--enable-prefix-caching" if name.strip() == "on" else
+                "--no-enable-prefix-caching")
+        settings[name.strip()] = shlex.split(flags)
+    for setting, flags in settings.items():
+        proc, base = start_server(args, flags)
         try:
             model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             # warm-up: compile the common shapes before the clock starts
@@ -304,21 +320,23 @@ def main() -> None:
             asyncio.run(run_workload(base, model, warm, args))
             before = scrape(base)
             results, elapsed = asyncio.run(run_workload(base, model, convs, args))
-            rows[f"prefix caching {setting}"] = summarize(results, elapsed, before, scrape(base))
+            rows[setting] = summarize(results, elapsed, before, scrape(base))
             device = device or device_kind()
         finally:
             stop_server(proc)
 
     print(f"\n{'setting':<20}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}"
-          f"{'out tok/s':>11}{'turns/s':>9}{'hit rate':>10}{'compiles':>10}{'errors':>8}")
+          f"{'out tok/s':>11}{'turns/s':>9}{'hits dev/host/disk':>20}{'compiles':>10}"
+          f"{'errors':>8}")
 
     def ms(v):
         return f"{v * 1000:.0f}ms" if v is not None else "-"
 
     for name, r in rows.items():
+        hits = "/".join(f"{v:.0%}" for v in r["hit_rate_by_tier"].values())
         print(f"{name:<20}{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>10}"
               f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>10}{r['output_tok_s']:>11.1f}"
-              f"{r['turns_per_s']:>9.2f}{r['prefix_hit_rate']:>10.0%}"
+              f"{r['turns_per_s']:>9.2f}{hits:>20}"
               f"{r['compilations']:>10.0f}{r['errors']:>8}")
     import jax
 
