@@ -11,8 +11,9 @@ three settings side by side, each on its own server started in this run:
 
     python benchmarks/serve_slo.py                       # CPU-sized defaults, SmolLM2
     python benchmarks/serve_slo.py --rates 1,2,4 --lengths 1024,2048,4096,8192 \\
-        --max-model-len 8448 --ttft-slo-ms 2000 --tpot-slo-ms 100 \\
-        --server-args "--kv-cache-bytes 3000000000 --max-num-seqs 32 --host-cache-bytes 0"
+        --max-model-len 8448 --ttft-slo-ms 2000 --tpot-slo-ms 100 --vocab 128256 \\
+        --server-args "--model random:llama3-8b --kv-cache-bytes 3000000000 \\
+                       --max-num-seqs 32 --host-cache-bytes 0"   # GPU, random 8B weights
 
 Prompts are random token ids of exactly the lengths asked (sent to /v1/completions with
 ignore_eos, so every request decodes `--max-tokens` tokens). Every setting sees the same

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jkv.config import (
     OPTIONS,
+    PRESETS,
     CacheConfig,
     EngineConfig,
     LoadConfig,
@@ -29,7 +30,7 @@ from jkv.config import (
 )
 from jkv.engine import Engine
 from jkv.metrics import Metrics
-from jkv.models.loaders import default_model_path
+from jkv.models.loaders import default_model_path, random_params
 from jkv.models.params_cache import load_params
 from jkv.models.tokenizer import TextStream, eos_token_ids, load_tokenizer
 from jkv.sampling import SamplingParams
@@ -176,14 +177,19 @@ class LLM:
         path = default_model_path() if load.model is None else Path(load.model)
         self.model_path = path
         self.model_name = path.stem if path.is_file() else path.name
-        self.cfg, params = load_params(path, resolve_dtype(load.dtype),
-                                       use_cache=load.params_cache)
-        self.tokenizer = load_tokenizer(path)
+        if load.random_preset is not None:  # benchmarks at a real model's shapes
+            self.cfg = PRESETS[load.random_preset]
+            params = random_params(self.cfg, engine_config.seed, resolve_dtype(load.dtype))
+            self.tokenizer, model_id = None, str(load.model)
+        else:
+            self.cfg, params = load_params(path, resolve_dtype(load.dtype),
+                                           use_cache=load.params_cache)
+            self.tokenizer, model_id = load_tokenizer(path), str(path.resolve())
         self.max_model_len = engine_config.resolve_max_model_len(self.cfg.max_position_embeddings)
         # the engine's settings, max_model_len resolved against this model
         self.engine_config = dataclasses.replace(engine_config, max_model_len=self.max_model_len)
         self.engine = Engine(self.cfg, params, cache=cache, config=self.engine_config,
-                             model_id=str(path.resolve()))
+                             model_id=model_id)
         self.scheduler = Scheduler(self.engine, scheduler_config,
                                    store=store_config if store_config.enabled else None)
         self.store = self.scheduler.store  # the KV store (jkv.store.KVStore) or None
@@ -316,7 +322,9 @@ class LLM:
             if r.logprobs:
                 tracker.logprobs.append((token, *r.logprobs[-1]))
             done = tracker.add(token)
-            if on_delta is not None and (delta := tracker.delta(final=done)):
+            delta = tracker.delta(final=done)
+            # with no tokenizer there is no text: each token still streams (empty)
+            if on_delta is not None and (delta or tracker.tokenizer is None):
                 on_delta(delta, tracker.take_logprobs())
             return done
 

@@ -123,13 +123,18 @@ def _check_choices_and_flags(config: object) -> None:
             _require(config, f.name, isinstance(value, bool), "True or False")
 
 
+RANDOM_MODEL = "random:"  # LoadConfig.model's prefix for random weights at a preset's shapes
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     """Which model `LLM` loads, and how."""
 
     model: str | os.PathLike | None = field(default=None, metadata={
         "help": "a .gguf file or a Hugging Face model directory; default: the embedded "
-                "SmolLM2-135M-Instruct"})
+                "SmolLM2-135M-Instruct. random:<preset> (e.g. random:llama3-8b): random "
+                "weights at a known model's shapes, no tokenizer (prompts as token ids): for "
+                "benchmarks"})
     dtype: str = field(default="auto", metadata={
         "help": "dtype of the weights and the KV cache; auto: bfloat16 on an accelerator, "
                 "float32 on CPU",
@@ -141,7 +146,17 @@ class LoadConfig:
     def __post_init__(self) -> None:
         _require(self, "model", self.model is None or isinstance(self.model, str | os.PathLike),
                  "a path or None")
+        preset = self.random_preset
+        _require(self, "model", preset is None or preset in PRESETS,
+                 f"random:<preset> with a preset of {sorted(PRESETS)}")
         _check_choices_and_flags(self)
+
+    @property
+    def random_preset(self) -> str | None:
+        """The preset of a random:<preset> model, else None."""
+        if isinstance(self.model, str) and self.model.startswith(RANDOM_MODEL):
+            return self.model[len(RANDOM_MODEL):]
+        return None
 
 
 @dataclass(frozen=True)

@@ -98,3 +98,24 @@ def test_steady_workload_does_not_recompile(llm):
     llm.generate(["four five six"] * 2, GREEDY)
     llm.generate(["seven eight nine ten"] * 2, SamplingParams(max_tokens=12, seed=3))
     assert llm.engine.num_compiles == compiles
+
+
+def test_a_random_model_at_a_presets_shapes_serves_token_ids():
+    """random:<preset> (benchmarks at a real model's shapes without its files): random
+    weights, no tokenizer, so prompts are token ids and text prompts are a clear error."""
+    llm = LLM("random:smollm2-135m", max_model_len=64, max_num_seqs=2, prefill_chunk=16,
+              kv_cache_bytes=32 << 20, host_cache_bytes=0)
+    assert llm.cfg.num_layers == 30 and llm.tokenizer is None
+    [out] = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0,
+                                                           ignore_eos=True))
+    assert len(out.token_ids) == 3 and all(0 <= t < 49152 for t in out.token_ids)
+    deltas, done = [], []  # a stream still sees each token arrive (with no text)
+    llm.submit([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True),
+               on_delta=lambda text, entries: deltas.append(text), on_finish=done.append)
+    while not done:
+        llm.scheduler.step()
+    assert deltas == [""] * 4 and done[0].token_ids and len(done[0].token_ids) == 4
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("some text", GREEDY)
+    with pytest.raises(ValueError, match="LoadConfig.model"):
+        LLM("random:no-such-model")
