@@ -368,7 +368,7 @@ class Engine:
         return [sampled[id(r)] for r in prefill], [sampled[id(r)] for r in decode]
 
     def _call(self, rows: Sequence[Row], *, padded_rows: int | None = None,
-              padded_tokens: int | None = None) -> tuple:
+              padded_tokens: int | None = None, layered: bool = False) -> tuple:
         """Dispatch one compiled call for `rows`, padded with scratch rows to the bucket
         (or to the shape given, as `warmup` does with no rows at all); with token tiers,
         then their placement (one token per row: the generation phase's)."""
@@ -381,6 +381,9 @@ class Engine:
         after_layer = None
         if self.layers is not None and any(r.slot in c.offloaded for r in rows):
             before_layer, after_layer = self._offload_hooks(rows, before_layer)
+        elif layered:  # layer by layer, as a step with offloaded layers runs (`warmup`)
+            def after_layer(index, pool, table_pages):
+                return pool, table_pages
         tiers = (c.meta, c.counts) if self.tiered else None
         out, c.pool, c.filling, meta = self.runner.run(c.pool, c.filling, c.tables.pages, batch,
                                                        before_layer, tiers, after_layer)
@@ -430,14 +433,21 @@ class Engine:
         first use).
         `progress(done, total)` after each shape. Returns how many shapes were new."""
         todo, new = self.shapes(), 0
+        # a step with offloaded layers goes layer by layer: compiled too where steps scan
+        layered = self.layers is not None and not self.runner.layer_by_layer
         for i, (b, t) in enumerate(todo):
             before = self.num_compiles
             jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t))
+            if layered:
+                jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t,
+                                                 layered=True))
             new += self.num_compiles > before
             if progress is not None:
                 progress(i + 1, len(todo))
         if self.tiered:
             self.cache.warmup()
             self.cache.sync_tiers()
+        if self.layers is not None:
+            self.layers.warmup()
         self.connector.warmup()
         return new

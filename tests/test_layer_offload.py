@@ -144,6 +144,22 @@ def test_offloaded_layers_keep_shared_blocks_save_and_restore_exactly(params):
         assert fresh.cache.free_pages == fresh.cache.total_pages
 
 
+def test_warmup_compiles_what_offloading_runs(params):
+    """After `warmup` an offloaded prefill, decode, offload and fetch compile nothing."""
+    from jkv.cache.layer_offload import bring_layer, copy_layer_out, drop_layers
+
+    copies = (copy_layer_out, bring_layer, drop_layers)
+    for f in copies:
+        f.clear_cache()  # what earlier tests compiled must not hide a missing shape
+    eng = engine(params)
+    eng.warmup()
+    compiled = [f._cache_size() for f in copies]
+    rng = np.random.default_rng()
+    run(eng, rng.integers(0, 512, 100).tolist(), decode=9, resident=1, events={
+        2: eng.fetch_layers, 5: lambda s: eng.offload_layers(s, [0, 3])})
+    assert [f._cache_size() for f in copies] == compiled
+
+
 def test_bad_offload_requests_are_value_errors(params):
     eng = engine(params)
     with pytest.raises(ValueError, match="keep"):

@@ -270,6 +270,22 @@ class LayerOffload:
         if not all(jax.device_get(oks)):
             raise RuntimeError("page reservation failed although the host count allowed it")
 
+    def warmup(self) -> None:
+        """Compile the copies for every power-of-two block count a row can hold, on the
+        scratch slot (nothing taken, nothing written), so an offload never compiles."""
+        c = self.cache
+        slot, zero = jnp.int32(c.scratch), jnp.int32(0)
+        for count in sorted({bucket(n) for n in range(1, c.max_pages + 1)}):
+            copy_layer_out(c.pool, c.tables, slot, zero, zero, count=count)
+            pages = jax.tree.map(lambda x, n=count: np.zeros((n, *x.shape[1:]), x.dtype),
+                                 self._empty)
+            c.free, c.tables, c.pool, _ = bring_layer(c.free, c.tables, c.pool, slot, zero,
+                                                      zero, zero, zero, jax.device_put(pages))
+        c.free, c.tables = drop_layers(c.free, c.tables, slot, zero, zero)
+        mask = np.zeros(c.num_layers, bool)
+        c.free, c.tables = drop_layers(c.free, c.tables, slot, jnp.asarray(mask), zero)
+        jax.block_until_ready(c.pool)
+
     # ------------------------------------------------------------------ copies
 
     def _copy_out(self, pool: KVPages, slot: int, layer: int, h: HostLayer,
