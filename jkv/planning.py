@@ -219,7 +219,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if plan.offload.pop(victim.request_id, None) is not None:  # not offloaded after all
             avail -= freed[victim.request_id] - victim.offload_pages
         avail += victim.pin_pages
-    if budget.layer_offload:
+    if budget.layer_offload and not plan.preempt:  # (no pages freed by a preemption)
         avail = _fetch(plan, keep, avail, budget)
         need = _decode_pages(cost, keep, 1)
     decodes = [c for c in keep if c.pending == 1]

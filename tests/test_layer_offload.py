@@ -160,6 +160,26 @@ def test_warmup_compiles_what_offloading_runs(params):
     assert [f._cache_size() for f in copies] == compiled
 
 
+def test_a_restore_beside_a_slot_with_offloaded_layers_takes_only_its_own_pages(params):
+    """Reserving a restore's pages must not give another slot's offloaded layers theirs back
+    (the host count would then exceed the device's, and the next step fail)."""
+    rng = np.random.default_rng()
+    history = rng.integers(0, 512, 40).tolist()
+    first = engine(params, enable_prefix_caching=False)
+    _, _, slot = run(first, history, decode=0)
+    saved = first.save_pages(slot)
+    eng = engine(params, enable_prefix_caching=False)
+    tokens, _, other = run(eng, rng.integers(0, 512, 30).tolist(), decode=2, resident=1)
+    restored, held = eng.open(history + [1, 2, 3], restore=saved)
+    assert held == 40
+    counts_agree(eng)
+    eng.step([], [Row(other, tokens[-1:], SAMPLING, eng.request_key(0), len(tokens))])
+    counts_agree(eng)
+    for s in (other, restored):
+        eng.close(s)
+    assert eng.cache.free_pages == eng.cache.total_pages
+
+
 def test_bad_offload_requests_are_value_errors(params):
     eng = engine(params)
     with pytest.raises(ValueError, match="keep"):

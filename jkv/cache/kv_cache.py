@@ -425,19 +425,26 @@ class KVCacheManager:
             self.free, self.tables, self.counts, ok = tier_step.grow(
                 self.free, self.tables, self.counts, jnp.asarray(n_new, jnp.int32))
             self.high += n_new[:, None, None]
-        elif self.offloaded:  # offloaded layers take no pages: only their shared blocks
-            head = np.array([len(t) for t in self.slot_tokens] + [0], np.int32)
-            head[list(new_lengths)] = list(new_lengths.values())
-            head = np.repeat(head[:, None], self.num_layers, 1)
-            for s, held in self.offloaded.items():
-                head[s, list(held)] = 0
-            head = np.repeat(head[..., None], self.num_kv_heads, 2)
-            self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths),
-                                                 jnp.asarray(head))
         else:
-            self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths))
+            self.free, self.tables, ok = self._reserve(new_lengths)
         self.free_pages -= need
         return ok
+
+    def _reserve(self, new_lengths: dict[int, int]) -> tuple:
+        """`allocator.reserve` to `new_lengths`; every other slot keeps its pages, and
+        offloaded layers take none (their rows keep only their shared blocks)."""
+        lengths = np.zeros(self.max_num_seqs + 1, np.int32)
+        for s, n in new_lengths.items():
+            lengths[s] = n
+        if not self.offloaded:
+            return reserve(self.free, self.tables, jnp.asarray(lengths))
+        head = np.array([len(t) for t in self.slot_tokens] + [0], np.int32)
+        head[list(new_lengths)] = list(new_lengths.values())
+        head = np.repeat(head[:, None], self.num_layers, 1)
+        for s, held in self.offloaded.items():
+            head[s, list(held)] = 0
+        head = np.repeat(head[..., None], self.num_kv_heads, 2)
+        return reserve(self.free, self.tables, jnp.asarray(lengths), jnp.asarray(head))
 
     def retier(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
                generation: bool) -> None:
@@ -532,9 +539,8 @@ class KVCacheManager:
         need = self.cost.grow(first * self.page_size, (n - first) * self.page_size)
         if not self.make_room(need):
             return None
-        lengths = np.zeros(self.max_num_seqs + 1, np.int32)
-        lengths[slot] = n * self.page_size
-        self.free, self.tables, ok = reserve(self.free, self.tables, jnp.asarray(lengths))
+        # (with any layer of any slot offloaded, only this slot's resident rows grow)
+        self.free, self.tables, ok = self._reserve({slot: n * self.page_size})
         if not bool(ok):
             raise RuntimeError("page reservation failed although the host count allowed it")
         self.free_pages -= need
@@ -565,9 +571,9 @@ class KVCacheManager:
         if slot in self.offloaded:  # its offloaded layers' blocks are not in the pool
             shareable = min(shareable, len(shared))
         resident = self.resident(slot)
-        self.offloaded.pop(slot, None)
         if finished:
             self._finished(slot)
+        self.offloaded.pop(slot, None)
         if self.entries is not None and keep and len(tokens) >= self.page_size:
             self._keep(slot)
             return

@@ -304,7 +304,8 @@ class KVStore:
         with self._lock:
             read = self._reads.get((hit.key, hit.blocks))
             if read is None:
-                held = sum(self.placement.size(k) or 0 for k, _ in self._reads)
+                held = sum(self.placement.size(k) or (
+                    self._pending[k].nbytes if k in self._pending else 0) for k, _ in self._reads)
                 if self._closed or (self._reads and held + hit.entry_bytes
                                     > self.max_pending_bytes):
                     return False  # no room for another read: later
