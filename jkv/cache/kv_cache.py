@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +32,6 @@ from jkv.cache.allocator import (
     reserve,
 )
 from jkv.cache.page_cost import PageCost
-
-if TYPE_CHECKING:
-    from jkv.cache.layer_offload import HostLayer
 from jkv.cache.page_pool import init_filling, page_bytes
 from jkv.cache.prefix_cache import PrefixCache, block_hashes
 from jkv.cache.tier_entries import (
@@ -158,9 +154,9 @@ class KVCacheManager:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.slot_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self._slot_rows: list[list[int]] = [[] for _ in range(max_num_seqs)]  # cache rows read
-        # slot -> its layers held on the host (`layer_offload`), which hold no pages of
-        # their own: every page count below counts only resident layers' own pages
-        self.offloaded: dict[int, dict[int, HostLayer]] = {}
+        # slot -> {layer: its `layer_offload.HostLayer`}: layers held on the host, which
+        # hold no pages of their own (every page count below counts resident layers' only)
+        self.offloaded: dict[int, dict[int, object]] = {}
 
     # ------------------------------------------------------------------ the budget
 
