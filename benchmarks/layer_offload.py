@@ -28,11 +28,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_model import add_model_args, load_model, result_stem  # noqa: E402
 
-from jkv.config import PRESETS, CacheConfig, EngineConfig  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine import Engine, Row  # noqa: E402
-from jkv.models.loaders import random_params  # noqa: E402
-from jkv.models.params_cache import load_params  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
@@ -73,10 +72,7 @@ def one_run(eng: Engine, prompt: list[int], resident: int | None, steps: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="a .gguf file or HF directory (default: the embedded SmolLM2)")
-    ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                    help="random weights at a known model's shapes instead")
+    add_model_args(ap)
     ap.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")
     ap.add_argument("--resident", default="0,10",
                     help="resident layer counts to compare with all layers resident")
@@ -88,20 +84,18 @@ def main() -> None:
                     help="directory for the JSON results")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
     max_len = max(lengths) + 2 * args.decode_steps + 16
+    cfg, params, dtype, _, name = load_model(args)
+    # random weights time any length the same; real ones stay within their context
     if args.preset:
-        cfg = PRESETS[args.preset]
         cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, max_len))
-        params = random_params(cfg, args.seed, dtype)
-    else:
-        cfg, params = load_params(args.model, dtype)
     settings = [None] + [int(x) for x in args.resident.split(",") if int(x) < cfg.num_layers]
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     eng = Engine(cfg, params, cache=CacheConfig(page_size=16, kv_cache_bytes=int(
                      1.25 * max_len * per_token)),
                  config=EngineConfig(max_model_len=max_len, max_num_seqs=1,
                                      prefill_chunk=args.prefill_chunk,
+                                     attention_backend=args.attention_backend,
                                      enable_prefix_caching=False))
     rng = np.random.default_rng(args.seed)
     rows = []
@@ -128,12 +122,10 @@ def main() -> None:
         print(f"{r['length']:>7}{r['resident']:>9}{r['prefill'] * 1000:>8.0f}ms"
               f"{r['prefill_vs_resident']:>7.2f}{r['decode_step'] * 1000:>7.1f}ms"
               f"{r['decode_vs_resident']:>7.2f}{fetch:>9}{after:>14}")
-    device = jax.devices()[0]
-    tag = "cpu" if device.platform == "cpu" else device.device_kind.replace(" ", "_").lower()
-    write_results(args.out, f"layer_offload-{tag}" + (f"-{args.preset}" if args.preset else ""),
-                  {"benchmark": "layer_offload", "device": device.device_kind,
-                   "jax": jax.__version__, "model": args.preset or args.model or "smollm2",
-                   "layers": cfg.num_layers, "rows": rows}, None, args)
+    write_results(args.out, result_stem("layer_offload", args),
+                  {"benchmark": "layer_offload", "device": jax.devices()[0].device_kind,
+                   "jax": jax.__version__, "model": name, "layers": cfg.num_layers,
+                   "rows": rows}, None, args)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -77,14 +78,13 @@ def make_workload(n: int, rate: float, scale: float, think: float, seed: int) ->
 # ---------------------------------------------------------------------------- client
 
 
-async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
-                   max_tokens: int, session: str) -> dict:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "session_id": session}
+async def timed_stream(client: httpx.AsyncClient, path: str, body: dict,
+                       is_token: Callable[[dict], bool]) -> dict:
+    """POST a streaming request; its TTFT (to the first event `is_token` accepts), TPOT and
+    token counts from the usage chunk, or {"error": ...}."""
     t0 = time.perf_counter()
-    first = None
-    usage = None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    first = usage = None
+    async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
         async for line in r.aiter_lines():
@@ -95,7 +95,7 @@ async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
                 return {"error": event["error"]["message"]}
             if event.get("usage"):
                 usage = event["usage"]
-            if first is None and any(c["delta"].get("content") for c in event["choices"]):
+            if first is None and is_token(event):
                 first = time.perf_counter()
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else 0
@@ -103,6 +103,14 @@ async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
     return {"ttft": first - t0, "e2e": end - t0, "output_tokens": n,
             "prompt_tokens": usage["prompt_tokens"] if usage else 0,
             "tpot": (end - first) / (n - 1) if n > 1 else None}
+
+
+async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
+                   max_tokens: int, session: str) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "session_id": session}
+    return await timed_stream(client, "/v1/chat/completions", body, lambda event: any(
+        c["delta"].get("content") for c in event["choices"]))
 
 
 async def conversation(client, model: str, conv: dict, start: float, args, results: list,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from results_io import svg_legend, write_results
-from serve import device_kind, pct, scrape, start_server, stop_server
+from serve import device_kind, pct, scrape, start_server, stop_server, timed_stream
 from tqdm import tqdm
 
 
@@ -54,26 +53,9 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
                       max_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = usage = None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                return {"error": event["error"]["message"]}
-            if event.get("usage"):
-                usage = event["usage"]
-            if first is None and event.get("choices"):  # a token, even one with no text yet
-                first = time.perf_counter()
-    end = time.perf_counter()
-    n = usage["completion_tokens"] if usage else 0
-    first = first or end
-    return {"ttft": first - t0, "output_tokens": n, "prompt_tokens": len(prompt),
-            "tpot": (end - first) / (n - 1) if n > 1 else None}
+    # a token is any event with a choice, even one with no text yet
+    return await timed_stream(client, "/v1/completions", body,
+                              lambda event: bool(event.get("choices")))
 
 
 async def run_requests(base: str, model: str, reqs: list[dict], args, desc: str) -> list:

@@ -302,6 +302,17 @@ def test_bad_configuration_is_a_value_error(tmp_path):
         store(host_cache_bytes=0)
 
 
+def assert_read_ahead(s: KVStore, hit, hashes: list[bytes], data: dict) -> None:
+    """Once the reader is done, `hit`'s read is ready and gives `hashes` and `data` from
+    the host tier."""
+    s.wait_reads(5.0)
+    assert s.read_ahead(hit)
+    arrays, got, tier = s.take(hit)
+    assert got == hashes and tier == "host"
+    for f in data:
+        np.testing.assert_array_equal(arrays[f], data[f])
+
+
 def test_saves_past_the_pending_budget_are_dropped_and_counted():
     rng = np.random.default_rng()
     s = store(host_cache_bytes=1 << 24, max_pending_bytes=0)
@@ -333,12 +344,7 @@ def test_reads_ahead_run_on_the_reader_and_are_taken_without_waiting():
     assert not s.read_ahead(hit) and s.take(hit) is None  # still not ready: never waits
     assert not s.read_ahead(hit)  # taken (and dropped): read again
     release.set()
-    s.wait_reads(5.0)
-    assert s.read_ahead(hit)
-    arrays, got, tier = s.take(hit)
-    assert got == hashes[:4] and tier == "host"
-    for f in data:
-        np.testing.assert_array_equal(arrays[f], data[f])
+    assert_read_ahead(s, hit, hashes[:4], data)
     assert s.read_ahead(s.lookup(other)) is False  # room again: started
     s.drop_reads([])  # its request left the queue
     assert s.take(s.lookup(other)) is None
@@ -373,10 +379,5 @@ def test_a_save_not_yet_written_is_found_and_its_read_waits_for_the_write(whole)
     s.wait_reads(0.2)
     assert not s.read_ahead(hit)  # its read waits for the write
     release.set()
-    s.wait_reads(5.0)
-    assert s.read_ahead(hit)
-    arrays, got, tier = s.take(hit)
-    assert got == hashes[:4] and tier == "host"
-    for f in data:
-        np.testing.assert_array_equal(arrays[f], data[f])
+    assert_read_ahead(s, hit, hashes[:4], data)
     s.close()

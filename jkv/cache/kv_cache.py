@@ -200,18 +200,22 @@ class KVCacheManager:
         grow = self.cost.grow(len(self.slot_tokens[slot]), num_tokens)
         return grow // self.num_layers * self.resident(slot)
 
+    def layer_own_pages(self, slot: int, tokens: int | None = None) -> int:
+        """Pages one layer of `slot` holds past the blocks it shares with the prefix cache,
+        when it holds `tokens` tokens (default: those it holds)."""
+        tokens = len(self.slot_tokens[slot]) if tokens is None else tokens
+        return (-(-tokens // self.page_size) - len(self._slot_rows[slot])) * self.num_kv_heads
+
     def pages_offloadable(self, slot: int) -> int:
         """Pages offloading every resident layer of `slot` frees (its own, not shared)."""
-        own = -(-len(self.slot_tokens[slot]) // self.page_size) - len(self._slot_rows[slot])
-        return max(own, 0) * self.num_kv_heads * self.resident(slot)
+        return self.layer_own_pages(slot) * self.resident(slot)
 
     def pages_held(self, slot: int) -> int:
         """Pages of the pool `slot` holds (shared ones included)."""
         if self.tiers is None:
             blocks = -(-len(self.slot_tokens[slot]) // self.page_size)
-            off = self.num_layers - self.resident(slot)
-            shared = min(len(self._slot_rows[slot]), blocks)
-            return (blocks * (self.num_layers - off) + shared * off) * self.num_kv_heads
+            r, shared = self.resident(slot), min(len(self._slot_rows[slot]), blocks)
+            return (blocks * r + shared * (self.num_layers - r)) * self.num_kv_heads
         p = self.page_size
         return int((-(-self.high[slot] // p)).sum() + (-(-self.low[slot] // (2 * p))).sum())
 
@@ -411,11 +415,11 @@ class KVCacheManager:
         if not self.make_room(need + spare):
             raise RuntimeError(f"the step needs {need + spare} KV pages and only "
                                f"{self.available_pages} can be had")
-        lengths = np.zeros(self.max_num_seqs + 1, np.int32)
-        for s, n in new_lengths.items():
-            lengths[s] = n
         if self.tiers is not None:  # the tokens of pages the step fills join the high tiers
             p = self.page_size
+            lengths = np.zeros(self.max_num_seqs + 1, np.int32)
+            for s, n in new_lengths.items():
+                lengths[s] = n
             held = np.array([len(t) for t in self.slot_tokens] + [0])
             n_new = np.where(lengths > 0, (lengths // p - held // p) * p, 0)
             self.free, self.tables, self.counts, ok = tier_step.grow(

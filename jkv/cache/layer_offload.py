@@ -173,10 +173,6 @@ class LayerOffload:
         """The offloaded layers of `slot`."""
         return sorted(self.cache.offloaded.get(slot, {}))
 
-    def _own_pages(self, first: int, tokens: int) -> int:
-        """Pages one layer holds past its `first` shared blocks when it holds `tokens`."""
-        return (-(-tokens // self.cache.page_size) - first) * self.cache.num_kv_heads
-
     # ------------------------------------------------------------------ idle slots
 
     def offload(self, slot: int, layers: Sequence[int]) -> int:
@@ -207,15 +203,14 @@ class LayerOffload:
         mask[layers] = True
         c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), jnp.asarray(mask),
                                        jnp.int32(first))
-        freed = self._own_pages(first, tokens) * len(layers)
+        freed = c.layer_own_pages(slot, tokens) * len(layers)
         c.free_pages += freed
         return freed
 
     def pages_to_fetch(self, slot: int) -> int:
         """Pages `fetch(slot)` takes."""
         c = self.cache
-        return sum(self._own_pages(h.first, len(c.slot_tokens[slot]))
-                   for h in c.offloaded.get(slot, {}).values())
+        return c.layer_own_pages(slot) * len(c.offloaded.get(slot, ()))
 
     def fetch(self, slot: int) -> None:
         """Bring every offloaded layer of `slot` back into the pool. RuntimeError when the
@@ -245,7 +240,7 @@ class LayerOffload:
         self._copy_out(pool, slot, layer, h, tokens // c.page_size)
         c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), jnp.int32(layer),
                                        jnp.int32(h.first))
-        c.free_pages += self._own_pages(h.first, tokens)
+        c.free_pages += c.layer_own_pages(slot, tokens)
 
     def step_pages(self, lengths: dict[int, int]) -> int:
         """The most pages a step's `bring`s hold at once: one layer's of every row with that
@@ -253,8 +248,7 @@ class LayerOffload:
         c = self.cache
         per_layer = np.zeros(c.num_layers, np.int64)
         for slot, n in lengths.items():
-            for layer, h in c.offloaded.get(slot, {}).items():
-                per_layer[layer] += self._own_pages(h.first, n)
+            per_layer[list(c.offloaded.get(slot, ()))] += c.layer_own_pages(slot, n)
         return int(per_layer.max(initial=0))
 
     def settle(self) -> None:
@@ -307,7 +301,7 @@ class LayerOffload:
         them (one call); returns the pool."""
         c = self.cache
         h = c.offloaded[slot][layer]
-        need = self._own_pages(h.first, tokens)
+        need = c.layer_own_pages(slot, tokens)
         if not c.make_room(need):
             raise RuntimeError(f"bringing back layer {layer} of slot {slot} needs {need} "
                                f"pages and only {c.available_pages} can be had")
