@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh 1    # restores and their profile, LeanKV's budget table
 #   bash benchmarks/gpu_session.sh 2    # LeanKV's tiering cost and where retier's time goes,
 #                                       # the two-tier kernels compiled, LayerKV's offload cost
+#   bash benchmarks/gpu_session.sh 3    # issue 17: float16 dequantization swept, restores,
+#                                       # 16-bit-query kernel tests compiled, LayerKV's cost
 # Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
@@ -49,8 +51,22 @@ case ${1:-1} in
     step 60 layer_offload python benchmarks/layer_offload.py --preset llama3-8b \
         --lengths 2048,8192 --resident 0,16 --repeats 2 --out "$out"
     logs="tier_cost trace_ops kernel_tests layer_offload" ;;
+3)
+    # issue 17: the decode kernel dequantizing in float16 against float32 at the bandwidth
+    # shapes (bf16 around its known best), restores at Llama-3-8B shape with the split, the
+    # kernel tests of 16-bit queries compiled, LayerKV's offload cost
+    step 230 kernels python benchmarks/kernels.py --sweep --batches 64 \
+        --contexts 32768,8192 --dequant f32,f16 --ppbs 4,8 --warps 4,8 --stages 3 \
+        --no-jax-baseline --budget-s 190 --out "$out"
+    step 170 restore python benchmarks/restore.py --preset llama3-8b \
+        --lengths 1024,4096,16384 --repeats 2 --out "$out"
+    step 100 kernel_tests python -m pytest -q -p no:cacheprovider -rf \
+        tests/test_paged_decode_attention.py -k "bf16_queries or float16 or tiers or significance"
+    step 60 layer_offload python benchmarks/layer_offload.py --preset llama3-8b \
+        --lengths 2048,8192 --resident 0,16 --repeats 2 --out "$out"
+    logs="kernels restore kernel_tests layer_offload" ;;
 *)
-    echo "usage: $0 1|2" >&2
+    echo "usage: $0 1|2|3" >&2
     exit 2 ;;
 esac
 for f in $logs; do

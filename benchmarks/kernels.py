@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from jkv.config import KV_FORMATS, KVFormat
 from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import (
+    DEQUANT,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -93,6 +95,7 @@ def bench_case(rng, batch: int, context: int, interpret: bool, ppb: int, num_war
                                        num_stages=num_stages, interpret=interpret))
         t = timeit(fn, q, pages, table, lengths)
         rows.append({"impl": f"jkv {fmt}", "seconds": t, "num_warps": num_warps,
+                     **({"dequant": "f16"} if f.quantized else {}),
                      "num_stages": num_stages, "pages_per_block": ppb,
                      "kv_bytes": kv_bytes(fmt, batch * context, batch * width)})
         del pages
@@ -165,15 +168,30 @@ def rel_err(fn, q, pages, table, lengths, rows: int = 4) -> float:
     return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
+@dataclass(frozen=True)
+class Grid:
+    """What a sweep tries: formats, how quantized pages are dequantized, and the kernel
+    settings (None: the defaults of `tune_shape`), and whether JAX's kernel runs beside."""
+
+    formats: tuple = tuple(FORMATS)
+    dequant: tuple = ("f16",)
+    ppbs: tuple | None = None
+    warps: tuple | None = None
+    stages: tuple | None = None
+    jax_baseline: bool = True
+
+
 def tune_shape(rng, batch: int, context: int, interpret: bool, full: bool,
-               deadline: float) -> list[dict]:
+               deadline: float, grid: Grid = Grid()) -> list[dict]:
     """Every setting of the decode kernel at one shape, per format, beside JAX's kernel and
     the xla path: rows with "setting" (all timed) and "best" (fastest per impl) marks.
 
     bf16 runs the whole grid (pages per block x split-K x warps x stages; `full` shapes add
     8 warps and 3 stages), then its best setting again with a contiguous page table (each
     row's pages adjacent, as JAX's kernel is given them) to separate scattered-page cost from
-    kernel cost. Quantized formats run pages per block x warps at the best split.
+    kernel cost. Quantized formats run pages per block x warps at the best split, once per
+    way of dequantizing (`grid.dequant`; the impl is "jkv <format> f16" for "f16", as in
+    the results of 2026-11-27, and "jkv <format>" for "f32", as in earlier ones).
     """
     q, k, v, table, lengths = make_inputs(rng, batch, context)
     width = table.shape[-1]
@@ -184,51 +202,58 @@ def tune_shape(rng, batch: int, context: int, interpret: bool, full: bool,
     def timed(impl, fmt, fn, args, setting, table_kind="scattered"):
         if time.perf_counter() > deadline:
             return None
-        row = base | {"impl": impl, "table": table_kind, **setting,
-                      "seconds": timeit(fn, *args), "kv_bytes": kv_bytes(fmt, batch * context,
-                                                                         batch * width)}
+        try:
+            seconds = timeit(fn, *args)
+        except Exception as e:  # a setting Triton refuses: said, and the sweep goes on
+            print(f"{impl} {setting}: {type(e).__name__}: {str(e)[:300]}")
+            return None
+        row = base | {"impl": impl, "table": table_kind, **setting, "seconds": seconds,
+                      "kv_bytes": kv_bytes(fmt, batch * context, batch * width)}
         rows.append(row)
         return row
 
     def kernel(setting):
         return jax.jit(functools.partial(paged_decode_attention, interpret=interpret, **setting))
 
-    ppbs = [p for p in (4, 8, 16) if width % p == 0 and (interpret or p * PAGE >= 16)]
-    warps = (4, 8) if full else (4,)
-    stages = (2, 3) if full else (2,)
+    ppbs = [p for p in (grid.ppbs or (4, 8, 16))
+            if width % p == 0 and (interpret or p * PAGE >= 16)]
+    warps = grid.warps or ((4, 8) if full else (4,))
+    stages = grid.stages or ((2, 3) if full else (2,))
+    keys = ("pages_per_block", "k_splits", "num_warps", "num_stages", "dequant")
     best: dict[str, dict] = {}
-    for fmt in FORMATS:
+    for fmt in grid.formats:
         f = KV_FORMATS[fmt]
         pages = KVPages.from_dense(k, v, KVFormat(f.k_bits, f.v_bits, GROUP))
-        if fmt == "bf16":
-            grid = [dict(pages_per_block=p, k_splits=s, num_warps=w, num_stages=st)
-                    for p in ppbs for s in split_options(batch, width, p) for w in warps
-                    for st in stages]
-        elif full:  # around bf16's best split and stages: pages per block x warps
-            b0 = best.get("jkv bf16") or dict(k_splits=1, num_stages=2)
-            grid = [dict(pages_per_block=p, k_splits=max(
-                             [x for x in split_options(batch, width, p) if x <= b0["k_splits"]]
-                             or [1]),
-                         num_warps=w, num_stages=b0["num_stages"])
-                    for p in ppbs if p >= 8 for w in warps]
-        else:  # small shapes: bf16's best setting
-            b0 = best.get("jkv bf16")
-            grid = [{k_: b0[k_] for k_ in ("pages_per_block", "k_splits", "num_warps",
-                                            "num_stages")}] if b0 else []
-        timed_rows = [r for r in (timed(f"jkv {fmt}", fmt, kernel(g), (q, pages, table, lengths),
-                                        g) for g in grid) if r]
-        if timed_rows:
-            top = min(timed_rows, key=lambda r: r["seconds"])
-            setting = {key: top[key] for key in ("pages_per_block", "k_splits", "num_warps",
-                                                 "num_stages")}
-            top["best"] = True
-            top["rel_err"] = rel_err(kernel(setting), q, pages, table, lengths)
-            best[f"jkv {fmt}"] = top
+        for dq in ("f32",) if fmt == "bf16" else grid.dequant:
+            impl = f"jkv {fmt}{' f16' if dq == 'f16' else ''}"
             if fmt == "bf16":
-                timed("jkv bf16", fmt, kernel(setting), (q, pages, contiguous, lengths),
-                      setting, "contiguous")
+                settings = [dict(pages_per_block=p, k_splits=s, num_warps=w, num_stages=st)
+                            for p in ppbs for s in split_options(batch, width, p)
+                            for w in warps for st in stages]
+            elif full:  # around bf16's best split and stages: pages per block x warps
+                b0 = best.get("jkv bf16") or dict(k_splits=1, num_stages=2)
+                settings = [dict(pages_per_block=p, k_splits=max(
+                                     [x for x in split_options(batch, width, p)
+                                      if x <= b0["k_splits"]] or [1]),
+                                 num_warps=w, num_stages=b0["num_stages"])
+                            for p in ppbs if p >= 8 or grid.ppbs for w in warps]
+            else:  # small shapes: bf16's best setting
+                b0 = best.get("jkv bf16")
+                settings = [{k_: b0[k_] for k_ in keys[:4]}] if b0 else []
+            settings = [g | {"dequant": dq} for g in settings]
+            timed_rows = [r for r in (timed(impl, fmt, kernel(g), (q, pages, table, lengths), g)
+                                      for g in settings) if r]
+            if timed_rows:
+                top = min(timed_rows, key=lambda r: r["seconds"])
+                setting = {key: top[key] for key in keys}
+                top["best"] = True
+                top["rel_err"] = rel_err(kernel(setting), q, pages, table, lengths)
+                best[impl] = top
+                if fmt == "bf16":
+                    timed("jkv bf16", fmt, kernel(setting), (q, pages, contiguous, lengths),
+                          setting, "contiguous")
         del pages
-    if not interpret:
+    if not interpret and grid.jax_baseline:
         rows += [base | r for r in bench_jax_baseline(
             q, k, v, table, batch, context, [p for p in ppbs if p >= 8 or not full][-2:],
             deadline)]
@@ -285,7 +310,37 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="with --sweep: stop starting new settings after this many seconds "
                          "(the JSON keeps what was timed)")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="with --sweep: comma-separated KV formats (bf16 first: the quantized "
+                         "ones take its best split and stages)")
+    ap.add_argument("--dequant", default="f16",
+                    help="with --sweep: comma-separated ways quantized pages are dequantized "
+                         "(f16, the kernel's default: float16 codes and scales; f32: in "
+                         "float32, cast to bf16)")
+    ap.add_argument("--ppbs", default=None,
+                    help="with --sweep: pages per block to try (default 4,8,16; quantized "
+                         "formats at large shapes 8,16)")
+    ap.add_argument("--warps", default=None,
+                    help="with --sweep: Triton warps to try (default 4, and 8 at large shapes)")
+    ap.add_argument("--stages", default=None,
+                    help="with --sweep: pipeline stages to try (default 2, and 3 at large "
+                         "shapes)")
+    ap.add_argument("--no-jax-baseline", action="store_true",
+                    help="with --sweep: leave out JAX's paged_attention")
     args = ap.parse_args()
+
+    def ints(text):
+        return tuple(int(x) for x in text.split(",")) if text else None
+
+    grid = Grid(formats=tuple(args.formats.split(",")), dequant=tuple(args.dequant.split(",")),
+                ppbs=ints(args.ppbs), warps=ints(args.warps), stages=ints(args.stages),
+                jax_baseline=not args.no_jax_baseline)
+    for fmt in grid.formats:
+        if fmt not in FORMATS:
+            ap.error(f"--formats: {fmt!r} is not one of {FORMATS}")
+    for dq in grid.dequant:
+        if dq not in DEQUANT:
+            ap.error(f"--dequant: {dq!r} is not one of {DEQUANT}")
     interpret = args.smoke or jax.default_backend() == "cpu"
     batches = [1, 2] if args.smoke else [int(x) for x in args.batches.split(",")]
     contexts = [256] if args.smoke else [int(x) for x in args.contexts.split(",")]
@@ -315,7 +370,7 @@ def main() -> None:
             if time.perf_counter() > deadline:
                 break
             full = batch * context >= big
-            rows = tune_shape(rng, batch, context, interpret, full, deadline)
+            rows = tune_shape(rng, batch, context, interpret, full, deadline, grid)
             for r in rows:
                 r["bytes_per_s"] = r["kv_bytes"] / r["seconds"]
                 r["fraction_of_copy"] = r["bytes_per_s"] / copy_bw

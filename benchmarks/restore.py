@@ -277,7 +277,8 @@ def main() -> None:
                              host.snapshot()["bytes"]["host"] / scan.connector.load_bytes_per_s,
                              host.snapshot()["bytes"]["host"] / host.read_bytes_per_s["host"],
                              scan.split_overlap),
-                         "same_first_token": len(set(tokens.values())) == 1})
+                         "same_first_token": len(set(tokens.values())) == 1,
+                         "first_tokens": tokens})
             save(rows)
             for store in (host, disk):  # the next length starts from empty stores
                 store.clear()
@@ -292,7 +293,7 @@ def main() -> None:
               + f"{r['overlap_bound_ms']:>7.0f}ms{r['speedup_host']:>8.1f}{r['speedup_disk']:>8.1f}"
               f"{r['speedup_layerwise']:>7.1f}{r['read_buffer_layers']:>8}"
               f"{r['load_bytes_per_s'] / 1e9:>10.2f}"
-              f"  {r['same_first_token']}")
+              f"  {r['same_first_token'] or r['first_tokens']}")
     if splits:
         print("\nsplit restores (host tier; r: share of the history recomputed)")
         print(f"{'history':>8}" + "".join(f"{'r=' + format(r, 'g'):>10}"

@@ -16,6 +16,7 @@ from jkv.config import KV_FORMATS, KVFormat
 from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
 from jkv.pallas_kernels.paged_decode_attention import (
+    DEQUANT,
     dequantized_rows,
     merge_softmax_states,
     normalize_softmax_state,
@@ -34,6 +35,9 @@ SHAPES = [(gqa, d) for gqa in (1, 3, 4, 8) for d in (64, 128)]
 FORMAT_SHAPES = [(*f, *s) for f in FORMATS for s in (SHAPES if not f[2] else [(3, 128)])]
 FORMAT_DTYPES = [(*f, dt) for f in FORMATS
                  for dt in ([jnp.bfloat16, jnp.float32] if not f[2] else [jnp.bfloat16])]
+# float16 dequantization everywhere; float32's only where it differs (16-bit q, quantized)
+LOWERING_CASES = [(*f, "f16") for f in FORMAT_DTYPES] + [
+    (*f, "f32") for f in FORMAT_DTYPES if f[3] == jnp.bfloat16 and f[:2] != (16, 16)]
 PAGE, GROUP = 8, 32
 
 
@@ -160,15 +164,38 @@ def test_bad_shapes_raise_value_errors():
                                interpret=True)
 
 
-@pytest.mark.parametrize("k_bits,v_bits,token_keys,dtype", FORMAT_DTYPES)
-def test_lowers_for_cuda_with_triton(k_bits, v_bits, token_keys, dtype):
+# 16-bit queries: every quantized format, each way of dequantizing
+HALF_CASES = [(*f, dq) for f in FORMATS if f[:2] != (16, 16) for dq in DEQUANT]
+
+
+@pytest.mark.parametrize("k_bits,v_bits,token_keys,dequant", HALF_CASES)
+def test_bf16_queries_over_quantized_pages(k_bits, v_bits, token_keys, dequant):
+    """bf16 q: the dots run in 16 bits (float16 codes and scales with dequant="f16", float32
+    dequantization cast to bf16 with "f32"), output in bf16: within bf16's rounding of the
+    float64 attention over the same dequantized pages (measured about 1.5e-3 for f16 and
+    2.2e-3 for f32; one wrong group scale costs far more)."""
+    rng = np.random.default_rng()
+    q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=4, d=128, width=8,
+                                         lengths=[[1, 2 * PAGE], [64, 30]], k_bits=k_bits,
+                                         v_bits=v_bits, dtype=jnp.bfloat16,
+                                         token_keys=token_keys)
+    want = float64_reference(q, pages, table, lengths)
+    out = paged_decode_attention(q, pages, table, lengths, k_splits=2, pages_per_block=2,
+                                 dequant=dequant, interpret=INTERPRET)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, want) < 4e-3
+
+
+@pytest.mark.parametrize("k_bits,v_bits,token_keys,dtype,dequant", LOWERING_CASES)
+def test_lowers_for_cuda_with_triton(k_bits, v_bits, token_keys, dtype, dequant):
     """Runs the Pallas-to-Triton lowering on any machine, so lowering errors fail CI here."""
     rng = np.random.default_rng()
     q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=4, d=128, width=8,
                                          lengths=[[1, 9], [64, 30]], k_bits=k_bits,
                                          v_bits=v_bits, dtype=dtype, token_keys=token_keys)
     q = q.astype(dtype)
-    run = functools.partial(paged_decode_attention, k_splits=2, pages_per_block=4)
+    run = functools.partial(paged_decode_attention, k_splits=2, pages_per_block=4,
+                            dequant=dequant)
     lowered = jax.jit(run).trace(q, pages, table, lengths).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
@@ -219,6 +246,22 @@ def tier_case(rng, hi, lo, lens, d, width):
     return high, low, tables
 
 
+def float64_two_tiers(q, high, low, table, lens):
+    """Attention in float64 over both tiers dequantized, the low one read right to left."""
+    b, hq, d = q.shape
+    hkv = table.shape[1]
+    kh, vh = dequantized_rows(high, table)
+    kl, vl = dequantized_rows(low, table[..., ::-1])
+    k = np.concatenate([kh, kl], axis=2).astype(np.float64)
+    v = np.concatenate([vh, vl], axis=2).astype(np.float64)
+    mask = np.concatenate([np.arange(kh.shape[2]) < lens[..., :1],
+                           np.arange(kl.shape[2]) < lens[..., 1:]], axis=-1)
+    qg = np.asarray(q, np.float64).reshape(b, hkv, hq // hkv, d) / np.sqrt(d)
+    s = np.where(mask[:, :, None], np.einsum("bhgd,bhsd->bhgs", qg, k), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhgs,bhsd->bhgd", p / p.sum(-1, keepdims=True), v).reshape(b, -1, d)
+
+
 # every pair at one shape, LeanKV's halved pairs at a second
 @pytest.mark.parametrize("hi,lo,gqa,d", [(*p, 3, 64) for p in TIER_PAIRS]
                          + [(*p, 4, 128) for p in TIER_PAIRS if p[1] == "halved"])
@@ -234,19 +277,7 @@ def test_two_tiers_in_one_row(hi, lo, gqa, d):
     high, low, tables = tier_case(rng, hi, lo, lens, d, width)
     q = jnp.asarray(rng.normal(size=(b, hkv * gqa, d)), jnp.float32)
     table, hl, ll = jnp.asarray(tables), jnp.asarray(lens[..., 0]), jnp.asarray(lens[..., 1])
-
-    # float64 reference: both tiers dequantized, the low one read right to left
-    kh, vh = dequantized_rows(high, table)
-    kl, vl = dequantized_rows(low, table[..., ::-1])
-    k = np.concatenate([kh, kl], axis=2).astype(np.float64)
-    v = np.concatenate([vh, vl], axis=2).astype(np.float64)
-    mask = np.concatenate([np.arange(kh.shape[2]) < lens[..., :1],
-                           np.arange(kl.shape[2]) < lens[..., 1:]], axis=-1)
-    qg = np.asarray(q, np.float64).reshape(b, hkv, gqa, d) / np.sqrt(d)
-    s = np.where(mask[:, :, None], np.einsum("bhgd,bhsd->bhgs", qg, k), -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    want = np.einsum("bhgs,bhsd->bhgd", p / p.sum(-1, keepdims=True), v).reshape(b, -1, d)
-
+    want = float64_two_tiers(q, high, low, table, lens)
     tier_args = dict(low_tier=low, low_lengths=ll)
     ref = paged_decode_attention_reference(q, high, table, hl, **tier_args)
     assert rel_err(ref, want) < 1e-5
@@ -255,6 +286,23 @@ def test_two_tiers_in_one_row(hi, lo, gqa, d):
                                      interpret=INTERPRET, **tier_args)
         err = rel_err(out, want)
         assert err < 1e-5, f"{hi}+{lo} splits={splits} ppb={ppb}: {err:.2e}"
+
+
+@pytest.mark.parametrize("hi,lo", [((8, 4), (4, 2)), ((4, 8), "halved")])
+def test_two_tiers_with_float16_dequantization(hi, lo):
+    """LeanKV's pair and two separate pools, bf16 q, dequantized in float16: the parts
+    follow the finer of the two tiers' groups."""
+    rng = np.random.default_rng()
+    b, hkv, gqa, d, width = 2, 2, 4, 128, 8
+    per_lo = 2 * PAGE if lo == "halved" else PAGE
+    lens = np.array([[[1, 0], [2 * PAGE, 3 * per_lo]], [[13, 1], [4 * PAGE, 4 * per_lo]]])
+    high, low, tables = tier_case(rng, hi, lo, lens, d, width)
+    q = jnp.asarray(rng.normal(size=(b, hkv * gqa, d)), jnp.bfloat16)
+    table, hl, ll = jnp.asarray(tables), jnp.asarray(lens[..., 0]), jnp.asarray(lens[..., 1])
+    out = paged_decode_attention(q, high, table, hl, k_splits=2, pages_per_block=2,
+                                 low_tier=low, low_lengths=ll, dequant="f16",
+                                 interpret=INTERPRET)
+    assert rel_err(out, float64_two_tiers(q, high, low, table, lens)) < 4e-3
 
 
 def test_softmax_states_merge_to_the_whole():
@@ -357,6 +405,7 @@ def test_significance_lowers_for_cuda_with_triton():
     table = jnp.asarray(rng.integers(1, 9, (2, 2, 8)), jnp.int32)
     hl, ll = jnp.full((2, 2), 20, jnp.int32), jnp.full((2, 2), 9, jnp.int32)
     run = functools.partial(paged_decode_attention, k_splits=2, pages_per_block=2,
-                            low_tier=low, low_lengths=ll, return_significance=True)
+                            low_tier=low, low_lengths=ll, return_significance=True,
+                            dequant="f16")
     lowered = jax.jit(run).trace(q, high, table, hl).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()

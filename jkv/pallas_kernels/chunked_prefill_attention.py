@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import (
+    DEQUANT,
     MASK_VALUE,
     MIN_DOT,
     _attend_pages,
@@ -30,11 +31,13 @@ from jkv.pallas_kernels.paged_decode_attention import (
     _online_update,
     checked_tiers,
     dequantized_rows,
+    half_dtypes,
+    query_parts,
 )
 
 
 def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: int,
-            heads: int, sm_scale: float, scores: bool):
+            heads: int, sm_scale: float, scores: bool, half: bool):
     refs = list(refs)
     q_ref = refs.pop(0)  # [rows = block_q * heads, D]
     pos_ref = refs.pop(0)  # [block_q]: absolute positions of the tile's queries
@@ -59,8 +62,7 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: 
     nk, nv = parts
     dk, dv = d // nk, d // nv
     compute = q_ref.dtype
-    q_parts = [(q_ref[:, pl.ds(i * dk, dk)].astype(jnp.float32) * sm_scale).astype(compute)
-               for i in range(nk)]
+    q_parts = query_parts(q_ref, nk, sm_scale, half_dtypes(compute, formats, half))
     carry = (tuple(jnp.zeros((rows, dv), jnp.float32) for _ in range(nv)),
              jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
 
@@ -70,7 +72,7 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: 
 
     # (1) the paged prefix: every query sees every held token
     plen = jnp.where(active, plen_ref[0], 0)
-    attend = functools.partial(_attend_pages, q_parts=q_parts, compute=compute)
+    attend = functools.partial(_attend_pages, q_parts=q_parts, compute=compute, half=half)
 
     def page_body(j, carry):
         col = j * ppb
@@ -117,14 +119,14 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: 
         logits = jnp.zeros((rows, block_w), jnp.float32)
         for p in range(nk):
             k_p = kw_ref[pl.ds(j * block_w, block_w), pl.ds(p * dk, dk)].astype(compute)
-            logits += _dot_t(q_parts[p], k_p)
+            logits += _dot_t(q_parts[compute][p], k_p)
         if sw_ref is not None:
             sw_ref[:, pl.ds(j * block_w, block_w)] = logits
 
         def values(p):
             return vw_ref[pl.ds(j * block_w, block_w), pl.ds(p * dv, dv)].astype(compute)
 
-        return _online_update(carry, logits, visible, values, compute)
+        return _online_update(carry, logits, visible, values)
 
     carry = lax.fori_loop(0, pl.cdiv(visible_len, block_w), window_body, carry)
 
@@ -141,7 +143,7 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_q", "pages_per_block", "block_w", "num_warps", "num_stages",
-    "return_significance", "interpret"))
+    "return_significance", "dequant", "interpret"))
 def chunked_prefill_attention(
     q: jax.Array,  # [B, T, Hq, D]
     pages: KVPages,  # the pool [P, page, ...]
@@ -163,6 +165,7 @@ def chunked_prefill_attention(
     low_tier: KVPages | None = None,  # a second tier [P', low page, ...], own format
     low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
     return_significance: bool = False,
+    dequant: str = "f16",
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """Attention of T new queries over their pages and window; returns [B, T, Hq, D].
@@ -178,7 +181,10 @@ def chunked_prefill_attention(
     over the pages [B, Hkv, W * page] (slot order) and the window [B, Hkv, Tw], and with a
     low tier over its pages [B, Hkv, W * low page] (slot order) third; the kernel writes
     its logits in the same pass and they are normalised once its rows' states are final.
+    `dequant`: how quantized pages are dequantized for 16-bit q (`paged_decode_attention`).
     """
+    if dequant not in DEQUANT:
+        raise ValueError(f"dequant must be one of {DEQUANT}, got {dequant!r}")
     b, t, hq, d = q.shape
     bt, hkv, w = page_table.shape
     tw = given_tw = k_window.shape[2]
@@ -211,7 +217,9 @@ def chunked_prefill_attention(
             raise ValueError(f"{name}={n} must be a multiple of its block size {blk}, a power "
                              "of two")
     pages.check(d)
-    tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, page_lengths, d)
+    half = dequant == "f16" and q.dtype != jnp.float32
+    tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, page_lengths, d,
+                                              group_parts=half)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     g = hq // hkv
     heads = max(pl.next_power_of_2(g), 16 // block_q)  # rows per query token, padded
@@ -241,7 +249,7 @@ def chunked_prefill_attention(
               pl.BlockSpec((None, 3), lambda i, h, s: (i, 0))]
     kernel = functools.partial(_kernel, formats=tuple(x.kv_format for x in tiers), parts=parts,
                                pages_per_block=pages_per_block, block_w=block_w, heads=heads,
-                               sm_scale=sm_scale, scores=return_significance)
+                               sm_scale=sm_scale, scores=return_significance, half=half)
     out_specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, hkv, t * heads, d), q.dtype)]
     if return_significance:
@@ -263,7 +271,7 @@ def chunked_prefill_attention(
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"jkv_chunked_prefill_{'_'.join(x.kv_format.name for x in tiers)}"
-             f"{'_sig' if return_significance else ''}",
+             f"{'_f16' if half else ''}{'_sig' if return_significance else ''}",
     )(*args)
     out = out.reshape(b, hkv, t, heads, d)[:, :, :, :g]
     out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
