@@ -8,12 +8,17 @@
 #                                       # the two-tier kernels compiled, LayerKV's offload cost
 #   bash benchmarks/gpu_session.sh 3    # issue 17: float16 dequantization swept, restores,
 #                                       # 16-bit-query kernel tests compiled, LayerKV's cost
+#   bash benchmarks/gpu_session.sh 4    # layer offload from pinned memory vs numpy copies,
+#                                       # f16 at more pages per block, prefill tests compiled
+#   bash benchmarks/gpu_session.sh 5    # serve_slo at Llama-3-8B shape (needs .whl carried:
+#       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#       PYTHONPATH=/tmp/site bash benchmarks/gpu_session.sh 5)
 # Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
-export TQDM_DISABLE=1 PYTHONUNBUFFERED=1 PYTHONPATH=. HF_HUB_OFFLINE=1
+export TQDM_DISABLE=1 PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1
 step() {
     local limit=$1 name=$2 start=$SECONDS
     shift 2
@@ -65,8 +70,29 @@ case ${1:-1} in
     step 60 layer_offload python benchmarks/layer_offload.py --preset llama3-8b \
         --lengths 2048,8192 --resident 0,16 --repeats 2 --out "$out"
     logs="kernels restore kernel_tests layer_offload" ;;
+4)
+    # issue 15: layer offload bringing layers from pinned host memory against numpy copies;
+    # issue 17: float16 dequantization at more pages per block, the prefill kernel compiled
+    step 150 layer_offload python benchmarks/layer_offload.py --preset llama3-8b \
+        --lengths 2048,8192 --resident 0,16 --repeats 2 --compare-pageable --out "$out"
+    step 170 kernels python benchmarks/kernels.py --sweep --batches 64,8 \
+        --contexts 32768,8192 --dequant f16 --ppbs 8,16,32 --warps 4,8 --stages 3 \
+        --no-jax-baseline --budget-s 140 --out "$out"
+    step 120 prefill_tests python -m pytest -q -p no:cacheprovider -rf -x \
+        tests/test_chunked_prefill_attention.py -k "not lowers"
+    logs="layer_offload kernels prefill_tests" ;;
+5)
+    # issue 15's acceptance at a Llama-3-8B shape: three servers (no offload, offload,
+    # offload + SLO) at two arrival rates; needs the server's packages: carry .whl (see
+    # the device README) and install them before this call
+    step 560 serve_slo python benchmarks/serve_slo.py --requests 12 --rates 1,2 \
+        --lengths 1024,4096,8192 --max-model-len 8448 --max-tokens 32 \
+        --ttft-slo-ms 2000 --tpot-slo-ms 100 --vocab 128256 --startup-timeout 240 \
+        --server-args "--model random:llama3-8b --kv-cache-bytes 3000000000 \
+                       --max-num-seqs 32 --host-cache-bytes 0" --out "$out"
+    logs="serve_slo" ;;
 *)
-    echo "usage: $0 1|2|3" >&2
+    echo "usage: $0 1|2|3|4|5" >&2
     exit 2 ;;
 esac
 for f in $logs; do

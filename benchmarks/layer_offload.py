@@ -10,7 +10,11 @@ For each prompt length and each resident-layer count (`--resident`; the model's 
 is all resident) one engine prefills the prompt in `--prefill-chunk` chunks, decodes
 `--decode-steps` tokens with a batch of one, and (offloaded runs) fetches the layers back and
 decodes as many again. Each run is repeated (`--repeats`, after one untimed run that
-compiles); medians are reported, with each offloaded run's ratio to the resident one.
+compiles); medians are reported, with each offloaded run's ratio to the resident one, and
+the caller's seconds per decode step inside the copies' calls (bring, send, settle: a copy
+that holds the caller shows there). Offloaded layers are brought from pinned host memory
+where the backend has it; `--compare-pageable` runs each offloaded setting again bringing
+them from their numpy copies.
 Writes benchmarks/results/layer_offload-<device>-<date>.json.
 """
 
@@ -58,7 +62,10 @@ def one_run(eng: Engine, prompt: list[int], resident: int | None, steps: int,
             token = d.token
         return (time.perf_counter() - t) / n
 
+    before = dict(eng.layers.host_seconds)
     out["decode_step"] = decode(steps)
+    for k, v in eng.layers.host_seconds.items():  # the caller's time in the copies' calls
+        out[f"decode_{k}_host"] = (v - before[k]) / steps
     if eng.offloaded_layers(slot):
         t0 = time.perf_counter()
         eng.fetch_layers(slot)
@@ -79,6 +86,9 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=512, help="engine prefill chunk")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per run")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting")
+    ap.add_argument("--compare-pageable", action="store_true",
+                    help="also run each offloaded setting bringing layers from their numpy "
+                         "copies instead of pinned host memory")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                     help="directory for the JSON results")
@@ -89,7 +99,10 @@ def main() -> None:
     # random weights time any length the same; real ones stay within their context
     if args.preset:
         cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, max_len))
-    settings = [None] + [int(x) for x in args.resident.split(",") if int(x) < cfg.num_layers]
+    settings = [(None, True)] + [(int(x), pinned) for x in args.resident.split(",")
+                                 if int(x) < cfg.num_layers
+                                 for pinned in ((True, False) if args.compare_pageable
+                                                else (True,))]
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     eng = Engine(cfg, params, cache=CacheConfig(page_size=16, kv_cache_bytes=int(
                      1.25 * max_len * per_token)),
@@ -97,31 +110,39 @@ def main() -> None:
                                      prefill_chunk=args.prefill_chunk,
                                      attention_backend=args.attention_backend,
                                      enable_prefix_caching=False))
+    staging = eng.layers.staging
+    if staging is None:
+        print("no pinned host memory on this backend: brings copy from numpy arrays")
     rng = np.random.default_rng(args.seed)
     rows = []
     for length in tqdm(lengths, desc="prompt lengths"):
         prompt = rng.integers(0, cfg.vocab_size, length).tolist()
         base = None
-        for resident in settings:
+        for resident, pinned in settings:
+            eng.layers.staging = staging if pinned else None
             one_run(eng, prompt, resident, 2, args.prefill_chunk)  # compiles
             runs = [one_run(eng, prompt, resident, args.decode_steps, args.prefill_chunk)
                     for _ in range(args.repeats)]
             row = {"length": length, "resident": cfg.num_layers if resident is None
-                   else resident, **{k: float(np.median([r[k] for r in runs]))
-                                     for k in runs[0]}}
+                   else resident, "pinned": pinned and staging is not None,
+                   **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}}
             base = base or row
             row["prefill_vs_resident"] = row["prefill"] / base["prefill"]
             row["decode_vs_resident"] = row["decode_step"] / base["decode_step"]
             rows.append(row)
-    print(f"\n{'tokens':>7}{'resident':>9}{'prefill':>10}{'ratio':>7}{'decode':>9}{'ratio':>7}"
-          f"{'fetch':>9}{'decode after':>14}")
+    print(f"\n{'tokens':>7}{'resident':>9}{'pinned':>7}{'prefill':>10}{'ratio':>7}"
+          f"{'decode':>9}{'ratio':>7}{'bring':>8}{'send':>8}{'settle':>8}{'fetch':>9}"
+          f"{'decode after':>14}")
     for r in rows:
         fetch = f"{r['fetch'] * 1000:.0f}ms" if "fetch" in r else "-"
         after = (f"{r['decode_step_fetched'] * 1000:.1f}ms" if "decode_step_fetched" in r
                  else "-")
-        print(f"{r['length']:>7}{r['resident']:>9}{r['prefill'] * 1000:>8.0f}ms"
-              f"{r['prefill_vs_resident']:>7.2f}{r['decode_step'] * 1000:>7.1f}ms"
-              f"{r['decode_vs_resident']:>7.2f}{fetch:>9}{after:>14}")
+        host = "".join(f"{r[f'decode_{k}_host'] * 1000:>6.1f}ms"
+                       for k in ("bring", "send", "settle"))
+        print(f"{r['length']:>7}{r['resident']:>9}{'yes' if r['pinned'] else 'no':>7}"
+              f"{r['prefill'] * 1000:>8.0f}ms{r['prefill_vs_resident']:>7.2f}"
+              f"{r['decode_step'] * 1000:>7.1f}ms{r['decode_vs_resident']:>7.2f}{host}"
+              f"{fetch:>9}{after:>14}")
     write_results(args.out, result_stem("layer_offload", args),
                   {"benchmark": "layer_offload", "device": jax.devices()[0].device_kind,
                    "jax": jax.__version__, "model": name, "layers": cfg.num_layers,

@@ -390,11 +390,16 @@ class StoreConfig:
         "help": "which stored entry a full tier gives up: scheduler (keeps and prefetches the "
                 "entries of queued requests, CachedAttention), lru, fifo",
         "choices": EVICTION_POLICIES})
+    save_interval_blocks: int = field(default=16, metadata={
+        "help": "while a request decodes, its KV blocks (pages) are queued for the store "
+                "each time this many more have filled, each save only the blocks since the "
+                "last, so a finishing request has little left to save; 0: saved only when "
+                "it finishes or is preempted"})
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes is None:
             object.__setattr__(self, "host_cache_bytes", default_host_cache_bytes())
-        for name in ("host_cache_bytes", "disk_cache_bytes"):
+        for name in ("host_cache_bytes", "disk_cache_bytes", "save_interval_blocks"):
             value = getattr(self, name)
             _require(self, name, _is_int(value) and value >= 0, "an integer >= 0")
         if isinstance(self.store_dir, os.PathLike):

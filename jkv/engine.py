@@ -279,10 +279,16 @@ class Engine:
         self.connector.forget(slot)  # a restore never written: the request ended first
         self.cache.close(slot, shareable, finished, keep)
 
-    def gather(self, slot: int) -> SavedPages:
-        """The full blocks `slot` holds, being copied out of the pool (`KVConnector.gather`;
-        with token tiers, its tiered row: `gather_tiers`)."""
-        return (self.connector.gather_tiers if self.tiered else self.connector.gather)(slot)
+    def gather(self, slot: int, start: int = 0) -> SavedPages:
+        """The full blocks `slot` holds from block `start` on, being copied out of the pool
+        (`KVConnector.gather`; with token tiers, its whole tiered row: `gather_tiers`)."""
+        if self.tiered:
+            return self.connector.gather_tiers(slot)
+        return self.connector.gather(slot, start)
+
+    def saved_hashes(self, slot: int) -> list[bytes]:
+        """Block hashes of what `gather(slot)` saves (a tiered row: none, it is saved whole)."""
+        return [] if self.tiered else self.connector.shareable_hashes(slot)
 
     def save_pages(self, slot: int) -> SavedPages:
         """The full blocks `slot` holds (a tiered row: its tiers' pages), copied to the host."""

@@ -122,6 +122,7 @@ class _Tracked:
     read_since: float | None = None  # when it began waiting for its hit's read ahead
     abandoned: bool = False  # its read took longer than recomputing: recomputed
     resident: int | None = None  # layers admission keeps in the pool (None: all)
+    saved: int = 0  # blocks of its run last queued for the store (decode saves by interval)
 
 
 @dataclass
@@ -430,14 +431,35 @@ class Scheduler:
         st.hit, st.rebase, st.recompute, st.resident = None, 0, 0.0, None
         return cached
 
-    def _save(self, r: Request, slot: int) -> None:
-        """Hand `r`'s full blocks to the store's write-behind (never fails the request)."""
+    def _save(self, r: Request, slot: int) -> int:
+        """Hand `r`'s full blocks to the store's write-behind, only those after the run the
+        store already has or has queued (never fails the request); returns the blocks of
+        its run the save covers."""
         try:
-            saved = self.engine.gather(slot)
+            hashes = self.engine.saved_hashes(slot)
+            start = self.store.tail_start(hashes)
+            if hashes and start == len(hashes):
+                return start  # nothing new
+            saved = self.engine.gather(slot, start)
             self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id,
-                            rows=saved.rows)
+                            rows=saved.rows, start=saved.start)
+            return saved.num_blocks
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
+            return 0
+
+    def _save_decoding(self, decoded: Sequence[Request]) -> None:
+        """Requests still decoding whose blocks have grown by the store's save interval
+        since their last save queue the new ones (CachedAttention: saving as KV is made,
+        not all at the finish)."""
+        every = self.store.config.save_interval_blocks
+        if not every or self.engine.tiered:
+            return
+        page = self.engine.cache.page_size
+        for r in decoded:
+            st = self._state.get(r)
+            if st is not None and not r.finished and st.num_computed // page - st.saved >= every:
+                st.saved = self._save(r, st.slot)
 
     def _finish(self, r: Request, reason: str) -> None:
         st = self._state.pop(r, None)  # none yet for a request `stop_all` took from incoming
@@ -551,7 +573,7 @@ class Scheduler:
             if self.store is not None:  # what it holds, saved before its pages are reused
                 self._save(r, st.slot)
             eng.close(st.slot, finished=False)
-            st.slot, st.num_computed, st.hashes = None, 0, None
+            st.slot, st.num_computed, st.hashes, st.saved = None, 0, None, 0
             st.read_since, st.abandoned = None, False
             r.num_preemptions += 1
             self.stats.preemptions += 1
@@ -606,6 +628,8 @@ class Scheduler:
         for (r, _), sampled in zip(decode, out_d, strict=True):
             self._state[r].num_computed += 1
             self._emit(r, sampled, now)
+        if self.store is not None and decode:
+            self._save_decoding([r for r, _ in decode])
         for r in self.running:
             if r.finished:
                 finished.append(r)

@@ -115,6 +115,7 @@ BAD = [(LoadConfig, "model", 3), (LoadConfig, "dtype", "fp8"),
        (SchedulerConfig, "store_read_ahead", "yes"),
        (SchedulerConfig, "layer_offload", 1),
        (StoreConfig, "host_cache_bytes", -1), (StoreConfig, "disk_cache_bytes", -1),
+       (StoreConfig, "save_interval_blocks", -1),
        (StoreConfig, "store_dir", 5), (StoreConfig, "store_spec", 5),
        (StoreConfig, "eviction_policy", "random")]
 

@@ -98,6 +98,37 @@ def test_offloaded_layers_sample_what_resident_ones_do(params):
         assert e.cache.free_pages + e.cache.pages_cached == e.cache.total_pages, name
 
 
+def test_a_decoding_layer_is_staged_in_pinned_memory_until_its_blocks_change(params):
+    """Each decode step brings an offloaded layer from its pinned copy, made again only when
+    a block fills (a page of 8 tokens); without pinned memory (`staging` None) the numpy
+    copy is brought, and both sample what the resident sequence does."""
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 512, 21).tolist()  # 2 full blocks, the third fills at step 3
+    ref_tokens, ref_lps, _ = run(engine(params), prompt)
+    for pinned in (True, False):
+        e = engine(params)
+        if not pinned:
+            e.layers.staging = None
+        assert e.layers.staging is not None or not pinned, "this backend has pinned memory"
+        seen: list = []
+
+        def look(slot, e=e, seen=seen):
+            seen.append(e.cache.offloaded[slot][0].staged)
+
+        events = dict.fromkeys(range(10), look)
+        tokens, lps, slot = run(e, prompt, resident=1, events=events)
+        assert tokens == ref_tokens and (lps == ref_lps).all(), pinned
+        if not pinned:
+            assert seen == [None] * 10
+            continue
+        # the step that fills the third block (the 24th token: step 2) sends it, so the
+        # copy seen before step 3 is gone and step 3 makes the next, kept through step 9
+        assert [i for i, x in enumerate(seen) if x is None] == [3]
+        assert all(x is seen[0] for x in seen[:3]) and all(x is seen[4] for x in seen[4:])
+        assert seen[4] is not seen[0]
+        assert seen[0].k.sharding.memory_kind == "pinned_host"
+
+
 def test_offloaded_layers_keep_shared_blocks_save_and_restore_exactly(params):
     """A prompt that starts from prefix-cache blocks keeps those blocks in the pool for its
     offloaded layers; its saved pages are the resident sequence's bytes, and a restore

@@ -82,6 +82,43 @@ def test_later_turns_restore_from_the_store_and_match_recomputing(params, tmp_pa
     sched2.store.close()
 
 
+def test_a_decoding_request_saves_its_blocks_as_they_fill(params):
+    """Every 2 blocks (16 tokens) a decoding request queues only the blocks since its last
+    save, and at its finish only the rest: a chain of entries holding each block once. The
+    next turn restores the whole history from it and says what recomputing says."""
+    rng = np.random.default_rng()
+    eng = engine(params)
+    store = kv_store(eng, host_cache_bytes=1 << 24, save_interval_blocks=2)
+    sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
+    first = request(rng.integers(0, 512, 20).tolist(), n=40)
+    saves_before_finish = 0
+    sched.add(first)
+    while sched.num_unfinished:
+        sched.step()
+        if not first.finished:
+            store.flush()
+            saves_before_finish = store.stats.saves
+    store.flush()
+    # 59 tokens' KV at the finish: 7 full blocks, saved as [0, 2) [2, 4) [4, 6) and [6, 7)
+    snap = store.snapshot()
+    assert saves_before_finish == 3 and snap["saves"] == 4 and snap["entries"]["host"] == 4
+    assert snap["superseded"] == 0
+    assert snap["bytes"]["host"] < 1.5 * 7 * entry_block_bytes(eng)
+    follow = first.prompt + first.output + rng.integers(0, 512, 5).tolist()
+    second = request(follow)
+    generate_all(sched, [second])
+    assert sched.snapshot()["prefix_hit_tokens"]["host"] == 7 * 8
+    alone = request(follow)
+    generate_all(Scheduler(engine(params)), [alone])
+    assert second.output == alone.output
+    store.close()
+
+
+def entry_block_bytes(eng: Engine) -> int:
+    """Bytes of one block of every layer and KV head (float32 keys and values)."""
+    return TINY.num_layers * TINY.num_kv_heads * PAGE_BYTES
+
+
 def test_host_tier_stays_within_budget_over_200_conversations(params):
     rng = np.random.default_rng()
     eng = engine(params)

@@ -279,7 +279,7 @@ def test_a_store_killed_mid_save_opens_and_serves(tmp_path):
         s = store(tmp_path, host_cache_bytes=0)
         entries = s.snapshot()["entries"]["disk"]
         for key in s.disk.keys():  # every entry that made it is whole
-            hashes = s._entries[key].hashes
+            hashes = s.index.entries[key].hashes
             hit = s.lookup(hashes)
             assert hit is not None and hit.blocks == len(hashes)
             assert s.load(hit) is not None
@@ -381,3 +381,62 @@ def test_a_save_not_yet_written_is_found_and_its_read_waits_for_the_write(whole)
     release.set()
     assert_read_ahead(s, hit, hashes[:4], data)
     s.close()
+
+
+def test_tail_entries_continue_a_run_and_are_read_along_their_chain(tmp_path):
+    """A request saved as its blocks fill: a root entry, then tails holding only the blocks
+    since the last save; any leading run is found and read across the chain, the chain
+    survives a reopening, and losing a link loses what continues it (never a wrong block)."""
+    rng = np.random.default_rng()
+    s = store(tmp_path, host_cache_bytes=1 << 24)
+    tokens = rng.integers(0, 1000, 10 * PAGE).tolist()
+    hashes, data = chain(tokens), blocks(10, rng)
+    part = {f: x[4:8] for f, x in data.items()}
+    assert s.save(4, data, hashes)
+    assert s.tail_start(hashes) == 4  # queued, not yet written: a tail may follow it
+    assert s.save(8, part, hashes, start=4)
+    assert s.tail_start(hashes) == 8
+    assert not s.save(8, part, hashes, start=4)  # nothing new
+    other = chain(rng.integers(0, 1000, 10 * PAGE).tolist())
+    assert not s.save(10, part, other, start=8)  # no entry ends before it: refused
+    assert s.save(10, {f: x[8:] for f, x in data.items()}, hashes, start=8)
+    s.flush()
+    assert s.snapshot()["entries"]["host"] == 3 and s.snapshot()["superseded"] == 0
+
+    def read(store_, n_tokens: int, want_blocks: int) -> None:
+        hit = store_.lookup(chain(tokens[:n_tokens]))
+        assert hit is not None and hit.blocks == want_blocks
+        arrays, got = store_.load(hit)
+        assert got == hashes[:want_blocks]
+        for f in data:
+            np.testing.assert_array_equal(arrays[f], data[f][:want_blocks], err_msg=f)
+
+    read(s, 10 * PAGE, 10)
+    read(s, 6 * PAGE + 3, 6)  # a run ending inside the middle entry
+    read(s, 3 * PAGE, 3)
+    # a root save of the whole run replaces nothing that a tail continues
+    assert not s.save(10, data, hashes)
+    s.close()  # to disk, and the index rebuilt from the meta records
+    again = store(tmp_path, host_cache_bytes=1 << 24)
+    read(again, 10 * PAGE, 10)
+    # the middle link damaged: a miss, counted, and the blocks after it are gone too
+    middle = hashes[7].hex()
+    raw = bytearray(again.disk.get(middle))
+    raw[len(raw) // 2] ^= 0x10
+    again.disk.put(middle, bytes(raw), again.disk.meta(middle))
+    assert again.load(again.lookup(hashes)) is None
+    again.flush()
+    assert again.snapshot()["corrupt_entries"] == 1
+    assert again.lookup(hashes).blocks == 4 and again.tail_start(hashes) == 4
+    read(again, 10 * PAGE, 4)
+    again.save(8, part, hashes, start=4)
+    again.flush()
+    again.close()
+    # a tail whose parent is gone from disk is dropped when the store opens
+    store_dir = store(tmp_path, host_cache_bytes=0)
+    assert store_dir.lookup(hashes).blocks == 8
+    store_dir.disk.delete(hashes[3].hex())
+    store_dir.close()
+    last = store(tmp_path, host_cache_bytes=0)
+    assert last.lookup(hashes) is None and last.snapshot()["entries"]["disk"] == 0
+    last.close()

@@ -41,7 +41,9 @@ class SavedPages:
     """A sequence's first `num_blocks` full blocks in the pool's format: `arrays` as
     `KVPages.arrays()` names them, each [>= num_blocks, layers, KV heads, page, ...], rows past
     `num_blocks` padding (a tiered row's: its pages and layout, `rows`). Host arrays, or
-    device arrays still being gathered (`gather`)."""
+    device arrays still being gathered (`gather`). With `start` > 0 (a store save of the
+    blocks after those already stored, `gather(start=...)`) the arrays hold blocks [start,
+    num_blocks) from their first row, and `hashes` still start at block 0."""
 
     num_blocks: int
     arrays: dict[str, np.ndarray | jax.Array]
@@ -52,14 +54,16 @@ class SavedPages:
     # a tiered row (`gather_tiers`): the arrays are its pages in `tier_entries.row_layout`'s
     # order, this many rows of them real, not blocks
     rows: int | None = None
+    start: int = 0
 
     def fetch(self) -> SavedPages:
-        """The same blocks as host arrays of exactly `num_blocks` rows (`rows` for a tiered
-        row; waits for the copy)."""
+        """The same blocks as host arrays of exactly `num_blocks - start` rows (`rows` for a
+        tiered row; waits for the copy)."""
         arrays = jax.device_get(self.arrays)
-        n = self.num_blocks if self.rows is None else self.rows
+        n = self.num_blocks - self.start if self.rows is None else self.rows
         return SavedPages(self.num_blocks, {f: np.asarray(x)[:n] for f, x in arrays.items()},
-                          self.hashes[: self.num_blocks], self.exact_blocks, self.rows)
+                          self.hashes[: self.num_blocks], self.exact_blocks, self.rows,
+                          self.start)
 
 
 @dataclass
@@ -135,7 +139,10 @@ class KVConnector:
     def restorable(self, saved: SavedPages, token_ids: Sequence[int]) -> int:
         """Blocks of `saved` that `token_ids` can take; ValueError if they are another
         prompt's (or another model's, format's or page size's: the hashes are seeded) or
-        not in this pool's format."""
+        not in this pool's format, or blocks after the first (a tail, for the store)."""
+        if saved.start:
+            raise ValueError(f"saved pages from block {saved.start} on continue a stored run: "
+                             "restore them through the store, which reads the whole run")
         ps = self.cache.page_size
         n = min(saved.num_blocks, (len(token_ids) - 1) // ps)
         if n and saved.hashes[n - 1] != block_hashes(token_ids, ps, self.cache.hash_seed,
@@ -284,6 +291,12 @@ class KVConnector:
         """The slot closed: a restore never written is dropped."""
         self._pending.pop(slot, None)
 
+    def shareable_hashes(self, slot: int) -> list[bytes]:
+        """Chained hashes of `slot`'s shareable blocks (what `gather` saves)."""
+        c = self.cache
+        return block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed,
+                            self.shareable_blocks(slot))
+
     def shareable_blocks(self, slot: int) -> int:
         """Full blocks of `slot` whose KV is exactly its tokens' (all but moved ones, and
         none past a restore that was never written)."""
@@ -344,22 +357,24 @@ class KVConnector:
 
     # ------------------------------------------------------------------ saving, moving
 
-    def gather(self, slot: int) -> SavedPages:
-        """The full blocks `slot` holds, as device arrays being copied out of the pool: the
-        copy is dispatched, not awaited, and later steps may reuse the pages."""
+    def gather(self, slot: int, start: int = 0) -> SavedPages:
+        """The full blocks `slot` holds from block `start` on (a store save of what it has
+        not saved yet), as device arrays being copied out of the pool: the copy is
+        dispatched, not awaited, and later steps may reuse the pages."""
         self.write([slot])
         n = self.shareable_blocks(slot)
-        ids = self.cache.page_ids(slot, 0, n)
+        start = min(start, n)
         c = self.cache
-        arrays = gather_pages(c.pool, ids).arrays()
+        arrays = gather_pages(c.pool, c.page_ids(slot, start, n)).arrays()
         for layer, h in c.offloaded.get(slot, {}).items():  # those blocks are on the host
-            stop = min(h.first + h.blocks, n)
-            if stop > h.first:
+            first, stop = max(h.first, start), min(h.first + h.blocks, n)
+            if stop > first:
                 host = h.host().arrays()
-                arrays = {f: x.at[h.first:stop, layer].set(host[f][:stop - h.first])
+                arrays = {f: x.at[first - start:stop - start, layer].set(
+                              host[f][first - h.first:stop - h.first])
                           for f, x in arrays.items()}
         return SavedPages(n, arrays, block_hashes(c.slot_tokens[slot], c.page_size,
-                                                  c.hash_seed))
+                                                  c.hash_seed), start=start)
 
     def gather_tiers(self, slot: int) -> SavedPages:
         """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),

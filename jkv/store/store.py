@@ -1,14 +1,16 @@
 """The KV store: finished requests' pages kept in host DRAM and a persistent tier, found
 again by chained block hash, never served corrupt.
 
-An entry is the run of full blocks a request held when it finished (blocks 0..n-1 of its
-tokens), named by the hash of its last block. Every block hash of every entry is indexed, so
-a later prompt that shares any leading run of blocks with an entry (the next turn of a chat,
-a regenerated answer) finds it; a new entry that extends an older one (the next turn's save)
-replaces it. A tiered row (token tiers: its pages are not blocks) is found only whole
-(`lookup(whole=True)`) and replaces nothing. Which tier holds an entry, and what a full tier
-gives up, is `Placement`'s decision (LRU, FIFO or scheduler-aware, with the waiting queue as
-its hint).
+An entry is a run of a request's full blocks, named by the hash of its last block: blocks
+0..n-1 of its tokens, or (a tail, `save(start=s)`) blocks s..n-1 continuing the entry that
+ends at block s-1, so a request saved as its blocks fill, or whose history was restored,
+writes only its new blocks (`index`: chains of entries). Every block hash of every entry is
+indexed, so a later prompt that shares any leading run of blocks with an entry (the next
+turn of a chat, a regenerated answer) finds it, read along its chain; a new root entry that
+extends an older one nothing continues (the next turn's save) replaces it. A tiered row
+(token tiers: its pages are not blocks) is found only whole (`lookup(whole=True)`) and
+replaces nothing. Which tier holds an entry, and what a full tier gives up, is
+`Placement`'s decision (LRU, FIFO or scheduler-aware, with the waiting queue as its hint).
 
 Threads: `lookup` runs on the scheduler's thread (the index only); `read_ahead` loads an entry
 (read, checksum, decode) on the store's reader thread while the request waits in the queue,
@@ -39,6 +41,7 @@ import numpy as np
 from jkv.averages import moving_average
 from jkv.config import StoreConfig
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode
+from jkv.store.index import Entry, EntryIndex
 from jkv.store.placement import Move, Placement
 from jkv.store.tiers import HostTier, PersistentTier
 
@@ -60,20 +63,16 @@ class Hit(NamedTuple):
 
 
 @dataclass
-class _Entry:
-    hashes: list[bytes]
-    session: str | None
-
-
-@dataclass
 class _Pending:
     """A save queued for the writer: found by `lookup` before it is written (a preempted
     request readmitted at once), its reads waiting for `written`."""
 
     nbytes: int
-    hashes: list[bytes]
+    hashes: list[bytes]  # its own blocks'
     whole: bool
     written: threading.Event
+    start: int = 0  # a tail's first block
+    parent: str | None = None  # a tail's parent: the entry (written or queued) ending before
 
 
 @dataclass
@@ -91,20 +90,25 @@ class StoreStats:
     disk_resets: int = 0  # persistent tiers found damaged at open, dropped and started empty
 
 
-def _meta(model: str, session: str | None, hashes: Sequence[bytes]) -> bytes:
-    head = json.dumps({"model": model, "session": session, "blocks": len(hashes)})
-    return head.encode() + b"\n" + b"".join(hashes)
+def _meta(model: str, session: str | None, entry: Entry) -> bytes:
+    head = {"model": model, "session": session, "blocks": len(entry.hashes)}
+    if entry.parent is not None:
+        head |= {"parent": entry.parent, "start": entry.start}
+    return json.dumps(head).encode() + b"\n" + b"".join(entry.hashes)
 
 
-def _parse_meta(data: bytes) -> tuple[str, str | None, list[bytes]] | None:
+def _parse_meta(data: bytes) -> tuple[str, Entry] | None:
+    """(model, entry) from a meta record; None if it is not one."""
     try:
         head, _, raw = data.partition(b"\n")
         h = json.loads(head)
         n, size = int(h["blocks"]), len(raw) // max(int(h["blocks"]), 1)
-        if n < 1 or len(raw) != n * size or size not in (16, 32):
+        start, parent = int(h.get("start", 0)), h.get("parent")
+        if (n < 1 or len(raw) != n * size or size not in (16, 32)
+                or (parent is None) != (start == 0) or start < 0):
             return None
-        return str(h["model"]), h.get("session"), [raw[i * size:(i + 1) * size]
-                                                   for i in range(n)]
+        return str(h["model"]), Entry([raw[i * size:(i + 1) * size] for i in range(n)],
+                                      h.get("session"), parent, start)
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -136,8 +140,7 @@ class KVStore:
         # measured rate of `load` (read, checksum, checks) per tier, for restore planning
         self.read_bytes_per_s = {"host": 0.0, "disk": 0.0}
         self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
-        self._where: dict[bytes, dict[str, int]] = {}  # block hash -> {entry key: index}
+        self.index = EntryIndex()
         self._queue: list[str] = []  # entry keys of the waiting requests, in run order
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
@@ -166,13 +169,17 @@ class KVStore:
         ours, other = [], []
         for key in self.disk.keys():
             parsed = _parse_meta(metas.get(key, b""))
-            if parsed is not None and parsed[0] == self.model and parsed[2][-1].hex() == key:
-                ours.append((key, parsed))
+            if (parsed is not None and parsed[0] == self.model
+                    and parsed[1].hashes[-1].hex() == key):
+                ours.append((key, parsed[1]))
             else:
                 other.append(key)
-        for key, (_, session, hashes) in ours:
-            if self.placement.adopt(key, self.disk.size(key), "disk"):
-                self._index(key, _Entry(hashes, session))
+        for key, entry in sorted(ours, key=lambda x: x[1].start):  # parents first
+            parent = None if entry.parent is None else self.index.get(entry.parent)
+            if entry.parent is not None and (parent is None or parent.stop != entry.start):
+                self.disk.delete(key)  # a tail whose parent is gone: unreachable
+            elif self.placement.adopt(key, self.disk.size(key), "disk"):
+                self.index.add(key, entry)
             else:
                 self.disk.delete(key)  # over the configured capacity: the store shrank
         for key in other:  # another model's (or unreadable) entries: evicted like any other
@@ -183,70 +190,69 @@ class KVStore:
 
     # ------------------------------------------------------------------ index
 
-    def _index(self, key: str, entry: _Entry) -> None:
-        self._entries[key] = entry
-        for i, h in enumerate(entry.hashes):
-            self._where.setdefault(h, {})[key] = i
-
-    def _unindex(self, key: str) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return
-        for h in entry.hashes:
-            holders = self._where.get(h)
-            if holders is not None:
-                holders.pop(key, None)
-                if not holders:
-                    del self._where[h]
-
     def lookup(self, hashes: Sequence[bytes], whole: bool = False) -> Hit | None:
-        """The longest run of `hashes` (a prompt's block hashes) that an entry holds, from
-        the host tier when two entries hold it; None when none does. `whole`: only an
-        entry's whole run (a tiered row is not usable in part)."""
+        """The longest run of `hashes` (a prompt's block hashes) that an entry (with its
+        chain) holds, from the host tier when two entries hold it; None when none does.
+        `whole`: only an entry's whole run (a tiered row is not usable in part)."""
         with self._lock:
-            if whole:  # the longest prefix of `hashes` that some entry ends with
-                lo = next((i + 1 for i in range(len(hashes) - 1, -1, -1) if any(
-                    self._entries[k].hashes[-1] == hashes[i]
-                    for k in self._where.get(hashes[i], ()))), 0)
-            else:
-                # an entry holding block i holds blocks 0..i of the same chain: the stored
-                # run is a prefix of `hashes`, found by bisection
-                lo, hi = 0, len(hashes)
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if hashes[mid] in self._where:
-                        lo = mid + 1
-                    else:
-                        hi = mid
+            lo = self.index.whole_run(hashes) if whole else self.index.run(hashes)
             pending = self._pending_run(hashes, whole)
             if pending is not None and pending[1] > lo:  # its reads wait for the write
                 key, n = pending
-                size = self._pending[key].nbytes
-                return Hit(key, n, "host", size, size * n // len(self._pending[key].hashes))
+                p = self._pending[key]
+                chain = [] if p.parent is None else self._chain_bytes(p.parent)
+                size = sum(chain) + p.nbytes
+                return Hit(key, n, "host", size,
+                           sum(chain) + p.nbytes * (n - p.start) // len(p.hashes))
             if lo == 0:
                 return None
-            holders = self._where[hashes[lo - 1]]
+            holders = self.index.holders(hashes[lo - 1])
             if whole:
-                holders = [k for k in holders if len(self._entries[k].hashes) == lo]
-            tiers = {k: self.placement.where(k) for k in holders}
+                holders = [k for k in holders if self.index.entries[k].stop == lo]
+            tiers = {k: self._chain_tier(k) for k in holders}
             tiers = {k: t for k, t in tiers.items() if t is not None}  # not mid-eviction
             if not tiers:
                 return None
             key = min(tiers, key=lambda k: (tiers[k] != "dram", k))
-            size = self.placement.size(key)
-            return Hit(key, lo, TIER_NAMES[tiers[key]], size,
-                       size * lo // len(self._entries[key].hashes))
+            entry = self.index.entries[key]
+            sizes = self._chain_bytes(key)
+            return Hit(key, lo, TIER_NAMES[tiers[key]], sum(sizes),
+                       sum(sizes[:-1]) + sizes[-1] * (lo - entry.start) // len(entry.hashes))
+
+    def _chain_tier(self, key: str) -> str | None:
+        """Where `key`'s chain is read from (under the lock): "dram" when every entry of it
+        is there, "disk" when one is not, None when one is in no tier (mid-eviction)."""
+        tiers = [self.placement.where(k) for k in self.index.chain(key)]
+        return None if None in tiers else "dram" if set(tiers) == {"dram"} else "disk"
+
+    def _chain_bytes(self, key: str) -> list[int]:
+        """The stored sizes of `key`'s chain, root first (under the lock; a save not yet
+        written counts its bytes)."""
+        if key in self._pending:
+            p = self._pending[key]
+            return ([] if p.parent is None else self._chain_bytes(p.parent)) + [p.nbytes]
+        return [self.placement.size(k) or 0 for k in self.index.chain(key)]
+
+    def tail_start(self, hashes: Sequence[bytes]) -> int:
+        """The most leading blocks of `hashes` that an entry (written or queued) ends with:
+        a save of this run need only write the blocks after them (`save(start=...)`)."""
+        with self._lock:
+            return next((i + 1 for i in range(len(hashes) - 1, -1, -1)
+                         if hashes[i].hex() in self.index or hashes[i].hex() in self._pending),
+                        0)
 
     def _pending_run(self, hashes: Sequence[bytes], whole: bool) -> tuple[str, int] | None:
         """The longest run of `hashes` that a save not yet written holds (under the lock)."""
         best = None
         for key, p in self._pending.items():
+            s = p.start
             if whole:
                 n = len(p.hashes) if (p.whole and len(p.hashes) <= len(hashes)
                                       and hashes[len(p.hashes) - 1] == p.hashes[-1]) else 0
             else:  # chained hashes: equal at block i means equal at every block before it
-                n = next((i + 1 for i in range(min(len(p.hashes), len(hashes)) - 1, -1, -1)
-                          if p.hashes[i] == hashes[i]), 0)
+                n = next((s + i + 1 for i in range(min(len(p.hashes), len(hashes) - s) - 1,
+                                                    -1, -1)
+                          if p.hashes[i] == hashes[s + i]), 0)
             if n and (best is None or n > best[1]):
                 best = (key, n)
         return best
@@ -254,24 +260,53 @@ class KVStore:
     # ------------------------------------------------------------------ loading
 
     def load(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes]] | None:
-        """The first `hit.blocks` blocks of entry `hit.key`: (arrays [blocks, ...] in the
-        pool's format, or a whole entry's arrays as saved, and their block hashes),
-        validated; None on a miss (gone, or corrupt: then counted and deleted). An entry
-        still being saved is read once written."""
+        """The first `hit.blocks` blocks of entry `hit.key` and its chain: (arrays [blocks,
+        ...] in the pool's format, or a whole entry's arrays as saved, and their block
+        hashes), validated; None on a miss (gone, or corrupt: then counted and deleted). An
+        entry still being saved is read once written."""
         with self._lock:
             pending = self._pending.get(hit.key)
         if pending is not None:
-            pending.written.wait()
+            pending.written.wait()  # the writer writes in order: its parents are written
         t0 = time.perf_counter()
-        tiers = (self.host, self.disk) if hit.tier == "host" else (self.disk, self.host)
+        with self._lock:
+            chain = self.index.chain(hit.key) if hit.key in self.index else None
+        if chain is None:
+            return None
+        parts, nbytes = [], 0
+        for key in chain:
+            part = self._load_one(key, hit.tier)
+            if part is None:
+                return None
+            parts.append(part[:2])
+            nbytes += part[2]
+        with self._lock:
+            for key in chain:
+                self.placement.access(key)
+        self.stats.loads += 1
+        rate = nbytes / max(time.perf_counter() - t0, 1e-9)
+        self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
+        n = hit.blocks
+        if len(parts) == 1:
+            arrays, hashes = parts[0]
+            if n == len(hashes):  # the whole entry (a tiered row's arrays are not blocks)
+                return dict(arrays), list(hashes)
+            return {f: x[:n] for f, x in arrays.items()}, hashes[:n]
+        hashes = [h for _, hs in parts for h in hs][:n]
+        return {f: np.concatenate([a[f] for a, _ in parts])[:n] for f in parts[0][0]}, hashes
+
+    def _load_one(self, key: str, tier: str) -> tuple[dict, list[bytes], int] | None:
+        """One entry's arrays, block hashes and stored bytes, validated against its index
+        record; None on a miss (a corrupt entry and what continues it: counted, deleted)."""
+        tiers = (self.host, self.disk) if tier == "host" else (self.disk, self.host)
         data = None
-        for tier in tiers:  # the entry may be moving between tiers right now
-            if tier is not None and (data := tier.get(hit.key)) is not None:
+        for t in tiers:  # the entry may be moving between tiers right now
+            if t is not None and (data := t.get(key)) is not None:
                 break
         if data is None:
             return None
         with self._lock:
-            entry = self._entries.get(hit.key)
+            entry = self.index.get(key)
         try:
             if entry is None:
                 return None
@@ -281,21 +316,14 @@ class KVStore:
             if stored is None or [r.tobytes() for r in stored] != entry.hashes:
                 raise CorruptEntry("the entry's block hashes differ from its index record")
         except (CorruptEntry, EntryMismatch) as e:
-            log.warning("stored KV entry %s is unusable (%s); recomputing", hit.key, e)
+            log.warning("stored KV entry %s is unusable (%s); recomputing", key, e)
             self.stats.corrupt_entries += 1
             with self._lock:
-                self._unindex(hit.key)  # no second lookup finds it; the writer deletes it
-            self._submit(lambda: self._delete(hit.key))
+                removed = self.index.remove(key)  # no second lookup finds them
+            for k in removed:  # the writer deletes them
+                self._submit(lambda k=k: self._delete(k))
             return None
-        with self._lock:
-            self.placement.access(hit.key)
-        self.stats.loads += 1
-        rate = len(data) / max(time.perf_counter() - t0, 1e-9)
-        self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
-        n = hit.blocks
-        if n == len(entry.hashes):  # the whole entry (a tiered row's arrays are not blocks)
-            return dict(arrays), list(entry.hashes)
-        return {f: x[:n] for f, x in arrays.items()}, entry.hashes[:n]
+        return arrays, entry.hashes, len(data)
 
     def read_ahead(self, hit: Hit) -> bool:
         """Have `hit` loaded (`load`) on the store's reader thread unless it is under way
@@ -360,26 +388,32 @@ class KVStore:
     # ------------------------------------------------------------------ saving
 
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
-             session: str | None = None, rows: int | None = None) -> bool:
-        """Queue the first `num_blocks` blocks of a request (`arrays`: host or device arrays
-        with >= num_blocks rows, as `Engine.gather` returns them; a tiered row's arrays
-        with >= `rows` rows) for the writer. False (nothing queued) when there is nothing
-        new: no full block, or an entry already holds these blocks."""
-        if num_blocks < 1 or self._closed:
+             session: str | None = None, rows: int | None = None, start: int = 0) -> bool:
+        """Queue blocks [start, num_blocks) of a request for the writer (`arrays`: host or
+        device arrays with >= num_blocks - start rows, the first being block `start`, as
+        `Engine.gather` returns them; a tiered row's arrays with >= `rows` rows; `hashes`:
+        the run's hashes from block 0). A tail (`start` > 0) continues the entry ending at
+        block start - 1 (written or queued: `tail_start` says which). False (nothing queued)
+        when there is nothing new (no full block, or an entry already holds these blocks) or
+        a tail has no such entry."""
+        if num_blocks <= start or self._closed or (start and rows is not None):
             return False
         hashes = list(hashes[:num_blocks])
         key = hashes[-1].hex()
+        parent = hashes[start - 1].hex() if start else None
         nbytes = sum(getattr(x, "nbytes", 0) for x in arrays.values())
         with self._lock:
             # a longer run of blocks serves this one; a tiered row (`rows`) only its own
-            held = (key in self._entries if rows is not None else hashes[-1] in self._where)
-            if held or key in self._pending:
+            held = (key in self.index if rows is not None
+                    else bool(self.index.holders(hashes[-1])))
+            if held or key in self._pending or (parent is not None and parent not in self.index
+                                                and parent not in self._pending):
                 return False
             if sum(p.nbytes for p in self._pending.values()) + nbytes > self.max_pending_bytes:
                 self.stats.saves_dropped += 1
                 return False
-            pending = self._pending[key] = _Pending(nbytes, hashes, rows is not None,
-                                                    threading.Event())
+            pending = self._pending[key] = _Pending(nbytes, hashes[start:], rows is not None,
+                                                    threading.Event(), start, parent)
 
         def done() -> None:
             with self._lock:
@@ -388,7 +422,7 @@ class KVStore:
 
         def job() -> None:
             try:
-                self._write(num_blocks, arrays, hashes, session, rows)
+                self._write(Entry(hashes[start:], session, parent, start), arrays, rows)
             finally:
                 done()
 
@@ -397,20 +431,27 @@ class KVStore:
             return False
         return True
 
-    def _write(self, n: int, arrays: Mapping[str, object], hashes: list[bytes],
-               session: str | None, rows: int | None = None) -> None:
+    def _write(self, entry: Entry, arrays: Mapping[str, object],
+               rows: int | None = None) -> None:
+        n = len(entry.hashes)
         whole, rows = rows is not None, n if rows is None else rows
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
-        key = hashes[-1].hex()
+        key = entry.hashes[-1].hex()
         info = EntryInfo(self.model, self.kv_format, self.page_size, n * self.page_size, key)
-        digests = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, -1)
+        digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
         data = encode(info, {**host, HASHES: digests})
-        meta = _meta(self.model, session, hashes)
+        meta = _meta(self.model, entry.session, entry)
         with self._lock:
-            if key in self._entries or len(data) > max(self.placement.capacity.values()):
+            if key in self.index or len(data) > max(self.placement.capacity.values()):
                 return  # already stored, or fits no tier (then the shorter runs stay)
-            # a longer run of blocks replaces shorter ones; tiered rows are used whole only
-            older = [] if whole else [h.hex() for h in hashes[:-1] if h.hex() in self._entries]
+            if entry.parent is not None and entry.parent not in self.index:
+                self.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
+                return
+            # a longer run of blocks replaces shorter ones nothing continues (a tail's
+            # ancestors stay); tiered rows are used whole only
+            older = [] if whole or entry.parent is not None else [
+                h.hex() for h in entry.hashes[:-1]
+                if h.hex() in self.index and not self.index.has_children(h.hex())]
         for old in older:  # a longer run of the same prefix replaces them
             self._delete(old)
             self.stats.superseded += 1
@@ -427,7 +468,13 @@ class KVStore:
                 self.placement.drop(key)
             raise
         with self._lock:
-            self._index(key, _Entry(hashes, session))
+            orphan = entry.parent is not None and entry.parent not in self.index
+            if not orphan:
+                self.index.add(key, entry)
+        if orphan:  # the room made for it evicted its parent
+            self.stats.saves_dropped += 1
+            self._delete(key)
+            return
         self.stats.saves += 1
 
     def _tier(self, name: str) -> HostTier | PersistentTier:
@@ -462,20 +509,23 @@ class KVStore:
         return ok
 
     def _delete(self, key: str) -> None:
-        """Forget an entry and delete its bytes from every tier."""
+        """Forget an entry and every entry that continues it, and delete their bytes from
+        every tier."""
         with self._lock:
-            self._unindex(key)
-            self.placement.drop(key)
-        for tier in (self.host, self.disk):
-            if tier is not None and key in tier:
-                tier.delete(key)
+            keys = self.index.remove(key) or [key]
+            for k in keys:
+                self.placement.drop(k)
+        for k in keys:
+            for tier in (self.host, self.disk):
+                if tier is not None and k in tier:
+                    tier.delete(k)
 
     def clear(self) -> None:
         """Delete every entry of this store's KV (other fingerprints' are left alone)."""
 
         def clear_all() -> None:
             with self._lock:
-                keys = list(self._entries)
+                keys = list(self.index.entries)
             for key in keys:
                 self._delete(key)
 
@@ -487,8 +537,9 @@ class KVStore:
     def hint(self, waiting: Sequence[str]) -> None:
         """The scheduler's queue: entry keys of the waiting requests in the order they will
         run. Eviction keeps them; the scheduler-aware policy prefetches them disk -> host."""
-        waiting = list(waiting)
-        with self._lock:
+        with self._lock:  # a tail's chain is needed whole
+            waiting = [k for key in waiting
+                       for k in (self.index.chain(key) if key in self.index else [key])]
             if waiting == self._queue:
                 return
             self._queue = waiting
