@@ -431,22 +431,19 @@ class Scheduler:
         st.hit, st.rebase, st.recompute, st.resident = None, 0, 0.0, None
         return cached
 
-    def _save(self, r: Request, slot: int) -> int:
+    def _save(self, r: Request, slot: int) -> None:
         """Hand `r`'s full blocks to the store's write-behind, only those after the run the
-        store already has or has queued (never fails the request); returns the blocks of
-        its run the save covers."""
+        store already has or has queued (never fails the request)."""
         try:
             hashes = self.engine.saved_hashes(slot)
             start = self.store.tail_start(hashes)
-            if hashes and start == len(hashes):
-                return start  # nothing new
+            if not self.engine.tiered and start == len(hashes):
+                return  # nothing new (a tiered row is saved whole)
             saved = self.engine.gather(slot, start)
             self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id,
                             rows=saved.rows, start=saved.start)
-            return saved.num_blocks
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
-            return 0
 
     def _save_decoding(self, decoded: Sequence[Request]) -> None:
         """Requests still decoding whose blocks have grown by the store's save interval
@@ -458,8 +455,12 @@ class Scheduler:
         page = self.engine.cache.page_size
         for r in decoded:
             st = self._state.get(r)
-            if st is not None and not r.finished and st.num_computed // page - st.saved >= every:
-                st.saved = self._save(r, st.slot)
+            full = 0 if st is None else st.num_computed // page
+            if st is not None and not r.finished and full - st.saved >= every:
+                # tried again only after another interval, whatever this save covered (a
+                # restored history's moved blocks are never saved; a failure is logged)
+                self._save(r, st.slot)
+                st.saved = full
 
     def _finish(self, r: Request, reason: str) -> None:
         st = self._state.pop(r, None)  # none yet for a request `stop_all` took from incoming

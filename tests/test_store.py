@@ -440,3 +440,42 @@ def test_tail_entries_continue_a_run_and_are_read_along_their_chain(tmp_path):
     last = store(tmp_path, host_cache_bytes=0)
     assert last.lookup(hashes) is None and last.snapshot()["entries"]["disk"] == 0
     last.close()
+
+
+def test_a_tail_keeps_its_chain_and_one_whose_parent_went_is_a_miss():
+    """Making room for a tail never gives up the entries it continues; a queued tail whose
+    parent went meanwhile is found by no lookup, and is dropped when the writer gets to it."""
+    import threading
+
+    rng = np.random.default_rng()
+    one = entry_bytes(4)
+    s = store(host_cache_bytes=int(2.5 * one), eviction_policy="lru")
+    x, y = (rng.integers(0, 1000, 8 * PAGE).tolist() for _ in range(2))
+    hx, dx = chain(x), blocks(8, rng)
+    s.save(4, dx, hx)
+    s.save(4, blocks(4, rng), chain(y))
+    s.flush()  # x's root is the least recently used: a root save would evict it
+    assert s.save(8, {f: a[4:] for f, a in dx.items()}, hx, start=4)
+    s.flush()
+    hit = s.lookup(hx)
+    assert hit is not None and hit.blocks == 8 and s.lookup(chain(y)) is None
+    np.testing.assert_array_equal(s.load(hit)[0]["k"], dx["k"])
+
+    s.close()
+    s = store(host_cache_bytes=1 << 24)
+    s.save(4, dx, hx)
+    z = rng.integers(0, 1000, 8 * PAGE).tolist()
+    hz, dz = chain(z), blocks(8, rng)
+    s.save(4, dz, hz)
+    s.flush()
+    release = threading.Event()
+    s._submit(release.wait)  # the writer is busy
+    assert s.save(8, {f: a[4:] for f, a in dz.items()}, hz, start=4)
+    s._delete(hz[3].hex())  # its parent goes (an eviction) while the tail waits
+    assert s.lookup(hz) is None and s.tail_start(hz) == 0
+    dropped = s.stats.saves_dropped
+    release.set()
+    s.flush()
+    assert s.lookup(hz) is None and s.stats.saves_dropped == dropped + 1
+    assert s.lookup(hx).blocks == 4  # the other conversation is untouched
+    s.close()

@@ -6,13 +6,28 @@ its blocks fill: each save adds only the blocks since the last). An entry is nam
 hash of its last block, so the parent of a tail starting at block s is the entry named by
 block s-1's hash. Removing an entry removes its descendants, so a block that is indexed is
 always reachable from block 0: the longest stored run of a prompt is found by bisection.
-Not thread-safe: the store calls it under its lock.
+Not thread-safe: the store calls it under its lock. `meta_record` / `parse_meta`: an
+entry's record in the persistent tier, from which the index is rebuilt.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Hit(NamedTuple):
+    """The longest stored run of a prompt's blocks: `blocks` blocks of entry `key` (with the
+    entries it continues), which take `entry_bytes` to read and hold `blocks_bytes` for
+    these blocks."""
+
+    key: str
+    blocks: int
+    tier: str  # "host" or "disk": where the chain is read from (disk if any of it is)
+    entry_bytes: int = 0
+    blocks_bytes: int = 0
 
 
 @dataclass
@@ -26,6 +41,30 @@ class Entry:
     def stop(self) -> int:
         """Index one past its last block in the run."""
         return self.start + len(self.hashes)
+
+
+def meta_record(model: str, session: str | None, entry: Entry) -> bytes:
+    """What the persistent tier keeps beside an entry, so the index can be rebuilt."""
+    head = {"model": model, "session": session, "blocks": len(entry.hashes)}
+    if entry.parent is not None:
+        head |= {"parent": entry.parent, "start": entry.start}
+    return json.dumps(head).encode() + b"\n" + b"".join(entry.hashes)
+
+
+def parse_meta(data: bytes) -> tuple[str, Entry] | None:
+    """(model, entry) from a meta record; None if it is not one."""
+    try:
+        head, _, raw = data.partition(b"\n")
+        h = json.loads(head)
+        n, size = int(h["blocks"]), len(raw) // max(int(h["blocks"]), 1)
+        start, parent = int(h.get("start", 0)), h.get("parent")
+        if (n < 1 or len(raw) != n * size or size not in (16, 32)
+                or (parent is None) != (start == 0) or start < 0):
+            return None
+        return str(h["model"]), Entry([raw[i * size:(i + 1) * size] for i in range(n)],
+                                      h.get("session"), parent, start)
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class EntryIndex:
@@ -60,20 +99,22 @@ class EntryIndex:
     def remove(self, key: str) -> list[str]:
         """Forget `key` and every entry that continues it; the keys removed, `key` first
         (none if it was not indexed)."""
-        entry = self.entries.pop(key, None)
-        if entry is None:
+        if key not in self.entries:
             return []
-        for h in entry.hashes:
-            holders = self._where.get(h)
-            if holders is not None:
-                holders.pop(key, None)
-                if not holders:
-                    del self._where[h]
-        if entry.parent is not None:
-            self._children.get(entry.parent, set()).discard(key)
-        removed = [key]
-        for child in sorted(self._children.pop(key, ())):
-            removed += self.remove(child)
+        removed, todo = [], [key]
+        while todo:  # a long conversation's chain is long: no recursion
+            k = todo.pop()
+            entry = self.entries.pop(k)
+            removed.append(k)
+            for h in entry.hashes:
+                holders = self._where.get(h)
+                if holders is not None:
+                    holders.pop(k, None)
+                    if not holders:
+                        del self._where[h]
+            if entry.parent is not None and entry.parent in self._children:
+                self._children[entry.parent].discard(k)
+            todo += sorted(self._children.pop(k, ()), reverse=True)
         return removed
 
     def has_children(self, key: str) -> bool:

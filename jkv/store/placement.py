@@ -21,7 +21,7 @@ Pure bookkeeping of sizes: it returns the moves, the store moves the bytes. The 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -107,9 +107,11 @@ class Placement:
             self._tiers[tier][session].used = self._clock
         return tier
 
-    def put(self, session: Hashable, size: int, queue: Sequence[Hashable] = ()) -> list[Move]:
+    def put(self, session: Hashable, size: int, queue: Sequence[Hashable] = (),
+            keep: Collection[Hashable] = ()) -> list[Move]:
         """Save `session`'s KV (now `size` bytes) to DRAM, replacing any older copy, making
-        room by the policy; `queue` is the scheduler's hint. Returns the moves, this one last
+        room by the policy without giving up `keep` (items it needs, e.g. the entries a
+        tail continues); `queue` is the scheduler's hint. Returns the moves, this one last
         (its dst None when the item fits in neither tier)."""
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
@@ -120,7 +122,7 @@ class Placement:
         moves: list[Move] = []
         for tier in TIERS:
             if size <= self.capacity[tier] and self._make_room(tier, size, queue, moves,
-                                                               protect={session}):
+                                                               protect={session, *keep}):
                 self._add(tier, session, size)
                 if tier == old:  # a longer history of the same item: FIFO keeps its place
                     self._tiers[tier][session].placed = placed

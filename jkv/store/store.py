@@ -26,40 +26,27 @@ and deleted.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from jkv.averages import moving_average
 from jkv.config import StoreConfig
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode
-from jkv.store.index import Entry, EntryIndex
+from jkv.store.index import Entry, EntryIndex, Hit, meta_record, parse_meta
 from jkv.store.placement import Move, Placement
+from jkv.store.reads import ReadAhead
 from jkv.store.tiers import HostTier, PersistentTier
 
 log = logging.getLogger(__name__)
 
 TIER_NAMES = {"dram": "host", "disk": "disk"}  # placement's tier names -> the store's
 HASHES = "block_hashes"  # the entry array holding its chained block hashes
-
-
-class Hit(NamedTuple):
-    """The longest stored run of a prompt's blocks: `blocks` blocks of entry `key`, which
-    takes `entry_bytes` to read and holds `blocks_bytes` for these blocks."""
-
-    key: str
-    blocks: int
-    tier: str  # "host" or "disk"
-    entry_bytes: int = 0
-    blocks_bytes: int = 0
 
 
 @dataclass
@@ -88,29 +75,6 @@ class StoreStats:
     prefetches: int = 0  # entries moved disk -> host ahead of their request
     superseded: int = 0  # entries replaced by a longer one of the same prefix
     disk_resets: int = 0  # persistent tiers found damaged at open, dropped and started empty
-
-
-def _meta(model: str, session: str | None, entry: Entry) -> bytes:
-    head = {"model": model, "session": session, "blocks": len(entry.hashes)}
-    if entry.parent is not None:
-        head |= {"parent": entry.parent, "start": entry.start}
-    return json.dumps(head).encode() + b"\n" + b"".join(entry.hashes)
-
-
-def _parse_meta(data: bytes) -> tuple[str, Entry] | None:
-    """(model, entry) from a meta record; None if it is not one."""
-    try:
-        head, _, raw = data.partition(b"\n")
-        h = json.loads(head)
-        n, size = int(h["blocks"]), len(raw) // max(int(h["blocks"]), 1)
-        start, parent = int(h.get("start", 0)), h.get("parent")
-        if (n < 1 or len(raw) != n * size or size not in (16, 32)
-                or (parent is None) != (start == 0) or start < 0):
-            return None
-        return str(h["model"]), Entry([raw[i * size:(i + 1) * size] for i in range(n)],
-                                      h.get("session"), parent, start)
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 class KVStore:
@@ -148,14 +112,7 @@ class KVStore:
         self._pending: dict[str, _Pending] = {}  # entry key -> its save not yet written
         if self.disk is not None:
             self._adopt_disk()
-        # reads ahead, by (entry key, blocks): under way or ready for `take`, and the tier
-        # each was read from (an entry may move while its request waits)
-        self._reads: dict[tuple[str, int], tuple[Future, str]] = {}
-        self._read_jobs: queue.Queue = queue.Queue()
-        # a daemon: a tier that hangs must not keep the process from exiting
-        self._reader = threading.Thread(target=self._read_work, name="jkv-store-reader",
-                                        daemon=True)
-        self._reader.start()
+        self._reads = ReadAhead(self.load, max_pending_bytes)
         self._writer = threading.Thread(target=self._work, name="jkv-store-writer",
                                         daemon=True)
         self._writer.start()
@@ -168,7 +125,7 @@ class KVStore:
         metas = self.disk.metas()
         ours, other = [], []
         for key in self.disk.keys():
-            parsed = _parse_meta(metas.get(key, b""))
+            parsed = parse_meta(metas.get(key, b""))
             if (parsed is not None and parsed[0] == self.model
                     and parsed[1].hashes[-1].hex() == key):
                 ours.append((key, parsed[1]))
@@ -202,7 +159,7 @@ class KVStore:
                 p = self._pending[key]
                 chain = [] if p.parent is None else self._chain_bytes(p.parent)
                 size = sum(chain) + p.nbytes
-                return Hit(key, n, "host", size,
+                return Hit(key, n, self._pending_tier(key), size,
                            sum(chain) + p.nbytes * (n - p.start) // len(p.hashes))
             if lo == 0:
                 return None
@@ -225,6 +182,16 @@ class KVStore:
         tiers = [self.placement.where(k) for k in self.index.chain(key)]
         return None if None in tiers else "dram" if set(tiers) == {"dram"} else "disk"
 
+    def _pending_tier(self, key: str) -> str:
+        """The tier a queued save's chain is read from (under the lock): the host's unless
+        an entry it continues is on disk."""
+        parent = self._pending[key].parent
+        if parent is None:
+            return "host"
+        if parent in self._pending:
+            return self._pending_tier(parent)
+        return "host" if self._chain_tier(parent) == "dram" else "disk"
+
     def _chain_bytes(self, key: str) -> list[int]:
         """The stored sizes of `key`'s chain, root first (under the lock; a save not yet
         written counts its bytes)."""
@@ -238,13 +205,23 @@ class KVStore:
         a save of this run need only write the blocks after them (`save(start=...)`)."""
         with self._lock:
             return next((i + 1 for i in range(len(hashes) - 1, -1, -1)
-                         if hashes[i].hex() in self.index or hashes[i].hex() in self._pending),
-                        0)
+                         if self._reachable(hashes[i].hex())), 0)
+
+    def _reachable(self, key: str) -> bool:
+        """Whether `key` is written or queued with every entry it continues (under the
+        lock): a queued tail whose parent went (evicted, dropped) is of no use."""
+        while key in self._pending:
+            key = self._pending[key].parent
+            if key is None:
+                return True
+        return key in self.index
 
     def _pending_run(self, hashes: Sequence[bytes], whole: bool) -> tuple[str, int] | None:
         """The longest run of `hashes` that a save not yet written holds (under the lock)."""
         best = None
         for key, p in self._pending.items():
+            if not self._reachable(key):
+                continue
             s = p.start
             if whole:
                 n = len(p.hashes) if (p.whole and len(p.hashes) <= len(hashes)
@@ -329,61 +306,28 @@ class KVStore:
         """Have `hit` loaded (`load`) on the store's reader thread unless it is under way
         already; True once the result is ready for `take`. Never waits: a request whose
         read is not ready waits in the queue, and the steps of the others go on."""
-        with self._lock:
-            read = self._reads.get((hit.key, hit.blocks))
-            if read is None:
-                held = sum(self.placement.size(k) or (
-                    self._pending[k].nbytes if k in self._pending else 0) for k, _ in self._reads)
-                if self._closed or (self._reads and held + hit.entry_bytes
-                                    > self.max_pending_bytes):
-                    return False  # no room for another read: later
-                read = self._reads[hit.key, hit.blocks] = (Future(), hit.tier)
-                self._read_jobs.put((read[0], hit))
-        return read[0].done()
-
-    def _read_work(self) -> None:
-        while (job := self._read_jobs.get()) is not None:
-            future, hit = job
-            if not future.set_running_or_notify_cancel():
-                continue  # dropped before it started
-            try:
-                future.set_result(self.load(hit))
-            except Exception as e:  # handed to `take`, which counts it
-                future.set_exception(e)
+        return self._reads.start(hit)
 
     def take(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes], str] | None:
         """What `read_ahead(hit)` read: `load`'s result and the tier it was read from, or
         None (a miss: the entry gone, corrupt or its tier failing, or no read ready); never
         waits."""
-        with self._lock:
-            read = self._reads.pop((hit.key, hit.blocks), None)
-        if read is None or not read[0].done():
-            if read is not None:
-                read[0].cancel()
-            return None
         try:
-            loaded = read[0].result()
+            read = self._reads.take(hit)
         except Exception:  # a failing tier: a miss, counted
-            log.exception("reading stored KV entry %s failed; recomputing", hit.key)
             self.stats.read_failures += 1
             return None
-        return None if loaded is None else (*loaded, read[1])
+        return None if read is None or read[0] is None else (*read[0], read[1])
 
     def wait_reads(self, timeout: float) -> None:
         """Wait until a read ahead is done, at most `timeout` seconds (a loop with nothing
         else to do, instead of spinning)."""
-        with self._lock:
-            reads = [f for f, _ in self._reads.values()]
-        if reads:
-            wait(reads, timeout, return_when=FIRST_COMPLETED)
+        self._reads.wait(timeout)
 
     def drop_reads(self, keep: Collection[Hit]) -> None:
         """Forget the reads ahead of hits not in `keep` (their requests left the queue or
         will recompute): their bytes are freed, a read not started is cancelled."""
-        wanted = {(h.key, h.blocks) for h in keep}
-        with self._lock:
-            for k in [k for k in self._reads if k not in wanted]:
-                self._reads.pop(k)[0].cancel()
+        self._reads.drop(keep)
 
     # ------------------------------------------------------------------ saving
 
@@ -406,8 +350,8 @@ class KVStore:
             # a longer run of blocks serves this one; a tiered row (`rows`) only its own
             held = (key in self.index if rows is not None
                     else bool(self.index.holders(hashes[-1])))
-            if held or key in self._pending or (parent is not None and parent not in self.index
-                                                and parent not in self._pending):
+            if held or key in self._pending or (parent is not None
+                                                and not self._reachable(parent)):
                 return False
             if sum(p.nbytes for p in self._pending.values()) + nbytes > self.max_pending_bytes:
                 self.stats.saves_dropped += 1
@@ -440,7 +384,7 @@ class KVStore:
         info = EntryInfo(self.model, self.kv_format, self.page_size, n * self.page_size, key)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
         data = encode(info, {**host, HASHES: digests})
-        meta = _meta(self.model, entry.session, entry)
+        meta = meta_record(self.model, entry.session, entry)
         with self._lock:
             if key in self.index or len(data) > max(self.placement.capacity.values()):
                 return  # already stored, or fits no tier (then the shorter runs stay)
@@ -455,8 +399,10 @@ class KVStore:
         for old in older:  # a longer run of the same prefix replaces them
             self._delete(old)
             self.stats.superseded += 1
-        with self._lock:
-            moves = self.placement.put(key, len(data), self._queue)
+        with self._lock:  # the entries it continues are not given up to make its room
+            keep = [] if entry.parent is None or entry.parent not in self.index else \
+                self.index.chain(entry.parent)
+            moves = self.placement.put(key, len(data), self._queue, keep)
         if not self._apply(moves[:-1]) or moves[-1].dst is None:
             with self._lock:
                 self.placement.drop(key)  # no room was made (or fits nowhere): not stored
@@ -488,6 +434,10 @@ class KVStore:
             if m.dst is None:
                 self._delete(m.session)
                 self.stats.evictions += 1
+                continue
+            with self._lock:
+                gone = m.session not in self.index  # went with an entry it continued
+            if gone:
                 continue
             src, dst = self._tier(m.src), self._tier(m.dst)
             data, meta = src.get(m.session), src.meta(m.session)
@@ -588,10 +538,7 @@ class KVStore:
             if self.disk is not None:
                 self._jobs.put(self._spill_all)
             self._jobs.put(None)
-            for future, _ in self._reads.values():
-                future.cancel()
-            self._reads.clear()
-            self._read_jobs.put(None)  # a read under way finishes on its own
+        self._reads.close()
         self._writer.join()
 
     def _spill_all(self) -> None:
