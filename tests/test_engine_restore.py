@@ -130,7 +130,7 @@ def test_after_warmup_saving_and_restoring_compile_nothing(params):
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 45, 1000])
 def test_restores_are_written_in_power_of_two_runs_covering_every_block(n):
-    from jkv.cache.connector import power_of_two_runs
+    from jkv.block_runs import power_of_two_runs
 
     runs = power_of_two_runs(n)
     bounds = [0] + [b for _, b in runs]
@@ -139,6 +139,32 @@ def test_restores_are_written_in_power_of_two_runs_covering_every_block(n):
     sizes = [b - a for a, b in runs]
     assert all(s & (s - 1) == 0 for s in sizes) and sizes == sorted(sizes, reverse=True)
     assert len(runs) == bin(n).count("1")  # as few compiled shapes per restore as can be
+    # a chain of stored entries: no run crosses where two of them meet
+    rng = np.random.default_rng()
+    offset = int(rng.integers(0, 5))
+    cuts = sorted(int(c) for c in rng.integers(0, n + 10, 4))
+    runs = power_of_two_runs(n, cuts, offset)
+    starts, stops = [a for a, _ in runs], [b for _, b in runs]
+    assert starts == [0, *stops][:len(starts)] and (stops[-1] if runs else 0) == n
+    assert all((b - a) & (b - a - 1) == 0 for a, b in runs)
+    assert not any(a < c - offset < b for a, b in runs for c in cuts)
+
+
+def test_block_runs_slice_without_copying_inside_a_part():
+    from jkv.block_runs import BlockRuns
+
+    rng = np.random.default_rng()
+    parts = [rng.standard_normal((n, 3, 2)) for n in (4, 1, 6)]
+    whole = np.concatenate(parts)
+    x = BlockRuns(parts)
+    assert x.shape == whole.shape and x.bounds == [4, 5] and x.nbytes == whole.nbytes
+    np.testing.assert_array_equal(np.asarray(x), whole)
+    for a, b in ((0, 4), (1, 3), (5, 11), (4, 5), (2, 9), (0, 11), (7, 7)):
+        np.testing.assert_array_equal(x[a:b], whole[a:b])
+        np.testing.assert_array_equal(x[a:b, 1], whole[a:b, 1])
+    assert np.shares_memory(x[5:9], parts[2]) and np.shares_memory(x[1:3, 2], parts[0])
+    np.testing.assert_array_equal(np.asarray(x.head(7)), whole[:7])
+    assert x.head(7).bounds == [4, 5] and len(x.head(3).parts) == 1
 
 
 @pytest.mark.parametrize("n,first,layers,chunk", [(12, 0, 6, 1), (40, 3, 30, 2), (7, 2, 1, 1),

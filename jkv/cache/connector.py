@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jkv.averages import moving_average
+from jkv.block_runs import BlockRuns, power_of_two_runs
 from jkv.buckets import bucket
 from jkv.cache.kv_cache import KVCacheManager
 from jkv.cache.prefix_cache import block_hashes
@@ -111,16 +112,6 @@ def pyramid(first: int, n: int, num_layers: int, recompute: float, chunk: int) -
     return first + grid[nearest].astype(np.int64)
 
 
-def power_of_two_runs(n: int) -> list[tuple[int, int]]:
-    """[start, stop) runs covering [0, n), each a power of two long, longest first."""
-    out, start = [], 0
-    while start < n:
-        size = 1 << ((n - start).bit_length() - 1)
-        out.append((start, start + size))
-        start += size
-    return out
-
-
 class KVConnector:
     """Saves, restores and moves the KV of one `KVCacheManager`'s slots."""
 
@@ -164,8 +155,11 @@ class KVConnector:
         if ids is None:
             return first * self.cache.page_size
         ids, fmt = np.asarray(ids), self.cache.pool.kv_format
-        # host arrays, as warmup compiled the copies for (views: the store's are already)
-        arrays = {f: np.asarray(x) for f, x in saved.arrays.items()}
+        # host arrays, as warmup compiled the copies for (views: the store's are already,
+        # a chain of entries in its parts, written in runs that stay inside one)
+        arrays = {f: x if isinstance(x, BlockRuns) else np.asarray(x)
+                  for f, x in saved.arrays.items()}
+        cuts = next((x.bounds for x in arrays.values() if isinstance(x, BlockRuns)), [])
 
         def pages(a: int, b: int, layer: int | None = None) -> KVPages:
             at = slice(a, b) if layer is None else (slice(a, b), layer)
@@ -173,13 +167,13 @@ class KVConnector:
 
         if loaded_from is None:
             runs = [(None, ids[a:b], pages(first + a, first + b))
-                    for a, b in power_of_two_runs(n - first)]
+                    for a, b in power_of_two_runs(n - first, cuts, first)]
         else:
             runs = [(layer, ids[lo - first + a:lo - first + b, layer],
                      pages(lo + a, lo + b, layer))
                     for layer in range(self.num_layers)
                     for lo in [min(max(int(loaded_from[layer]), first), n)]
-                    for a, b in power_of_two_runs(n - lo)]
+                    for a, b in power_of_two_runs(n - lo, cuts, lo)]
         approx = None
         if saved.exact_blocks is not None and n > saved.exact_blocks:
             approx = max(saved.exact_blocks, first)

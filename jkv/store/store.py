@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jkv.averages import moving_average
+from jkv.block_runs import BlockRuns
 from jkv.config import StoreConfig
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode
 from jkv.store.index import Entry, EntryIndex, Hit, meta_record, parse_meta
@@ -238,9 +239,10 @@ class KVStore:
 
     def load(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes]] | None:
         """The first `hit.blocks` blocks of entry `hit.key` and its chain: (arrays [blocks,
-        ...] in the pool's format, or a whole entry's arrays as saved, and their block
-        hashes), validated; None on a miss (gone, or corrupt: then counted and deleted). An
-        entry still being saved is read once written."""
+        ...] in the pool's format (a chain's as `BlockRuns`, its entries' arrays uncopied),
+        or a whole entry's arrays as saved, and their block hashes), validated; None on a
+        miss (gone, or corrupt: then counted and deleted). An entry still being saved is
+        read once written."""
         with self._lock:
             pending = self._pending.get(hit.key)
         if pending is not None:
@@ -270,7 +272,8 @@ class KVStore:
                 return dict(arrays), list(hashes)
             return {f: x[:n] for f, x in arrays.items()}, hashes[:n]
         hashes = [h for _, hs in parts for h in hs][:n]
-        return {f: np.concatenate([a[f] for a, _ in parts])[:n] for f in parts[0][0]}, hashes
+        # a chain is handed over in its parts: a restore writes runs inside each, uncopied
+        return {f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]}, hashes
 
     def _load_one(self, key: str, tier: str) -> tuple[dict, list[bytes], int] | None:
         """One entry's arrays, block hashes and stored bytes, validated against its index
