@@ -99,9 +99,10 @@ def test_offloaded_layers_sample_what_resident_ones_do(params):
 
 
 def test_a_decoding_layer_is_staged_in_pinned_memory_until_its_blocks_change(params):
-    """Each decode step brings an offloaded layer from its pinned copy, made again only when
-    a block fills (a page of 8 tokens); without pinned memory (`staging` None) the numpy
-    copy is brought, and both sample what the resident sequence does."""
+    """Decode steps bring an offloaded layer from its pinned copy, made at the second bring
+    of the same blocks and dropped when a block fills (a page of 8 tokens); without pinned
+    memory (`staging` None) the numpy copy is brought, and both sample what the resident
+    sequence does."""
     rng = np.random.default_rng()
     prompt = rng.integers(0, 512, 21).tolist()  # 2 full blocks, the third fills at step 3
     ref_tokens, ref_lps, _ = run(engine(params), prompt)
@@ -121,12 +122,13 @@ def test_a_decoding_layer_is_staged_in_pinned_memory_until_its_blocks_change(par
         if not pinned:
             assert seen == [None] * 10
             continue
-        # the step that fills the third block (the 24th token: step 2) sends it, so the
-        # copy seen before step 3 is gone and step 3 makes the next, kept through step 9
-        assert [i for i, x in enumerate(seen) if x is None] == [3]
-        assert all(x is seen[0] for x in seen[:3]) and all(x is seen[4] for x in seen[4:])
-        assert seen[4] is not seen[0]
-        assert seen[0].k.sharding.memory_kind == "pinned_host"
+        # the prefill's last chunk brought 2 blocks, step 0 the same 2: staged there; step
+        # 2 fills the third block (the 24th token) and sends it, so the copy is gone before
+        # step 3, which brings 3 blocks for the first time, and step 4 stages them
+        assert [i for i, x in enumerate(seen) if x is None] == [0, 3, 4]
+        assert seen[1] is seen[2] and all(x is seen[5] for x in seen[5:])
+        assert seen[5] is not seen[1]
+        assert seen[1].k.sharding.memory_kind == "pinned_host"
 
 
 def test_offloaded_layers_keep_shared_blocks_save_and_restore_exactly(params):

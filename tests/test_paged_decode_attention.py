@@ -288,6 +288,22 @@ def test_two_tiers_in_one_row(hi, lo, gqa, d):
         assert err < 1e-5, f"{hi}+{lo} splits={splits} ppb={ppb}: {err:.2e}"
 
 
+def test_groups_narrower_than_a_dot_keep_the_float32_path():
+    """Values in groups of 8 channels: float16 parts would be 8 wide, below the 16 a GPU
+    dot needs, so dequant="f16" runs the float32 path (the same output, bit for bit)."""
+    rng = np.random.default_rng()
+    q, _, table, lengths = make_case(rng, b=1, hkv=2, gqa=4, d=64, width=4,
+                                     lengths=[[20, 32]], k_bits=8, v_bits=4,
+                                     dtype=jnp.bfloat16)
+    kv = jnp.asarray(rng.normal(size=(2, 9, PAGE, 64)), jnp.bfloat16)
+    pages = KVPages.from_dense(kv[0], kv[1], KVFormat(8, 4, 8))
+    run = functools.partial(paged_decode_attention, q, pages, table, lengths,
+                            pages_per_block=2, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(run(dequant="f16"), np.float32),
+                                  np.asarray(run(dequant="f32"), np.float32))
+    assert rel_err(run(), float64_reference(q, pages, table, lengths)) < 4e-3
+
+
 @pytest.mark.parametrize("hi,lo", [((8, 4), (4, 2)), ((4, 8), "halved")])
 def test_two_tiers_with_float16_dequantization(hi, lo):
     """LeanKV's pair and two separate pools, bf16 q, dequantized in float16: the parts

@@ -16,11 +16,12 @@ layers out. `resident_layers` spreads the resident layers evenly over the depth 
 The page counts are the manager's (`KVCacheManager.offloaded`, `pages_held`): every call
 here changes the host count of free pages by exactly what it frees or takes.
 
-Host copies are numpy arrays; a layer brought in step after step (a decode with offloaded
-layers) also keeps a copy in pinned host memory (`HostLayer.staged`, made again only when
-its blocks change), since a copy from pinned memory runs at the DMA engines' rate without
-holding the caller, where a pageable numpy source is copied on the caller's thread through a
-staging buffer (on the H200: 6.5 GB/s against 52.5 GB/s).
+Host copies are numpy arrays; a layer brought in with the same blocks twice (decode steps
+between two filled blocks, not a prefill's chunks, each of which adds blocks) also keeps a
+copy in pinned host memory (`HostLayer.staged`, dropped when its blocks change), since a
+copy from pinned memory runs at the DMA engines' rate without holding the caller, where a
+pageable numpy source is copied on the caller's thread through a staging buffer (on the
+H200: 6.5 GB/s against 52.5 GB/s).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class HostLayer:
     # copies on their way to the host: (index of its first block, blocks, device pages)
     pending: list[tuple[int, int, KVPages]] = field(default_factory=list)
     staged: KVPages | None = None  # `pages` in pinned host memory, while they are current
+    brought: int = -1  # `blocks` when it was last brought in
 
     def add(self, index: int, count: int, pages: KVPages) -> None:
         """Blocks [index, index + count) are `pages`[:count] (device arrays being copied)."""
@@ -342,8 +344,9 @@ class LayerOffload:
     def _copy_in(self, pool: KVPages, slot: int, layer: int, tokens: int,
                  stage: bool = False) -> KVPages:
         """Give (slot, layer) the pages to hold `tokens` tokens and write its host copy into
-        them (one call); returns the pool. `stage`: keep the host copy in pinned memory
-        for the next time (a copy that is current is used either way)."""
+        them (one call); returns the pool. `stage`: keep the host copy in pinned memory for
+        the next time if it has not changed since the last (a copy that is current is used
+        either way)."""
         c = self.cache
         h = c.offloaded[slot][layer]
         need = c.layer_own_pages(slot, tokens)
@@ -351,6 +354,10 @@ class LayerOffload:
             raise RuntimeError(f"bringing back layer {layer} of slot {slot} needs {need} "
                                f"pages and only {c.available_pages} can be had")
         h.settle()
+        # staged once the same blocks are brought twice (decode steps between two filled
+        # blocks), not while every bring finds new ones (a prefill's chunks)
+        stage = stage and h.brought == h.blocks
+        h.brought = h.blocks
         if h.pages is None:
             pages = jax.device_put(self._empty, self.device)
         elif self.staging is not None and (stage or h.staged is not None):

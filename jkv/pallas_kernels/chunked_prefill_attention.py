@@ -23,13 +23,12 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import (
-    DEQUANT,
     MASK_VALUE,
     MIN_DOT,
     _attend_pages,
     _dot_t,
     _online_update,
-    checked_tiers,
+    checked_parts,
     dequantized_rows,
     half_dtypes,
     query_parts,
@@ -183,8 +182,6 @@ def chunked_prefill_attention(
     its logits in the same pass and they are normalised once its rows' states are final.
     `dequant`: how quantized pages are dequantized for 16-bit q (`paged_decode_attention`).
     """
-    if dequant not in DEQUANT:
-        raise ValueError(f"dequant must be one of {DEQUANT}, got {dequant!r}")
     b, t, hq, d = q.shape
     bt, hkv, w = page_table.shape
     tw = given_tw = k_window.shape[2]
@@ -217,9 +214,8 @@ def chunked_prefill_attention(
             raise ValueError(f"{name}={n} must be a multiple of its block size {blk}, a power "
                              "of two")
     pages.check(d)
-    half = dequant == "f16" and q.dtype != jnp.float32
-    tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, page_lengths, d,
-                                              group_parts=half)
+    tiers, low_lengths, parts, half = checked_parts(pages, low_tier, low_lengths,
+                                                    page_lengths, d, dequant, q.dtype)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     g = hq // hkv
     heads = max(pl.next_power_of_2(g), 16 // block_q)  # rows per query token, padded

@@ -313,8 +313,6 @@ def paged_decode_attention(
     speed against f32's 0.93x-1.08x, at a third to a fifth of its error for 4- and 2-bit
     values (benchmarks/results/kernels-sweep-NVIDIA_H200-2026-11-27-dequant*.json).
     """
-    if dequant not in DEQUANT:
-        raise ValueError(f"dequant must be one of {DEQUANT}, got {dequant!r}")
     b, hq, d = q.shape
     bt, hkv, w = page_table.shape
     if bt != b or lengths.shape != (b, hkv):
@@ -330,9 +328,8 @@ def paged_decode_attention(
                          f"must be >= {MIN_DOT} on a GPU (Triton dots need 16 along each "
                          "dimension)")
     pages.check(d)
-    half = dequant == "f16" and q.dtype != jnp.float32
-    tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, lengths, d,
-                                              group_parts=half)
+    tiers, low_lengths, parts, half = checked_parts(pages, low_tier, low_lengths, lengths, d,
+                                                    dequant, q.dtype)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     group_size = hq // hkv
     block_h = max(16, pl.next_power_of_2(group_size))
@@ -433,6 +430,24 @@ def checked_tiers(pages: KVPages, low_tier: KVPages | None, low_lengths: jax.Arr
 
     parts = tuple(max(side_parts(t.kv_format, i) for t in tiers) for i in range(2))
     return tiers, low_lengths, parts
+
+
+def checked_parts(pages: KVPages, low_tier: KVPages | None, low_lengths: jax.Array | None,
+                  lengths: jax.Array, d: int, dequant: str,
+                  dtype) -> tuple[list[KVPages], jax.Array, tuple, bool]:
+    """`checked_tiers` and whether quantized sides are dequantized in float16: for 16-bit
+    queries with dequant "f16", where every channel part (then cut inside one scale group)
+    keeps at least MIN_DOT channels (a narrower dot would sum wrongly on a GPU: such groups
+    keep the float32 path)."""
+    if dequant not in DEQUANT:
+        raise ValueError(f"dequant must be one of {DEQUANT}, got {dequant!r}")
+    half = dequant == "f16" and dtype != jnp.float32
+    tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, lengths, d,
+                                              group_parts=half)
+    if half and d // max(parts) < MIN_DOT:
+        half = False
+        tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, lengths, d)
+    return tiers, low_lengths, parts, half
 
 
 def merge_softmax_states(o: jax.Array, denom: jax.Array, m: jax.Array,
