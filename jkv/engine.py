@@ -402,7 +402,7 @@ class Engine:
     def _offload_hooks(self, rows: Sequence[Row], stage) -> tuple:
         """Layer hooks for rows with offloaded layers (after `stage`, a restore's): each such
         layer's pages brought in before it runs and sent out after (the pool as LayerKV's
-        send buffer)."""
+        send buffer), its host copy sent ahead once the layer before it is dispatched."""
         c, moves = self.cache, self.layers
         lengths = {r.slot: len(c.slot_tokens[r.slot]) + len(r.tokens) for r in rows
                    if r.slot in c.offloaded}
@@ -422,6 +422,7 @@ class Engine:
                 if index in c.offloaded[slot]:
                     moves.send(slot, index, n, pool)
                     moved = True
+                moves.prefetch(slot, index)  # the next offloaded layer, while this computes
             return pool, c.tables.pages if moved else table_pages
 
         return before, after

@@ -100,9 +100,10 @@ def test_offloaded_layers_sample_what_resident_ones_do(params):
 
 def test_a_decoding_layer_is_staged_in_pinned_memory_until_its_blocks_change(params):
     """Decode steps bring an offloaded layer from its pinned copy, made at the second bring
-    of the same blocks and dropped when a block fills (a page of 8 tokens); without pinned
-    memory (`staging` None) the numpy copy is brought, and both sample what the resident
-    sequence does."""
+    of the same blocks and dropped when a block fills (a page of 8 tokens), each layer after
+    the first sent ahead while the one before it computes; without pinned memory
+    (`staging` None) the numpy copy is brought, and both sample what the resident sequence
+    does."""
     rng = np.random.default_rng()
     prompt = rng.integers(0, 512, 21).tolist()  # 2 full blocks, the third fills at step 3
     ref_tokens, ref_lps, _ = run(engine(params), prompt)
@@ -119,6 +120,8 @@ def test_a_decoding_layer_is_staged_in_pinned_memory_until_its_blocks_change(par
         events = dict.fromkeys(range(10), look)
         tokens, lps, slot = run(e, prompt, resident=1, events=events)
         assert tokens == ref_tokens and (lps == ref_lps).all(), pinned
+        # layers 0-2 offloaded: 1 and 2 sent ahead in each of 2 prefill and 10 decode steps
+        assert e.layers.prefetched == 2 * 12
         if not pinned:
             assert seen == [None] * 10
             continue

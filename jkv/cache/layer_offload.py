@@ -201,6 +201,10 @@ class LayerOffload:
                                    cache.pool)
         self.device = device_memory()
         self.staging = pinned_host()  # None: brings copy from the numpy arrays
+        # host copies sent ahead of their layer's turn, by (slot, layer), and how many
+        # brings found theirs so
+        self._ahead: dict[tuple[int, int], KVPages] = {}
+        self.prefetched = 0
         # host seconds spent in the step's hooks and after it (a copy that holds the caller
         # shows here; the device's own time does not)
         self.host_seconds = {"bring": 0.0, "send": 0.0, "settle": 0.0}
@@ -268,9 +272,22 @@ class LayerOffload:
         pages for all of them, the host copy written in (from pinned memory where there is
         some: the next step brings it again); returns the pool."""
         t0 = time.perf_counter()
-        pool = self._copy_in(pool, slot, layer, tokens, stage=True)
+        ahead = self._ahead.pop((slot, layer), None)
+        self.prefetched += ahead is not None
+        pool = self._copy_in(pool, slot, layer, tokens, stage=True, pages=ahead)
         self.host_seconds["bring"] += time.perf_counter() - t0
         return pool
+
+    def prefetch(self, slot: int, index: int) -> None:
+        """After layer `index` of a step has been dispatched: the host copy of `slot`'s next
+        offloaded layer on its way to the device while the layers before it compute
+        (LayerKV's layer-by-layer read ahead; `bring` takes it)."""
+        t0 = time.perf_counter()
+        held = self.cache.offloaded.get(slot, {})
+        later = min((x for x in held if x > index), default=None)
+        if later is not None and (slot, later) not in self._ahead:
+            self._ahead[slot, later] = self._on_device(held[later], stage=True)
+        self.host_seconds["bring"] += time.perf_counter() - t0
 
     def send(self, slot: int, layer: int, tokens: int, pool: KVPages) -> None:
         """After layer `layer` of that step: its new full pages copied out, its own pages
@@ -297,6 +314,7 @@ class LayerOffload:
         """After a step: the copies it sent are written into the host copies (the device
         arrays are freed), and its reservations checked."""
         t0 = time.perf_counter()
+        self._ahead.clear()  # (a step cut short leaves some)
         self._check()
         for held in self.cache.offloaded.values():
             for h in held.values():
@@ -341,31 +359,35 @@ class LayerOffload:
         h.add(h.blocks, n, pages)
         self.offloaded_bytes += pages.nbytes * n // bucket(n)
 
+    def _on_device(self, h: HostLayer, stage: bool) -> KVPages:
+        """`h`'s host copy on its way to the device (the copy dispatched, not awaited, from
+        pinned memory where there is a current pinned copy). `stage`: make one if the
+        blocks have not changed since the last bring (decode steps between two filled
+        blocks), not while every bring finds new ones (a prefill's chunks)."""
+        h.settle()
+        stage = stage and h.brought == h.blocks
+        h.brought = h.blocks
+        if h.pages is None:
+            return jax.device_put(self._empty, self.device)
+        if self.staging is not None and (stage or h.staged is not None):
+            if h.staged is None:
+                h.staged = jax.device_put(h.pages, self.staging)
+            return jax.device_put(h.staged, self.device)
+        return jax.device_put(h.pages, self.device)
+
     def _copy_in(self, pool: KVPages, slot: int, layer: int, tokens: int,
-                 stage: bool = False) -> KVPages:
+                 stage: bool = False, pages: KVPages | None = None) -> KVPages:
         """Give (slot, layer) the pages to hold `tokens` tokens and write its host copy into
-        them (one call); returns the pool. `stage`: keep the host copy in pinned memory for
-        the next time if it has not changed since the last (a copy that is current is used
-        either way)."""
+        them (one call; `pages`: that copy already on its way, else sent now, `_on_device`);
+        returns the pool."""
         c = self.cache
         h = c.offloaded[slot][layer]
         need = c.layer_own_pages(slot, tokens)
         if not c.make_room(need):
             raise RuntimeError(f"bringing back layer {layer} of slot {slot} needs {need} "
                                f"pages and only {c.available_pages} can be had")
-        h.settle()
-        # staged once the same blocks are brought twice (decode steps between two filled
-        # blocks), not while every bring finds new ones (a prefill's chunks)
-        stage = stage and h.brought == h.blocks
-        h.brought = h.blocks
-        if h.pages is None:
-            pages = jax.device_put(self._empty, self.device)
-        elif self.staging is not None and (stage or h.staged is not None):
-            if h.staged is None:
-                h.staged = jax.device_put(h.pages, self.staging)
-            pages = jax.device_put(h.staged, self.device)
-        else:
-            pages = jax.device_put(h.pages, self.device)
+        if pages is None:
+            pages = self._on_device(h, stage)
         c.free, c.tables, pool, ok = bring_layer(
             c.free, c.tables, pool, jnp.int32(slot), jnp.int32(layer), jnp.int32(tokens),
             jnp.int32(h.first), jnp.int32(h.blocks), pages)
