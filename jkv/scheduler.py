@@ -286,8 +286,12 @@ class Scheduler:
                 "admitted_offloaded": self.stats.admitted_offloaded,
                 "bytes_to_host": eng.layers.offloaded_bytes,
                 "bytes_from_host": eng.layers.fetched_bytes,
-                "requests_offloaded": sum(1 for r in self.running
-                                          if eng.offloaded_layers(self._state[r].slot))}
+                # (read from other threads: a request may have just finished, its state
+                # gone while the loop still lists it)
+                "requests_offloaded": sum(
+                    1 for r in list(self.running)
+                    if (t := self._state.get(r)) is not None and t.slot is not None
+                    and eng.offloaded_layers(t.slot))}
         if self.store is not None:
             out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses,
                             "restores_declined": self.stats.restores_declined,

@@ -194,6 +194,21 @@ def test_abort_and_deadline_free_the_slot_and_pages(params):
     assert eng.cache.available_pages == eng.cache.total_pages
 
 
+def test_a_snapshot_while_a_request_finishes_does_not_fail(params):
+    """`snapshot` is read from other threads (/metrics): a request whose state the loop
+    has dropped at its finish but still lists as running is skipped, not a KeyError."""
+    eng = engine(params)
+    sched = Scheduler(eng)
+    r = Request(prompts_of((20,))[0], SamplingParams(max_tokens=50, temperature=0))
+    sched.add(r)
+    for _ in range(3):
+        sched.step()
+    assert r in sched.running
+    state = sched._state.pop(r)  # the window inside `_finish`
+    assert sched.snapshot()["layer_offload"]["requests_offloaded"] == 0
+    sched._state[r] = state
+
+
 def test_on_token_stop_and_context_limit(params):
     eng = engine(params)
     sched = Scheduler(eng)
