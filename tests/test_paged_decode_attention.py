@@ -18,11 +18,10 @@ from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
 from jkv.pallas_kernels.paged_decode_attention import (
     DEQUANT,
     dequantized_rows,
-    merge_softmax_states,
-    normalize_softmax_state,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from jkv.pallas_kernels.softmax_state import merge_softmax_states, normalize_softmax_state
 
 INTERPRET = jax.default_backend() == "cpu"
 # (k_bits, v_bits, token_keys) of every named format

@@ -18,11 +18,8 @@ from jkv.cache.xla_attention import xla_attention
 from jkv.config import ATTENTION_BACKENDS
 from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attention
 from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.paged_decode_attention import (
-    merge_softmax_states,
-    normalize_softmax_state,
-    paged_decode_attention,
-)
+from jkv.pallas_kernels.paged_decode_attention import paged_decode_attention
+from jkv.pallas_kernels.softmax_state import merge_softmax_states, normalize_softmax_state
 
 PAGES_PER_BLOCK = 4  # page-table widths are powers of two >= 4, tiered ones multiples of 32
 

@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.kv_quant import codes_per_byte
+from jkv.pallas_kernels.softmax_state import merge_softmax_states, normalize_softmax_state
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_DOT = 16  # compiled Triton dots need every dimension >= 16
@@ -448,26 +449,6 @@ def checked_parts(pages: KVPages, low_tier: KVPages | None, low_lengths: jax.Arr
         half = False
         tiers, low_lengths, parts = checked_tiers(pages, low_tier, low_lengths, lengths, d)
     return tiers, low_lengths, parts, half
-
-
-def merge_softmax_states(o: jax.Array, denom: jax.Array, m: jax.Array,
-                         axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Combine partial softmax states (unnormalised o [..., D], denominators and maxima [...])
-    along a leading `axis` (the same for all three) by log-sum-exp; a part with no tokens has
-    m = -inf and weight 0."""
-    if axis < 0:
-        raise ValueError(f"axis must count from the front, got {axis}")
-    m_all = m.max(axis=axis, keepdims=True)
-    m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-    w = jnp.exp(m - m_all)
-    o = (o * w[..., None]).sum(axis=axis)
-    denom = (denom * w).sum(axis=axis)
-    return o, denom, jnp.squeeze(m_all, axis)
-
-
-def normalize_softmax_state(o: jax.Array, denom: jax.Array) -> jax.Array:
-    """o / denominator; rows that saw no token at all give 0."""
-    return o / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def paged_decode_attention_reference(q: jax.Array, pages: KVPages, page_table: jax.Array,
