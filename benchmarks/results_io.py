@@ -12,18 +12,23 @@ from pathlib import Path
 def write_results(out: Path, stem: str, result: dict, svg: str | None,
                   args: argparse.Namespace) -> None:
     """Write `out`/<stem>-<date>.json (result + date, platform and the arguments, `out`
-    left out) and the SVG beside it (if any); print where."""
+    left out) and the SVG beside it (if any); print where. A result already there is kept:
+    the new one is <stem>-<date>-2 (or the first free number)."""
     date = datetime.date.today().isoformat()
     result = {**result, "date": date, "platform": platform.platform(),
               "args": {k: v for k, v in vars(args).items() if k != "out"}}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{stem}-{date}.json"
+    name, n = f"{stem}-{date}", 1
+    while (out / f"{name}.json").exists() or (out / f"{name}.svg").exists():
+        n += 1
+        name = f"{stem}-{date}-{n}"
+    path = out / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     if svg is None:
         print(f"wrote {path}")
         return
-    (out / f"{stem}-{date}.svg").write_text(svg)
+    path.with_suffix(".svg").write_text(svg)
     print(f"wrote {path} and {path.with_suffix('.svg')}")
 
 

@@ -133,6 +133,9 @@ class Engine:
         # the compute (1); on CPU both take the same cores (0: never split there, as
         # benchmarks/restore.py's split rows show). A tiered row is restored whole (0).
         self.split_overlap = 0.0 if self.tiered or jax.default_backend() == "cpu" else 1.0
+        # a CPU backend takes 64-byte aligned host arrays as they are (a restore's pages:
+        # no copy in the step), so a store for this engine hands them over aligned
+        self.aligned_host_arrays = jax.default_backend() == "cpu"
         self._seed, self._requests_seen = config.seed, 0
         self.stats = EngineStats()
 

@@ -159,7 +159,8 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         if isinstance(store, StoreConfig):  # a store for this engine's KV
             store = KVStore(store, model=engine.fingerprint, kv_format=engine.kv_format,
-                            page_size=engine.page_size)
+                            page_size=engine.page_size,
+                            aligned_reads=engine.aligned_host_arrays)
         self.store = store
         self.waiting: list[Request] = []
         self.running: list[Request] = []

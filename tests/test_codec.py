@@ -16,6 +16,7 @@ from jkv.store.codec import (
     CorruptEntry,
     EntryInfo,
     EntryMismatch,
+    aligned,
     checksum,
     decode,
     encode,
@@ -139,3 +140,21 @@ def test_an_entry_of_another_codec_version_is_refused_by_name():
     struct.pack_into("<H", old, 4, 1)  # version 1 hashed every byte with BLAKE2b
     with pytest.raises(CorruptEntry, match="version 1"):
         decode(bytes(old))
+
+
+def test_decode_with_align_reads_every_array_from_a_64_byte_boundary():
+    data, a = entry()
+    for skip in (0, 1, 16, 48):  # the same entry at addresses of every alignment
+        buf = bytearray(skip + len(data))
+        buf[skip:] = data
+        view = memoryview(buf)[skip:]
+        _, got = decode(view, align=True)
+        for name in a:
+            np.testing.assert_array_equal(got[name], a[name])
+            assert got[name].ctypes.data % ALIGN == 0 or not got[name].size
+            assert not got[name].flags.writeable
+    again = aligned(data)
+    address = np.frombuffer(again, np.uint8).ctypes.data
+    assert address % ALIGN == 0
+    # aligned and read-only already: not copied again
+    assert np.frombuffer(aligned(again), np.uint8).ctypes.data == address

@@ -210,7 +210,21 @@ def test_corrupt_entries_are_misses_counted_and_deleted(tmp_path):
     again.close()
 
 
-def test_a_database_that_cannot_be_listed_starts_empty_and_is_counted(tmp_path):
+def _bad_magic(data: bytes) -> bytes:  # every OCDBT b-tree node's magic number
+    return data.replace(bytes.fromhex("0cdb20de"), b"\xf3\xdb\x20\xde")
+
+
+def _bad_frame(data: bytes) -> bytes:  # a byte inside each node's compressed frame
+    out = bytearray(data)
+    at = data.find(bytes.fromhex("0cdb20de"))
+    while at >= 0:
+        out[at + 14] ^= 0xFF
+        at = data.find(bytes.fromhex("0cdb20de"), at + 1)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("damage", [_bad_magic, _bad_frame])
+def test_a_database_that_cannot_be_listed_starts_empty_and_is_counted(tmp_path, damage):
     rng = np.random.default_rng()
     tokens = rng.integers(0, 1000, 2 * PAGE).tolist()
     d = store(tmp_path, host_cache_bytes=0)
@@ -218,8 +232,8 @@ def test_a_database_that_cannot_be_listed_starts_empty_and_is_counted(tmp_path):
     d.flush()
     d.close()
     (tmp_path / "keep.txt").write_text("not the store's")
-    for path in (tmp_path / "d").iterdir():  # every OCDBT b-tree node's magic number
-        path.write_bytes(path.read_bytes().replace(bytes.fromhex("0cdb20de"), b"\xf3\xdb\x20\xde"))
+    for path in (tmp_path / "d").iterdir():
+        path.write_bytes(damage(path.read_bytes()))
     again = store(tmp_path, host_cache_bytes=0)
     assert again.disk.damaged and again.snapshot()["disk_resets"] == 1
     assert again.lookup(chain(tokens)) is None

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.store.codec import CorruptEntry, EntryInfo, decode, encode
+from jkv.store import tiers
+from jkv.store.codec import ALIGN, CorruptEntry, EntryInfo, decode, encode
 from jkv.store.tiers import HostTier, PersistentTier, TierFull
 
 
@@ -30,6 +31,36 @@ def test_host_tier_never_exceeds_its_capacity(capacity, ops):
             model[key] = size
         assert tier.bytes_used == sum(model.values()) <= capacity
         assert sorted(tier.keys()) == sorted(model)
+
+
+def test_long_entries_are_stored_in_parts_and_read_back_whole_and_aligned(tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setattr(tiers, "PART", 1000)
+    rng = np.random.default_rng()
+    tier = PersistentTier(tmp_path, 1 << 20)
+    stored = {}
+    for size in (1, 999, 1000, 1001, 4321):
+        stored[f"e{size}"] = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        tier.put(f"e{size}", stored[f"e{size}"], b"meta")
+    names = sorted(n.decode() for n in tier._kv.list().result())
+    assert [n for n in names if n.startswith("e4321@")] == [
+        "e4321@4321", "e4321@4321.1", "e4321@4321.2", "e4321@4321.3", "e4321@4321.4",
+        "e4321@4321.meta"]
+    # an entry one of whose values is gone is not an entry
+    tier._kv.delete_range(tiers.ts.KvStore.KeyRange("e1001@1001.1", "e1001@1001.1\0")).result()
+    del stored["e1001"]
+    for again in (tier, PersistentTier(tmp_path, 1 << 20)):
+        if again is not tier:
+            assert sorted(again.keys()) == sorted(stored)
+            assert again.foreign == ["e1001@1001", "e1001@1001.meta"]
+            assert again.bytes_used == sum(map(len, stored.values()))
+        for key, data in stored.items():
+            got = again.get(key)
+            assert bytes(got) == data and got.readonly
+            assert np.frombuffer(got, np.uint8).ctypes.data % ALIGN == 0
+    assert again.get("absent") is None
+    again.delete("e4321")  # every value and the meta record
+    assert not [n for n in again._kv.list().result() if n.startswith(b"e4321@")]
 
 
 def test_persistent_tier_index_is_rebuilt_on_open(tmp_path):

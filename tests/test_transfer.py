@@ -4,11 +4,12 @@ boundary, and a field that does not fit is named."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.cache.transfer import gather_pages, scatter_pages
+from jkv.cache.transfer import flat_run, gather_pages, scatter_pages
 from jkv.config import KV_FORMATS
 from jkv.pallas_kernels.kv_pages import KVPages
 
@@ -43,6 +44,25 @@ def test_gather_then_scatter_is_exact_and_touches_only_its_pages(name):
         want = np.asarray(x).reshape(24, *got.shape[1:])
         np.testing.assert_array_equal(got[to.reshape(-1)[1:]], want[1:])
         np.testing.assert_array_equal(got[untouched], before[f][untouched])
+
+
+@pytest.mark.parametrize("name", ["auto", "k8v4"])
+def test_a_flat_run_writes_what_its_unjoined_run_writes_and_views_its_host_arrays(name):
+    rng = np.random.default_rng()
+    fmt = KV_FORMATS[name]
+    src = random_pool(rng, fmt)
+    pages = jax.device_get(gather_pages(src, jnp.asarray(1 + rng.permutation(39)[:24]
+                                                         .reshape(3, 2, 4), jnp.int32)))
+    to = np.asarray(1 + rng.permutation(39)[:24].reshape(3, 2, 4), np.int32)
+    to[1, 0, 2] = 0
+    ids, flat = flat_run(to, pages)
+    assert ids.shape == (24,)
+    for f, x in flat.arrays().items():
+        assert x.shape[0] == 24 and np.shares_memory(x, getattr(pages, f))  # no copy
+    want = scatter_pages(random_pool(np.random.default_rng(1), fmt), to, pages)
+    got = scatter_pages(random_pool(np.random.default_rng(1), fmt), ids, flat)
+    for f, x in want.arrays().items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(x))
 
 
 def test_scatter_checks_format_and_shapes():

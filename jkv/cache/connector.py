@@ -33,7 +33,7 @@ from jkv.cache.kv_cache import KVCacheManager
 from jkv.cache.prefix_cache import block_hashes
 from jkv.cache.rebase import rebase_pages
 from jkv.cache.tier_entries import TIER_ARRAYS, place_row, row_layout, tier_counts
-from jkv.cache.transfer import gather_pages, scatter_pages
+from jkv.cache.transfer import flat_run, gather_pages, scatter_pages
 from jkv.pallas_kernels.kv_pages import KVPages
 
 
@@ -257,7 +257,8 @@ class KVConnector:
                 t0 = time.perf_counter()
                 # every copy dispatched before any scatter: on a GPU they run beside the
                 # compute queued before them (a split restore's recomputed part)
-                runs = [(ids, jax.device_put(pages)) for _, ids, pages in p.runs]
+                runs = [(ids, jax.device_put(pages))
+                        for ids, pages in (flat_run(i, x) for _, i, x in p.runs)]
                 for ids, pages in runs:
                     self.cache.pool = scatter_pages(self.cache.pool, ids, pages)
                 jax.block_until_ready(self.cache.pool)
@@ -333,8 +334,8 @@ class KVConnector:
         staged: dict[int, list] = {}
 
         def stage(index: int) -> None:
-            staged[index] = [(ids, jax.device_put(pages))
-                             for p in pending for ids, pages in p.layer_runs(index)]
+            staged[index] = [(ids, jax.device_put(pages)) for p in pending
+                             for ids, pages in (flat_run(*r) for r in p.layer_runs(index))]
 
         for index in range(min(ahead, layers)):
             stage(index)
@@ -418,11 +419,10 @@ class KVConnector:
         while True:
             ids = c.page_ids(c.scratch, 0, 0, count=count)  # all null: nothing is written
             pages = jax.device_get(gather_pages(c.pool, ids))
-            c.pool = scatter_pages(c.pool, np.zeros(ids.shape, np.int32),
-                                   jax.device_put(pages))
-            # one layer's pages: layer-wise staging, and split restores in any execution
-            c.pool = scatter_pages(c.pool, np.zeros(ids.shape[::2], np.int32),
-                                   jax.device_put(pages.layer(0)))
+            for run in (flat_run(np.zeros(ids.shape, np.int32), pages),
+                        # one layer's pages: layer-wise staging, and split restores
+                        flat_run(np.zeros(ids.shape[::2], np.int32), pages.layer(0))):
+                c.pool = scatter_pages(c.pool, run[0], jax.device_put(run[1]))
             if count >= c.max_pages:
                 break
             count *= 2

@@ -3,8 +3,8 @@
 `gather_pages` reads the pages `ids` (any shape, e.g. [blocks, layers, KV heads]) with their
 scales and zero points as they are stored, so a saved entry is bit-exact and a restore at the
 same positions is a copy; `scatter_pages` writes such pages into other page ids of a pool
-of the same format. Both are one jitted gather / scatter each (`KVPages.take`, `put`), no
-per-page Python.
+of the same format (host runs joined into one leading axis first: `flat_run`). Both are
+one jitted gather / scatter each (`KVPages.take`, `put`), no per-page Python.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jkv.pallas_kernels.kv_pages import NULL_PAGE, KVPages
 
@@ -21,6 +22,16 @@ from jkv.pallas_kernels.kv_pages import NULL_PAGE, KVPages
 def gather_pages(pool: KVPages, ids: jax.Array) -> KVPages:
     """Pages `ids` of the pool, leading shape ids.shape (quantized sides bring their scales)."""
     return pool.take(ids)
+
+
+def flat_run(ids: np.ndarray, pages: KVPages) -> tuple[np.ndarray, KVPages]:
+    """A run of host pages (leading shape ids.shape) with its leading axes joined, as
+    `scatter_pages` is given them: numpy views where contiguous (a 64-byte aligned one then
+    reaches a CPU backend uncopied), where a reshape inside the scatter's jit is a copy of the
+    whole run on CPU (50 ms of a 4K-token restore's 105 on a 2-core machine)."""
+    lead = np.ndim(ids)
+    return (np.reshape(ids, -1),
+            jax.tree.map(lambda x: np.reshape(x, (-1, *np.shape(x)[lead:])), pages))
 
 
 @partial(jax.jit, donate_argnums=0)  # the pool is updated in place, never copied

@@ -38,7 +38,7 @@ import numpy as np
 from jkv.averages import moving_average
 from jkv.block_runs import BlockRuns
 from jkv.config import StoreConfig
-from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode
+from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
 from jkv.store.index import Entry, EntryIndex, Hit, meta_record, parse_meta
 from jkv.store.placement import Move, Placement
 from jkv.store.reads import ReadAhead
@@ -87,15 +87,19 @@ class KVStore:
     max_pending_bytes: most bytes of saves waiting for the writer (each holds a device copy
     of its pages until written); a save past it is dropped and counted. Reads ahead hold at
     most as many bytes (a request past it waits for room).
+    aligned_reads: loaded arrays start on 64-byte boundaries (`codec.aligned`: a copy on the
+    reading thread where a tier's bytes are not), as a CPU backend takes them without a copy.
     """
 
     def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
-                 page_size: int, max_pending_bytes: int = 2 << 30) -> None:
+                 page_size: int, max_pending_bytes: int = 2 << 30,
+                 aligned_reads: bool = False) -> None:
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
         self.config = config
         self.model, self.kv_format, self.page_size = model, kv_format, page_size
+        self.aligned_reads = aligned_reads  # loaded arrays 64-byte aligned (`codec.aligned`)
         self.host = HostTier(config.host_cache_bytes)
         self.disk = (None if config.persistent is None or not config.disk_cache_bytes
                      else PersistentTier(config.persistent, config.disk_cache_bytes))
@@ -291,7 +295,7 @@ class KVStore:
             if entry is None:
                 return None
             _, arrays = decode(data, model=self.model, kv_format=self.kv_format,
-                               page_size=self.page_size)
+                               page_size=self.page_size, align=self.aligned_reads)
             stored = arrays.pop(HASHES, None)
             if stored is None or [r.tobytes() for r in stored] != entry.hashes:
                 raise CorruptEntry("the entry's block hashes differ from its index record")
@@ -386,7 +390,7 @@ class KVStore:
         key = entry.hashes[-1].hex()
         info = EntryInfo(self.model, self.kv_format, self.page_size, n * self.page_size, key)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
-        data = encode(info, {**host, HASHES: digests})
+        data = encode_aligned(info, {**host, HASHES: digests})
         meta = meta_record(self.model, entry.session, entry)
         with self._lock:
             if key in self.index or len(data) > max(self.placement.capacity.values()):
