@@ -10,19 +10,16 @@ generating) runs on one worker thread under one lock, so requests are served one
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
 import json
 import logging
-import re
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, Literal
 
 import jax
 import uvicorn
@@ -31,13 +28,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jkv.api import LLM, ROLES, Truncation
-from jkv.config import OPTIONS, Option
-from jkv.models.params_cache import cache_home
-from jkv.sampling import MAX_LOGPROBS, SamplingParams
+from jkv.api import LLM, Truncation
+from jkv.config import OPTIONS
+from jkv.openai_protocol import (
+    COMPLETION_RESPONSES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    error_responses,
+    json_schema_bounds,
+    validation_error,
+)
+from jkv.sampling import SamplingParams
+from jkv.server_flags import build_parser
 
 try:  # chat templates raise jinja2 errors for conversations they reject
     from jinja2 import TemplateError as _TemplateError
@@ -49,281 +55,7 @@ log = logging.getLogger("jkv.server")
 MAX_BODY_BYTES = 1 << 20  # larger request bodies get 413
 CHAT_MAX_TOKENS = 512  # chat default for max_tokens, when the room left allows it
 COMPLETION_MAX_TOKENS = 16  # completions default for max_tokens (OpenAI's)
-MAX_STOP = 4
-_INT64 = 1 << 63
 _END = object()  # end of a stream's deltas
-
-
-# ---------------------------------------------------------------------------- errors
-
-
-class APIError(Exception):
-    """An error answered as OpenAI does: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status, message, param, type, code)
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every error's body (OpenAI's shape)."""
-
-    error: ErrorDetail
-
-
-_ERRORS = {400: "the request is invalid; the message names the field (`param`)",
-           401: "a missing or wrong API key (the server was started with --api-key)",
-           404: "no such model, or no such route",
-           413: "the request body is too large",
-           503: "the queue is full (Retry-After) or the server is shutting down"}
-
-
-_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
-
-
-def _json_schema_bounds(node: Any) -> Any:
-    """Bounds in JSON Schema's words: pydantic writes a number's ge/le as they are when a
-    validator runs before them (`JsonInt`), which no schema reader understands."""
-    if isinstance(node, dict):
-        typed = node.get("type") in ("integer", "number")
-        return {(_BOUNDS[k] if typed and k in _BOUNDS else k): _json_schema_bounds(v)
-                for k, v in node.items()}
-    if isinstance(node, list):
-        return [_json_schema_bounds(v) for v in node]
-    return node
-
-
-def _errors(*codes: int) -> dict:
-    """OpenAPI `responses` for these error statuses, each with the error body."""
-    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
-
-
-_COMPLETION_RESPONSES = {
-    200: {"description": "the completion as JSON, or with `stream: true` as server-sent "
-                         "events (`data: {chunk}` lines, then `data: [DONE]`)",
-          "content": {"application/json": {}, "text/event-stream": {}}},
-    **_errors(400, 401, 404, 413, 503)}
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """The first pydantic error as a 400 whose message names the field."""
-    errors = exc.errors()
-    if not errors:
-        return APIError(400, "invalid request body")
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ())]
-    if loc and loc[0] == "body":
-        loc = loc[1:]
-    kind = err.get("type", "")
-    if kind == "json_invalid":
-        detail = (err.get("ctx") or {}).get("error", "")
-        return APIError(400, f"request body is not valid JSON: {detail}".rstrip(": "))
-    if not loc:
-        if kind == "missing":
-            return APIError(400, "request body is missing; send a JSON object")
-        return APIError(400, "request body must be a JSON object (Content-Type: "
-                             "application/json)")
-    msg = err.get("msg", "invalid value")
-    if kind == "value_error" and "ctx" in err:  # our validators: drop pydantic's prefix
-        msg = str(err["ctx"].get("error", msg))
-    field = ".".join(loc)
-    if kind == "missing":
-        return APIError(400, f"'{field}' is a required field", param=loc[0])
-    return APIError(400, f"'{field}': {msg}", param=loc[0])
-
-
-# ---------------------------------------------------------------------------- request bodies
-
-
-def _json_number(value: Any) -> Any:
-    """A JSON number: a boolean is none (pydantic's lax mode would take it as 0 or 1)."""
-    if isinstance(value, bool):
-        raise ValueError("must be a number, not a boolean")
-    return value
-
-
-JsonInt = Annotated[int, BeforeValidator(_json_number)]  # 2.0 is 2, as JSON Schema has it
-JsonFloat = Annotated[float, BeforeValidator(_json_number)]
-Flag = Annotated[bool, Field(strict=True)]  # true or false, never "yes" or 1
-
-
-def _text_content(value: Any) -> str:
-    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) "
-                                 "are supported")
-            if not isinstance(part.get("text"), str):
-                raise ValueError("a text content part needs a string 'text'")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise ValueError("content must be a string or a list of text parts")
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal[ROLES]
-    # parts are joined into one string before validation (`_content`); null is ""
-    content: str | list[TextPart] | None
-    name: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content(cls, value: Any) -> str:
-        return _text_content(value)
-
-
-class StreamOptions(BaseModel):
-    include_usage: Flag = False
-
-
-class _SamplingRequest(BaseModel):
-    """Fields shared by chat and completion requests; unknown fields are ignored."""
-
-    model: str | None = None
-    max_tokens: JsonInt | None = Field(None, ge=1, description=(
-        "tokens to generate at most; default 512 for chat, 16 for completions, and never "
-        "more than the context leaves (more than it leaves is a 400)"))
-    temperature: JsonFloat | None = Field(None, ge=0, le=2)
-    top_p: JsonFloat | None = Field(None, gt=0, le=1)
-    top_k: JsonInt | None = Field(None, ge=-1)
-    seed: JsonInt | None = Field(None, ge=-_INT64, lt=_INT64)
-    stop: (Annotated[str, Field(min_length=1)]
-           | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]
-           | None) = None
-    stop_token_ids: list[JsonInt] | None = None
-    ignore_eos: Flag = False
-    stream: Flag | None = False
-    stream_options: StreamOptions | None = None
-    n: JsonInt | None = Field(1, ge=1, le=1, description="one choice per request")
-    best_of: JsonInt | None = Field(None, ge=1, le=1, description="not supported beyond 1")
-    user: str | None = None
-    # jkv extensions: a conversation's name, and what the scheduler was promised
-    session_id: str | None = Field(None, max_length=256)
-    priority: JsonInt | None = Field(None, ge=-1_000_000, le=1_000_000)  # lower goes first
-    ttft_slo_ms: JsonFloat | None = Field(None, gt=0, le=3_600_000)
-    tpot_slo_ms: JsonFloat | None = Field(None, gt=0, le=3_600_000)
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [value]
-        if value is None:
-            return value
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-            raise ValueError("stop must be a string or a list of strings")
-        if len(value) > MAX_STOP:
-            raise ValueError(f"stop takes at most {MAX_STOP} strings, got {len(value)}")
-        if not all(value):
-            raise ValueError("stop strings must not be empty")
-        return value or None
-
-    @field_validator("n", mode="before")
-    @classmethod
-    def _n(cls, value: Any) -> Any:
-        if value not in (None, 1):
-            raise ValueError(f"only n=1 is supported (one choice per request), got {value}")
-        return value
-
-    @field_validator("best_of", mode="before")
-    @classmethod
-    def _best_of(cls, value: Any) -> Any:
-        if value not in (None, 1):
-            raise ValueError(f"best_of is not supported, got {value}")
-        return value
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    # top_logprobs needs logprobs: true (as OpenAI and vLLM have it)
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"top_logprobs": {"type": "integer"}},
-               "required": ["top_logprobs"]},
-        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: JsonInt | None = Field(None, ge=1)
-    logprobs: Flag | None = None
-    top_logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                         description="needs `logprobs: true`")
-
-    def logprobs_wanted(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: (Annotated[str, Field(min_length=1)]
-             | Annotated[list[Annotated[JsonInt, Field(ge=0)]], Field(min_length=1)]
-             | Annotated[list[Annotated[str, Field(min_length=1)]],
-                         Field(min_length=1, max_length=1)]) = Field(
-        description="text, token ids below the model's vocabulary size, or a list of one "
-                    "text (one prompt per request)")
-    echo: Literal[False] | None = False
-    logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt(cls, value: Any) -> Any:
-        """A string, token ids, or a one-element list of either."""
-        shape = ("prompt must be a string, a list of token ids, or a one-element list of "
-                 "either")
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise ValueError(shape)
-        if value and all(isinstance(v, str | list) for v in value):
-            if len(value) != 1:
-                raise ValueError(f"only one prompt per request (got {len(value)})")
-            value = value[0]
-            if isinstance(value, str):
-                return value
-        if not all(isinstance(t, int | float) and not isinstance(t, bool)
-                   and float(t).is_integer() for t in value):
-            raise ValueError(shape)
-        value = [int(t) for t in value]
-        return value
-
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _echo(cls, value: Any) -> Any:
-        if value is not None and not isinstance(value, bool):
-            raise ValueError("echo must be a boolean")
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
-    def logprobs_wanted(self) -> int | None:
-        return self.logprobs
 
 
 # ---------------------------------------------------------------------------- the server
@@ -363,7 +95,7 @@ class _Server:
     # ------------------------------------------------------------ on the tokenizer pool
 
     def _prepare(self, make_ids: Callable[[int], tuple[list[int], Truncation | None]],
-                 body: _SamplingRequest, max_tokens: int | None, default_max: int, param: str
+                 body: SamplingRequest, max_tokens: int | None, default_max: int, param: str
                  ) -> tuple[list[int], SamplingParams, Truncation | None]:
         # room a session's prompt keeps for the reply when its oldest turns must go
         reserve = max_tokens or min(default_max, self.llm.max_model_len // 4)
@@ -404,7 +136,7 @@ class _Server:
                                 f"retry later", type="server_error", code="queue_full",
                            headers={"Retry-After": "1"})
 
-    def _submit(self, ids: list[int], params: SamplingParams, body: _SamplingRequest,
+    def _submit(self, ids: list[int], params: SamplingParams, body: SamplingRequest,
                 queue: asyncio.Queue, truncation: Truncation | None):
         loop = asyncio.get_running_loop()
 
@@ -445,7 +177,7 @@ class _Server:
                 "root": str(self.llm.model_path), "parent": None,
                 "max_model_len": self.llm.max_model_len}
 
-    async def complete(self, request: Request, body: _SamplingRequest, chat: bool,
+    async def complete(self, request: Request, body: SamplingRequest, chat: bool,
                        make_ids: Callable[[int], tuple[list[int], Truncation | None]],
                        max_tokens: int | None):
         self.check_model(body.model)
@@ -762,7 +494,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc)
+        err = validation_error(exc)
         request.state.error = err.message
         return err.response()
 
@@ -786,16 +518,16 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
         llm.metrics.sync(llm.stats())
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", responses=_errors(401))
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict:
         return {"object": "list", "data": [server.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(401, 404))
     async def model(model_id: str) -> dict:
         server.check_model(model_id)
         return server.model_card()
 
-    @app.post("/v1/chat/completions", responses=_COMPLETION_RESPONSES)
+    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
@@ -808,7 +540,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
 
         return await server.complete(request, body, True, make_ids, max_tokens)
 
-    @app.post("/v1/completions", responses=_COMPLETION_RESPONSES)
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         return await server.complete(request, body, False,
                                      lambda _reserve: (llm.encode(body.prompt), None),
@@ -816,7 +548,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
 
     def openapi() -> dict:
         """FastAPI's schema less the 422 it documents for every body: a bad body is a 400
-        here (`_validation_error`), whose shape `_errors` documents."""
+        here (`validation_error`), whose shape `_errors` documents."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
                                  routes=app.routes)
@@ -837,108 +569,12 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
                         "anyOf", ()):
                     if option.get("type") == "integer":  # the prompt takes a token at least
                         option["le"] = llm.max_model_len - 1
-            app.openapi_schema = _json_schema_bounds(schema)
+            app.openapi_schema = json_schema_bounds(schema)
         return app.openapi_schema
 
     app.openapi = openapi
     app.add_middleware(_Guard, api_key=api_key)
     return app
-
-
-# ---------------------------------------------------------------------------- command line
-
-_OPTION_REF = re.compile(r"`(\w+)`")  # `name` in an option's help: another option
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None ones (their help says what happens)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _flag_text(text: str) -> str:
-    """Help text for argparse: `name` references to options as --flag-name, % escaped."""
-    names = {o.name for o in OPTIONS}
-    text = _OPTION_REF.sub(lambda m: "--" + m[1].replace("_", "-") if m[1] in names
-                           else m[0], text)
-    return text.replace("%", "%%")  # argparse formats help with %
-
-
-def _flag_help(option: Option) -> str:
-    """An option's help as a flag's, with a default resolved at start shown as it is here."""
-    note = "" if option.default_note is None else f" ({option.default_note()})"
-    return _flag_text(option.help + note)
-
-
-def add_option_flags(parser: argparse.ArgumentParser) -> None:
-    """A flag per `jkv.config.OPTIONS` entry, one group per config: --flag-name, its type,
-    default, choices and help; a bool is --x/--no-x."""
-    groups = {}
-    for o in OPTIONS:
-        if o.config not in groups:
-            summary = " ".join((o.config.__doc__ or "").split("\n\n")[0].split())
-            groups[o.config] = parser.add_argument_group(f"{o.config.__name__} options",
-                                                         _flag_text(summary))
-        kw: dict[str, Any] = {"default": o.default, "help": _flag_help(o)}
-        if o.value_type is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = o.value_type
-            if o.choices is not None:
-                kw["choices"] = list(o.choices)
-        groups[o.config].add_argument(o.flag, **kw)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The server's command line: its own flags, then one per LLM option (`add_option_flags`)."""
-    p = argparse.ArgumentParser(
-        prog="python -m jkv.server",
-        description="Serve a model over an OpenAI-compatible HTTP API "
-                    "(/v1/chat/completions, /v1/completions, /v1/models, /health).",
-        formatter_class=_HelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients name in requests; default: the model's file or "
-                        "directory name")
-    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every step shape before listening (with a progress bar), so "
-                        "no request waits on a compilation; --no-precompile starts at once and "
-                        "compiles each shape when it first occurs. Default: on with a GPU "
-                        "(about a minute), off on CPU (where the xla backend has several "
-                        "times more shapes); compiled shapes persist in "
-                        "--compilation-cache-dir either way")
-    p.add_argument("--compilation-cache-dir", default=str(cache_home() / "xla"),
-                   help="where compiled steps persist between runs (JAX's persistent "
-                        "compilation cache), so a restart compiles little; '' turns it off")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1 routes (401 otherwise); "
-                        "default: no key")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="refuse new requests with 503 and Retry-After while this many wait; "
-                        "default: no limit")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take from arrival to its last token before it "
-                        "is aborted (503); default: no limit")
-    p.add_argument("--ttft-slo-ms", type=float, default=None,
-                   help="time-to-first-token target of requests that set no ttft_slo_ms: "
-                        "the queue is ordered by it, and misses are counted "
-                        "(jkv_slo_violations_total{kind=\"ttft\"}); default: none")
-    p.add_argument("--tpot-slo-ms", type=float, default=None,
-                   help="time-per-output-token target of requests that set no tpot_slo_ms: "
-                        "prefill work per step is capped to keep it, and misses are counted "
-                        "(jkv_slo_violations_total{kind=\"tpot\"}); default: none")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds to let requests in flight finish before "
-                        "aborting them and exiting (new requests get 503 meanwhile)")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"],
-                   help="logging level of the server and of uvicorn")
-    add_option_flags(p)
-    return p
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,104 @@
+"""`python -m jkv.server`'s command line: the server's own flags, then one per LLM option
+(`jkv.config.OPTIONS`), with help that names other options by their flags."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from jkv.config import OPTIONS, Option
+from jkv.models.params_cache import cache_home
+
+_OPTION_REF = re.compile(r"`(\w+)`")  # `name` in an option's help: another option
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _flag_text(text: str) -> str:
+    """Help text for argparse: `name` references to options as --flag-name, % escaped."""
+    names = {o.name for o in OPTIONS}
+    text = _OPTION_REF.sub(lambda m: "--" + m[1].replace("_", "-") if m[1] in names
+                           else m[0], text)
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def _flag_help(option: Option) -> str:
+    """An option's help as a flag's, with a default resolved at start shown as it is here."""
+    note = "" if option.default_note is None else f" ({option.default_note()})"
+    return _flag_text(option.help + note)
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per `jkv.config.OPTIONS` entry, one group per config: --flag-name, its type,
+    default, choices and help; a bool is --x/--no-x."""
+    groups = {}
+    for o in OPTIONS:
+        if o.config not in groups:
+            summary = " ".join((o.config.__doc__ or "").split("\n\n")[0].split())
+            groups[o.config] = parser.add_argument_group(f"{o.config.__name__} options",
+                                                         _flag_text(summary))
+        kw: dict[str, Any] = {"default": o.default, "help": _flag_help(o)}
+        if o.value_type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = o.value_type
+            if o.choices is not None:
+                kw["choices"] = list(o.choices)
+        groups[o.config].add_argument(o.flag, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The server's command line: its own flags, then one per LLM option (`add_option_flags`)."""
+    p = argparse.ArgumentParser(
+        prog="python -m jkv.server",
+        description="Serve a model over an OpenAI-compatible HTTP API "
+                    "(/v1/chat/completions, /v1/completions, /v1/models, /health).",
+        formatter_class=_HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients name in requests; default: the model's file or "
+                        "directory name")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every step shape before listening (with a progress bar), so "
+                        "no request waits on a compilation; --no-precompile starts at once and "
+                        "compiles each shape when it first occurs. Default: on with a GPU "
+                        "(about a minute), off on CPU (where the xla backend has several "
+                        "times more shapes); compiled shapes persist in "
+                        "--compilation-cache-dir either way")
+    p.add_argument("--compilation-cache-dir", default=str(cache_home() / "xla"),
+                   help="where compiled steps persist between runs (JAX's persistent "
+                        "compilation cache), so a restart compiles little; '' turns it off")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes (401 otherwise); "
+                        "default: no key")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="refuse new requests with 503 and Retry-After while this many wait; "
+                        "default: no limit")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival to its last token before it "
+                        "is aborted (503); default: no limit")
+    p.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="time-to-first-token target of requests that set no ttft_slo_ms: "
+                        "the queue is ordered by it, and misses are counted "
+                        "(jkv_slo_violations_total{kind=\"ttft\"}); default: none")
+    p.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="time-per-output-token target of requests that set no tpot_slo_ms: "
+                        "prefill work per step is capped to keep it, and misses are counted "
+                        "(jkv_slo_violations_total{kind=\"tpot\"}); default: none")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds to let requests in flight finish before "
+                        "aborting them and exiting (new requests get 503 meanwhile)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="logging level of the server and of uvicorn")
+    add_option_flags(p)
+    return p
