@@ -14,7 +14,10 @@ compiles); medians are reported, with each offloaded run's ratio to the resident
 the caller's seconds per decode step inside the copies' calls (bring, send, settle: a copy
 that holds the caller shows there). Offloaded layers are brought from pinned host memory
 where the backend has it; `--compare-pageable` runs each offloaded setting again bringing
-them from their numpy copies.
+them from their numpy copies. With `--trace DIR`, the longest prompt's decode steps with the
+fewest resident layers are traced once more with `jax.profiler` (not timed), for
+`benchmarks/trace_ops.py`: which XLA modules (the layer step, bring_layer, drop_layers,
+copy_layer_out) take a decode step's time, and how much of it no device op covers.
 Writes benchmarks/results/layer_offload-<device>-<date>.json.
 """
 
@@ -76,6 +79,29 @@ def one_run(eng: Engine, prompt: list[int], resident: int | None, steps: int,
     return out
 
 
+def trace_decode(eng: Engine, prompt: list[int], resident: int | None, steps: int,
+                 chunk: int, trace: Path) -> None:
+    """Prefill `prompt` with `resident` layers in the pool, then trace `steps` decode steps
+    (after two untraced ones) into `trace` (perfetto, for trace_ops.py)."""
+    key = eng.request_key(0)
+    slot, pos = eng.open(prompt, use_prefix_cache=False, resident=resident)
+    while pos < len(prompt):
+        (s,), _ = eng.step([Row(slot, prompt[pos:pos + chunk], GREEDY, key)], [])
+        pos += chunk
+    token = s.token
+    for i in range(steps + 2):
+        if i == 2:
+            jax.block_until_ready(eng.cache.pool)
+            jax.profiler.start_trace(str(trace), create_perfetto_trace=True)
+        _, (d,) = eng.step([], [Row(slot, [token], GREEDY, key, i + 1)])
+        token = d.token
+    jax.block_until_ready(eng.cache.pool)
+    jax.profiler.stop_trace()
+    eng.close(slot, keep=False)
+    print(f"traced {steps} decode steps of {len(prompt)} tokens with {resident} resident "
+          f"layers into {trace}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -89,6 +115,10 @@ def main() -> None:
     ap.add_argument("--compare-pageable", action="store_true",
                     help="also run each offloaded setting bringing layers from their numpy "
                          "copies instead of pinned host memory")
+    ap.add_argument("--trace", default=None,
+                    help="write a jax.profiler trace (perfetto) of the longest prompt's decode "
+                         "steps with the fewest resident layers to this directory, after the "
+                         "timed runs (for benchmarks/trace_ops.py)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                     help="directory for the JSON results")
@@ -130,6 +160,12 @@ def main() -> None:
             row["prefill_vs_resident"] = row["prefill"] / base["prefill"]
             row["decode_vs_resident"] = row["decode_step"] / base["decode_step"]
             rows.append(row)
+    if args.trace is not None:
+        fewest = min((r for r, _ in settings if r is not None), default=None)
+        prompt = rng.integers(0, cfg.vocab_size, max(lengths)).tolist()
+        eng.layers.staging = staging
+        trace_decode(eng, prompt, fewest, args.decode_steps, args.prefill_chunk,
+                     Path(args.trace))
     print(f"\n{'tokens':>7}{'resident':>9}{'pinned':>7}{'prefill':>10}{'ratio':>7}"
           f"{'decode':>9}{'ratio':>7}{'bring':>8}{'send':>8}{'settle':>8}{'fetch':>9}"
           f"{'decode after':>14}")

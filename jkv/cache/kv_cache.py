@@ -269,7 +269,7 @@ class KVCacheManager:
         mask[row] = True
         self.free, self.entry_tables = release(self.free, self.entry_tables, jnp.asarray(mask))
         self.entry_tables, self.entry_counts = forget(self.entry_tables, self.entry_counts,
-                                                      jnp.int32(row))
+                                                      np.int32(row))
         self.free_pages += self.entries.remove(row).pages
 
     def _drop_rows(self, rows: list[int]) -> None:
@@ -326,8 +326,8 @@ class KVCacheManager:
             padded = np.full(self.max_pages, -1, np.int32)
             padded[: len(rows)] = rows
             self.free, self.tables = import_blocks(
-                self.free, self.tables, self.blocks, jnp.int32(slot), jnp.asarray(padded),
-                jnp.int32(len(rows)), jnp.int32(cached))
+                self.free, self.tables, self.blocks, np.int32(slot), jnp.asarray(padded),
+                np.int32(len(rows)), np.int32(cached))
         self.slot_tokens[slot] = list(token_ids[:cached])
         self._slot_rows[slot] = rows
         return slot, cached
@@ -348,13 +348,13 @@ class KVCacheManager:
                 or not self.make_room(entry.pages, keep_entry=row)):
             self.entry_tables, self.entry_counts, self.tables, self.counts = move_row(
                 self.entry_tables, self.entry_counts, self.tables, self.counts,
-                jnp.int32(row), jnp.int32(slot), jnp.int32(entry.tokens))
+                np.int32(row), np.int32(slot), np.int32(entry.tokens))
             self.entries.remove(row)
             self.high[slot], self.low[slot] = entry.high, entry.low
             return entry.tokens
         (self.pool, self.meta, self.free, self.tables, self.counts, ok) = adopt(
             self.pool, self.meta, self.free, self.tables, self.counts, self.entry_tables,
-            self.entry_counts, jnp.int32(row), jnp.int32(slot))
+            self.entry_counts, np.int32(row), np.int32(slot))
         if not bool(ok):
             raise RuntimeError("copying a kept sequence failed although the host count "
                                "allowed it")
@@ -372,7 +372,7 @@ class KVCacheManager:
         rows = bucket(max(n, 1))
         padded = {k: np.pad(x, (0, rows - n), constant_values=-1 if k == "tier_head" else 0)
                   for k, x in layout.items()}
-        pages, score, pos = gather_row(self.pool, self.meta, self.tables, jnp.int32(slot),
+        pages, score, pos = gather_row(self.pool, self.meta, self.tables, np.int32(slot),
                                        *(jnp.asarray(padded[k]) for k in
                                          ("tier_head", "tier_low", "tier_index")))
         return padded, pages, score, pos
@@ -398,7 +398,7 @@ class KVCacheManager:
             self.pool, self.meta, self.free, self.tables, self.counts, pages, pad(score),
             pad(pos), pad(layout["tier_head"], -1), pad(layout["tier_low"]),
             pad(layout["tier_index"]), jnp.asarray(high, jnp.int32), jnp.asarray(low, jnp.int32),
-            jnp.int32(slot), jnp.int32(tokens))
+            np.int32(slot), np.int32(tokens))
         if not bool(ok):
             raise RuntimeError("placing restored tiers failed although the host count allowed it")
         self.free_pages -= n
@@ -482,16 +482,16 @@ class KVCacheManager:
         scratch slot and a spare entry row): nothing changes."""
         if self.entries is None or self.entries.spare_row() is None:
             return
-        row, slot = jnp.int32(self.entries.spare_row()), jnp.int32(self.scratch)
+        row, slot = np.int32(self.entries.spare_row()), np.int32(self.scratch)
         (self.pool, self.meta, self.free, self.tables, self.counts, _) = adopt(
             self.pool, self.meta, self.free, self.tables, self.counts, self.entry_tables,
             self.entry_counts, row, slot)
         self.tables, self.counts, self.entry_tables, self.entry_counts = move_row(
             self.tables, self.counts, self.entry_tables, self.entry_counts, slot, row,
-            jnp.int32(0))  # there and back
+            np.int32(0))  # there and back
         self.entry_tables, self.entry_counts, self.tables, self.counts = move_row(
             self.entry_tables, self.entry_counts, self.tables, self.counts, row, slot,
-            jnp.int32(0))
+            np.int32(0))
         self.free, self.entry_tables = release(self.free, self.entry_tables,
                                                jnp.zeros(self.entries.rows, bool))
         self.entry_tables, self.entry_counts = forget(self.entry_tables, self.entry_counts, row)
@@ -519,8 +519,8 @@ class KVCacheManager:
             self._drop_entry(self.entries.oldest())
         row = self.entries.spare_row()
         self.tables, self.counts, self.entry_tables, self.entry_counts = move_row(
-            self.tables, self.counts, self.entry_tables, self.entry_counts, jnp.int32(slot),
-            jnp.int32(row), jnp.int32(n))
+            self.tables, self.counts, self.entry_tables, self.entry_counts, np.int32(slot),
+            np.int32(row), np.int32(n))
         self.entries.add(row, Entry(key, n, self.pages_held(slot), self.high[slot].copy(),
                                     self.low[slot].copy()))
         while self.entries.pages > self.max_entry_pages:
@@ -550,8 +550,8 @@ class KVCacheManager:
         """Page ids of `slot`'s blocks [first, first + count) as [count, layers, KV heads],
         null from `stop` on; `count` defaults to bucket(stop - first)."""
         count = bucket(stop - first) if count is None else count
-        return slot_page_ids(self.tables.pages, jnp.int32(slot), jnp.int32(first),
-                             jnp.int32(stop), count=count)
+        return slot_page_ids(self.tables.pages, np.int32(slot), np.int32(first),
+                             np.int32(stop), count=count)
 
     def add_tokens(self, slot: int, token_ids: Sequence[int]) -> None:
         """`slot` now holds the KV of `token_ids` too (after the step that wrote it, or a
@@ -597,7 +597,7 @@ class KVCacheManager:
                 for row, i in new_rows.items():
                     dest[i] = row
                 self.free, self.blocks = export_blocks(self.free, self.tables, self.blocks,
-                                                       jnp.int32(slot), jnp.asarray(dest))
+                                                       np.int32(slot), jnp.asarray(dest))
         # pages of shared rows evicted above were counted free when they were dropped
         kept = len(shared) + len(new_rows)
         mask = np.zeros(self.max_num_seqs + 1, bool)

@@ -121,6 +121,13 @@ def pinned_host() -> SingleDeviceSharding | None:
     return pinned
 
 
+def _flat(pages: KVPages) -> KVPages:
+    """Host pages [blocks, KV heads, ...] as [blocks * KV heads, ...] (numpy views), as
+    `bring_layer` takes them: on CPU, XLA copies a whole argument it reshapes inside a jit
+    before scattering it (a layer's history each decode step)."""
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), pages)
+
+
 def _put(dest: np.ndarray, index: int, src: np.ndarray) -> np.ndarray:
     dest[index:index + len(src)] = src
     return dest
@@ -172,16 +179,17 @@ def bring_layer(free: FreeList, tables: PageTables, pool: KVPages, slot: jax.Arr
                 layer: jax.Array, tokens: jax.Array, first: jax.Array, blocks: jax.Array,
                 pages: KVPages) -> tuple[FreeList, PageTables, KVPages, jax.Array]:
     """Give (slot, layer) the pages to hold `tokens` tokens and write `pages` (its host copy
-    [capacity, KV heads, ...], the first `blocks` real) into columns [first, first +
-    blocks): one call per layer. Returns (free, tables, pool, ok) as `reserve` does."""
+    with blocks and KV heads on one axis, `_flat`: [capacity * KV heads, ...], the first
+    `blocks` blocks real) into columns [first, first + blocks): one call per layer. Returns
+    (free, tables, pool, ok) as `reserve` does."""
     s, n_layers, heads = tables.num_pages.shape
     mask = jnp.arange(n_layers) == layer
     want = jnp.zeros((s, n_layers, heads), jnp.int32).at[slot].set(
         jnp.where(mask[:, None], tokens, 0))
     free, tables, ok = reserve(free, tables, jnp.zeros((s,), jnp.int32), want)
-    ids = _row_ids(tables, slot, layer, first, pages.k.shape[0])
+    ids = _row_ids(tables, slot, layer, first, pages.k.shape[0] // heads)
     ids = jnp.where((jnp.arange(ids.shape[0]) < blocks)[:, None], ids, NULL_PAGE)
-    return free, tables, pool.put(ids, pages), ok
+    return free, tables, pool.put(ids.reshape(-1), pages), ok
 
 
 class LayerOffload:
@@ -197,10 +205,12 @@ class LayerOffload:
         self.offload_bytes_per_s = 0.0  # measured copy rate out of the pool (LayerKV eq. 4)
         self._unchecked: list[jax.Array] = []  # a step's reservation flags, read by `settle`
         heads = cache.num_kv_heads  # what a layer with nothing on the host brings in
-        self._empty = jax.tree.map(lambda x: np.zeros((1, heads, *x.shape[1:]), x.dtype),
-                                   cache.pool)
+        self._empty = jax.tree.map(lambda x: np.zeros((heads, *x.shape[1:]), x.dtype),
+                                   cache.pool)  # one block, `_flat`
         self.device = device_memory()
-        self.staging = pinned_host()  # None: brings copy from the numpy arrays
+        # None: brings copy from the numpy arrays. On CPU the device's memory is host memory:
+        # a staged copy there is brought without any copy (pinned memory would be copied)
+        self.staging = self.device if jax.default_backend() == "cpu" else pinned_host()
         # host copies sent ahead of their layer's turn, by (slot, layer), and how many
         # brings found theirs so
         self._ahead: dict[tuple[int, int], KVPages] = {}
@@ -241,8 +251,8 @@ class LayerOffload:
             self.offload_bytes_per_s = moving_average(self.offload_bytes_per_s, rate)
         mask = np.zeros(c.num_layers, bool)
         mask[layers] = True
-        c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), jnp.asarray(mask),
-                                       jnp.int32(first))
+        c.free, c.tables = drop_layers(c.free, c.tables, np.int32(slot), jnp.asarray(mask),
+                                       np.int32(first))
         freed = c.layer_own_pages(slot, tokens) * len(layers)
         c.free_pages += freed
         return freed
@@ -296,8 +306,8 @@ class LayerOffload:
         c = self.cache
         h = c.offloaded[slot][layer]
         self._copy_out(pool, slot, layer, h, tokens // c.page_size)
-        c.free, c.tables = drop_layers(c.free, c.tables, jnp.int32(slot), jnp.int32(layer),
-                                       jnp.int32(h.first))
+        c.free, c.tables = drop_layers(c.free, c.tables, np.int32(slot), np.int32(layer),
+                                       np.int32(h.first))
         c.free_pages += c.layer_own_pages(slot, tokens)
         self.host_seconds["send"] += time.perf_counter() - t0
 
@@ -330,11 +340,11 @@ class LayerOffload:
         """Compile the copies for every power-of-two block count a row can hold, on the
         scratch slot (nothing taken, nothing written), so an offload never compiles."""
         c = self.cache
-        slot, zero = jnp.int32(c.scratch), jnp.int32(0)
+        slot, zero = np.int32(c.scratch), np.int32(0)
         for count in sorted({bucket(n) for n in range(1, c.max_pages + 1)}):
             copy_layer_out(c.pool, c.tables, slot, zero, zero, count=count)
-            pages = jax.tree.map(lambda x, n=count: np.zeros((n, *x.shape[1:]), x.dtype),
-                                 self._empty)
+            pages = jax.tree.map(lambda x, n=count: np.zeros((n * len(x), *x.shape[1:]),
+                                                             x.dtype), self._empty)
             c.free, c.tables, c.pool, _ = bring_layer(c.free, c.tables, c.pool, slot, zero,
                                                       zero, zero, zero,
                                                       jax.device_put(pages, self.device))
@@ -354,8 +364,8 @@ class LayerOffload:
         n = full - start
         if n <= 0:
             return
-        pages = copy_layer_out(pool, c.tables, jnp.int32(slot), jnp.int32(layer),
-                               jnp.int32(start), count=bucket(n))
+        pages = copy_layer_out(pool, c.tables, np.int32(slot), np.int32(layer),
+                               np.int32(start), count=bucket(n))
         h.add(h.blocks, n, pages)
         self.offloaded_bytes += pages.nbytes * n // bucket(n)
 
@@ -371,9 +381,9 @@ class LayerOffload:
             return jax.device_put(self._empty, self.device)
         if self.staging is not None and (stage or h.staged is not None):
             if h.staged is None:
-                h.staged = jax.device_put(h.pages, self.staging)
+                h.staged = jax.device_put(_flat(h.pages), self.staging)
             return jax.device_put(h.staged, self.device)
-        return jax.device_put(h.pages, self.device)
+        return jax.device_put(_flat(h.pages), self.device)
 
     def _copy_in(self, pool: KVPages, slot: int, layer: int, tokens: int,
                  stage: bool = False, pages: KVPages | None = None) -> KVPages:
@@ -389,8 +399,8 @@ class LayerOffload:
         if pages is None:
             pages = self._on_device(h, stage)
         c.free, c.tables, pool, ok = bring_layer(
-            c.free, c.tables, pool, jnp.int32(slot), jnp.int32(layer), jnp.int32(tokens),
-            jnp.int32(h.first), jnp.int32(h.blocks), pages)
+            c.free, c.tables, pool, np.int32(slot), np.int32(layer), np.int32(tokens),
+            np.int32(h.first), np.int32(h.blocks), pages)
         c.free_pages -= need
         self.fetched_bytes += h.nbytes
         self._unchecked.append(ok)
