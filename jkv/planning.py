@@ -19,7 +19,10 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   goes on running, each such layer brought through the pool for its turn); a running
   request's offloaded layers come back, most important first, while the forecast still fits
   after; a new request whose chunk does not fit with every layer is admitted with as many
-  resident layers as fit, at least `min_resident` (eq. 4);
+  resident layers as fit, at least `min_resident` (eq. 4), unless the steps it would then
+  decode with layers on the host (each costing the measured seconds of bringing them in)
+  would take a decoding request past its TPOT target (`offload_keeps_slack`): then it waits
+  for pages as it would without offload;
 - prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
   before new ones are admitted; a new request is admitted only while a slot is free and its
   first chunk's pages fit;
@@ -78,6 +81,8 @@ class Candidate:
     resident: int | None = None
     offload_pages: int = 0
     fetch_pages: int = 0
+    # output tokens it is still expected to generate (`OutputLengths`); None: not known
+    remaining: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class Budget:
     layer_offload: bool = False
     min_resident: int = 0
     forecast_steps: int = 1
+    # cost model: what each offloaded layer a step brings in adds to it (measured)
+    offload_layer_seconds: float = 0.0
 
 
 @dataclass
@@ -229,9 +236,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
 
     spares = [c.tpot_slo - budget.decode_step_seconds if c.tpot_slack is None
               else c.tpot_slack for c in decodes if c.tpot_slo is not None]
+    late = any(c.ttft_deadline is not None and c.ttft_deadline <= budget.now
+               for c in list(keep) + list(waiting) if c.pending > 1)
     if spares and budget.prefill_token_seconds > 0:
-        late = any(c.ttft_deadline is not None and c.ttft_deadline <= budget.now
-                   for c in list(keep) + list(waiting) if c.pending > 1)
         if not late:  # eq. 2: the step's prefill time within the smallest slack
             tokens = min(tokens, max(0, int(min(spares) / budget.prefill_token_seconds)))
 
@@ -267,6 +274,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if pages > avail and budget.layer_offload:  # LayerKV: as many layers as fit
             resident = next((r for r in range(cost.layers - 1, budget.min_resident - 1, -1)
                              if step_pages(cost, r, c.held, n) + c.pin_pages <= avail), None)
+            if resident is not None and not late and not offload_keeps_slack(
+                    cost.layers - resident, c, decodes, budget):
+                resident = None  # its offloaded steps would cost a running request its TPOT
             if resident is not None:
                 plan.resident[c.request_id] = resident
                 pages = step_pages(cost, resident, c.held, n) + c.pin_pages
@@ -278,6 +288,25 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         tokens -= n
         slots -= 1
     return plan
+
+
+def offload_keeps_slack(offloaded: int, new: Candidate, decodes: Sequence[Candidate],
+                        budget: Budget) -> bool:
+    """Whether admitting `new` with `offloaded` layers on the host keeps every decoding
+    request within its TPOT target (LayerKV eq. 1 over the steps to come, not only this
+    one): each step it decodes with them costs the others `offloaded` x the measured
+    seconds of bringing a layer in, over the steps both are expected to decode, and that
+    must fit each one's slack. True while the cost or a slack is not known yet."""
+    extra = offloaded * budget.offload_layer_seconds
+    if extra <= 0:
+        return True
+    for d in decodes:
+        if d.tpot_slack is None or d.remaining is None:
+            continue
+        steps = d.remaining if new.remaining is None else min(d.remaining, new.remaining)
+        if extra * steps > d.tpot_slack:
+            return False
+    return True
 
 
 class OutputLengths:

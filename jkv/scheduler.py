@@ -169,8 +169,9 @@ class Scheduler:
         self._wake = threading.Condition(self._lock)
         self._incoming: list[Request] = []
         self._state: dict[Request, _Tracked] = {}  # every request it holds past `add`
-        self._decode_s = 0.0
+        self._decode_s = 0.0  # a step of decodes whose layers are all in the pool
         self._prefill_token_s = 0.0
+        self._offload_layer_s = 0.0  # what each offloaded layer a step brings in adds
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
         # LayerKV's layer-wise offload, where the engine's pages are blocks
         self.layer_offload = self.config.layer_offload and engine.layers is not None
@@ -306,8 +307,12 @@ class Scheduler:
         ttft = (None if r.ttft_slo_ms is None or r.output
                 else r.arrival + r.ttft_slo_ms / 1000)
         tpot = None if r.tpot_slo_ms is None else r.tpot_slo_ms / 1000
+        # (what admission with offloaded layers weighs its steps' cost over)
+        remaining = (self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
+                     if self.layer_offload and self._offload_layer_s else None)
         return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held,
-                         self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot)
+                         self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot,
+                         remaining=remaining)
 
     def _running(self, r: Request, now: float) -> Candidate:
         st, cache = self._state[r], self.engine.cache
@@ -324,7 +329,7 @@ class Scheduler:
             m = self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
             slack = ((len(r.output) - 1 + m) * c.tpot_slo - (now - r.first_token_time)
                      - m * self._decode_s)
-            c = dataclasses.replace(c, tpot_slack=slack)
+            c = dataclasses.replace(c, tpot_slack=slack, remaining=m)
         return c
 
     def _waiting(self, r: Request, rates: RestoreRates, declined: int, now: float
@@ -540,6 +545,7 @@ class Scheduler:
             chunk=eng.prefill_chunk, cost=eng.cache.cost,
             now=now, decode_step_seconds=self._decode_s,
             prefill_token_seconds=self._prefill_token_s, layer_offload=self.layer_offload,
+            offload_layer_seconds=self._offload_layer_s,
             min_resident=min_resident(
                 eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
                 0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,
@@ -619,10 +625,11 @@ class Scheduler:
             if len(queued) > len(waiting):  # only reads ahead to wait for: no step to hold up
                 self.store.wait_reads(READ_POLL_S)
             return finished
+        brings = sum(len(eng.offloaded_layers(row.slot)) for _, row in prefill + decode)
         t0 = time.perf_counter()
         out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])
         self._learn(time.perf_counter() - t0, sum(len(row.tokens) for _, row in prefill),
-                    bool(decode))
+                    bool(decode), brings)
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]
@@ -654,12 +661,20 @@ class Scheduler:
             if p < len(r.prompt):
                 r.prompt_logprobs[p] = (float(lp), ids[:k].tolist(), lps[:k].tolist())
 
-    def _learn(self, seconds: float, prefill_tokens: int, decoded: bool) -> None:
-        """Exponential averages of the step cost model the SLO check uses."""
-        if not prefill_tokens:
+    def _learn(self, seconds: float, prefill_tokens: int, decoded: bool, brings: int = 0
+               ) -> None:
+        """Exponential averages of the step cost model the SLO checks use: a decode step,
+        a prefill token on top, and each offloaded layer the step's rows brought in (a step
+        of decodes that brought some, beyond a decode step)."""
+        offloaded = brings * self._offload_layer_s
+        if not prefill_tokens and not brings:
             self._decode_s = moving_average(self._decode_s, seconds)
+        elif not prefill_tokens:
+            if self._decode_s:
+                per = max(seconds - self._decode_s, 0.0) / brings
+                self._offload_layer_s = moving_average(self._offload_layer_s, per)
         else:
-            base = self._decode_s if decoded else 0.0
+            base = (self._decode_s if decoded else 0.0) + offloaded
             per = max(seconds - base, 0.0) / prefill_tokens
             self._prefill_token_s = moving_average(self._prefill_token_s, per)
 

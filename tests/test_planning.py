@@ -340,6 +340,35 @@ def test_offloaded_layers_come_back_when_the_forecast_allows_and_admission_keeps
     assert plan.admit == ["w"] and plan.resident == {}  # all fits: all resident
 
 
+def test_an_offloaded_admission_waits_while_its_steps_would_break_a_decodes_tpot():
+    # a 64-token chunk takes 32 pages with every layer; 20 fit it with 1 resident layer
+    chunk = dict(chunk=64, max_tokens=64, available_pages=20)
+    d = offloadable("d", 20, 0.0, tpot_slo=0.1, tpot_slack=0.5, remaining=100)
+
+    def plan(seconds: float, w: Candidate, *ds: Candidate):
+        return plan_step(list(ds), [w], layered(offload_layer_seconds=seconds, **chunk))
+
+    w = waiting("w", 64, 1.0, remaining=50)
+    # 3 layers on the host: 3 x 2 ms a step over the 50 steps both decode: 0.3 s of 0.5
+    assert plan(0.002, w, d).resident == {"w": 1}
+    # 3 x 4 ms over 50 steps: 0.6 s, more than d's slack: w waits for pages instead
+    p = plan(0.004, w, d)
+    assert p.admit == [] and p.resident == {} and p.decode == ["d"]
+    # over 30 steps it fits again; so it does when d will stop first
+    assert plan(0.004, waiting("w", 64, 1.0, remaining=30), d).resident == {"w": 1}
+    short = offloadable("d", 20, 0.0, tpot_slo=0.1, tpot_slack=0.5, remaining=40)
+    assert plan(0.004, w, short).resident == {"w": 1}
+    # not weighed: a cost not measured, a slack not known, a TTFT deadline already passed
+    assert plan(0.0, w, d).resident == {"w": 1}
+    assert plan(0.004, w, offloadable("d", 20, 0.0, tpot_slo=0.1)).resident == {"w": 1}
+    late = waiting("w", 64, 1.0, remaining=50, ttft_deadline=-1.0)
+    assert plan(0.004, late, d).resident == {"w": 1}
+    # one that fits with every layer resident costs no step anything
+    p = plan_step([d], [w], layered(offload_layer_seconds=1.0, chunk=64, max_tokens=64,
+                                    available_pages=40))
+    assert p.admit == ["w"] and p.resident == {}
+
+
 def test_min_resident_hides_the_copy_out_behind_the_prefill():
     # 1 ms a token, 1 GB/s out of the pool, 200 KB a token per layer: 5 layers' copies hide
     assert min_resident(30, 200_000, 1e9, 1e-3) == 25

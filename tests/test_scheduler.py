@@ -11,6 +11,7 @@ import pytest
 from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
+from jkv.planning import plan_step
 from jkv.sampling import SamplingParams
 from jkv.scheduler import Request, Scheduler, generate_all
 
@@ -296,6 +297,49 @@ def test_slo_misses_and_goodput_are_counted_and_exported(params):
     assert 'jkv_slo_violations_total{kind="tpot"} 2.0' in text
     assert "jkv_goodput_requests_total 2.0" in text
     assert "jkv_request_queue_time_seconds_count 5.0" in text
+
+
+def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, monkeypatch):
+    """What `offload_keeps_slack` weighs reaches `plan_step`: the measured seconds an
+    offloaded layer adds to a step, and each request's expected remaining tokens (decoding
+    ones with their TPOT slack); before an offload cost is measured, no estimate is made."""
+    import jkv.scheduler as scheduler_module
+
+    seen = []
+
+    def spy(running, waiting, budget):
+        seen.append((running, waiting, budget))
+        return plan_step(running, waiting, budget)
+
+    monkeypatch.setattr(scheduler_module, "plan_step", spy)
+    sched = Scheduler(engine(params), SchedulerConfig(layer_offload=True))
+    for n in (30, 30, 30):
+        sched.lengths.add(None, n)
+    a = Request(list(range(1, 20)), SamplingParams(max_tokens=50, temperature=0),
+                tpot_slo_ms=200)
+    sched.add(a)
+    while len(a.output) < 5:
+        sched.step()
+    assert seen[-1][2].offload_layer_seconds == 0.0 and seen[-1][0][0].remaining is not None
+    sched._offload_layer_s = 0.003
+    sched.add(Request(list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0)))
+    sched.step()
+    running, waiting, budget = seen[-1]
+    assert budget.offload_layer_seconds == 0.003
+    (d,), (w,) = running, waiting
+    assert d.tpot_slack is not None and d.remaining == 30 - 5
+    assert w.remaining == 8  # its max_tokens is below the estimate
+
+
+def test_the_step_cost_model_learns_what_an_offloaded_layer_adds(params):
+    sched = Scheduler(engine(params))
+    sched._learn(0.010, 0, True)  # decodes alone: 10 ms
+    sched._learn(0.016, 0, True, brings=3)  # 3 layers brought in: 2 ms each
+    assert sched._decode_s == pytest.approx(0.010)
+    assert sched._offload_layer_s == pytest.approx(0.002)
+    sched._learn(0.010 + 0.006 + 0.032, 16, True, brings=3)  # 16 prefill tokens on top
+    assert sched._prefill_token_s == pytest.approx(0.002)
+    assert sched._decode_s == pytest.approx(0.010)  # steps that brought layers: not decodes
 
 
 def test_a_decoding_requests_tpot_slack_follows_layerkv_eq_1(params):
