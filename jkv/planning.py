@@ -121,6 +121,9 @@ class Plan:
     offload: dict[str, int] = field(default_factory=dict)
     fetch: list[str] = field(default_factory=list)
     resident: dict[str, int] = field(default_factory=dict)
+    # waiting requests that layers on the host would have admitted, held back because their
+    # offloaded steps would cost a decoding request its TPOT target (`offload_keeps_slack`)
+    held: list[str] = field(default_factory=list)
 
 
 def queue_order(c: Candidate) -> tuple:
@@ -277,6 +280,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             if resident is not None and not late and not offload_keeps_slack(
                     cost.layers - resident, c, decodes, budget):
                 resident = None  # its offloaded steps would cost a running request its TPOT
+                plan.held.append(c.request_id)
             if resident is not None:
                 plan.resident[c.request_id] = resident
                 pages = step_pages(cost, resident, c.held, n) + c.pin_pages
@@ -318,17 +322,25 @@ class OutputLengths:
         self.quantile = quantile
         self.recent: collections.deque[int] = collections.deque(maxlen=window)
         self.sessions: dict[str, collections.deque[int]] = {}
+        # each source's quantile until its next reply: every request asks every step
+        self._totals: dict[str | None, int] = {}
 
     def add(self, session: str | None, length: int) -> None:
         self.recent.append(length)
+        self._totals.pop(None, None)
         if session is not None:
             self.sessions.setdefault(session, collections.deque(maxlen=16)).append(length)
+            self._totals.pop(session, None)
 
     def remaining(self, session: str | None, max_tokens: int, generated: int) -> int:
         """Tokens a request that has generated `generated` is expected to generate still
         (at least 1): from its session's replies, else recent ones, else just the next."""
-        seen = (self.sessions.get(session) if session is not None else None) or self.recent
-        total = int(np.quantile(list(seen), self.quantile)) if seen else 0
+        source = session if session is not None and self.sessions.get(session) else None
+        total = self._totals.get(source)
+        if total is None:
+            seen = self.recent if source is None else self.sessions[source]
+            total = self._totals[source] = (int(np.quantile(list(seen), self.quantile))
+                                            if seen else 0)
         return max(1, min(total, max_tokens) - generated)
 
 

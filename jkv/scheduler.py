@@ -122,6 +122,7 @@ class _Tracked:
     read_since: float | None = None  # when it began waiting for its hit's read ahead
     abandoned: bool = False  # its read took longer than recomputing: recomputed
     resident: int | None = None  # layers admission keeps in the pool (None: all)
+    held: bool = False  # an admission with layers on the host was held back (counted once)
     saved: int = 0  # blocks of its run last queued for the store (decode saves by interval)
 
 
@@ -139,6 +140,8 @@ class SchedulerStats:
     layers_offloaded: int = 0  # running requests' layers moved to the host (LayerKV)
     layer_fetches: int = 0  # running requests whose offloaded layers came back
     admitted_offloaded: int = 0  # requests admitted with some layers on the host
+    # requests whose admission with layers on the host waited for a running request's TPOT
+    admissions_held: int = 0
     # finished requests that missed their TTFT / TPOT target (counted once each), and those
     # that ended normally meeting every target they had (goodput)
     slo_violations: dict = field(default_factory=lambda: {"ttft": 0, "tpot": 0})
@@ -286,6 +289,7 @@ class Scheduler:
                 "layers_offloaded": self.stats.layers_offloaded,
                 "fetches": self.stats.layer_fetches,
                 "admitted_offloaded": self.stats.admitted_offloaded,
+                "admissions_held": self.stats.admissions_held,
                 "bytes_to_host": eng.layers.offloaded_bytes,
                 "bytes_from_host": eng.layers.fetched_bytes,
                 # (read from other threads: a request may have just finished, its state
@@ -576,6 +580,10 @@ class Scheduler:
             self.store.hint([hit.key for hit in order if hit is not None])
             self.store.drop_reads({hit for hit in order if hit is not None})
 
+        for rid in plan.held:
+            st = self._state[by_id[rid]]
+            self.stats.admissions_held += not st.held
+            st.held = True
         for rid, keep in plan.offload.items():  # before preemptions reuse pages
             self.stats.layers_offloaded += eng.keep_resident(self._state[by_id[rid]].slot, keep)
         for rid in plan.preempt:

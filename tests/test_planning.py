@@ -350,10 +350,11 @@ def test_an_offloaded_admission_waits_while_its_steps_would_break_a_decodes_tpot
 
     w = waiting("w", 64, 1.0, remaining=50)
     # 3 layers on the host: 3 x 2 ms a step over the 50 steps both decode: 0.3 s of 0.5
-    assert plan(0.002, w, d).resident == {"w": 1}
+    p = plan(0.002, w, d)
+    assert p.resident == {"w": 1} and p.held == []
     # 3 x 4 ms over 50 steps: 0.6 s, more than d's slack: w waits for pages instead
     p = plan(0.004, w, d)
-    assert p.admit == [] and p.resident == {} and p.decode == ["d"]
+    assert p.admit == [] and p.resident == {} and p.decode == ["d"] and p.held == ["w"]
     # over 30 steps it fits again; so it does when d will stop first
     assert plan(0.004, waiting("w", 64, 1.0, remaining=30), d).resident == {"w": 1}
     short = offloadable("d", 20, 0.0, tpot_slo=0.1, tpot_slack=0.5, remaining=40)

@@ -330,6 +330,17 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
     assert d.tpot_slack is not None and d.remaining == 30 - 5
     assert w.remaining == 8  # its max_tokens is below the estimate
 
+    def holding(running, waiting, budget):  # as if the slack check held each one back
+        plan = plan_step(running, [], budget)
+        plan.held = [c.request_id for c in waiting]
+        return plan
+
+    monkeypatch.setattr(scheduler_module, "plan_step", holding)
+    for _ in range(3):
+        sched.step()
+    assert sched.stats.admissions_held == 1  # a request held over several steps counts once
+    assert sched.snapshot()["layer_offload"]["admissions_held"] == 1
+
 
 def test_the_step_cost_model_learns_what_an_offloaded_layer_adds(params):
     sched = Scheduler(engine(params))
