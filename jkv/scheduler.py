@@ -674,7 +674,6 @@ class Scheduler:
         """Exponential averages of the step cost model the SLO checks use: a decode step,
         a prefill token on top, and each offloaded layer the step's rows brought in (a step
         of decodes that brought some, beyond a decode step)."""
-        offloaded = brings * self._offload_layer_s
         if not prefill_tokens and not brings:
             self._decode_s = moving_average(self._decode_s, seconds)
         elif not prefill_tokens:
@@ -682,7 +681,7 @@ class Scheduler:
                 per = max(seconds - self._decode_s, 0.0) / brings
                 self._offload_layer_s = moving_average(self._offload_layer_s, per)
         else:
-            base = (self._decode_s if decoded else 0.0) + offloaded
+            base = (self._decode_s if decoded else 0.0) + brings * self._offload_layer_s
             per = max(seconds - base, 0.0) / prefill_tokens
             self._prefill_token_s = moving_average(self._prefill_token_s, per)
 

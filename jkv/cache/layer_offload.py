@@ -40,6 +40,7 @@ from jkv.averages import moving_average
 from jkv.buckets import bucket
 from jkv.cache.allocator import FreeList, PageTables, reserve, unref
 from jkv.cache.kv_cache import KVCacheManager
+from jkv.cache.transfer import join_leading
 from jkv.pallas_kernels.kv_pages import NULL_PAGE, KVPages
 
 
@@ -121,13 +122,6 @@ def pinned_host() -> SingleDeviceSharding | None:
     return pinned
 
 
-def _flat(pages: KVPages) -> KVPages:
-    """Host pages [blocks, KV heads, ...] as [blocks * KV heads, ...] (numpy views), as
-    `bring_layer` takes them: on CPU, XLA copies a whole argument it reshapes inside a jit
-    before scattering it (a layer's history each decode step)."""
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), pages)
-
-
 def _put(dest: np.ndarray, index: int, src: np.ndarray) -> np.ndarray:
     dest[index:index + len(src)] = src
     return dest
@@ -178,10 +172,10 @@ def copy_layer_out(pool: KVPages, tables: PageTables, slot: jax.Array, layer: ja
 def bring_layer(free: FreeList, tables: PageTables, pool: KVPages, slot: jax.Array,
                 layer: jax.Array, tokens: jax.Array, first: jax.Array, blocks: jax.Array,
                 pages: KVPages) -> tuple[FreeList, PageTables, KVPages, jax.Array]:
-    """Give (slot, layer) the pages to hold `tokens` tokens and write `pages` (its host copy
-    with blocks and KV heads on one axis, `_flat`: [capacity * KV heads, ...], the first
-    `blocks` blocks real) into columns [first, first + blocks): one call per layer. Returns
-    (free, tables, pool, ok) as `reserve` does."""
+    """Give (slot, layer) the pages to hold `tokens` tokens and write `pages` (its host
+    copy with blocks and KV heads on one axis, `join_leading`: [capacity * KV heads, ...],
+    the first `blocks` blocks real) into columns [first, first + blocks): one call per
+    layer. Returns (free, tables, pool, ok) as `reserve` does."""
     s, n_layers, heads = tables.num_pages.shape
     mask = jnp.arange(n_layers) == layer
     want = jnp.zeros((s, n_layers, heads), jnp.int32).at[slot].set(
@@ -206,7 +200,7 @@ class LayerOffload:
         self._unchecked: list[jax.Array] = []  # a step's reservation flags, read by `settle`
         heads = cache.num_kv_heads  # what a layer with nothing on the host brings in
         self._empty = jax.tree.map(lambda x: np.zeros((heads, *x.shape[1:]), x.dtype),
-                                   cache.pool)  # one block, `_flat`
+                                   cache.pool)  # one block, joined
         self.device = device_memory()
         # None: brings copy from the numpy arrays. On CPU the device's memory is host memory:
         # a staged copy there is brought without any copy (pinned memory would be copied)
@@ -381,9 +375,9 @@ class LayerOffload:
             return jax.device_put(self._empty, self.device)
         if self.staging is not None and (stage or h.staged is not None):
             if h.staged is None:
-                h.staged = jax.device_put(_flat(h.pages), self.staging)
+                h.staged = jax.device_put(join_leading(h.pages, 2), self.staging)
             return jax.device_put(h.staged, self.device)
-        return jax.device_put(_flat(h.pages), self.device)
+        return jax.device_put(join_leading(h.pages, 2), self.device)
 
     def _copy_in(self, pool: KVPages, slot: int, layer: int, tokens: int,
                  stage: bool = False, pages: KVPages | None = None) -> KVPages:
