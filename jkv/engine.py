@@ -406,12 +406,12 @@ class Engine:
         """Layer hooks for rows with offloaded layers (after `stage`, a restore's): each such
         layer's pages brought in before it runs and sent out after (the pool as LayerKV's
         send buffer), its host copy sent ahead once the layer before it is dispatched."""
-        c, moves = self.cache, self.layers
+        c, moves, last = self.cache, self.layers, self.cfg.num_layers - 1
         lengths = {r.slot: len(c.slot_tokens[r.slot]) + len(r.tokens) for r in rows
                    if r.slot in c.offloaded}
 
         def before(index: int, pool, table_pages):
-            if stage is not None:
+            if stage is not None:  # (writes into pages reserved at open: no reservation)
                 pool, table_pages = stage(index, pool, table_pages)
             moved = False
             for slot, n in lengths.items():
@@ -420,12 +420,11 @@ class Engine:
             return pool, c.tables.pages if moved else table_pages
 
         def after(index: int, pool, table_pages):
-            moved = False
             for slot, n in lengths.items():
                 if index in c.offloaded[slot]:
-                    moves.send(slot, index, n, pool)
-                    moved = True
+                    moves.send(slot, index, n, pool)  # its pages dropped by the next bring
                 moves.prefetch(slot, index)  # the next offloaded layer, while this computes
+            moved = index == last and moves.flush()  # (no bring after the last layer)
             return pool, c.tables.pages if moved else table_pages
 
         return before, after

@@ -220,6 +220,8 @@ class ModelRunner:
         # a prefill call's padded rows x tokens stays under this (rows are split otherwise)
         self.prefill_area = 4 * prefill_chunk
         self.views = _layer_views(params["layers"], cfg.num_layers)
+        # each layer's index on the device once (not copied there at every layer's call)
+        self.indices = [jnp.asarray(np.int32(i)) for i in range(cfg.num_layers)]
         self.layer_by_layer = layer_by_layer or self.views is not None
         (self._step, self._embed, self._layer, self._head,
          self._positions) = _compiled(family, cfg, backend, max_tokens)
@@ -343,7 +345,7 @@ class ModelRunner:
             weights = self.views[index] if self.views else self.params
             x, pool, filling, meta = self._layer(weights, pool, filling, meta, table_pages,
                                                  counts, slots, x, positional, positions, valid,
-                                                 np.int32(index))
+                                                 self.indices[index])
             if after_layer is not None:
                 pool, table_pages = after_layer(index, pool, table_pages)
         return x, pool, filling, meta

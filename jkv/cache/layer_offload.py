@@ -144,12 +144,8 @@ def _layer_mask(tables: PageTables, layers: jax.Array) -> jax.Array:
     return jnp.arange(tables.num_pages.shape[1]) == layers
 
 
-@jax.jit
-def drop_layers(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax.Array,
-                first: jax.Array) -> tuple[FreeList, PageTables]:
-    """Drop the entries of `slot`'s rows of `layers` (bool [L], or one layer index) from
-    column `first` on: their references go, pages no one else holds are freed; the rows keep
-    `first` pages."""
+def _drop(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax.Array,
+          first: jax.Array) -> tuple[FreeList, PageTables]:
     layers = _layer_mask(tables, layers)
     row, held = tables.pages[slot], tables.num_pages[slot]  # [L, H, W], [L, H]
     j = jnp.arange(row.shape[-1])
@@ -158,6 +154,15 @@ def drop_layers(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax
         pages=tables.pages.at[slot].set(jnp.where(drop, NULL_PAGE, row)),
         num_pages=tables.num_pages.at[slot].set(
             jnp.where(layers[:, None], jnp.minimum(held, first), held)))
+
+
+@jax.jit
+def drop_layers(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax.Array,
+                first: jax.Array) -> tuple[FreeList, PageTables]:
+    """Drop the entries of `slot`'s rows of `layers` (bool [L], or one layer index: -1 for
+    none) from column `first` on: their references go, pages no one else holds are freed;
+    the rows keep `first` pages."""
+    return _drop(free, tables, slot, layers, first)
 
 
 @partial(jax.jit, static_argnames="count")
@@ -169,13 +174,17 @@ def copy_layer_out(pool: KVPages, tables: PageTables, slot: jax.Array, layer: ja
 
 
 @partial(jax.jit, donate_argnums=2)
-def bring_layer(free: FreeList, tables: PageTables, pool: KVPages, slot: jax.Array,
-                layer: jax.Array, tokens: jax.Array, first: jax.Array, blocks: jax.Array,
+def bring_layer(free: FreeList, tables: PageTables, pool: KVPages, args: jax.Array,
                 pages: KVPages) -> tuple[FreeList, PageTables, KVPages, jax.Array]:
     """Give (slot, layer) the pages to hold `tokens` tokens and write `pages` (its host
     copy with blocks and KV heads on one axis, `join_leading`: [capacity * KV heads, ...],
     the first `blocks` blocks real) into columns [first, first + blocks): one call per
-    layer. Returns (free, tables, pool, ok) as `reserve` does."""
+    layer. `args`: int32 [8], (slot, layer, tokens, first, blocks) and, first of all, a
+    layer sent out before it to drop as `drop_layers` does (its slot, layer (-1: none) and
+    first column): the step makes one call where it would make two, and copies its
+    arguments to the device once. Returns (free, tables, pool, ok) as `reserve` does."""
+    slot, layer, tokens, first, blocks = args[0], args[1], args[2], args[3], args[4]
+    free, tables = _drop(free, tables, args[5], args[6], args[7])
     s, n_layers, heads = tables.num_pages.shape
     mask = jnp.arange(n_layers) == layer
     want = jnp.zeros((s, n_layers, heads), jnp.int32).at[slot].set(
@@ -209,6 +218,11 @@ class LayerOffload:
         # brings found theirs so
         self._ahead: dict[tuple[int, int], KVPages] = {}
         self.prefetched = 0
+        # layers sent out whose pages are still to be dropped on the device (slot, layer,
+        # first column): the next bring drops one in its own call (`bring_layer`), `flush`
+        # the rest. The host count already has their pages; no reservation runs before
+        # they are dropped.
+        self._drops: list[tuple[int, int, int]] = []
         # host seconds spent in the step's hooks and after it (a copy that holds the caller
         # shows here; the device's own time does not)
         self.host_seconds = {"bring": 0.0, "send": 0.0, "settle": 0.0}
@@ -224,6 +238,7 @@ class LayerOffload:
         pages; returns the pages freed. The slot must not be mid-restore (the connector
         writes its queue first)."""
         c = self.cache
+        self.flush()
         layers = [int(x) for x in layers if int(x) not in c.offloaded.get(slot, {})]
         bad = [x for x in layers if not 0 <= x < c.num_layers]
         if bad:
@@ -264,6 +279,7 @@ class LayerOffload:
             raise RuntimeError(f"fetching the layers of slot {slot} needs "
                                f"{self.pages_to_fetch(slot)} pages and only "
                                f"{c.available_pages} can be had")
+        self.flush()
         for layer in self.layers(slot):
             c.pool = self._copy_in(c.pool, slot, layer, len(c.slot_tokens[slot]))
         c.offloaded.pop(slot, None)
@@ -295,15 +311,25 @@ class LayerOffload:
 
     def send(self, slot: int, layer: int, tokens: int, pool: KVPages) -> None:
         """After layer `layer` of that step: its new full pages copied out, its own pages
-        freed (the host copy now holds every full block of it)."""
+        freed (the host copy now holds every full block of it): dropped by the next bring's
+        call, or by `flush`."""
         t0 = time.perf_counter()
         c = self.cache
         h = c.offloaded[slot][layer]
         self._copy_out(pool, slot, layer, h, tokens // c.page_size)
-        c.free, c.tables = drop_layers(c.free, c.tables, np.int32(slot), np.int32(layer),
-                                       np.int32(h.first))
+        self._drops.append((slot, layer, h.first))
         c.free_pages += c.layer_own_pages(slot, tokens)
         self.host_seconds["send"] += time.perf_counter() - t0
+
+    def flush(self) -> bool:
+        """Drop the pages of layers sent out and not yet dropped (before anything else
+        reserves pages); whether there were any."""
+        c = self.cache
+        drops, self._drops = self._drops, []
+        for slot, layer, first in drops:
+            c.free, c.tables = drop_layers(c.free, c.tables, np.int32(slot), np.int32(layer),
+                                           np.int32(first))
+        return bool(drops)
 
     def step_pages(self, lengths: dict[int, int]) -> int:
         """The most pages a step's `bring`s hold at once: one layer's of every row with that
@@ -319,6 +345,7 @@ class LayerOffload:
         arrays are freed), and its reservations checked."""
         t0 = time.perf_counter()
         self._ahead.clear()  # (a step cut short leaves some)
+        self.flush()
         self._check()
         for held in self.cache.offloaded.values():
             for h in held.values():
@@ -334,13 +361,14 @@ class LayerOffload:
         """Compile the copies for every power-of-two block count a row can hold, on the
         scratch slot (nothing taken, nothing written), so an offload never compiles."""
         c = self.cache
+        self.flush()
         slot, zero = np.int32(c.scratch), np.int32(0)
+        nothing = np.array([c.scratch, 0, 0, 0, 0, 0, -1, 0], np.int32)
         for count in sorted({bucket(n) for n in range(1, c.max_pages + 1)}):
             copy_layer_out(c.pool, c.tables, slot, zero, zero, count=count)
             pages = jax.tree.map(lambda x, n=count: np.zeros((n * len(x), *x.shape[1:]),
                                                              x.dtype), self._empty)
-            c.free, c.tables, c.pool, _ = bring_layer(c.free, c.tables, c.pool, slot, zero,
-                                                      zero, zero, zero,
+            c.free, c.tables, c.pool, _ = bring_layer(c.free, c.tables, c.pool, nothing,
                                                       jax.device_put(pages, self.device))
         c.free, c.tables = drop_layers(c.free, c.tables, slot, zero, zero)
         mask = np.zeros(c.num_layers, bool)
@@ -390,11 +418,13 @@ class LayerOffload:
         if not c.make_room(need):
             raise RuntimeError(f"bringing back layer {layer} of slot {slot} needs {need} "
                                f"pages and only {c.available_pages} can be had")
+        # one layer sent out earlier is dropped in this call, any others first
+        drop = self._drops.pop() if self._drops else (0, -1, 0)
+        self.flush()
         if pages is None:
             pages = self._on_device(h, stage)
-        c.free, c.tables, pool, ok = bring_layer(
-            c.free, c.tables, pool, np.int32(slot), np.int32(layer), np.int32(tokens),
-            np.int32(h.first), np.int32(h.blocks), pages)
+        args = np.array([slot, layer, tokens, h.first, h.blocks, *drop], np.int32)
+        c.free, c.tables, pool, ok = bring_layer(c.free, c.tables, pool, args, pages)
         c.free_pages -= need
         self.fetched_bytes += h.nbytes
         self._unchecked.append(ok)
