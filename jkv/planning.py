@@ -27,11 +27,14 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   before new ones are admitted; a new request is admitted only while a slot is free and its
   first chunk's pages fit;
 - while running decodes carry a TPOT target, prefill tokens per step are capped so that the
-  prefill time fits the smallest slack among them (LayerKV eq. 1-2: what a request's target
-  allows over its whole output, (generated - 1 + remaining) x target, less the time it has
-  spent since its first token and the remaining tokens' decode steps; with no slack known,
-  the target less one decode step), unless a waiting request is already past its TTFT
-  deadline (then both promises are broken and the oldest one wins).
+  prefill time fits the smallest spare among them (LayerKV eq. 1-2: a request's slack, what
+  its target allows over its whole output, (generated - 1 + remaining) x target, less the
+  time it has spent since its first token and the remaining tokens' decode steps; for a
+  request already behind, whose slack is below 0, its target less one decode step: each
+  step within its target, its mean no worse, while prefills still move). A waiting request
+  past its TTFT deadline lifts neither this cap nor the offload check: the promises made to
+  running requests come first (when it did, under load every step carried a whole chunk and
+  TPOT targets broke as well). The step costs come from `jkv.step_costs.StepCosts`.
 
 Restore policy: a store hit past the device prefix cache's hit is restored only while loading
 it is expected to beat recomputing it (`restore_pays`, from measured rates); every
@@ -237,13 +240,17 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
     avail -= need
     tokens = budget.max_tokens - len(decodes)
 
-    spares = [c.tpot_slo - budget.decode_step_seconds if c.tpot_slack is None
-              else c.tpot_slack for c in decodes if c.tpot_slo is not None]
-    late = any(c.ttft_deadline is not None and c.ttft_deadline <= budget.now
-               for c in list(keep) + list(waiting) if c.pending > 1)
-    if spares and budget.prefill_token_seconds > 0:
-        if not late:  # eq. 2: the step's prefill time within the smallest slack
-            tokens = min(tokens, max(0, int(min(spares) / budget.prefill_token_seconds)))
+    # what each decode's target leaves this step: its slack (eq. 1); one already behind
+    # (slack below 0: it misses its target anyway) what keeps the step itself within the
+    # target, so that its mean gets no worse and prefills still move
+    spares = []
+    for c in decodes:
+        if c.tpot_slo is not None:
+            within = c.tpot_slo - budget.decode_step_seconds
+            slack = within if c.tpot_slack is None else c.tpot_slack
+            spares.append(slack if slack >= 0 else max(slack, within))
+    if spares and budget.prefill_token_seconds > 0:  # eq. 2: within the smallest spare
+        tokens = min(tokens, max(0, int(min(spares) / budget.prefill_token_seconds)))
 
     for c in keep:
         if c.pending > 1 and tokens > 0:
@@ -277,7 +284,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if pages > avail and budget.layer_offload:  # LayerKV: as many layers as fit
             resident = next((r for r in range(cost.layers - 1, budget.min_resident - 1, -1)
                              if step_pages(cost, r, c.held, n) + c.pin_pages <= avail), None)
-            if resident is not None and not late and not offload_keeps_slack(
+            if resident is not None and not offload_keeps_slack(
                     cost.layers - resident, c, decodes, budget):
                 resident = None  # its offloaded steps would cost a running request its TPOT
                 plan.held.append(c.request_id)

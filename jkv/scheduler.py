@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jkv.averages import moving_average
 from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine import Engine, Row, Sampled, SavedPages
 from jkv.planning import (
@@ -44,6 +43,7 @@ from jkv.planning import (
     queue_order,
 )
 from jkv.sampling import SamplingParams
+from jkv.step_costs import StepCosts
 from jkv.store.store import Hit, KVStore
 
 log = logging.getLogger(__name__)
@@ -172,9 +172,8 @@ class Scheduler:
         self._wake = threading.Condition(self._lock)
         self._incoming: list[Request] = []
         self._state: dict[Request, _Tracked] = {}  # every request it holds past `add`
-        self._decode_s = 0.0  # a step of decodes whose layers are all in the pool
-        self._prefill_token_s = 0.0
-        self._offload_layer_s = 0.0  # what each offloaded layer a step brings in adds
+        self.costs = StepCosts(engine.runner.rows_bucket)  # learned from each step
+        self._next_step_s = 0.0  # what the next step of the decoding requests will take
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
         # LayerKV's layer-wise offload, where the engine's pages are blocks
         self.layer_offload = self.config.layer_offload and engine.layers is not None
@@ -313,7 +312,7 @@ class Scheduler:
         tpot = None if r.tpot_slo_ms is None else r.tpot_slo_ms / 1000
         # (what admission with offloaded layers weighs its steps' cost over)
         remaining = (self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
-                     if self.layer_offload and self._offload_layer_s else None)
+                     if self.layer_offload and self.costs.offload_layer_s else None)
         return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held,
                          self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot,
                          remaining=remaining)
@@ -327,12 +326,13 @@ class Scheduler:
                 c, resident=None if resident == cache.num_layers else resident,
                 offload_pages=cache.pages_offloadable(st.slot),
                 fetch_pages=self.engine.pages_to_fetch(st.slot))
-        if c.tpot_slo is not None and r.first_token_time is not None and self._decode_s:
+        if c.tpot_slo is not None and r.first_token_time is not None and self._next_step_s:
             # LayerKV eq. 1: what its target allows over the whole output, less what it has
-            # used and what its remaining tokens' decode steps will take
+            # used and what its remaining tokens' decode steps will take (each as long as a
+            # step of the requests decoding now, layers brought in included)
             m = self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
             slack = ((len(r.output) - 1 + m) * c.tpot_slo - (now - r.first_token_time)
-                     - m * self._decode_s)
+                     - m * self._next_step_s)
             c = dataclasses.replace(c, tpot_slack=slack, remaining=m)
         return c
 
@@ -368,7 +368,7 @@ class Scheduler:
             st.read_since = None
         else:  # its read is under way: it waits, unless recomputing would be done by now
             st.read_since = now if st.read_since is None else st.read_since
-            recompute_s = (decision.held - cached) * self._prefill_token_s
+            recompute_s = (decision.held - cached) * self.costs.prefill_token_s
             if (self.config.restore_planning and recompute_s
                     and now - st.read_since > recompute_s):
                 st.abandoned, ready = True, True
@@ -543,20 +543,23 @@ class Scheduler:
 
         eng = self.engine
         by_id = {r.request_id: r for r in self.waiting + self.running}
+        decoding = [self._state[r].slot for r in self.running if r.output]
+        self._next_step_s = self.costs.step(
+            len(decoding), sum(len(eng.offloaded_layers(s)) for s in decoding))
         budget = Budget(
             available_pages=eng.cache.available_pages, free_slots=eng.cache.num_free_slots,
             max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,
             chunk=eng.prefill_chunk, cost=eng.cache.cost,
-            now=now, decode_step_seconds=self._decode_s,
-            prefill_token_seconds=self._prefill_token_s, layer_offload=self.layer_offload,
-            offload_layer_seconds=self._offload_layer_s,
+            now=now, decode_step_seconds=self._next_step_s,
+            prefill_token_seconds=self.costs.prefill_token_s, layer_offload=self.layer_offload,
+            offload_layer_seconds=self.costs.offload_layer_s,
             min_resident=min_resident(
                 eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
                 0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,
-                self._prefill_token_s),
+                self.costs.prefill_token_s),
             forecast_steps=FORECAST_STEPS)
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
-                             eng.connector.load_bytes_per_s, self._prefill_token_s,
+                             eng.connector.load_bytes_per_s, self.costs.prefill_token_s,
                              eng.split_overlap)
         waiting, queued, decisions, cached = [], [], {}, {}
         declined = self.stats.restores_declined
@@ -636,8 +639,8 @@ class Scheduler:
         brings = sum(len(eng.offloaded_layers(row.slot)) for _, row in prefill + decode)
         t0 = time.perf_counter()
         out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])
-        self._learn(time.perf_counter() - t0, sum(len(row.tokens) for _, row in prefill),
-                    bool(decode), brings)
+        self.costs.learn(time.perf_counter() - t0, sum(len(row.tokens) for _, row in prefill),
+                         len(decode), brings)
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]
@@ -668,22 +671,6 @@ class Scheduler:
             p = first + i + 1
             if p < len(r.prompt):
                 r.prompt_logprobs[p] = (float(lp), ids[:k].tolist(), lps[:k].tolist())
-
-    def _learn(self, seconds: float, prefill_tokens: int, decoded: bool, brings: int = 0
-               ) -> None:
-        """Exponential averages of the step cost model the SLO checks use: a decode step,
-        a prefill token on top, and each offloaded layer the step's rows brought in (a step
-        of decodes that brought some, beyond a decode step)."""
-        if not prefill_tokens and not brings:
-            self._decode_s = moving_average(self._decode_s, seconds)
-        elif not prefill_tokens:
-            if self._decode_s:
-                per = max(seconds - self._decode_s, 0.0) / brings
-                self._offload_layer_s = moving_average(self._offload_layer_s, per)
-        else:
-            base = (self._decode_s if decoded else 0.0) + brings * self._offload_layer_s
-            per = max(seconds - base, 0.0) / prefill_tokens
-            self._prefill_token_s = moving_average(self._prefill_token_s, per)
 
 
 def generate_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:

@@ -126,15 +126,19 @@ def test_prefill_shrinks_to_the_pages_left():
     assert plan.prefill == [("p", 32)]  # two more pages of 16 tokens
 
 
-def test_tpot_targets_cap_prefill_tokens_unless_a_ttft_deadline_has_passed():
+def test_tpot_targets_cap_prefill_tokens_even_past_a_ttft_deadline():
     run = [running("d", 40, tpot_slo=0.05)]
     cost = dict(decode_step_seconds=0.03, prefill_token_seconds=0.001, now=10.0)
     plan = plan_step(run, [waiting("w", 100, arrival=9.0)], budget(max_tokens=256, chunk=256,
                                                                    **cost))
     assert plan.prefill == [("w", 20)]  # (0.05 - 0.03) / 0.001
+    # a broken TTFT promise does not break a running request's TPOT too
     plan = plan_step(run, [waiting("w", 100, arrival=9.0, ttft_deadline=9.5)],
                      budget(max_tokens=256, chunk=256, **cost))
-    assert plan.prefill == [("w", 100)]
+    assert plan.prefill == [("w", 20)]
+    plan = plan_step([], [waiting("w", 100, arrival=9.0, ttft_deadline=9.5)],
+                     budget(max_tokens=256, chunk=256, **cost))
+    assert plan.prefill == [("w", 100)]  # nothing decoding: no cap
     plan = plan_step([running("d", 40, tpot_slo=0.02)], [waiting("w", 100)],
                      budget(**cost))
     assert plan.prefill == [] and plan.decode == ["d"]
@@ -150,8 +154,12 @@ def test_tpot_slack_lets_a_longer_prefill_in_and_the_smallest_one_caps_it():
     plan = plan_step([ahead, behind], [waiting("w", 100)],
                      budget(max_tokens=256, chunk=256, **cost))
     assert plan.prefill == [("w", 4)] and sorted(plan.decode) == ["a", "b"]
-    late = running("l", 40, tpot_slo=0.05, tpot_slack=-1.0)  # already past its target
+    # one already behind its target: what keeps each step within it, (0.05 - 0.03) / 0.001
+    late = running("l", 40, tpot_slo=0.05, tpot_slack=-1.0)
     plan = plan_step([late], [waiting("w", 100)], budget(max_tokens=256, chunk=256, **cost))
+    assert plan.prefill == [("w", 20)] and plan.decode == ["l"]
+    slow = dict(cost, decode_step_seconds=0.06)  # a step alone already takes longer
+    plan = plan_step([late], [waiting("w", 100)], budget(max_tokens=256, chunk=256, **slow))
     assert plan.prefill == [] and plan.decode == ["l"]
 
 
@@ -359,11 +367,12 @@ def test_an_offloaded_admission_waits_while_its_steps_would_break_a_decodes_tpot
     assert plan(0.004, waiting("w", 64, 1.0, remaining=30), d).resident == {"w": 1}
     short = offloadable("d", 20, 0.0, tpot_slo=0.1, tpot_slack=0.5, remaining=40)
     assert plan(0.004, w, short).resident == {"w": 1}
-    # not weighed: a cost not measured, a slack not known, a TTFT deadline already passed
+    # not weighed: a cost not measured, a slack not known
     assert plan(0.0, w, d).resident == {"w": 1}
     assert plan(0.004, w, offloadable("d", 20, 0.0, tpot_slo=0.1)).resident == {"w": 1}
+    # weighed still when its own TTFT deadline has passed
     late = waiting("w", 64, 1.0, remaining=50, ttft_deadline=-1.0)
-    assert plan(0.004, late, d).resident == {"w": 1}
+    assert plan(0.004, late, d).held == ["w"]
     # one that fits with every layer resident costs no step anything
     p = plan_step([d], [w], layered(offload_layer_seconds=1.0, chunk=64, max_tokens=64,
                                     available_pages=40))

@@ -321,7 +321,7 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
     while len(a.output) < 5:
         sched.step()
     assert seen[-1][2].offload_layer_seconds == 0.0 and seen[-1][0][0].remaining is not None
-    sched._offload_layer_s = 0.003
+    sched.costs.offload_layer_s = 0.003
     sched.add(Request(list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0)))
     sched.step()
     running, waiting, budget = seen[-1]
@@ -348,17 +348,6 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
     assert sched.snapshot()["layer_offload"]["admissions_held"] == len(held[0])
 
 
-def test_the_step_cost_model_learns_what_an_offloaded_layer_adds(params):
-    sched = Scheduler(engine(params))
-    sched._learn(0.010, 0, True)  # decodes alone: 10 ms
-    sched._learn(0.016, 0, True, brings=3)  # 3 layers brought in: 2 ms each
-    assert sched._decode_s == pytest.approx(0.010)
-    assert sched._offload_layer_s == pytest.approx(0.002)
-    sched._learn(0.010 + 0.006 + 0.032, 16, True, brings=3)  # 16 prefill tokens on top
-    assert sched._prefill_token_s == pytest.approx(0.002)
-    assert sched._decode_s == pytest.approx(0.010)  # steps that brought layers: not decodes
-
-
 def test_a_decoding_requests_tpot_slack_follows_layerkv_eq_1(params):
     sched = Scheduler(engine(params))
     r = Request(list(range(1, 20)), SamplingParams(max_tokens=50, temperature=0),
@@ -368,7 +357,7 @@ def test_a_decoding_requests_tpot_slack_follows_layerkv_eq_1(params):
         sched.step()
     for n in (40, 40, 40):
         sched.lengths.add(None, n)
-    sched._decode_s = 0.05
+    sched._next_step_s = 0.05  # a step of the requests decoding now
     now = r.first_token_time + 1.0  # a second since its first token
     c = sched._running(r, now)
     m = 40 - 11  # the estimate (40) less what it generated
