@@ -53,8 +53,9 @@ _OFFLOAD_COUNTERS = (  # (key of stats()["layer_offload"], metric name, help)
     ("admitted_offloaded", "jkv_layer_offload_admissions",
      "Requests admitted with some layers' KV in host memory."),
     ("admissions_held", "jkv_layer_offload_admissions_held",
-     "Requests whose admission with layers in host memory waited: the steps they would slow "
-     "would have cost a running request its TPOT target."),
+     "Requests whose admission waited although their pages fit (all layers, or some in host "
+     "memory): the steps they would slow would have cost a running request its TPOT "
+     "target."),
     ("bytes_to_host", "jkv_layer_offload_bytes_to_host", "KV bytes copied to host memory."),
     ("bytes_from_host", "jkv_layer_offload_bytes_from_host",
      "KV bytes copied back into device pages."),

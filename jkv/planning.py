@@ -19,10 +19,11 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   goes on running, each such layer brought through the pool for its turn); a running
   request's offloaded layers come back, most important first, while the forecast still fits
   after; a new request whose chunk does not fit with every layer is admitted with as many
-  resident layers as fit, at least `min_resident` (eq. 4), unless the steps it would then
-  decode with layers on the host (each costing the measured seconds of bringing them in)
-  would take a decoding request past its TPOT target (`offload_keeps_slack`): then it waits
-  for pages as it would without offload;
+  resident layers as fit, at least `min_resident` (eq. 4);
+- a new request whose pages fit is held while the steps it would decode in, each longer by
+  its row (a step of one more decode, as measured) and its layers on the host (each the
+  measured seconds of bringing one in), would take a decoding request past its TPOT target
+  (`admission_keeps_slack`, LayerKV eq. 1 over the steps to come);
 - prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
   before new ones are admitted; a new request is admitted only while a slot is free and its
   first chunk's pages fit;
@@ -108,6 +109,9 @@ class Budget:
     forecast_steps: int = 1
     # cost model: what each offloaded layer a step brings in adds to it (measured)
     offload_layer_seconds: float = 0.0
+    # cost model: a step of n decodes with every layer in the pool, at index n (on a CPU
+    # each row costs its share of compute; empty: not measured, an admission costs no row)
+    decode_step_by_rows: tuple[float, ...] = ()
 
 
 @dataclass
@@ -124,8 +128,9 @@ class Plan:
     offload: dict[str, int] = field(default_factory=dict)
     fetch: list[str] = field(default_factory=list)
     resident: dict[str, int] = field(default_factory=dict)
-    # waiting requests that layers on the host would have admitted, held back because their
-    # offloaded steps would cost a decoding request its TPOT target (`offload_keeps_slack`)
+    # waiting requests whose pages fit (with layers on the host, or all in the pool), held
+    # back because the steps they would decode in would cost a decoding request its TPOT
+    # target (`admission_keeps_slack`)
     held: list[str] = field(default_factory=list)
 
 
@@ -276,6 +281,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
                 break
 
     slots = budget.free_slots + len(plan.preempt)
+    rows = len(decodes)  # decoding in the steps to come: the admitted ones join them
     for c in sorted(waiting, key=queue_order):
         if slots <= 0 or tokens <= 0:
             break
@@ -284,35 +290,51 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if pages > avail and budget.layer_offload:  # LayerKV: as many layers as fit
             resident = next((r for r in range(cost.layers - 1, budget.min_resident - 1, -1)
                              if step_pages(cost, r, c.held, n) + c.pin_pages <= avail), None)
-            if resident is not None and not offload_keeps_slack(
-                    cost.layers - resident, c, decodes, budget):
-                resident = None  # its offloaded steps would cost a running request its TPOT
-                plan.held.append(c.request_id)
             if resident is not None:
                 plan.resident[c.request_id] = resident
                 pages = step_pages(cost, resident, c.held, n) + c.pin_pages
         if pages > avail:
             break  # head of line waits for pages; later requests do not overtake it
+        offloaded = cost.layers - plan.resident.get(c.request_id, cost.layers)
+        if not admission_keeps_slack(added_step_seconds(budget, rows, offloaded), c, decodes,
+                                     budget):
+            plan.resident.pop(c.request_id, None)
+            plan.held.append(c.request_id)
+            break  # it waits (for decodes to finish or gain slack); no one overtakes it
         plan.prefill.append((c.request_id, n))
         plan.admit.append(c.request_id)
         avail -= pages
         tokens -= n
         slots -= 1
+        rows += 1
     return plan
 
 
-def offload_keeps_slack(offloaded: int, new: Candidate, decodes: Sequence[Candidate],
-                        budget: Budget) -> bool:
-    """Whether admitting `new` with `offloaded` layers on the host keeps every decoding
-    request within its TPOT target (LayerKV eq. 1 over the steps to come, not only this
-    one): each step it decodes with them costs the others `offloaded` x the measured
-    seconds of bringing a layer in, over the steps both are expected to decode, and that
-    must fit each one's slack. True while the cost or a slack is not known yet."""
-    extra = offloaded * budget.offload_layer_seconds
+def added_step_seconds(budget: Budget, rows: int, offloaded: int) -> float:
+    """What one more decoding request, with `offloaded` layers on the host, adds to each
+    step of `rows` decoding ones: its row (a step of rows + 1 against one of rows, where
+    measured) and bringing its offloaded layers in."""
+    by_rows = budget.decode_step_by_rows
+    row = (by_rows[min(rows + 1, len(by_rows) - 1)] - by_rows[min(rows, len(by_rows) - 1)]
+           if by_rows else 0.0)
+    return max(row, 0.0) + offloaded * budget.offload_layer_seconds
+
+
+def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candidate],
+                          budget: Budget) -> bool:
+    """Whether admitting `new`, which makes each step `extra` seconds longer while it
+    decodes, keeps every decoding request within its TPOT target (LayerKV eq. 1 over the
+    steps to come, not only this one): over the steps both are expected to decode, the
+    extra time must fit each one's slack; one already behind its target (slack below 0)
+    only asks that each step stay within it. True while the cost or a slack is not known."""
     if extra <= 0:
         return True
     for d in decodes:
-        if d.tpot_slack is None or d.remaining is None:
+        if d.tpot_slack is None or d.remaining is None or d.tpot_slo is None:
+            continue
+        if d.tpot_slack < 0:
+            if budget.decode_step_seconds + extra > d.tpot_slo:
+                return False
             continue
         steps = d.remaining if new.remaining is None else min(d.remaining, new.remaining)
         if extra * steps > d.tpot_slack:

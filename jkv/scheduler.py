@@ -140,7 +140,7 @@ class SchedulerStats:
     layers_offloaded: int = 0  # running requests' layers moved to the host (LayerKV)
     layer_fetches: int = 0  # running requests whose offloaded layers came back
     admitted_offloaded: int = 0  # requests admitted with some layers on the host
-    # requests whose admission with layers on the host waited for a running request's TPOT
+    # requests whose admission waited (pages fitting) for a running request's TPOT
     admissions_held: int = 0
     # finished requests that missed their TTFT / TPOT target (counted once each), and those
     # that ended normally meeting every target they had (goodput)
@@ -310,9 +310,8 @@ class Scheduler:
         ttft = (None if r.ttft_slo_ms is None or r.output
                 else r.arrival + r.ttft_slo_ms / 1000)
         tpot = None if r.tpot_slo_ms is None else r.tpot_slo_ms / 1000
-        # (what admission with offloaded layers weighs its steps' cost over)
-        remaining = (self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
-                     if self.layer_offload and self.costs.offload_layer_s else None)
+        # (what admission weighs the cost of its steps over)
+        remaining = self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
         return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held,
                          self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot,
                          remaining=remaining)
@@ -553,6 +552,8 @@ class Scheduler:
             now=now, decode_step_seconds=self._next_step_s,
             prefill_token_seconds=self.costs.prefill_token_s, layer_offload=self.layer_offload,
             offload_layer_seconds=self.costs.offload_layer_s,
+            decode_step_by_rows=tuple(self.costs.decode(n)
+                                      for n in range(eng.runner.max_rows + 1)),
             min_resident=min_resident(
                 eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
                 0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,

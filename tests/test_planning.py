@@ -384,3 +384,35 @@ def test_min_resident_hides_the_copy_out_behind_the_prefill():
     assert min_resident(30, 200_000, 1e9, 1e-3) == 25
     assert min_resident(30, 200_000, 1e12, 1e-3) == 0
     assert min_resident(30, 200_000, 0.0, 1e-3) == 0  # not measured: offload freely
+
+
+def test_an_admission_waits_while_its_row_would_break_a_decodes_tpot():
+    # a step of n decodes: 10 ms with 1 or 2 (one padded shape), 30 ms with 3 or 4
+    by_rows = (0.0, 0.010, 0.010, 0.030, 0.030)
+    d = running("d", 40, tpot_slo=0.1, tpot_slack=0.5, remaining=100)
+
+    def plan(w: Candidate, *ds: Candidate, **kw):
+        return plan_step(list(ds), [w], budget(decode_step_by_rows=by_rows,
+                                               decode_step_seconds=0.010, **kw))
+
+    # a second decode shares the step's shape: it costs d nothing
+    assert plan(waiting("w", 20, 1.0, remaining=50), d).admit == ["w"]
+    e = running("e", 40, tpot_slo=0.1, tpot_slack=0.5, remaining=100)
+    # a third pads the step to 4 rows: 20 ms more over the 50 steps both decode (1 s > 0.5)
+    p = plan(waiting("w", 20, 1.0, remaining=50), d, e)
+    assert p.admit == [] and p.held == ["w"] and sorted(p.decode) == ["d", "e"]
+    assert plan(waiting("w", 20, 1.0, remaining=20), d, e).admit == ["w"]  # 0.4 s fits
+    # two waiting: the second would be the third decode; it waits, nothing overtakes it
+    p = plan_step([d], [waiting("v", 20, 0.5, remaining=50), waiting("w", 20, 1.0,
+                                                                     remaining=50),
+                        waiting("x", 20, 2.0, remaining=1)],
+                  budget(decode_step_by_rows=by_rows, decode_step_seconds=0.010))
+    assert p.admit == ["v"] and p.held == ["w"]
+    # one already behind its target only asks that each step stay within it
+    roomy = running("r", 40, tpot_slo=0.1, tpot_slack=5.0, remaining=100)
+    behind = running("b", 40, tpot_slo=0.1, tpot_slack=-1.0, remaining=100)
+    assert plan(waiting("w", 20, 1.0, remaining=50), behind, roomy).admit == ["w"]  # 30 ms
+    tight = running("b", 40, tpot_slo=0.025, tpot_slack=-1.0, remaining=100)
+    assert plan(waiting("w", 20, 1.0, remaining=50), tight, roomy).held == ["w"]
+    # not measured: an admission costs no row
+    assert plan_step([d, e], [waiting("w", 20, 1.0, remaining=50)], budget()).admit == ["w"]

@@ -300,9 +300,9 @@ def test_slo_misses_and_goodput_are_counted_and_exported(params):
 
 
 def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, monkeypatch):
-    """What `offload_keeps_slack` weighs reaches `plan_step`: the measured seconds an
-    offloaded layer adds to a step, and each request's expected remaining tokens (decoding
-    ones with their TPOT slack); before an offload cost is measured, no estimate is made."""
+    """What `admission_keeps_slack` weighs reaches `plan_step`: the measured seconds an
+    offloaded layer adds to a step (0 until measured), a step of each number of decodes,
+    and each request's expected remaining tokens (decoding ones with their TPOT slack)."""
     import jkv.scheduler as scheduler_module
 
     seen = []
@@ -321,6 +321,9 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
     while len(a.output) < 5:
         sched.step()
     assert seen[-1][2].offload_layer_seconds == 0.0 and seen[-1][0][0].remaining is not None
+    by_rows = seen[-1][2].decode_step_by_rows
+    assert len(by_rows) == sched.engine.runner.max_rows + 1 and by_rows[0] == 0.0
+    assert by_rows[1] > 0  # its decode steps, measured
     sched.costs.offload_layer_s = 0.003
     sched.add(Request(list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0)))
     sched.step()
