@@ -33,7 +33,7 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   time it has spent since its first token and the remaining tokens' decode steps; for a
   request already behind, whose slack is below 0, its target less one decode step: each
   step within its target, its mean no worse, while prefills still move). A waiting request
-  past its TTFT deadline lifts neither this cap nor the offload check: the promises made to
+  past its TTFT deadline lifts neither this cap nor the admission check: the promises made to
   running requests come first (when it did, under load every step carried a whole chunk and
   TPOT targets broke as well). The step costs come from `jkv.step_costs.StepCosts`.
 
