@@ -13,6 +13,8 @@
 #   bash benchmarks/gpu_session.sh 5    # serve_slo at Llama-3-8B shape (needs .whl carried:
 #       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #       PYTHONPATH=/tmp/site bash benchmarks/gpu_session.sh 5)
+#   bash benchmarks/gpu_session.sh 6    # running requests' TPOT while a 4K history restores
+#                                       # from disk, Llama-3-8B shape (after 5: 180 s)
 # Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
@@ -93,8 +95,14 @@ case ${1:-1} in
         --server-args "--model random:llama3-8b --kv-cache-bytes 3000000000 \
                        --max-num-seqs 32 --host-cache-bytes 0" --out "$out"
     logs="serve_slo" ;;
+6)
+    # issue 15's restore point at a Llama-3-8B shape: the disk read on the loop against on
+    # the store's reader, beside decodes that see no restore
+    step 180 restore_stall python benchmarks/restore_stall.py --preset llama3-8b \
+        --history 4096 --repeats 4 --out "$out"
+    logs="restore_stall" ;;
 *)
-    echo "usage: $0 1|2|3|4|5" >&2
+    echo "usage: $0 1|2|3|4|5|6" >&2
     exit 2 ;;
 esac
 for f in $logs; do

@@ -369,6 +369,27 @@ def test_reads_ahead_run_on_the_reader_and_are_taken_without_waiting():
     s.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness: Linux")
+def test_the_stores_threads_run_below_the_serving_loop():
+    import threading
+
+    from jkv.store.codec import checksum
+
+    s = store(host_cache_bytes=1 << 24)
+    checksum(bytes(9 << 20))  # three chunks: summed on the checksum threads
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    names = ("jkv-store-reader", "jkv-store-writer", "jkv-checksum")
+    deadline = time.monotonic() + 5.0
+    while True:  # (a thread lowers itself as it starts)
+        nice = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id)
+                for t in threading.enumerate() if t.name.startswith(names) and t.is_alive()}
+        if {n.split("_")[0] for n in nice} >= set(names) and min(nice.values()) > mine:
+            break
+        assert time.monotonic() < deadline, (mine, nice)
+        time.sleep(0.01)
+    s.close()
+
+
 @pytest.mark.parametrize("whole", [False, True])
 def test_a_save_not_yet_written_is_found_and_its_read_waits_for_the_write(whole):
     """A preempted request readmitted before its save is written still finds it: `lookup`

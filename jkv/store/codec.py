@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 import ml_dtypes
 import numpy as np
 
+from jkv.store.priority import lower_thread_priority
+
 MAGIC = b"JKVE"
 VERSION = 2
 ALIGN = 64
@@ -81,7 +83,8 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "jkv-checksum")
+            _pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "jkv-checksum",
+                                       initializer=lower_thread_priority)
         return _pool
 
 

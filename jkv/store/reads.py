@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from jkv.store.index import Hit
+from jkv.store.priority import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ReadAhead:
         return read[0].done()
 
     def _work(self) -> None:
+        lower_thread_priority()
         while (job := self._jobs.get()) is not None:
             future, hit = job
             if not future.set_running_or_notify_cancel():

@@ -41,6 +41,7 @@ from jkv.config import StoreConfig
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
 from jkv.store.index import Entry, EntryIndex, Hit, meta_record, parse_meta
 from jkv.store.placement import Move, Placement
+from jkv.store.priority import lower_thread_priority
 from jkv.store.reads import ReadAhead
 from jkv.store.tiers import HostTier, PersistentTier
 
@@ -519,6 +520,7 @@ class KVStore:
             return True
 
     def _work(self) -> None:
+        lower_thread_priority()
         while True:
             job = self._jobs.get()
             try:
