@@ -7,7 +7,9 @@ to fetch offloaded layers back, side by side in one run on the same inputs.
     python benchmarks/layer_offload.py --preset llama3-8b --lengths 2048,8192   # GPU
 
 For each prompt length and each resident-layer count (`--resident`; the model's layer count
-is all resident) one engine prefills the prompt in `--prefill-chunk` chunks, decodes
+is all resident) one engine prefills the prompt in `--prefill-chunk` chunks (offloaded runs
+also layer-major, as the scheduler feeds a long prompt admitted with layers on the host:
+each step a chunk's worth of layers over the whole prompt, `jkv.layer_major`), decodes
 `--decode-steps` tokens with a batch of one, and (offloaded runs) fetches the layers back and
 decodes as many again. Each run is repeated (`--repeats`, after one untimed run that
 compiles); medians are reported, with each offloaded run's ratio to the resident one, and
@@ -39,22 +41,42 @@ from bench_model import add_model_args, load_model, result_stem  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine import Engine, Row  # noqa: E402
+from jkv.layer_major import layers_for  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 
 
+def prefill_layer_major(eng: Engine, prompt: list[int], resident: int, chunk: int) -> float:
+    """Seconds to prefill `prompt` layer-major with `resident` layers in the pool, as the
+    scheduler feeds it (each step a chunk's worth of layers over the whole prompt)."""
+    key, num_layers = eng.request_key(0), eng.cfg.num_layers
+    t0 = time.perf_counter()
+    slot, pos = eng.open(prompt, use_prefix_cache=False, resident=resident)
+    done = 0
+    while done < num_layers:
+        k = layers_for(chunk, len(prompt) - pos, num_layers, done)
+        (s,), _ = eng.step([Row(slot, prompt[pos:], GREEDY, key, layers=(done, done + k))], [])
+        done += k
+    seconds = time.perf_counter() - t0  # (the first token read back: the work is done)
+    eng.close(slot, keep=False)
+    return seconds
+
+
 def one_run(eng: Engine, prompt: list[int], resident: int | None, steps: int,
             chunk: int) -> dict[str, float]:
     """Seconds: the prefill, a decode step (mean of `steps`), and with offloaded layers the
-    fetch and a decode step after it."""
+    prefill fed layer-major, the fetch and a decode step after it."""
     key = eng.request_key(0)
+    out = {}
+    if resident is not None and len(prompt) > chunk:
+        out["prefill_layer_major"] = prefill_layer_major(eng, prompt, resident, chunk)
     t0 = time.perf_counter()
     slot, pos = eng.open(prompt, use_prefix_cache=False, resident=resident)
     while pos < len(prompt):
         (s,), _ = eng.step([Row(slot, prompt[pos:pos + chunk], GREEDY, key)], [])
         pos += chunk
-    out = {"prefill": time.perf_counter() - t0}
+    out["prefill"] = time.perf_counter() - t0
     token = s.token
 
     def decode(n: int) -> float:
@@ -158,6 +180,8 @@ def main() -> None:
                    **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}}
             base = base or row
             row["prefill_vs_resident"] = row["prefill"] / base["prefill"]
+            if "prefill_layer_major" in row:
+                row["layer_major_vs_resident"] = row["prefill_layer_major"] / base["prefill"]
             row["decode_vs_resident"] = row["decode_step"] / base["decode_step"]
             rows.append(row)
     if args.trace is not None:
@@ -167,16 +191,19 @@ def main() -> None:
         trace_decode(eng, prompt, fewest, args.decode_steps, args.prefill_chunk,
                      Path(args.trace))
     print(f"\n{'tokens':>7}{'resident':>9}{'pinned':>7}{'prefill':>10}{'ratio':>7}"
+          f"{'layer-major':>12}{'ratio':>7}"
           f"{'decode':>9}{'ratio':>7}{'bring':>8}{'send':>8}{'settle':>8}{'fetch':>9}"
           f"{'decode after':>14}")
     for r in rows:
+        major = (f"{r['prefill_layer_major'] * 1000:>10.0f}ms{r['layer_major_vs_resident']:>7.2f}"
+                 if "prefill_layer_major" in r else f"{'-':>12}{'-':>7}")
         fetch = f"{r['fetch'] * 1000:.0f}ms" if "fetch" in r else "-"
         after = (f"{r['decode_step_fetched'] * 1000:.1f}ms" if "decode_step_fetched" in r
                  else "-")
         host = "".join(f"{r[f'decode_{k}_host'] * 1000:>6.1f}ms"
                        for k in ("bring", "send", "settle"))
         print(f"{r['length']:>7}{r['resident']:>9}{'yes' if r['pinned'] else 'no':>7}"
-              f"{r['prefill'] * 1000:>8.0f}ms{r['prefill_vs_resident']:>7.2f}"
+              f"{r['prefill'] * 1000:>8.0f}ms{r['prefill_vs_resident']:>7.2f}{major}"
               f"{r['decode_step'] * 1000:>7.1f}ms{r['decode_vs_resident']:>7.2f}{host}"
               f"{fetch:>9}{after:>14}")
     write_results(args.out, result_stem("layer_offload", args),

@@ -34,6 +34,7 @@ from jkv.cache.connector import KVConnector, SavedPages, pyramid
 from jkv.cache.kv_cache import KVCacheManager, TierPolicy
 from jkv.cache.layer_offload import LayerOffload, resident_layers
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
+from jkv.layer_major import LayerMajor
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
 from jkv.runner import ModelRunner, Row
@@ -136,6 +137,9 @@ class Engine:
         # a CPU backend takes 64-byte aligned host arrays as they are (a restore's pages:
         # no copy in the step), so a store for this engine hands them over aligned
         self.aligned_host_arrays = jax.default_backend() == "cpu"
+        # prompts with layers on the host fed a layer at a time over all their tokens
+        self.layer_major = None if self.layers is None else LayerMajor(
+            self.cache, self.runner, self.layers, cfg.num_layers, self.prefill_chunk)
         self._seed, self._requests_seen = config.seed, 0
         self.stats = EngineStats()
 
@@ -210,8 +214,15 @@ class Engine:
             raise ValueError("layer offload needs block pages (not a token-tier policy)")
         if not self.cache.is_open(slot):
             raise ValueError(f"slot {slot} holds no open sequence")
+        self._not_mid_prompt(slot)
         self.connector.write([slot])  # a queued restore goes into its pages first
         return self.layers.offload(slot, layers)
+
+    def _not_mid_prompt(self, slot: int) -> None:
+        """ValueError while `slot`'s prompt is part way through its layers (layer-major):
+        its layers hold different tokens until the last one has run."""
+        if self.layer_major is not None and self.layer_major.next_layer(slot):
+            raise ValueError(f"slot {slot} is part way through a layer-major prefill")
 
     def keep_resident(self, slot: int, keep: int) -> int:
         """Offload layers of `slot` until `keep` stay in the pool, those kept spread over the
@@ -234,6 +245,7 @@ class Engine:
         """Bring every offloaded layer of `slot` back into the pool (RuntimeError when
         `pages_to_fetch` pages cannot be had)."""
         if self.layers is not None:
+            self._not_mid_prompt(slot)
             self.layers.fetch(slot)
 
     def _restore(self, slot: int, first: int, n: int, saved: SavedPages,
@@ -280,7 +292,9 @@ class Engine:
         sequences). `keep` False: nothing of it is kept (its KV is suspect)."""
         shareable = self.connector.shareable_blocks(slot) if keep else 0
         self.connector.forget(slot)  # a restore never written: the request ended first
+        ahead = 0 if self.layer_major is None else self.layer_major.drop(slot)
         self.cache.close(slot, shareable, finished, keep)
+        self.cache.free_pages += ahead  # (taken for a prompt not yet held: freed with it)
 
     def gather(self, slot: int, start: int = 0) -> SavedPages:
         """The full blocks `slot` holds from block `start` on, being copied out of the pool
@@ -313,7 +327,12 @@ class Engine:
     def _check_rows(self, prefill: Sequence[Row], decode: Sequence[Row]) -> dict[int, int]:
         """ValueError unless the rows are a valid step; returns each slot's new length."""
         for r in prefill:
-            if not 1 <= len(r.tokens) <= self.prefill_chunk:
+            if r.layers is not None:
+                if self.layer_major is None:
+                    raise ValueError("a layer-major prefill needs block pages (not a token-tier "
+                                     "policy)")
+                self.layer_major.check(r)
+            elif not 1 <= len(r.tokens) <= self.prefill_chunk:
                 raise ValueError(f"a prefill row feeds 1..{self.prefill_chunk} tokens, "
                                  f"got {len(r.tokens)}")
         for r in decode:
@@ -332,23 +351,30 @@ class Engine:
         return lengths
 
     def step(self, prefill: Sequence[Row], decode: Sequence[Row]
-             ) -> tuple[list[Sampled], list[Sampled]]:
+             ) -> tuple[list[Sampled | None], list[Sampled]]:
         """Feed every row its tokens; returns what was sampled after each row's last token
         (prefill rows, decode rows). A prefill row takes up to `prefill_chunk` tokens, a
-        decode row exactly one."""
+        decode row exactly one; a layer-major prefill row (`Row.layers`) its whole prompt
+        through those layers (None sampled before its last layer)."""
         rows = list(prefill) + list(decode)
         if not rows:
             return [], []
         lengths = self._check_rows(prefill, decode)
         t0 = time.perf_counter()
         self.connector.write_all_but(list(lengths))
-        ok = self.cache.grow(lengths, 0 if self.layers is None
-                             else self.layers.step_pages(lengths))
-        groups = [[prefill[i] for i in g]
-                  for g in self.runner.prefill_groups([len(r.tokens) for r in prefill])]
+        layered = [r for r in prefill if r.layers is not None]
+        chunked = [r for r in prefill if r.layers is None]
+        held = {r.slot: len(self.cache.slot_tokens[r.slot]) for r in layered}
+        # a layer-major prompt's resident pages are all taken by its first step
+        ok = self.cache.grow({s: n for s, n in lengths.items()
+                              if s not in held or self.layer_major.next_layer(s) == 0},
+                             0 if self.layers is None else self.layers.step_pages(lengths))
+        groups = [[chunked[i] for i in g]
+                  for g in self.runner.prefill_groups([len(r.tokens) for r in chunked])]
         groups += [list(decode)] if decode else []
         outs = [self._call(g) for g in groups]
-        ok, outs = jax.device_get((ok, outs))
+        outs_layered = [self.layer_major.run(r, held[r.slot]) for r in layered]
+        ok, outs, outs_layered = jax.device_get((ok, outs, outs_layered))
         if not ok:
             raise RuntimeError("page reservation failed although the host count allowed it")
         if self.layers is not None:
@@ -356,17 +382,21 @@ class Engine:
         if self.tiered:
             self.cache.sync_tiers()
         self.connector.written(list(lengths))  # layer-wise restores are in the pool now
-        for r in rows:
+        done = [r for r, out in zip(layered, outs_layered, strict=True) if out is not None]
+        for r in chunked + list(decode) + done:
             self.cache.add_tokens(r.slot, r.tokens)
         seconds = time.perf_counter() - t0
         self.stats.steps += 1
-        self.stats.prefill_tokens += sum(len(r.tokens) for r in prefill)
+        self.stats.prefill_tokens += sum(len(r.tokens) for r in chunked + done)
         self.stats.decode_tokens += len(decode)
         if prefill:
             self.stats.prefill_seconds += seconds
         else:
             self.stats.decode_seconds += seconds
-        sampled: dict[int, Sampled] = {}
+        sampled: dict[int, Sampled | None] = {}
+        for r, out in zip(layered, outs_layered, strict=True):
+            sampled[id(r)] = None if out is None else Sampled(
+                int(out[0][0]), float(out[1][0]), out[2][0], out[3][0])
         for group, (tokens, logprob, top_ids, top_lp, *at) in zip(groups, outs, strict=True):
             for i, r in enumerate(group):
                 m = len(r.tokens)

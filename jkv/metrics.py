@@ -52,6 +52,9 @@ _OFFLOAD_COUNTERS = (  # (key of stats()["layer_offload"], metric name, help)
      "Running requests whose offloaded layers came back into device pages."),
     ("admitted_offloaded", "jkv_layer_offload_admissions",
      "Requests admitted with some layers' KV in host memory."),
+    ("layer_major_prefills", "jkv_layer_offload_layer_major_prefills",
+     "Of those, prompts fed a layer at a time over all their tokens (each offloaded layer "
+     "taken and sent out once)."),
     ("admissions_held", "jkv_layer_offload_admissions_held",
      "Requests whose admission waited although their pages fit (all layers, or some in host "
      "memory): the steps they would slow would have cost a running request its TPOT "

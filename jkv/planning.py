@@ -19,7 +19,9 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   goes on running, each such layer brought through the pool for its turn); a running
   request's offloaded layers come back, most important first, while the forecast still fits
   after; a new request whose chunk does not fit with every layer is admitted with as many
-  resident layers as fit, at least `min_resident` (eq. 4);
+  resident layers as fit, at least `min_resident` (eq. 4); a prompt longer than a chunk
+  admitted so is fed layer-major (`jkv.layer_major`: its resident layers' pages for the
+  whole prompt must fit then, its chunk of tokens buys a share of its layers each step);
 - a new request whose pages fit is held while the steps it would decode in, each longer by
   its row (a step of one more decode, as measured) and its layers on the host (each the
   measured seconds of bringing one in), would take a decoding request past its TPOT target
@@ -87,6 +89,9 @@ class Candidate:
     fetch_pages: int = 0
     # output tokens it is still expected to generate (`OutputLengths`); None: not known
     remaining: int | None = None
+    # a prompt fed layer-major (`jkv.layer_major`): running, the layers it has run; waiting,
+    # 0 when admitting it with layers on the host would feed it so (None: never)
+    layer_major: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,9 @@ class Plan:
     # back because the steps they would decode in would cost a decoding request its TPOT
     # target (`admission_keeps_slack`)
     held: list[str] = field(default_factory=list)
+    # admitted requests (with layers on the host) whose prompts are fed layer-major: each
+    # step's tokens buy a share of its layers over the whole prompt (`layers_for`)
+    layer_major: list[str] = field(default_factory=list)
 
 
 def queue_order(c: Candidate) -> tuple:
@@ -158,6 +166,25 @@ def step_fits(cost: PageCost, resident: int | None, held: int, want: int, pages:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if step_pages(cost, resident, held, mid) <= pages else (lo, mid - 1)
     return lo
+
+
+def prefill_pages(cost: PageCost, c: Candidate, n: int) -> int:
+    """Pages running request `c` takes to feed `n` prompt tokens in a step. Fed layer-major,
+    its first step takes its resident layers' pages for the whole prompt and every step one
+    layer's pages of it while an offloaded layer runs."""
+    if c.layer_major is None:
+        return step_pages(cost, c.resident, c.held, n)
+    if c.layer_major == 0:
+        return step_pages(cost, c.resident, c.held, c.pending)
+    return cost.layer_pages(c.held + c.pending)
+
+
+def prefill_fits(cost: PageCost, c: Candidate, want: int, pages: int) -> int:
+    """The most of `want` prompt tokens `pages` pages let running request `c` feed (fed
+    layer-major: all of `want` or none, its pages do not depend on them)."""
+    if c.layer_major is None:
+        return step_fits(cost, c.resident, c.held, want, pages)
+    return want if prefill_pages(cost, c, want) <= pages else 0
 
 
 def min_resident(layers: int, layer_bytes_per_token: float, offload_bytes_per_s: float,
@@ -259,10 +286,10 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
 
     for c in keep:
         if c.pending > 1 and tokens > 0:
-            n = step_fits(cost, c.resident, c.held, min(c.pending, tokens, budget.chunk), avail)
+            n = prefill_fits(cost, c, min(c.pending, tokens, budget.chunk), avail)
             if n > 0:
                 plan.prefill.append((c.request_id, n))
-                avail -= step_pages(cost, c.resident, c.held, n)
+                avail -= prefill_pages(cost, c, n)
                 tokens -= n
     if keep and not plan.decode and not plan.prefill and tokens > 0:
         # running prefills hold every page and none can take another (no decode will ever
@@ -272,11 +299,10 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             victim = keep.pop()
             plan.preempt.append(victim.request_id)
             avail += victim.pin_pages
-            n = step_fits(cost, first.resident, first.held,
-                          min(first.pending, tokens, budget.chunk), avail)
+            n = prefill_fits(cost, first, min(first.pending, tokens, budget.chunk), avail)
             if n > 0:
                 plan.prefill.append((first.request_id, n))
-                avail -= step_pages(cost, first.resident, first.held, n)
+                avail -= prefill_pages(cost, first, n)
                 tokens -= n
                 break
 
@@ -287,12 +313,15 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             break
         n = min(c.pending, tokens, budget.chunk)
         pages = cost.grow(c.held, n) + c.pin_pages
+        # with layers on the host, a prompt longer than a chunk is fed layer-major: its
+        # resident layers take the whole prompt's pages at once
+        span = c.pending if c.layer_major is not None and c.pending > budget.chunk else n
         if pages > avail and budget.layer_offload:  # LayerKV: as many layers as fit
             resident = next((r for r in range(cost.layers - 1, budget.min_resident - 1, -1)
-                             if step_pages(cost, r, c.held, n) + c.pin_pages <= avail), None)
+                             if step_pages(cost, r, c.held, span) + c.pin_pages <= avail), None)
             if resident is not None:
                 plan.resident[c.request_id] = resident
-                pages = step_pages(cost, resident, c.held, n) + c.pin_pages
+                pages = step_pages(cost, resident, c.held, span) + c.pin_pages
         if pages > avail:
             break  # head of line waits for pages; later requests do not overtake it
         offloaded = cost.layers - plan.resident.get(c.request_id, cost.layers)
@@ -303,6 +332,8 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             break  # it waits (for decodes to finish or gain slack); no one overtakes it
         plan.prefill.append((c.request_id, n))
         plan.admit.append(c.request_id)
+        if offloaded and span > n:
+            plan.layer_major.append(c.request_id)
         avail -= pages
         tokens -= n
         slots -= 1
@@ -476,5 +507,6 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
 
 
 __all__ = ["PROBE_EVERY", "Budget", "Candidate", "OutputLengths", "Plan", "RestoreDecision",
-           "RestoreRates", "min_resident", "plan_restore", "plan_step", "queue_order",
-           "restore_pays", "split_share", "step_fits", "step_pages"]
+           "RestoreRates", "min_resident", "plan_restore", "plan_step", "prefill_fits",
+           "prefill_pages", "queue_order", "restore_pays", "split_share", "step_fits",
+           "step_pages"]

@@ -83,6 +83,9 @@ class Row:
     num_generated: int = 0  # folded into the key: token i of a request has its own stream
     # per fed token, the token whose logprob its position should give (-1: none), or None
     targets: Sequence[int] | None = None
+    # a prefill fed layer-major (`jkv.layer_major`): this step runs layers [first, last) over
+    # all of `tokens`, and samples after the model's last layer only
+    layers: tuple[int, int] | None = None
 
 
 
@@ -319,7 +322,7 @@ class ModelRunner:
             return out, pool, filling, meta
         x, pool, filling, meta = self._layers(pool, filling, meta, table_pages, counts, batch,
                                               self.cfg.num_layers, before_layer, after_layer)
-        out = self._head(self.params, x, *batch.sampling)
+        out = self.head(x, batch)
         if batch.targets is not None:
             out = (*out, *self._positions(self.params, x, batch.targets))
         return out, pool, filling, meta
@@ -334,18 +337,36 @@ class ModelRunner:
 
     def _layers(self, pool, filling, meta, table_pages, counts, batch: Batch, num_layers: int,
                 before_layer: LayerHook | None, after_layer: LayerHook | None) -> tuple:
+        x, inputs = self.embed(batch)
+        for index in range(num_layers):
+            if before_layer is not None:
+                pool, table_pages = before_layer(index, pool, table_pages)
+            x, pool, filling, meta = self.layer(index, pool, filling, table_pages, x, inputs,
+                                                meta, counts)
+            if after_layer is not None:
+                pool, table_pages = after_layer(index, pool, table_pages)
+        return x, pool, filling, meta
+
+    def embed(self, batch: Batch) -> tuple[jax.Array, tuple]:
+        """A call's first part, going layer by layer: the embedded tokens and what every
+        layer of it is given (`layer`'s `inputs`), on the device."""
         # committed to the device like every layer's outputs, so that layer 0's inputs are
         # placed as the others' and all layers share one compilation
         slots, tokens, positions, valid = jax.device_put(
             (batch.slots, batch.tokens, batch.positions, batch.valid), jax.devices()[0])
         x, positional = self._embed(self.params, tokens, positions)
-        for index in range(num_layers):
-            if before_layer is not None:
-                pool, table_pages = before_layer(index, pool, table_pages)
-            weights = self.views[index] if self.views else self.params
-            x, pool, filling, meta = self._layer(weights, pool, filling, meta, table_pages,
-                                                 counts, slots, x, positional, positions, valid,
-                                                 self.indices[index])
-            if after_layer is not None:
-                pool, table_pages = after_layer(index, pool, table_pages)
-        return x, pool, filling, meta
+        return x, (slots, positional, positions, valid)
+
+    def layer(self, index: int, pool: KVPages, filling: FillingPages, table_pages: jax.Array,
+              x: jax.Array, inputs: tuple, meta: TokenMeta | None = None,
+              counts: TierCounts | None = None) -> tuple:
+        """Layer `index` of a call (`embed`'s inputs): (x, pool, filling, meta); dispatched."""
+        slots, positional, positions, valid = inputs
+        weights = self.views[index] if self.views else self.params
+        return self._layer(weights, pool, filling, meta, table_pages, counts, slots, x,
+                           positional, positions, valid, self.indices[index])
+
+    def head(self, x: jax.Array, batch: Batch) -> tuple:
+        """A call's last part after its layers: the tokens sampled (as `run`'s first part,
+        without targets); dispatched."""
+        return self._head(self.params, x, *batch.sampling)

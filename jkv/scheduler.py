@@ -31,6 +31,7 @@ import numpy as np
 
 from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine import Engine, Row, Sampled, SavedPages
+from jkv.layer_major import layers_for
 from jkv.planning import (
     Budget,
     Candidate,
@@ -123,6 +124,7 @@ class _Tracked:
     abandoned: bool = False  # its read took longer than recomputing: recomputed
     resident: int | None = None  # layers admission keeps in the pool (None: all)
     held: bool = False  # an admission with layers on the host was held back (counted once)
+    layers_done: int | None = None  # its prompt fed layer-major: the layers run (None: not)
     saved: int = 0  # blocks of its run last queued for the store (decode saves by interval)
 
 
@@ -140,6 +142,7 @@ class SchedulerStats:
     layers_offloaded: int = 0  # running requests' layers moved to the host (LayerKV)
     layer_fetches: int = 0  # running requests whose offloaded layers came back
     admitted_offloaded: int = 0  # requests admitted with some layers on the host
+    layer_major_prefills: int = 0  # of those, prompts fed layer-major (`jkv.layer_major`)
     # requests whose admission waited (pages fitting) for a running request's TPOT
     admissions_held: int = 0
     # finished requests that missed their TTFT / TPOT target (counted once each), and those
@@ -288,6 +291,7 @@ class Scheduler:
                 "layers_offloaded": self.stats.layers_offloaded,
                 "fetches": self.stats.layer_fetches,
                 "admitted_offloaded": self.stats.admitted_offloaded,
+                "layer_major_prefills": self.stats.layer_major_prefills,
                 "admissions_held": self.stats.admissions_held,
                 "bytes_to_host": eng.layers.offloaded_bytes,
                 "bytes_from_host": eng.layers.fetched_bytes,
@@ -321,10 +325,12 @@ class Scheduler:
         c = self._candidate(r, st.num_computed, cache.pages_freed_by_close(st.slot))
         if self.layer_offload:
             resident = cache.resident(st.slot)
+            mid_prompt = st.layers_done is not None  # (its layers move only once it is done)
             c = dataclasses.replace(
                 c, resident=None if resident == cache.num_layers else resident,
-                offload_pages=cache.pages_offloadable(st.slot),
-                fetch_pages=self.engine.pages_to_fetch(st.slot))
+                offload_pages=0 if mid_prompt else cache.pages_offloadable(st.slot),
+                fetch_pages=0 if mid_prompt else self.engine.pages_to_fetch(st.slot),
+                layer_major=st.layers_done)
         if c.tpot_slo is not None and r.first_token_time is not None and self._next_step_s:
             # LayerKV eq. 1: what its target allows over the whole output, less what it has
             # used and what its remaining tokens' decode steps will take (each as long as a
@@ -373,7 +379,10 @@ class Scheduler:
                 st.abandoned, ready = True, True
                 self.stats.restores_abandoned += 1
                 decision = RestoreDecision(cached)
-        return (self._candidate(r, decision.held, pinned + decision.extra_pages), decision,
+        c = self._candidate(r, decision.held, pinned + decision.extra_pages)
+        if self.layer_offload and eng.layer_major is not None:  # (fed so if admitted offloaded)
+            c = dataclasses.replace(c, layer_major=0)
+        return (c, decision,
                 cached, ready)
 
     def _truncated_hit(self, r: Request) -> tuple[Hit, int] | None:
@@ -598,7 +607,7 @@ class Scheduler:
                 self._save(r, st.slot)
             eng.close(st.slot, finished=False)
             st.slot, st.num_computed, st.hashes, st.saved = None, 0, None, 0
-            st.read_since, st.abandoned = None, False
+            st.read_since, st.abandoned, st.layers_done = None, False, None
             r.num_preemptions += 1
             self.stats.preemptions += 1
             self.running.remove(r)
@@ -610,6 +619,8 @@ class Scheduler:
             r = by_id[rid]
             st = self._state[r]
             st.resident = plan.resident.get(rid)
+            st.layers_done = 0 if rid in plan.layer_major else None
+            self.stats.layer_major_prefills += st.layers_done is not None
             st.num_computed = self._open(r)
             if r.admit_time is None:
                 r.admit_time = now
@@ -618,10 +629,17 @@ class Scheduler:
             self.waiting.remove(r)
             self.running.append(r)
 
-        prefill, decode = [], []
+        prefill, decode, work = [], [], []  # work: each prefill row's tokens of compute
         for rid, n in plan.prefill:
             r = by_id[rid]
             st = self._state[r]
+            work.append(n)
+            if st.layers_done is not None:  # its whole prompt through the layers n buys
+                rest, done = r.tokens[st.num_computed:], st.layers_done
+                k = layers_for(n, len(rest), eng.cfg.num_layers, done)
+                prefill.append((r, Row(st.slot, rest, r.sampling, st.key, len(r.output),
+                                       layers=(done, done + k))))
+                continue
             chunk = r.tokens[st.num_computed: st.num_computed + n]
             targets = None
             if r.sampling.prompt_logprobs is not None:  # each position's next prompt token
@@ -637,14 +655,19 @@ class Scheduler:
             if len(queued) > len(waiting):  # only reads ahead to wait for: no step to hold up
                 self.store.wait_reads(READ_POLL_S)
             return finished
-        brings = sum(len(eng.offloaded_layers(row.slot)) for _, row in prefill + decode)
+        # (a layer-major prompt brings its layers once for all its tokens: not counted)
+        brings = sum(len(eng.offloaded_layers(row.slot)) for _, row in prefill + decode
+                     if row.layers is None)
         t0 = time.perf_counter()
         out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])
-        self.costs.learn(time.perf_counter() - t0, sum(len(row.tokens) for _, row in prefill),
-                         len(decode), brings)
+        self.costs.learn(time.perf_counter() - t0, sum(work), len(decode), brings)
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]
+            if row.layers is not None:
+                st.layers_done = None if sampled is not None else row.layers[1]
+                if sampled is None:
+                    continue
             if sampled.positions is not None:
                 self._prompt_logprobs(r, st.num_computed, sampled.positions)
             st.num_computed += len(row.tokens)

@@ -42,13 +42,23 @@ def counts_agree(eng: Engine) -> None:
     assert eng.cache.free_pages == int(eng.cache.free.num_free)
 
 
-def run(eng: Engine, prompt: list[int], decode: int = 10, events=None, **open_kw):
-    """Prefill `prompt` in chunks and decode `decode` tokens; `events` {decode step:
-    callable(slot)} run before that step. Returns (tokens, top logprobs, slot)."""
+def run(eng: Engine, prompt: list[int], decode: int = 10, events=None, layer_major: int = 0,
+        **open_kw):
+    """Prefill `prompt` in chunks (`layer_major`: that many layers a step over all of it)
+    and decode `decode` tokens; `events` {decode step: callable(slot)} run before that step.
+    Returns (tokens, top logprobs, slot)."""
     events = events or {}
     slot, pos = eng.open(prompt, **open_kw)
     key = eng.request_key(0)
     tokens, lps = [], []
+    for first in range(0, TINY.num_layers, layer_major or TINY.num_layers):
+        if not layer_major:
+            break
+        last = min(first + layer_major, TINY.num_layers)
+        (s,), _ = eng.step([Row(slot, prompt[pos:], SAMPLING, key, layers=(first, last))], [])
+        assert (s is None) == (last < TINY.num_layers)
+        counts_agree(eng)
+    pos = len(prompt) if layer_major else pos
     while pos < len(prompt):
         (s,), _ = eng.step([Row(slot, prompt[pos:pos + CHUNK], SAMPLING, key)], [])
         pos += CHUNK
@@ -97,6 +107,48 @@ def test_offloaded_layers_sample_what_resident_ones_do(params):
         e.close(slot)
         counts_agree(e)
         assert e.cache.free_pages + e.cache.pages_cached == e.cache.total_pages, name
+
+
+def test_a_layer_major_prefill_samples_what_resident_layers_do_and_brings_nothing_back(
+        params):
+    """A prompt with layers on the host fed a layer range a step over all its tokens gives
+    the tokens and logprobs of the resident one, never brings an earlier chunk back from
+    the host (chunk by chunk, every later chunk brings the earlier ones), and closing it
+    mid-way frees every page it took."""
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 512, 45).tolist()
+    ref_tokens, ref_lps, _ = run(engine(params), prompt)
+    for resident, per_step in ((0, 1), (1, 3), (3, 2), (0, 4)):
+        e = engine(params)
+        tokens, lps, slot = run(e, prompt, layer_major=per_step, resident=resident)
+        assert tokens == ref_tokens, (resident, per_step)
+        np.testing.assert_array_equal(lps, ref_lps, err_msg=f"{resident} {per_step}")
+        e.close(slot)
+        counts_agree(e)
+        assert e.cache.free_pages + e.cache.pages_cached == e.cache.total_pages
+    brought = []
+    for layer_major in (1, 0):  # the prefill alone, no layer resident
+        e = engine(params)
+        run(e, prompt, decode=0, resident=0, layer_major=layer_major)
+        brought.append(e.layers.fetched_bytes)
+    assert brought[0] == 0 < brought[1]
+    for resident in (0, 2):  # closed (preempted) part way through its layers
+        e = engine(params, enable_prefix_caching=False)
+        slot, _ = e.open(prompt, resident=resident)
+        (s,), _ = e.step([Row(slot, prompt, SAMPLING, e.request_key(0), layers=(0, 2))], [])
+        assert s is None
+        counts_agree(e)
+        with pytest.raises(ValueError, match="continues at layer 2"):
+            e.step([Row(slot, prompt, SAMPLING, e.request_key(0), layers=(1, 3))], [])
+        with pytest.raises(ValueError, match="tokens it started with"):
+            e.step([Row(slot, prompt[1:], SAMPLING, e.request_key(0), layers=(2, 3))], [])
+        with pytest.raises(ValueError, match="part way through"):
+            e.fetch_layers(slot)
+        with pytest.raises(ValueError, match="part way through"):
+            e.offload_layers(slot, [1])
+        e.close(slot, finished=False)
+        counts_agree(e)
+        assert e.cache.free_pages == e.cache.total_pages
 
 
 def test_a_decoding_layer_is_staged_in_pinned_memory_until_its_blocks_change(params):
@@ -193,11 +245,14 @@ def test_warmup_compiles_what_offloading_runs(params):
         f.clear_cache()  # what earlier tests compiled must not hide a missing shape
     eng = engine(params)
     eng.warmup()
-    compiled = [f._cache_size() for f in copies]
+    compiled = [f._cache_size() for f in copies], eng.num_compiles
     rng = np.random.default_rng()
     run(eng, rng.integers(0, 512, 100).tolist(), decode=9, resident=1, events={
         2: eng.fetch_layers, 5: lambda s: eng.offload_layers(s, [0, 3])})
-    assert [f._cache_size() for f in copies] == compiled
+    _, _, slot = run(eng, rng.integers(0, 512, 90).tolist(), decode=3, resident=0,
+                     layer_major=3)
+    eng.close(slot)
+    assert ([f._cache_size() for f in copies], eng.num_compiles) == compiled
 
 
 def test_a_restore_beside_a_slot_with_offloaded_layers_takes_only_its_own_pages(params):

@@ -140,7 +140,8 @@ def test_smollm2_greedy_32_tokens_match_transformers(smollm2):
 @pytest.mark.smollm2
 def test_smollm2_with_most_layers_on_the_host_generates_the_same_tokens(smollm2):
     """LayerKV's offload on real weights: 10 of 30 layers resident from the prefill on (the
-    other 20 go through the pool a layer at a time), then fetched back mid-decode."""
+    other 20 go through the pool a layer at a time; the prompt fed chunk by chunk, or
+    layer-major: 7 layers a step over all of it), then fetched back mid-decode."""
     from jkv.runner import Row
 
     llm, _ = smollm2
@@ -148,9 +149,13 @@ def test_smollm2_with_most_layers_on_the_host_generates_the_same_tokens(smollm2)
     ids = llm.tokenizer.encode(LONG_TEXT)[:150]
     greedy = SamplingParams(temperature=0, logprobs=2)
 
-    def generate(resident):
+    def generate(resident, layer_major: bool = False):
         slot, pos = eng.open(ids, use_prefix_cache=False, resident=resident)
         key = eng.request_key(0)
+        for first in range(0, 30, 7) if layer_major else ():
+            (s,), _ = eng.step([Row(slot, ids[pos:], greedy, key,
+                                    layers=(first, min(first + 7, 30)))], [])
+        pos = len(ids) if layer_major else pos
         while pos < len(ids):
             (s,), _ = eng.step([Row(slot, ids[pos:pos + 64], greedy, key)], [])
             pos += 64
@@ -165,6 +170,7 @@ def test_smollm2_with_most_layers_on_the_host_generates_the_same_tokens(smollm2)
 
     resident = generate(None)
     assert generate(10) == resident
+    assert generate(10, layer_major=True) == resident
     assert eng.cache.free_pages + eng.cache.pages_cached == eng.cache.total_pages
 
 

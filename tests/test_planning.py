@@ -3,6 +3,8 @@ hit is restored or recomputed (`restore_pays`, `plan_restore`); no model, no eng
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,8 @@ from jkv.planning import (
     min_resident,
     plan_restore,
     plan_step,
+    prefill_fits,
+    prefill_pages,
     restore_pays,
     split_share,
     step_fits,
@@ -346,6 +350,32 @@ def test_offloaded_layers_come_back_when_the_forecast_allows_and_admission_keeps
     assert plan.admit == [] and plan.resident == {}
     plan = plan_step([], [waiting("w", 64)], layered(available_pages=40, **chunk))
     assert plan.admit == ["w"] and plan.resident == {}  # all fits: all resident
+
+
+def test_a_long_prompt_admitted_offloaded_goes_layer_major_and_takes_its_pages_at_once():
+    # 128 tokens, 8 blocks; a chunk of 64. Fed layer-major, its resident layers take all 8
+    chunk = dict(chunk=64, max_tokens=64)
+    # blocks at once: with r resident, 16 r pages + one layer of 8 blocks (16) in flight; its
+    # first chunk with every layer (32 pages) does not fit in 30
+    w = waiting("w", 128, layer_major=0)
+    plan = plan_step([], [w], layered(available_pages=30, **chunk))
+    assert plan.admit == ["w"] and plan.resident == {"w": 0} and plan.layer_major == ["w"]
+    assert plan.prefill == [("w", 64)]  # a chunk's worth of compute this step
+    # chunk by chunk it would have started with 2 resident layers (8 r + 8 <= 30)
+    plan = plan_step([], [waiting("w", 128)], layered(available_pages=30, **chunk))
+    assert plan.resident == {"w": 2} and plan.layer_major == []
+    # a prompt within one chunk, or one that fits with every layer: never layer-major
+    for c, pages in ((waiting("w", 64, layer_major=0), 40), (w, 1000)):
+        assert plan_step([], [c], layered(available_pages=pages, **chunk)).layer_major == []
+    # part way through its layers: each step takes one layer of its prompt (16 pages) in
+    # flight, nothing else, and its layers are not moved
+    mid = dataclasses.replace(offloadable("m", 0, 0.0, resident=1), pending=128,
+                              layer_major=2, offload_pages=0, fetch_pages=0)
+    assert prefill_pages(LAYERED, mid, 64) == 16
+    plan = plan_step([mid], [], layered(available_pages=16, **chunk))
+    assert plan.prefill == [("m", 64)] and plan.offload == {} and plan.fetch == []
+    assert plan_step([mid], [], layered(available_pages=15, **chunk)).prefill == []
+    assert prefill_fits(LAYERED, mid, 64, 15) == 0 and prefill_fits(LAYERED, mid, 64, 16) == 64
 
 
 def test_an_offloaded_admission_waits_while_its_steps_would_break_a_decodes_tpot():

@@ -152,6 +152,7 @@ def test_a_prompt_arriving_at_a_full_pool_starts_at_once_with_its_layers_offload
         if offload:  # its prefill ran at once: 40 tokens, 14 a step beside the 2 decodes
             assert first_token == 8 + 2 < finished[0]
             assert sched.stats.preemptions == 0 and sched.stats.admitted_offloaded == 1
+            assert sched.stats.layer_major_prefills == 1  # 40 tokens: longer than a chunk
         else:  # it waited for pages; the two others alone outgrow the pool (16 blocks)
             assert first_token > 8 + 2 and sched.stats.preemptions > 0
 
