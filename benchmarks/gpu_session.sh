@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# What a session lent a GPU runs first: the open GPU points, in two calls of under ten
-# minutes each (a session has fifteen minutes of device time, starts included: the limits
-# below add up to 450 s and 360 s). From the repository root on the device machine, which
-# has jax, tqdm and tensorstore:
+# What a session lent a GPU runs first: the open GPU points, one call of under ten minutes
+# per case (a session has fifteen minutes of device time, starts included: pick the cases
+# whose limits fit). From the repository root on the device machine, which has jax, tqdm
+# and tensorstore:
 #   bash benchmarks/gpu_session.sh 1    # restores and their profile, LeanKV's budget table
 #   bash benchmarks/gpu_session.sh 2    # LeanKV's tiering cost and where retier's time goes,
 #                                       # the two-tier kernels compiled, LayerKV's offload cost
 #   bash benchmarks/gpu_session.sh 3    # issue 17: float16 dequantization swept, restores,
 #                                       # 16-bit-query kernel tests compiled, LayerKV's cost
 #   bash benchmarks/gpu_session.sh 4    # the offloaded decode timed and traced (host view),
-#                                       # the decode kernel tests compiled (limits: 460 s)
+#                                       # the layer-major prefill timed (limits: 220 s)
 #   bash benchmarks/gpu_session.sh 5    # serve_slo at Llama-3-8B shape (needs .whl carried:
 #       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #       PYTHONPATH=/tmp/site bash benchmarks/gpu_session.sh 5)
 #   bash benchmarks/gpu_session.sh 6    # running requests' TPOT while a 4K history restores
-#                                       # from disk, Llama-3-8B shape (after 5: 180 s)
+#                                       # from disk, Llama-3-8B shape (180 s)
+#   bash benchmarks/gpu_session.sh 7    # the decode kernel tests compiled in full (270 s)
+# Order for issue 15: 5 (its acceptance at 8B shape), then 4 in the same warm session.
 # Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
@@ -75,16 +77,20 @@ case ${1:-1} in
 4)
     # issue 15: the offloaded decode was host-bound on the H200 (11-27: python thread busy
     # the whole step, compute stream 26%): measured again with one call per offloaded layer
-    # (the drop fused into the next bring) and traced for the host's view; issue 17: the
-    # decode kernel tests compiled in full (earlier calls cut them at their limits)
-    step 150 layer_offload python benchmarks/layer_offload.py --preset llama3-8b \
+    # (the drop fused into the next bring) and traced for the host's view; the prefill with
+    # layers on the host fed layer-major (11-27: chunk by chunk it took 6.6x resident at 8K)
+    step 180 layer_offload python benchmarks/layer_offload.py --preset llama3-8b \
         --lengths 2048,8192 --resident 0,16 --repeats 2 --trace "$out/trace" --out "$out"
     step 40 trace_ops python benchmarks/trace_ops.py "$(dirname "$(find "$out/trace" \
         -name 'perfetto_trace.json.gz' | head -n 1)")" --host --top 40
     find "$out/trace" -name '*.xplane.pb' -delete 2>/dev/null
+    logs="layer_offload trace_ops" ;;
+7)
+    # issue 17: the decode kernel tests compiled in full (earlier calls cut them at their
+    # limits)
     step 270 decode_tests python -m pytest -q -p no:cacheprovider -rf \
         tests/test_paged_decode_attention.py
-    logs="layer_offload trace_ops decode_tests" ;;
+    logs="decode_tests" ;;
 5)
     # issue 15's acceptance at a Llama-3-8B shape: three servers (no offload, offload,
     # offload + SLO) at two arrival rates; needs the server's packages: carry .whl (see
@@ -102,7 +108,7 @@ case ${1:-1} in
         --history 4096 --repeats 4 --out "$out"
     logs="restore_stall" ;;
 *)
-    echo "usage: $0 1|2|3|4|5|6" >&2
+    echo "usage: $0 1|2|3|4|5|6|7" >&2
     exit 2 ;;
 esac
 for f in $logs; do

@@ -57,6 +57,8 @@ class LayerMajor:
     def check(self, row: Row) -> None:
         """ValueError unless `row` continues its slot's prompt where it stopped."""
         first, last = row.layers
+        if not row.tokens:
+            raise ValueError("a layer-major prefill row feeds 1 token at least, got none")
         if not 0 <= first < last <= self.num_layers:
             raise ValueError(f"Row.layers must be 0 <= first < last <= {self.num_layers}, "
                              f"got {row.layers}")

@@ -138,6 +138,8 @@ def test_a_layer_major_prefill_samples_what_resident_layers_do_and_brings_nothin
         (s,), _ = e.step([Row(slot, prompt, SAMPLING, e.request_key(0), layers=(0, 2))], [])
         assert s is None
         counts_agree(e)
+        with pytest.raises(ValueError, match="none"):
+            e.step([Row(slot, [], SAMPLING, e.request_key(0), layers=(2, 3))], [])
         with pytest.raises(ValueError, match="continues at layer 2"):
             e.step([Row(slot, prompt, SAMPLING, e.request_key(0), layers=(1, 3))], [])
         with pytest.raises(ValueError, match="tokens it started with"):
@@ -296,8 +298,9 @@ def test_bad_offload_requests_are_value_errors(params):
 SLOTS = 3
 step = st.tuples(st.just("step"), st.integers(1, 7))  # a bit mask of who takes part
 op = st.one_of(
+    # (who, prompt length, resident layers, layers a step of a layer-major prefill: 0 none)
     st.tuples(st.just("open"), st.integers(0, SLOTS - 1), st.integers(9, 60),
-              st.integers(0, TINY.num_layers)),
+              st.integers(0, TINY.num_layers), st.sampled_from([0, 0, 1, 3])),
     step, step, step, step,  # most of a schedule is steps
     st.tuples(st.just("offload"), st.integers(0, SLOTS - 1), st.integers(1, 15)),
     st.tuples(st.just("fetch"), st.integers(0, SLOTS - 1)),
@@ -306,19 +309,33 @@ op = st.one_of(
 )
 
 
+def _same(x, y) -> None:
+    assert (x.token, x.logprob) == (y.token, y.logprob)
+    np.testing.assert_array_equal(x.top_logprobs, y.top_logprobs)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(op, min_size=6, max_size=30), st.integers(0, 2**31 - 1))
 def test_page_counts_and_samples_hold_through_random_schedules(params, schedule, seed):
-    """Two engines run the same steps; one also offloads and fetches layers at random. Every
+    """Two engines run the same steps; one also offloads and fetches layers at random, and
+    feeds some prompts with layers on the host layer-major (a range of layers a step over
+    all of it, while the other engine feeds chunks: both sample the same first token). Every
     step samples the same tokens and logprobs in both, a preempted sequence saves the same
-    bytes from both, and after every call the host count of free pages is the device's; once
-    all is closed, every page is free or cached."""
+    bytes from both, a layer-major prompt's layers cannot be moved part way through, and
+    after every call the host count of free pages is the device's; once all is closed,
+    every page is free or cached."""
     rng = np.random.default_rng(seed)
-    # a tight pool: 3 sequences of 60 tokens hold 8 blocks x 8 (layer, head) pages each
-    plain, moved = engine(params, pages=200), engine(params, pages=200)
+    # a tight pool: 3 sequences of 60 tokens hold 8 blocks x 8 (layer, head) pages each.
+    # Whatever step the plain engine has room for, the other must have too: a layer-major
+    # prompt takes its 3 resident layers' pages at once, 48 more at most, and one layer's
+    # 16 while it runs
+    plain, moved = engine(params, pages=200), engine(params, pages=200 + 3 * 64)
     prompts = [rng.integers(0, 64, 64).tolist() for _ in range(SLOTS)]
-    live: dict[int, dict] = {}  # who -> {slot in each engine, tokens fed, to feed}
-    starts = [("open", i, int(rng.integers(9, 60)), int(rng.integers(0, 5))) for i in range(2)]
+    # who -> {slot in each engine, tokens fed (plain), to feed, sampled; layer-major: layers
+    # a step, layers run in `moved`, each engine's first token until both have it}
+    live: dict[int, dict] = {}
+    starts = [("open", i, int(rng.integers(9, 60)), int(rng.integers(0, 5)),
+               int(rng.choice([0, 1, 3]))) for i in range(2)]
     for action, *args in starts + schedule:
         who = args[0] if action != "step" else None
         if action == "open" and who not in live and len(live) < SLOTS:
@@ -330,13 +347,22 @@ def test_page_counts_and_samples_hold_through_random_schedules(params, schedule,
             a, ca = plain.open(prompt, max_cached=hit)
             b, cb = moved.open(prompt, max_cached=hit, resident=args[2])
             assert ca == cb == hit
-            live[who] = dict(a=a, b=b, fed=ca, todo=prompt, out=[])
+            major = args[3] if args[2] < TINY.num_layers else 0
+            live[who] = dict(a=a, b=b, fed=ca, start=ca, todo=prompt, out=[], major=major,
+                             done=0, first={})
         elif action == "offload" and who in live:
             layers = [x for x in range(TINY.num_layers) if args[1] >> x & 1]
-            moved.offload_layers(live[who]["b"], layers)
+            if 0 < live[who]["done"] < TINY.num_layers:
+                with pytest.raises(ValueError, match="part way through"):
+                    moved.offload_layers(live[who]["b"], layers)
+            else:
+                moved.offload_layers(live[who]["b"], layers)
         elif action == "fetch" and who in live:
             slot = live[who]["b"]
-            if moved.pages_to_fetch(slot) <= moved.cache.available_pages:
+            if 0 < live[who]["done"] < TINY.num_layers:
+                with pytest.raises(ValueError, match="part way through"):
+                    moved.fetch_layers(slot)
+            elif moved.pages_to_fetch(slot) <= moved.cache.available_pages:
                 moved.fetch_layers(slot)
         elif action == "close" and who in live:
             s = live.pop(who)
@@ -344,37 +370,66 @@ def test_page_counts_and_samples_hold_through_random_schedules(params, schedule,
             moved.close(s["b"])
         elif action == "preempt" and who in live:  # what a preempted request saves
             s = live.pop(who)
-            a, b = plain.save_pages(s["a"]), moved.save_pages(s["b"])
-            assert (a.num_blocks, a.hashes) == (b.num_blocks, b.hashes)
-            for f, x in a.arrays.items():
-                np.testing.assert_array_equal(b.arrays[f], x, err_msg=f)
+            if not s["major"]:  # (fed layer-major, the engines hold different prefixes yet)
+                a, b = plain.save_pages(s["a"]), moved.save_pages(s["b"])
+                assert (a.num_blocks, a.hashes) == (b.num_blocks, b.hashes)
+                for f, x in a.arrays.items():
+                    np.testing.assert_array_equal(b.arrays[f], x, err_msg=f)
             plain.close(s["a"], finished=False)
             moved.close(s["b"], finished=False)
         elif action == "step":
-            rows_a, rows_b = [], []
+            rows = []  # (entry, plain's row or None, moved's row or None)
             for i, s in sorted(live.items()):
                 if not args[0] >> i & 1:
                     continue
-                feed = (s["todo"][s["fed"]:s["fed"] + CHUNK] if s["fed"] < len(s["todo"])
-                        else s["out"][-1:])
+                key = np.array([0, i], np.uint32)
+                prefilling = s["fed"] < len(s["todo"])
+                feed = s["todo"][s["fed"]:s["fed"] + CHUNK] if prefilling else s["out"][-1:]
                 if s["fed"] + len(feed) >= 120:
                     continue
-                key = np.array([0, i], np.uint32)
-                rows_a.append((s, Row(s["a"], feed, SAMPLING, key, len(s["out"]))))
-                rows_b.append(Row(s["b"], feed, SAMPLING, key, len(s["out"])))
-            if not rows_b:
-                continue
+                a = None if "a" in s["first"] else Row(s["a"], feed, SAMPLING, key, len(s["out"]))
+                b = Row(s["b"], feed, SAMPLING, key, len(s["out"]))
+                if s["major"] and (prefilling or s["first"]):  # its prompt, layer-major
+                    last = min(s["done"] + s["major"], TINY.num_layers)
+                    b = None if "b" in s["first"] else Row(
+                        s["b"], s["todo"][s["start"]:], SAMPLING, key, layers=(s["done"], last))
+                    a = a if prefilling else None
+                rows.append((s, a, b))
+            # a layer-major prompt's chunks go alone in the plain engine: the one-row calls
+            # its layer-major calls make (batched with others, its logprobs would differ
+            # in their last bits); its progress in each engine is its own until both are done
+            for s, a, _ in rows:
+                if s["major"] and a is not None:
+                    try:
+                        (x,), _ = plain.step([a], [])
+                    except RuntimeError:  # no room: it waits
+                        continue
+                    s["fed"] += len(a.tokens)
+                    if s["fed"] >= len(s["todo"]):
+                        s["first"]["a"] = x
+            rest = [(s, a, b) for s, a, b in rows if not s["major"]]
             try:
-                outs_a = plain.step([r for _, r in rows_a], [])[0]
+                outs_a = iter(plain.step([a for _, a, _ in rest], [])[0])
             except RuntimeError:  # no room in the plain engine: skip the step in both
                 continue
-            outs_b = moved.step(rows_b, [])[0]
-            for (s, row), x, y in zip(rows_a, outs_a, outs_b, strict=True):
-                assert (x.token, x.logprob) == (y.token, y.logprob)
-                np.testing.assert_array_equal(x.top_logprobs, y.top_logprobs)
-                s["fed"] += len(row.tokens)
-                if s["fed"] >= len(s["todo"]):
-                    s["out"].append(x.token)
+            outs_b = iter(moved.step([b for _, _, b in rows if b is not None], [])[0])
+            for s, a, b in rows:
+                y = None if b is None else next(outs_b)
+                if not s["major"]:
+                    x = next(outs_a)
+                    _same(x, y)
+                    s["fed"] += len(a.tokens)
+                    if s["fed"] >= len(s["todo"]):
+                        s["out"].append(x.token)
+                    continue
+                if b is not None:
+                    s["done"] = b.layers[1]
+                    if y is not None:
+                        s["first"]["b"] = y
+                if len(s["first"]) == 2:  # both have fed the whole prompt
+                    _same(s["first"]["a"], s["first"]["b"])
+                    s["out"].append(s["first"]["a"].token)
+                    s["first"], s["major"] = {}, 0
         counts_agree(moved)
         counts_agree(plain)
     for s in live.values():
