@@ -97,6 +97,7 @@ def summarize(results: list[dict], args, before: dict, after: dict) -> dict:
         "recomputed_tokens": delta("jkv_recomputed_tokens_total"),
         "layers_offloaded": delta("jkv_layer_offload_layers_total"),
         "admitted_offloaded": delta("jkv_layer_offload_admissions_total"),
+        "layer_major_prefills": delta("jkv_layer_offload_layer_major_prefills_total"),
         "admissions_held": delta("jkv_layer_offload_admissions_held_total"),
         "layer_fetches": delta("jkv_layer_offload_fetches_total"),
         "bytes_to_host": delta("jkv_layer_offload_bytes_to_host_total"),
