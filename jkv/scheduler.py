@@ -4,17 +4,11 @@ request's store hit is restored (`plan_restore`), applies those decisions (engin
 preemption, restores, statistics), runs the engine step and hands each new token to its
 request. The policies themselves are described in `jkv.planning`.
 
-`Request` is what a caller gives and reads (prompt, sampling, SLOs, callbacks; outputs,
-finish reason, timing); what the scheduler keeps about a request it holds (slot, PRNG key,
-prompt hashes, planned restore) is its own `_Tracked` record.
+`Request` is what a caller gives and reads; what the scheduler keeps about a request it holds
+is its own `Tracked` record (both in `jkv.request`).
 
-With a KV store (`jkv.store.KVStore`): a waiting request's prompt is also looked up in the
-store; blocks found there past the device prefix cache's hit count as held (their pages as
-pages admission takes) and are restored into the pool when it is admitted, unless restore
-planning expects recomputing them to be faster; the store gets the waiting queue as its
-prefetch/eviction hint every step, and a finishing request's full blocks are handed to the
-store's write-behind. Under token tiers a kept or stored row is whole: a stored one is
-restored only into an empty slot, never past a device hit.
+With a KV store, what the scheduler does with it (lookups and restores of waiting requests,
+saves) is `jkv.scheduler_store.StoreSide`, a part of `Scheduler`.
 """
 
 from __future__ import annotations
@@ -23,139 +17,32 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
+from collections.abc import Sequence
 
 from jkv.config import SchedulerConfig, StoreConfig
-from jkv.engine import Engine, Row, Sampled, SavedPages
+from jkv.engine import Engine, Row, Sampled
 from jkv.layer_major import layers_for
 from jkv.planning import (
     Budget,
     Candidate,
     OutputLengths,
-    RestoreDecision,
     RestoreRates,
     min_resident,
-    plan_restore,
     plan_step,
     queue_order,
 )
-from jkv.sampling import SamplingParams
+from jkv.request import Request, SchedulerStats, Tracked, Truncation
+from jkv.scheduler_store import StoreSide
 from jkv.step_costs import StepCosts
-from jkv.store.store import Hit, KVStore
+from jkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class Truncation:
-    """A prompt made by dropping the oldest turns of a conversation (session mode): it is
-    `source[:keep] + source[keep + drop:]`. The store's KV of `source` is reused for it by
-    re-rotating the kept tokens to their new positions (`Engine.rebase`)."""
-
-    source: tuple[int, ...]
-    keep: int
-    drop: int
-
-
-
-@dataclass(eq=False)
-class Request:
-    """A request as its caller gives it and reads it back (the scheduler's own per-request
-    state is kept apart, in `_Tracked`). `on_token(request, token)` sees every new token and
-    returns True when the request is finished (a stop string, say); `on_finish(request)` is
-    called once at the end. Both run on the thread that calls `Scheduler.step`."""
-
-    prompt: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    priority: int = 0
-    ttft_slo_ms: float | None = None
-    tpot_slo_ms: float | None = None
-    session_id: str | None = None
-    truncation: Truncation | None = None  # how the prompt was cut from a longer history
-    deadline: float | None = None  # time.monotonic() after which it is aborted
-    on_token: Callable[[Request, int], bool] | None = None
-    on_finish: Callable[[Request], None] | None = None
-    arrival: float = field(default_factory=time.monotonic)
-
-    output: list[int] = field(default_factory=list)
-    # per output token, when sampling.logprobs is set: (logprob, top ids, top logprobs)
-    logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
-    # per prompt token, when sampling.prompt_logprobs is set: the same (None for the first)
-    prompt_logprobs: list[tuple[float, list[int], list[float]] | None] = field(
-        default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort", "timeout" or "error"
-    admit_time: float | None = None  # first given a slot: arrival to here is its queueing
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_preemptions: int = 0
-    cancelled: bool = False  # set from any thread; the loop aborts it at its next step
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(eq=False)
-class _Tracked:
-    """What the scheduler keeps about a request from its first step to its finish; callers
-    never see it, so it can change with the scheduler."""
-
-    key: np.ndarray  # its PRNG key
-    slot: int | None = None
-    num_computed: int = 0  # tokens whose KV its slot holds
-    computed_before: int = 0  # num_computed when it was last preempted
-    hashes: list[bytes] | None = None  # its prompt's block hashes (until preempted)
-    source_hashes: list[bytes] | None = None  # its truncation source's block hashes
-    hit: Hit | None = None  # the store's blocks admission restores (this step's plan)
-    cached: int = 0  # tokens the plan found on the device (admission takes no more)
-    rebase: int = 0  # blocks `hit` gives after re-rotation
-    declined: bool = False  # recomputing its hit was planned (counted once)
-    probe: bool = False  # restore its hit anyway, to measure
-    recompute: float = 0.0  # share of `hit` recomputed while the rest loads (a split)
-    read_since: float | None = None  # when it began waiting for its hit's read ahead
-    abandoned: bool = False  # its read took longer than recomputing: recomputed
-    resident: int | None = None  # layers admission keeps in the pool (None: all)
-    held: bool = False  # an admission with layers on the host was held back (counted once)
-    layers_done: int | None = None  # its prompt fed layer-major: the layers run (None: not)
-    saved: int = 0  # blocks of its run last queued for the store (decode saves by interval)
-
-
-@dataclass
-class SchedulerStats:
-    preemptions: int = 0
-    recomputed_tokens: int = 0  # tokens computed again after a preemption
-    finished: int = 0
-    aborted: int = 0
-    restored_tokens: dict = field(default_factory=lambda: {"host": 0, "disk": 0})
-    store_misses: int = 0  # store hits that could not be restored (gone, corrupt): recomputed
-    restores_declined: int = 0  # store hits recomputed because that was expected faster
-    rebased_tokens: int = 0  # restored tokens re-rotated for a truncated conversation
-    restores_abandoned: int = 0  # hits whose read outlasted recomputing them: recomputed
-    layers_offloaded: int = 0  # running requests' layers moved to the host (LayerKV)
-    layer_fetches: int = 0  # running requests whose offloaded layers came back
-    admitted_offloaded: int = 0  # requests admitted with some layers on the host
-    layer_major_prefills: int = 0  # of those, prompts fed layer-major (`jkv.layer_major`)
-    # requests whose admission waited (pages fitting) for a running request's TPOT
-    admissions_held: int = 0
-    # finished requests that missed their TTFT / TPOT target (counted once each), and those
-    # that ended normally meeting every target they had (goodput)
-    slo_violations: dict = field(default_factory=lambda: {"ttft": 0, "tpot": 0})
-    slo_met: int = 0
-
 
 READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before returning
 FORECAST_STEPS = 4  # layer offload (LayerKV eq. 5): decodes' pages over this many steps
 
 
-class Scheduler:
+class Scheduler(StoreSide):
     """The serving loop's state. `add` and `abort` may be called from any thread; `step`
     from one thread only."""
 
@@ -174,7 +61,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._incoming: list[Request] = []
-        self._state: dict[Request, _Tracked] = {}  # every request it holds past `add`
+        self._state: dict[Request, Tracked] = {}  # every request it holds past `add`
         self.costs = StepCosts(engine.runner.rows_bucket)  # learned from each step
         self._next_step_s = 0.0  # what the next step of the decoding requests will take
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
@@ -341,149 +228,6 @@ class Scheduler:
             c = dataclasses.replace(c, tpot_slack=slack, remaining=m)
         return c
 
-    def _waiting(self, r: Request, rates: RestoreRates, declined: int, now: float
-                 ) -> tuple[Candidate, RestoreDecision, int, bool]:
-        """`r` as the policy sees it, with the restore planned for it (not yet applied), the
-        tokens found on the device, and whether it may be admitted now: its prompt is looked
-        up in the device prefix cache (kept tiered sequences under token tiers), then in the
-        store, whose entry is read ahead (`KVStore.read_ahead`) while it waits."""
-        eng, st = self.engine, self._state[r]
-        if r.sampling.prompt_logprobs is not None:  # every prompt token is computed
-            return self._candidate(r, 0, 0), RestoreDecision(0), 0, True
-        if st.hashes is None:
-            st.hashes = eng.cache.prompt_hashes(r.tokens)
-        cached, pinned = eng.cache.lookup(st.hashes)
-        decision = RestoreDecision(cached)
-        if st.abandoned:
-            pass
-        elif self.store is not None and eng.tiered and not cached:
-            # a tiered row restores whole into an empty slot, never moved (no rebase)
-            decision = plan_restore(
-                0, self.store.lookup(st.hashes, whole=True), None, rates,
-                cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
-                probe=st.probe, declined_count=declined)
-        elif self.store is not None and not eng.tiered:
-            decision = plan_restore(
-                cached, self.store.lookup(st.hashes), self._truncated_hit(r), rates,
-                cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
-                probe=st.probe, declined_count=declined)
-        ready = (decision.hit is None or not self.config.store_read_ahead
-                 or self.store.read_ahead(decision.hit))
-        if ready:
-            st.read_since = None
-        else:  # its read is under way: it waits, unless recomputing would be done by now
-            st.read_since = now if st.read_since is None else st.read_since
-            recompute_s = (decision.held - cached) * self.costs.prefill_token_s
-            if (self.config.restore_planning and recompute_s
-                    and now - st.read_since > recompute_s):
-                st.abandoned, ready = True, True
-                self.stats.restores_abandoned += 1
-                decision = RestoreDecision(cached)
-        c = self._candidate(r, decision.held, pinned + decision.extra_pages)
-        if self.layer_offload and eng.layer_major is not None:  # (fed so if admitted offloaded)
-            c = dataclasses.replace(c, layer_major=0)
-        return (c, decision,
-                cached, ready)
-
-    def _truncated_hit(self, r: Request) -> tuple[Hit, int] | None:
-        """For a truncated prompt: the store's entry of its untruncated source and how many
-        of the prompt's blocks it gives once moved (None when it gives none)."""
-        t = r.truncation
-        if t is None:
-            return None
-        eng = self.engine
-        tokens, k, d = r.tokens, t.keep, t.drop
-        if (k > len(tokens) or list(t.source[:k]) != tokens[:k]
-                or list(t.source[k + d: len(tokens) + d]) != tokens[k: len(t.source) - d]):
-            return None  # not a cut of its source: nothing to move
-        st = self._state[r]
-        if st.source_hashes is None:
-            st.source_hashes = eng.cache.prompt_hashes(list(t.source))
-        hit = self.store.lookup(st.source_hashes)
-        if hit is None:
-            return None
-        ps = eng.page_size
-        blocks = min((hit.blocks * ps - t.drop) // ps, (len(r.tokens) - 1) // ps)
-        return (hit, blocks) if blocks * ps > t.keep else None
-
-    def _open(self, r: Request) -> int:
-        """Give `r` a slot; its held prefix comes from the device prefix cache and, for a
-        store hit, from the store (a hit that cannot be loaded is recomputed)."""
-        eng, st = self.engine, self._state[r]
-        hit, restore = st.hit, None
-        if hit is not None:
-            try:
-                if self.config.store_read_ahead:
-                    loaded = self.store.take(hit)  # read ahead while it waited
-                else:  # read here, the step waiting
-                    loaded = self.store.load(hit)
-                    loaded = None if loaded is None else (*loaded, hit.tier)
-                if loaded is not None:
-                    *loaded, tier = loaded
-                    hit = hit._replace(tier=tier)  # counted where it was read from
-                    restore = SavedPages(hit.blocks, *loaded)
-                    if st.rebase:
-                        t = r.truncation
-                        restore = eng.rebase(restore, r.tokens, t.keep, t.drop)
-            except Exception:  # a failed load or move is a miss, never a failed step
-                log.exception("could not restore request %s from the store", r.request_id)
-                restore = None
-            if restore is None:
-                self.stats.store_misses += 1
-        before = eng.stats.restored_tokens
-        try:
-            # no more of the device cache than planned: a row kept by this step's own
-            # preemption was not in the plan's page count
-            st.slot, cached = eng.open(r.tokens, restore=restore,
-                                       use_prefix_cache=r.sampling.prompt_logprobs is None,
-                                       max_cached=st.cached, recompute=st.recompute,
-                                       resident=st.resident)
-        except ValueError:  # the loaded blocks do not fit this prompt: never serve them
-            log.exception("restoring request %s from the store failed; recomputing",
-                          r.request_id)
-            self.stats.store_misses += 1
-            st.slot, cached = eng.open(r.tokens, max_cached=st.cached, resident=st.resident)
-        if st.resident is not None:
-            self.stats.admitted_offloaded += 1
-        if hit is not None:
-            restored = eng.stats.restored_tokens - before
-            self.stats.restored_tokens[hit.tier] += restored
-            if st.rebase:
-                self.stats.rebased_tokens += restored
-        st.hit, st.rebase, st.recompute, st.resident = None, 0, 0.0, None
-        return cached
-
-    def _save(self, r: Request, slot: int) -> None:
-        """Hand `r`'s full blocks to the store's write-behind, only those after the run the
-        store already has or has queued (never fails the request)."""
-        try:
-            hashes = self.engine.saved_hashes(slot)
-            start = self.store.tail_start(hashes)
-            if not self.engine.tiered and start == len(hashes):
-                return  # nothing new (a tiered row is saved whole)
-            saved = self.engine.gather(slot, start)
-            self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id,
-                            rows=saved.rows, start=saved.start)
-        except Exception:
-            log.exception("could not queue request %s's KV for the store", r.request_id)
-
-    def _save_decoding(self, decoded: Sequence[Request]) -> None:
-        """Requests still decoding whose blocks have grown by the store's save interval
-        since their last save queue the new ones (CachedAttention: saving as KV is made,
-        not all at the finish)."""
-        every = self.store.config.save_interval_blocks
-        if not every or self.engine.tiered:
-            return
-        page = self.engine.cache.page_size
-        for r in decoded:
-            st = self._state.get(r)
-            full = 0 if st is None else st.num_computed // page
-            if st is not None and not r.finished and full - st.saved >= every:
-                # tried again only after another interval, whatever this save covered (a
-                # restored history's moved blocks are never saved; a failure is logged)
-                self._save(r, st.slot)
-                st.saved = full
-
     def _finish(self, r: Request, reason: str) -> None:
         st = self._state.pop(r, None)  # none yet for a request `stop_all` took from incoming
         if st is not None and st.slot is not None:
@@ -537,7 +281,7 @@ class Scheduler:
             new, self._incoming = self._incoming, []
             self.waiting += new
         for r in new:
-            self._state[r] = _Tracked(self.engine.request_key(r.sampling.seed))
+            self._state[r] = Tracked(self.engine.request_key(r.sampling.seed))
         finished: list[Request] = []
         now = time.monotonic()
         for r in self.waiting + self.running:
