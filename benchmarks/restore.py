@@ -51,7 +51,7 @@ from jkv.config import PRESETS, CacheConfig, EngineConfig, KVFormat, StoreConfig
 from jkv.engine import Engine, Row, SavedPages  # noqa: E402
 from jkv.models.loaders import random_params  # noqa: E402
 from jkv.models.params_cache import load_params  # noqa: E402
-from jkv.planning import split_share  # noqa: E402
+from jkv.restore_planning import split_share  # noqa: E402
 from jkv.sampling import SamplingParams  # noqa: E402
 from jkv.store.store import KVStore  # noqa: E402
 

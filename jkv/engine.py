@@ -130,9 +130,9 @@ class Engine:
                                   max_tokens=self.max_model_len if self.tiered else None,
                                   shape_step=shape_step)
         # how much of a split restore's shorter part (recompute or load) hides behind the
-        # longer (`planning.split_share`): on a GPU the copies run on their own engine beside
-        # the compute (1); on CPU both take the same cores (0: never split there, as
-        # benchmarks/restore.py's split rows show). A tiered row is restored whole (0).
+        # longer (`restore_planning.split_share`): on a GPU the copies run on their own
+        # engine beside the compute (1); on CPU both take the same cores (0: never split
+        # there, as benchmarks/restore.py's split rows show). A tiered row is restored whole.
         self.split_overlap = 0.0 if self.tiered or jax.default_backend() == "cpu" else 1.0
         # a CPU backend takes 64-byte aligned host arrays as they are (a restore's pages:
         # no copy in the step), so a store for this engine hands them over aligned

@@ -1,8 +1,9 @@
 """The serving loop around the scheduling policy: `Scheduler` keeps the waiting and running
-requests, asks `jkv.planning` what the next step does (`plan_step`) and whether a waiting
-request's store hit is restored (`plan_restore`), applies those decisions (engine slots,
-preemption, restores, statistics), runs the engine step and hands each new token to its
-request. The policies themselves are described in `jkv.planning`.
+requests, asks `jkv.planning` what the next step does (`plan_step`) and
+`jkv.restore_planning` whether a waiting request's store hit is restored (`plan_restore`),
+applies those decisions (engine slots, preemption, restores, statistics), runs the engine
+step and hands each new token to its request. The policies themselves are described in
+those two modules.
 
 `Request` is what a caller gives and reads; what the scheduler keeps about a request it holds
 is its own `Tracked` record (both in `jkv.request`).
@@ -26,12 +27,12 @@ from jkv.planning import (
     Budget,
     Candidate,
     OutputLengths,
-    RestoreRates,
     min_resident,
     plan_step,
     queue_order,
 )
 from jkv.request import Request, SchedulerStats, Tracked, Truncation
+from jkv.restore_planning import RestoreRates
 from jkv.scheduler_store import StoreSide
 from jkv.step_costs import StepCosts
 from jkv.store.store import KVStore

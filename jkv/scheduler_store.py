@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 
 from jkv.config import SchedulerConfig
 from jkv.engine import Engine, SavedPages
-from jkv.planning import Candidate, RestoreDecision, RestoreRates, plan_restore
+from jkv.planning import Candidate
 from jkv.request import Request, SchedulerStats, Tracked
+from jkv.restore_planning import RestoreDecision, RestoreRates, plan_restore
 from jkv.step_costs import StepCosts
 from jkv.store.store import Hit, KVStore
 

@@ -10,21 +10,23 @@ import pytest
 
 from jkv.cache.page_cost import PageCost
 from jkv.planning import (
-    PROBE_EVERY,
     Budget,
     Candidate,
     OutputLengths,
-    RestoreDecision,
-    RestoreRates,
     min_resident,
-    plan_restore,
     plan_step,
     prefill_fits,
     prefill_pages,
-    restore_pays,
-    split_share,
     step_fits,
     step_pages,
+)
+from jkv.restore_planning import (
+    PROBE_EVERY,
+    RestoreDecision,
+    RestoreRates,
+    plan_restore,
+    restore_pays,
+    split_share,
 )
 from jkv.store.store import Hit
 
