@@ -39,6 +39,11 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
+    @classmethod
+    def internal(cls, e: BaseException) -> APIError:
+        """The 500 an unexpected exception is answered with."""
+        return cls(500, f"internal server error: {type(e).__name__}: {e}", type="server_error")
+
 
 class ErrorDetail(BaseModel):
     message: str
