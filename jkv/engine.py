@@ -488,5 +488,6 @@ class Engine:
             self.cache.sync_tiers()
         if self.layers is not None:
             self.layers.warmup()
+            self.layer_major.warmup()
         self.connector.warmup()
         return new

@@ -89,9 +89,11 @@ class LayerMajor:
             moved = index in offloaded
             if moved:
                 c.pool = self.layers.bring(row.slot, index, total, c.pool)
+            weights = self.runner.layer_weights(index)  # once for all the prompt's calls
             for call in p.calls:
                 call[1], c.pool, c.filling, _ = self.runner.layer(
-                    index, c.pool, c.filling, c.tables.pages, call[1], call[2])
+                    index, c.pool, c.filling, c.tables.pages, call[1], call[2],
+                    weights=weights)
             if moved:
                 self.layers.send(row.slot, index, total, c.pool)
         p.next_layer = last
@@ -110,6 +112,20 @@ class LayerMajor:
             x, inputs = self.runner.embed(batch)
             calls.append([batch, x, inputs])
         return calls
+
+    def warmup(self) -> None:
+        """Compile a layer call given its own weights for every one-row shape (where the
+        weights are not views: a GPU), on the scratch slot, so no prompt compiles."""
+        c = self.cache
+        weights = self.runner.layer_weights(0)
+        if weights is None:
+            return
+        for rows, tokens in self.runner.shapes():
+            if rows == 1:
+                batch = self.runner.batch([], [], padded_rows=1, padded_tokens=tokens)
+                x, inputs = self.runner.embed(batch)
+                _, c.pool, c.filling, _ = self.runner.layer(
+                    0, c.pool, c.filling, c.tables.pages, x, inputs, weights=weights)
 
     def drop(self, slot: int) -> int:
         """Forget `slot`'s prompt under way (its sequence is closing); returns the pages its

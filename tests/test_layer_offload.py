@@ -153,6 +153,29 @@ def test_a_layer_major_prefill_samples_what_resident_layers_do_and_brings_nothin
         assert e.cache.free_pages == e.cache.total_pages
 
 
+def test_where_layers_are_not_views_a_layer_major_prefill_takes_their_weights_once(params):
+    """On a GPU (no per-layer views of the stacked weights) a layer-major prefill copies each
+    layer's weights out once for all the prompt's calls: the same samples as the resident
+    prompt, and after warmup nothing compiles."""
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 512, 45).tolist()
+    ref_tokens, ref_lps, _ = run(engine(params), prompt, decode=4)
+    e = engine(params)
+    e.runner.views = None  # as on a GPU
+    for f in (e.runner._embed, e.runner._layer, e.runner._head, e.runner._take):
+        f.clear_cache()  # (CPU views have the structure of a layer's own weights)
+    taken = []
+    layer_weights = e.runner.layer_weights
+    e.runner.layer_weights = lambda i: taken.append(i) or layer_weights(i)
+    e.warmup()
+    compiled, taken[:] = e.num_compiles, []
+    tokens, lps, _ = run(e, prompt, decode=4, layer_major=3, resident=1)
+    assert tokens == ref_tokens
+    np.testing.assert_array_equal(lps, ref_lps)
+    assert taken == list(range(TINY.num_layers))  # once a layer, 3 calls of 16 tokens each
+    assert e.num_compiles == compiled
+
+
 def test_a_decoding_layer_is_staged_in_pinned_memory_until_its_blocks_change(params):
     """Decode steps bring an offloaded layer from its staged copy (pinned host memory; on
     CPU the device's), made at the second bring
