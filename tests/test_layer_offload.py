@@ -357,9 +357,13 @@ def test_page_counts_and_samples_hold_through_random_schedules(params, schedule,
     # who -> {slot in each engine, tokens fed (plain), to feed, sampled; layer-major: layers
     # a step, layers run in `moved`, each engine's first token until both have it}
     live: dict[int, dict] = {}
-    starts = [("open", i, int(rng.integers(9, 60)), int(rng.integers(0, 5)),
-               int(rng.choice([0, 1, 3]))) for i in range(2)]
-    for action, *args in starts + schedule:
+    # the first one has layers on the host and feeds its prompt layer-major
+    starts = [("open", 0, int(rng.integers(9, 60)), int(rng.integers(0, 4)),
+               int(rng.choice([1, 3]))),
+              ("open", 1, int(rng.integers(9, 60)), int(rng.integers(0, 5)),
+               int(rng.choice([0, 1, 3])))]
+    # every one taking part in the last steps: prompts part way through are finished
+    for action, *args in starts + schedule + [("step", 7)] * 5:
         who = args[0] if action != "step" else None
         if action == "open" and who not in live and len(live) < SLOTS:
             prompt = prompts[who][:args[1]]
