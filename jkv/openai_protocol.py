@@ -9,7 +9,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 from jkv.api import ROLES
 from jkv.sampling import MAX_LOGPROBS
@@ -216,18 +223,13 @@ class SamplingRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value or None
 
-    @field_validator("n", mode="before")
+    @field_validator("n", "best_of", mode="before")
     @classmethod
-    def _n(cls, value: Any) -> Any:
+    def _one_choice(cls, value: Any, info: ValidationInfo) -> Any:
         if value not in (None, 1):
-            raise ValueError(f"only n=1 is supported (one choice per request), got {value}")
-        return value
-
-    @field_validator("best_of", mode="before")
-    @classmethod
-    def _best_of(cls, value: Any) -> Any:
-        if value not in (None, 1):
-            raise ValueError(f"best_of is not supported, got {value}")
+            what = ("only n=1 is supported (one choice per request)" if info.field_name == "n"
+                    else "best_of is not supported")
+            raise ValueError(f"{what}, got {value}")
         return value
 
 

@@ -240,6 +240,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": _MSG, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": _MSG, "max_tokens": 1.5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": _MSG, "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/chat/completions", {"messages": _MSG, "top_p": 0}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": _MSG, "top_k": -2}, 400, "top_k"),
     ("/v1/chat/completions", {"messages": _MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
