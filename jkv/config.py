@@ -332,9 +332,11 @@ class SchedulerConfig:
     layer_offload: bool = field(default=True, metadata={
         "help": "LayerKV's layer-wise offload: when KV pages run short, admit a prompt with "
                 "only some of its layers' KV on the device (the others written to host memory "
-                "as each layer finishes) and move running requests' layers to host memory "
-                "instead of preempting them; they come back as pages free up. Off: wait or "
-                "preempt and recompute (for comparison). Not with token-tier KV policies"})
+                "as each layer finishes; a prompt longer than a prefill chunk runs a few "
+                "layers a step over all its tokens) and move running requests' layers to host "
+                "memory instead of preempting them; they come back as pages free up. Off: "
+                "wait or preempt and recompute (for comparison). Not with token-tier KV "
+                "policies"})
     store_read_ahead: bool = field(default=True, metadata={
         "help": "read (and checksum) a stored KV hit on the store's own thread while its "
                 "request waits, so no step waits on a store tier; off: read at admission, on "
