@@ -94,12 +94,17 @@ case ${1:-1} in
 5)
     # issue 15's acceptance at a Llama-3-8B shape: three servers (no offload, offload,
     # offload + SLO) at two arrival rates; needs the server's packages: carry .whl (see
-    # the device README) and install them before this call
-    step 560 serve_slo python benchmarks/serve_slo.py --requests 12 --rates 1,2 \
-        --lengths 1024,4096,8192 --max-model-len 8448 --max-tokens 32 \
-        --ttft-slo-ms 2000 --tpot-slo-ms 100 --vocab 128256 --startup-timeout 240 \
-        --server-args "--model random:llama3-8b --kv-cache-bytes 3000000000 \
-                       --max-num-seqs 32 --host-cache-bytes 0" --out "$out"
+    # the device README) and install them before this call. The workload is decode-heavy
+    # and the pool holds 4K tokens: benchmarks/serve_replay.py (the scheduler replayed at
+    # the H200's measured costs) found the earlier 3 GB pool with 32-token replies under no
+    # pressure at all (the three settings alike); its prediction for this exact command is
+    # serve_replay-h200-llama3-8b-2026-11-27-3.json, to be compared with what this measures
+    step 560 serve_slo python benchmarks/serve_slo.py --requests 16 --rates 0.5,1 \
+        --lengths 512,1024,2048 --max-model-len 2560 --max-tokens 256 \
+        --ttft-slo-ms 2000 --tpot-slo-ms 25 --vocab 128256 --startup-timeout 300 \
+        --server-args "--model random:llama3-8b --kv-cache-bytes 540000000 \
+                       --max-num-seqs 32 --host-cache-bytes 0 --no-enable-prefix-caching" \
+        --out "$out"
     logs="serve_slo" ;;
 6)
     # issue 15's restore point at a Llama-3-8B shape: the disk read on the loop against on

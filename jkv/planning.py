@@ -21,7 +21,17 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   after; a new request whose chunk does not fit with every layer is admitted with as many
   resident layers as fit, at least `min_resident` (eq. 4); a prompt longer than a chunk
   admitted so is fed layer-major (`jkv.layer_major`: its resident layers' pages for the
-  whole prompt must fit then, its chunk of tokens buys a share of its layers each step);
+  whole prompt must fit then, its chunk of tokens buys a share of its layers each step),
+  and so is one whose first chunk fits with every layer but whole prompt does not (chunk
+  by chunk it would stall part way, its later chunks waiting for pages);
+- layers on the host are weighed against the alternative, from measured costs: a running
+  request gives layers up only where bringing them in each step of its remaining output
+  costs the step less than recomputing what it holds (`offload_beats_recompute`; else it is
+  preempted), and a new request is admitted with layers on the host only where they cost
+  the decoding requests' steps less than its wait for the first of them to finish
+  (`offload_beats_waiting`). On the H200 at Llama-3-8B's shape a layer brought in costs
+  about what 25 to 45 recomputed tokens do, so both mostly say no there; on a CPU recompute is
+  the dearer;
 - a new request whose pages fit is held while the steps it would decode in, each longer by
   its row (a step of one more decode, as measured) and its layers on the host (each the
   measured seconds of bringing one in), would take a decoding request past its TPOT target
@@ -211,10 +221,39 @@ def _offload(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> i
                                       fetch_pages=c.fetch_pages + per * k)
             if _decode_pages(cost, keep[:i] + [new] + keep[i + 1:], horizon) <= avail + per * k:
                 break
+        if not offload_beats_recompute(budget, cost.layers - (r - k), c):
+            break  # cheaper preempted (and the requests before it are kept whole)
         keep[i] = new
         avail += per * k
         plan.offload[c.request_id] = r - k
     return avail
+
+
+def offload_beats_recompute(budget: Budget, layers: int, c: Candidate) -> bool:
+    """Whether running request `c` decoding its remaining tokens with `layers` layers on the
+    host (each step bringing them in: `offload_layer_seconds` each, added to the step every
+    row waits for) costs the running requests less than preempting it, whose recompute of
+    the tokens it holds delays them once. On a GPU a layer brought in costs about as much
+    as recomputing 25-45 tokens (Llama-3-8B shape, H200), so a request with many tokens still
+    to go is preempted; on a CPU recompute is the dearer. True while a rate or the output
+    estimate is not known."""
+    s, p = budget.offload_layer_seconds, budget.prefill_token_seconds
+    if not (s and p) or c.remaining is None:
+        return True
+    return layers * s * c.remaining <= c.held * p
+
+
+def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
+                          decodes: Sequence[Candidate]) -> bool:
+    """Whether admitting `new` now with `layers` layers on the host costs the requests less
+    than it waiting would: each step it decodes in brings its layers in for every row
+    (itself included), against its own wait, at least until the first decoding request
+    finishes and frees its pages. True while a rate or an estimate is not known."""
+    s = budget.offload_layer_seconds
+    ends = [d.remaining * budget.decode_step_seconds for d in decodes if d.remaining]
+    if not layers or not s or new.remaining is None or not ends or not budget.decode_step_seconds:
+        return True
+    return (len(decodes) + 1) * layers * s * new.remaining <= min(ends)
 
 
 def _fetch(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> int:
@@ -304,8 +343,13 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         pages = cost.grow(c.held, n) + c.pin_pages
         # with layers on the host, a prompt longer than a chunk is fed layer-major: its
         # resident layers take the whole prompt's pages at once
-        span = c.pending if c.layer_major is not None and c.pending > budget.chunk else n
-        if pages > avail and budget.layer_offload:  # LayerKV: as many layers as fit
+        long = c.layer_major is not None and c.pending > budget.chunk
+        span = c.pending if long else n
+        # LayerKV: as many layers as fit, for the whole prompt where it is fed layer-major
+        # (one whose first chunk fits but not the rest would stall part way, its later
+        # chunks waiting for pages the decodes take)
+        whole = cost.grow(c.held, c.pending) + c.pin_pages if long else pages
+        if budget.layer_offload and max(pages, whole) > avail:
             resident = next((r for r in range(cost.layers - 1, budget.min_resident - 1, -1)
                              if step_pages(cost, r, c.held, span) + c.pin_pages <= avail), None)
             if resident is not None:
@@ -314,8 +358,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if pages > avail:
             break  # head of line waits for pages; later requests do not overtake it
         offloaded = cost.layers - plan.resident.get(c.request_id, cost.layers)
-        if not admission_keeps_slack(added_step_seconds(budget, rows, offloaded), c, decodes,
-                                     budget):
+        if not (admission_keeps_slack(added_step_seconds(budget, rows, offloaded), c, decodes,
+                                      budget)
+                and offload_beats_waiting(budget, offloaded, c, decodes)):
             plan.resident.pop(c.request_id, None)
             plan.held.append(c.request_id)
             break  # it waits (for decodes to finish or gain slack); no one overtakes it
@@ -393,5 +438,6 @@ class OutputLengths:
         return max(1, min(total, max_tokens) - generated)
 
 
-__all__ = ["Budget", "Candidate", "OutputLengths", "Plan", "min_resident", "plan_step",
+__all__ = ["Budget", "Candidate", "OutputLengths", "Plan", "min_resident",
+           "offload_beats_recompute", "offload_beats_waiting", "plan_step",
            "prefill_fits", "prefill_pages", "queue_order", "step_fits", "step_pages"]

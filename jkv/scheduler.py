@@ -202,8 +202,9 @@ class Scheduler(StoreSide):
         ttft = (None if r.ttft_slo_ms is None or r.output
                 else r.arrival + r.ttft_slo_ms / 1000)
         tpot = None if r.tpot_slo_ms is None else r.tpot_slo_ms / 1000
-        # (what admission weighs the cost of its steps over)
-        remaining = self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
+        # (what admission weighs the cost of its steps over; not known before any reply)
+        remaining = (self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
+                     if self.lengths.recent else None)
         return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held,
                          self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot,
                          remaining=remaining)

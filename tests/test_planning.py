@@ -14,6 +14,7 @@ from jkv.planning import (
     Candidate,
     OutputLengths,
     min_resident,
+    offload_beats_recompute,
     plan_step,
     prefill_fits,
     prefill_pages,
@@ -378,6 +379,61 @@ def test_a_long_prompt_admitted_offloaded_goes_layer_major_and_takes_its_pages_a
     assert plan.prefill == [("m", 64)] and plan.offload == {} and plan.fetch == []
     assert plan_step([mid], [], layered(available_pages=15, **chunk)).prefill == []
     assert prefill_fits(LAYERED, mid, 64, 15) == 0 and prefill_fits(LAYERED, mid, 64, 16) == 64
+
+
+def test_a_long_prompt_whose_first_chunk_fits_but_not_the_rest_goes_layer_major_at_once():
+    # 128 tokens (64 pages with every layer); its first chunk (32 pages) fits in 50, the
+    # rest would not: admitted chunk by chunk it would stall part way, waiting for pages.
+    # Fed layer-major its resident layers take the whole prompt: 16 r + 16 in flight <= 50
+    chunk = dict(chunk=64, max_tokens=64)
+    w = waiting("w", 128, layer_major=0)
+    plan = plan_step([], [w], layered(available_pages=50, **chunk))
+    assert plan.admit == ["w"] and plan.resident == {"w": 2} and plan.layer_major == ["w"]
+    # the whole prompt's pages free: chunk by chunk with every layer
+    plan = plan_step([], [w], layered(available_pages=64, **chunk))
+    assert plan.admit == ["w"] and plan.resident == {} and plan.layer_major == []
+    # without layer offload its first chunk admits it (vLLM's chunked prefill)
+    plan = plan_step([], [w], budget(cost=LAYERED, available_pages=50, **chunk))
+    assert plan.admit == ["w"] and plan.resident == {}
+
+
+def test_a_decode_is_preempted_where_its_layers_on_the_host_cost_more_than_recomputing():
+    # b (the newest, 48 tokens) must give up layers so that a and b decode (as above)
+    a = offloadable("a", 32, 1.0, remaining=10)
+    b = offloadable("b", 48, 2.0, remaining=10)
+    costs = dict(prefill_token_seconds=0.001, available_pages=10)
+    # a layer on the host 1 ms a step over its 10 steps: k x 10 ms against 48 ms of recompute
+    plan = plan_step([a, b], [], layered(offload_layer_seconds=0.001, **costs))
+    assert plan.preempt == [] and list(plan.offload) == ["b"]
+    assert offload_beats_recompute(layered(offload_layer_seconds=0.001, **costs), 4, b)
+    # 10 ms a layer a step: 100 ms a layer, more than recomputing its 48 tokens
+    plan = plan_step([a, b], [], layered(offload_layer_seconds=0.01, **costs))
+    assert plan.preempt == ["b"] and plan.offload == {} and plan.decode == ["a"]
+    # no output estimate (no reply seen yet) or no rate: offloaded as before
+    plan = plan_step([a, offloadable("b", 48, 2.0)], [],
+                     layered(offload_layer_seconds=0.01, **costs))
+    assert plan.preempt == [] and list(plan.offload) == ["b"]
+    plan = plan_step([a, b], [], layered(offload_layer_seconds=0.01, available_pages=10))
+    assert plan.preempt == [] and list(plan.offload) == ["b"]
+
+
+def test_an_offloaded_admission_waits_when_its_layers_cost_the_decodes_more_than_its_wait():
+    # 20 pages admit the 64-token chunk with 1 resident layer (3 on the host); d decodes
+    # 50 more steps of 10 ms: waiting for its pages costs w 0.5 s at most
+    chunk = dict(chunk=64, max_tokens=64, available_pages=20, decode_step_seconds=0.01)
+    d = offloadable("d", 20, 0.0, remaining=50)
+    w = waiting("w", 64, 1.0, remaining=20)
+
+    def plan(seconds: float, w: Candidate = w):
+        return plan_step([d], [w], layered(offload_layer_seconds=seconds, **chunk))
+
+    # 2 rows x 3 layers x 1 ms x its 20 steps: 0.12 s, less than its wait: admitted now
+    assert plan(0.001).resident == {"w": 1}
+    # 2 x 3 x 5 ms x 20: 0.6 s, more than its wait: it waits for d's pages
+    p = plan(0.005)
+    assert p.admit == [] and p.held == ["w"] and p.decode == ["d"] and p.resident == {}
+    # not weighed without an estimate of its output
+    assert plan(0.005, waiting("w", 64, 1.0)).resident == {"w": 1}
 
 
 def test_an_offloaded_admission_waits_while_its_steps_would_break_a_decodes_tpot():

@@ -314,6 +314,15 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
 
     monkeypatch.setattr(scheduler_module, "plan_step", spy)
     sched = Scheduler(engine(params), SchedulerConfig(layer_offload=True))
+    # before any reply there is no estimate (not "just the next token": waiting for the
+    # running requests' pages would look one step long)
+    sched.add(Request(list(range(1, 9)), SamplingParams(max_tokens=2, temperature=0)))
+    sched.step()
+    assert seen[-1][1][0].remaining is None  # (waiting, at its first step)
+    while sched.num_unfinished:
+        sched.step()
+    seen.clear()
+    sched.lengths.recent.clear()  # (the reply just finished: 2 tokens)
     for n in (30, 30, 30):
         sched.lengths.add(None, n)
     a = Request(list(range(1, 20)), SamplingParams(max_tokens=50, temperature=0),
