@@ -58,7 +58,8 @@ _OFFLOAD_COUNTERS = (  # (key of stats()["layer_offload"], metric name, help)
     ("admissions_held", "jkv_layer_offload_admissions_held",
      "Requests whose admission waited although their pages fit (all layers, or some in host "
      "memory): the steps they would slow would have cost a running request its TPOT "
-     "target."),
+     "target, or their layers in host memory would have cost the running requests more than "
+     "their wait."),
     ("bytes_to_host", "jkv_layer_offload_bytes_to_host", "KV bytes copied to host memory."),
     ("bytes_from_host", "jkv_layer_offload_bytes_from_host",
      "KV bytes copied back into device pages."),

@@ -134,7 +134,8 @@ class Plan:
     resident: dict[str, int] = field(default_factory=dict)
     # waiting requests whose pages fit (with layers on the host, or all in the pool), held
     # back because the steps they would decode in would cost a decoding request its TPOT
-    # target (`admission_keeps_slack`)
+    # target (`admission_keeps_slack`) or their layers on the host would cost the decodes
+    # more than their wait for pages (`offload_beats_waiting`)
     held: list[str] = field(default_factory=list)
     # admitted requests (with layers on the host) whose prompts are fed layer-major: each
     # step's tokens buy a share of its layers over the whole prompt (`layers_for`)
