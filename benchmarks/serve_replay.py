@@ -11,9 +11,13 @@ the modeled seconds of each step, fetch and offload (`Costs`), and the scheduler
 its clock, so its learned step costs, TPOT slack and SLO checks all see modeled time.
 
     python benchmarks/serve_replay.py      # serve_slo's GPU workload (gpu_session.sh 5)
-    python benchmarks/serve_replay.py --kv-cache-bytes 1500000000 --max-tokens 64
+    python benchmarks/serve_replay.py --kv-cache-bytes 1200000000 --max-tokens 64
+    python benchmarks/serve_replay.py --costs cpu-smollm2-f32 --requests 24 \
+        --rates 0.1,0.2 --lengths 512,1024 --max-tokens 192 --ttft-slo-ms 5000 \
+        --tpot-slo-ms 100 --max-model-len 1280 --kv-cache-bytes 120000000 \
+        --max-num-seqs 8                       # serve_slo's decode-heavy run on this CPU
 
-`Costs` presets hold the figures they came from (committed results of the device runs).
+`Costs` presets hold the figures they came from (committed results of device and CPU runs).
 What was never measured on the device is marked as a guess there.
 """
 
@@ -33,6 +37,7 @@ from serve_slo import make_requests
 from tqdm import tqdm
 
 import jkv.scheduler
+from jkv.buckets import bucket
 from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
@@ -56,6 +61,7 @@ class Costs:
     layer_call_s: float  # a layer-major call (one layer over a chunk): its host floor
     copy_layer_s: float  # fetch / offload: per layer moved ...
     copy_bytes_per_s: float  # ... and its bytes
+    shape_step: int  # the engine's row buckets there (a padded row costs a row)
     source: str
 
     def step(self, decode_ctx: list[int], prefill: list[tuple[int, int, float]],
@@ -64,7 +70,8 @@ class Costs:
         share of the layers they go through), offloaded layers brought in (one entry per
         layer and row: that row's context) and layer-major calls: the decodes' time and the
         prefill's overlap (both read the weights once), the brings add to it."""
-        dec = 0.0 if not decode_ctx else (self.decode_s + self.decode_row_s * (len(decode_ctx) - 1)
+        rows = bucket(len(decode_ctx), 1, self.shape_step)
+        dec = 0.0 if not decode_ctx else (self.decode_s + self.decode_row_s * (rows - 1)
                                           + self.decode_context_s * sum(decode_ctx))
         pre = sum(share * n * (self.prefill_token_s + self.prefill_quadratic_s * (c + n / 2))
                   for n, c, share in prefill)
@@ -93,9 +100,29 @@ COSTS = {
         decode_s=0.0155, decode_row_s=0.00008, decode_context_s=0.05e-6,
         prefill_token_s=42.8e-6, prefill_quadratic_s=2.34e-9,
         bring_layer_s=1.04e-3, bring_context_s=0.103e-6, layer_call_s=0.45e-3,
-        copy_layer_s=0.78e-3, copy_bytes_per_s=60e9,
+        copy_layer_s=0.78e-3, copy_bytes_per_s=60e9, shape_step=4,
         source="layer_offload-nvidia_h200-llama3-8b-2026-11-27-pinned.json, "
                "tier_cost-nvidia_h200-llama3-8b-2026-11-26.json"),
+    # This CPU (2 cores), SmolLM2-135M float32, JAX 0.10.2: decode at one row 23.8 ms (1K) /
+    # 38.8 ms (4K), with every layer offloaded 39.4 / 66.4 ms, resident prefill 0.77 s (1K) /
+    # 4.67 s (4K), fetch of 30 layers 13.7 / 34.7 ms, a layer-major prefill within 3% of a
+    # resident one (layer_offload-cpu-2026-11-27-layer-major); 4 rows 37 ms a step at short
+    # context (cpu_throughput-2026-11-24-2), 32 rows at 512 148 ms (tier_cost-cpu-2026-11-27):
+    # rows and context fitted together, within 20% of each: decode 18.8 ms + 3 ms a padded row,
+    # prefill 0.63 ms a token. Served (serve_slo's server and its client on the same 2 cores)
+    # a step costs more: decode 26 ms + 6 ms a row and prefill 0.8 ms a token replay serve_slo's
+    # no-offload run (serve_slo-cpu-2026-11-27-decode-heavy-24-weighed: TTFT mean / p99 1.85 /
+    # 9.1 s and 14.6 / 27.0 s at 0.1 / 0.2 a second, TPOT p50 36 / 60 ms; replayed 1.78 / 8.7,
+    # 12.4 / 23.6 s, 38 / 60 ms), so those are the preset's. Guesses: an offload costing a
+    # fetch, a layer-major call's floor (hidden in the 3%).
+    "cpu-smollm2-f32": Costs(
+        kv_bytes_per_token=30 * 3 * 64 * 2 * 4, layers=30,
+        decode_s=0.026, decode_row_s=0.006, decode_context_s=4.0e-6,
+        prefill_token_s=0.8e-3, prefill_quadratic_s=0.25e-6,
+        bring_layer_s=0.39e-3, bring_context_s=0.13e-6, layer_call_s=0.2e-3,
+        copy_layer_s=0.22e-3, copy_bytes_per_s=6.7e9, shape_step=2,
+        source="layer_offload-cpu-2026-11-27-layer-major.json, "
+               "cpu_throughput-2026-11-24-2.json, tier_cost-cpu-2026-11-27.json"),
 }
 
 
@@ -188,7 +215,7 @@ def tiny_engine(costs: Costs, args) -> Engine:
                                       max_num_seqs=args.max_num_seqs,
                                       prefill_chunk=args.prefill_chunk,
                                       enable_prefix_caching=False),
-                  shape_step=4)
+                  shape_step=costs.shape_step)
 
 
 def _run(sched: Scheduler, clock: VirtualClock, todo: list[Request], step_s: float) -> None:
@@ -271,15 +298,15 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override one of the preset's costs (a what-if: say, a cheaper "
                          "bring_layer_s); repeatable")
-    ap.add_argument("--requests", type=int, default=12, help="requests per arrival rate")
-    ap.add_argument("--rates", default="1,2", help="arrival rates, requests per second")
-    ap.add_argument("--lengths", default="1024,4096,8192",
+    ap.add_argument("--requests", type=int, default=16, help="requests per arrival rate")
+    ap.add_argument("--rates", default="0.5,1", help="arrival rates, requests per second")
+    ap.add_argument("--lengths", default="512,1024,2048",
                     help="prompt lengths in tokens, drawn evenly")
-    ap.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per request")
+    ap.add_argument("--max-tokens", type=int, default=256, help="tokens decoded per request")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000, help="the TTFT target")
-    ap.add_argument("--tpot-slo-ms", type=float, default=100, help="the TPOT target")
-    ap.add_argument("--max-model-len", type=int, default=8448, help="context length")
-    ap.add_argument("--kv-cache-bytes", type=int, default=3_000_000_000,
+    ap.add_argument("--tpot-slo-ms", type=float, default=25, help="the TPOT target")
+    ap.add_argument("--max-model-len", type=int, default=2560, help="context length")
+    ap.add_argument("--kv-cache-bytes", type=int, default=540_000_000,
                     help="the modeled device's KV pool (at the modeled model's KV size)")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prefill chunk")

@@ -1,6 +1,6 @@
 """The scheduler's step decisions as pure functions: which requests run in the next step
-(`plan_step`) and the output-length estimate TPOT slack needs (`OutputLengths`); whether a
-waiting request's store hit is restored is `jkv.restore_planning`. They take plain numbers
+(`plan_step`); the output-length estimate TPOT slack needs is `jkv.output_lengths`, whether
+a waiting request's store hit is restored `jkv.restore_planning`. They take plain numbers
 (`Candidate`s, a `Budget`) and return records the scheduler applies, so policies can be
 unit-tested and simulated without a model or an engine; nothing here imports the engine or
 the store. Page counts come from the KV cache manager's `PageCost` (in the `Budget`), never
@@ -19,7 +19,10 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   goes on running, each such layer brought through the pool for its turn); a running
   request's offloaded layers come back, most important first, while the forecast still fits
   after; a new request whose chunk does not fit with every layer is admitted with as many
-  resident layers as fit, at least `min_resident` (eq. 4); a prompt longer than a chunk
+  resident layers as fit, at least `min_resident` (eq. 4), the decodes' pages over the
+  forecast's steps kept free; one that does not fit even at `min_resident` makes room: the
+  newest decodes move resident layers to the host, as few as free its pages (eq. 5: room
+  made by offloading instead of a queue that waits for a finish); a prompt longer than a chunk
   admitted so is fed layer-major (`jkv.layer_major`: its resident layers' pages for the
   whole prompt must fit then, its chunk of tokens buys a share of its layers each step),
   and so is one whose first chunk fits with every layer but whole prompt does not (chunk
@@ -27,15 +30,20 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 - layers on the host are weighed against the alternative, from measured costs: a running
   request gives layers up only where bringing them in each step of its remaining output
   costs the step less than recomputing what it holds (`offload_beats_recompute`; else it is
-  preempted), and a new request is admitted with layers on the host only where they cost
+  preempted, and comes back only with every layer: back at once with layers on the host it
+  would pay both, and be preempted again as the decodes grow), and where no decode carries
+  a TPOT target a new request is admitted with layers on the host only where they cost
   the decoding requests' steps less than its wait for the first of them to finish
-  (`offload_beats_waiting`). On the H200 at Llama-3-8B's shape a layer brought in costs
-  about what 25 to 45 recomputed tokens do, so both mostly say no there; on a CPU recompute is
-  the dearer;
+  (`offload_beats_waiting`; with targets, the slack check below is what weighs them). On the
+  H200 at Llama-3-8B's shape a layer brought in costs about what 25 to 45 recomputed tokens
+  do, so both mostly say no there; on a CPU recompute is the dearer;
 - a new request whose pages fit is held while the steps it would decode in, each longer by
-  its row (a step of one more decode, as measured) and its layers on the host (each the
-  measured seconds of bringing one in), would take a decoding request past its TPOT target
-  (`admission_keeps_slack`, LayerKV eq. 1 over the steps to come);
+  its row (a step of one more decode, as measured or fitted), its layers on the host and
+  those moved to make room for it (each the measured seconds of bringing one in), and the
+  rows and layers of the running prefills and of those admitted before it (they decode in
+  those steps too), would take a decoding request past its TPOT target
+  (`admission_keeps_slack`, LayerKV eq. 1 over the steps to come), or, with layers on the
+  host, its own steps past its own (`within_own_target`);
 - prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
   before new ones are admitted; a new request is admitted only while a slot is free and its
   first chunk's pages fit;
@@ -52,13 +60,10 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from jkv.cache.page_cost import PageCost
 
@@ -91,6 +96,10 @@ class Candidate:
     # a prompt fed layer-major (`jkv.layer_major`): running, the layers it has run; waiting,
     # 0 when admitting it with layers on the host would feed it so (None: never)
     layer_major: int | None = None
+    # waiting: preempted before, its layers on the host judged dearer than recomputing it
+    # (or not enough): admitted again only with every layer (back at once with layers on
+    # the host, it would pay both, and be preempted again as the decodes grow)
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,6 +263,8 @@ def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
     ends = [d.remaining * budget.decode_step_seconds for d in decodes if d.remaining]
     if not layers or not s or new.remaining is None or not ends or not budget.decode_step_seconds:
         return True
+    if any(d.tpot_slo is not None for d in decodes):
+        return True  # the decodes' TPOT targets say what their steps may cost (eq. 1)
     return (len(decodes) + 1) * layers * s * new.remaining <= min(ends)
 
 
@@ -336,7 +347,13 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
                 break
 
     slots = budget.free_slots + len(plan.preempt)
-    rows = len(decodes)  # decoding in the steps to come: the admitted ones join them
+    # the steps to come: the running prefills decode in them too (their rows and their
+    # layers on the host), and so does each request admitted below
+    rows, later = len(decodes), 0.0
+    for c in keep:
+        if c.pending > 1:
+            later += added_step_seconds(budget, rows, _on_host(cost, c))
+            rows += 1
     for c in sorted(waiting, key=queue_order):
         if slots <= 0 or tokens <= 0:
             break
@@ -350,21 +367,38 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         # (one whose first chunk fits but not the rest would stall part way, its later
         # chunks waiting for pages the decodes take)
         whole = cost.grow(c.held, c.pending) + c.pin_pages if long else pages
-        if budget.layer_offload and max(pages, whole) > avail:
+        room = None  # running requests' layers moved to the host to make room for it
+        # LayerKV eq. 5 over the steps it is expected to decode: what the running requests
+        # grow by, less what those expected to finish first free, stays free too
+        layered = budget.layer_offload and not c.whole
+        ahead = _forecast(cost, keep, max(budget.forecast_steps, 1)) if layered else 0
+        if layered and max(pages, whole) + ahead > avail:
             resident = next((r for r in range(cost.layers - 1, budget.min_resident - 1, -1)
-                             if step_pages(cost, r, c.held, span) + c.pin_pages <= avail), None)
-            if resident is not None:
-                plan.resident[c.request_id] = resident
-                pages = step_pages(cost, resident, c.held, span) + c.pin_pages
-        if pages > avail:
+                             if step_pages(cost, r, c.held, span) + c.pin_pages + ahead
+                             <= avail), None)
+            if resident is None:  # the newest decodes' layers go to the host instead
+                resident = budget.min_resident
+                room = _room(keep, step_pages(cost, resident, c.held, span) + c.pin_pages
+                             + ahead - avail, budget, set(plan.fetch))
+            plan.resident[c.request_id] = resident
+            pages = step_pages(cost, resident, c.held, span) + c.pin_pages
+        if pages > avail + (room[1] if room else 0):
+            plan.resident.pop(c.request_id, None)
             break  # head of line waits for pages; later requests do not overtake it
         offloaded = cost.layers - plan.resident.get(c.request_id, cost.layers)
-        if not (admission_keeps_slack(added_step_seconds(budget, rows, offloaded), c, decodes,
-                                      budget)
-                and offload_beats_waiting(budget, offloaded, c, decodes)):
+        moved = room[2] if room else 0
+        extra = (later + added_step_seconds(budget, rows, offloaded)
+                 + moved * budget.offload_layer_seconds)
+        if not (admission_keeps_slack(extra, c, decodes, budget)
+                and within_own_target(extra, offloaded, c, budget)
+                and offload_beats_waiting(budget, offloaded + moved, c, decodes)):
             plan.resident.pop(c.request_id, None)
             plan.held.append(c.request_id)
             break  # it waits (for decodes to finish or gain slack); no one overtakes it
+        if room:
+            keep[:] = room[0]
+            avail += room[1]
+            plan.offload.update(room[3])
         plan.prefill.append((c.request_id, n))
         plan.admit.append(c.request_id)
         if offloaded and span > n:
@@ -373,7 +407,61 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         tokens -= n
         slots -= 1
         rows += 1
+        later = extra
     return plan
+
+
+def _forecast(cost: PageCost, running: Sequence[Candidate], horizon: int) -> int:
+    """The most pages the running requests take beyond their next step at any of the next
+    `horizon` steps: their growth (prompts still to feed, then a token a step) less the
+    pages of those expected to finish by then."""
+    ends = sorted({min(c.remaining or horizon, horizon) for c in running} | {horizon})
+    worst = 0
+    for t in ends:
+        net = 0
+        for c in running:
+            if (c.remaining or horizon) < t:
+                net -= c.pin_pages  # finished: what it holds is free again
+            else:
+                held = c.held + c.pending - 1
+                net += (step_pages(cost, c.resident, held, t)
+                        - step_pages(cost, c.resident, held, 1))
+        worst = max(worst, net)
+    return worst
+
+
+def _room(keep: list[Candidate], need: int, budget: Budget, fetched: set[str]
+          ) -> tuple[list[Candidate], int, int, dict[str, int]] | None:
+    """LayerKV eq. 5 for an admission: the decoding requests' resident layers that move to
+    the host, the newest first (not those fetched this step), to free `need` pages beyond
+    what their next step takes:
+    (the running requests after, the pages freed, the layers moved, request -> layers it
+    keeps). None where moving all of them would not do."""
+    cost, keep, freed, moved, keeps = budget.cost, list(keep), 0, 0, {}
+    for i in range(len(keep) - 1, -1, -1):
+        c = keep[i]
+        r = cost.layers if c.resident is None else c.resident
+        if c.pending != 1 or r == 0 or c.offload_pages <= 0 or c.request_id in fetched:
+            continue
+        per, before = c.offload_pages // r, _decode_pages(cost, keep, 1)
+        for k in range(1, r + 1):
+            new = dataclasses.replace(c, resident=r - k, offload_pages=per * (r - k),
+                                      fetch_pages=c.fetch_pages + per * k)
+            trial = keep[:i] + [new] + keep[i + 1:]
+            gain = per * k - (_decode_pages(cost, trial, 1) - before)
+            if freed + gain >= need:
+                break
+        if gain <= 0:
+            continue
+        keep, freed, moved = trial, freed + gain, moved + k
+        keeps[c.request_id] = r - k
+        if freed >= need:
+            return keep, freed, moved, keeps
+    return None
+
+
+def _on_host(cost: PageCost, c: Candidate) -> int:
+    return 0 if c.resident is None else cost.layers - c.resident
 
 
 def added_step_seconds(budget: Budget, rows: int, offloaded: int) -> float:
@@ -408,37 +496,16 @@ def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candid
     return True
 
 
-class OutputLengths:
-    """How long a reply will be, for TPOT slack (LayerKV 3.1): the lengths of finished
-    replies, per session and of the last `window` overall. An estimate is conservative (a
-    low quantile: a short future leaves less slack), never above the request's max_tokens."""
-
-    def __init__(self, quantile: float = 0.25, window: int = 256) -> None:
-        self.quantile = quantile
-        self.recent: collections.deque[int] = collections.deque(maxlen=window)
-        self.sessions: dict[str, collections.deque[int]] = {}
-        # each source's quantile until its next reply: every request asks every step
-        self._totals: dict[str | None, int] = {}
-
-    def add(self, session: str | None, length: int) -> None:
-        self.recent.append(length)
-        self._totals.pop(None, None)
-        if session is not None:
-            self.sessions.setdefault(session, collections.deque(maxlen=16)).append(length)
-            self._totals.pop(session, None)
-
-    def remaining(self, session: str | None, max_tokens: int, generated: int) -> int:
-        """Tokens a request that has generated `generated` is expected to generate still
-        (at least 1): from its session's replies, else recent ones, else just the next."""
-        source = session if session is not None and self.sessions.get(session) else None
-        total = self._totals.get(source)
-        if total is None:
-            seen = self.recent if source is None else self.sessions[source]
-            total = self._totals[source] = (int(np.quantile(list(seen), self.quantile))
-                                            if seen else 0)
-        return max(1, min(total, max_tokens) - generated)
+def within_own_target(extra: float, offloaded: int, new: Candidate, budget: Budget) -> bool:
+    """Whether `new`, admitted with `offloaded` layers on the host, decodes in steps within
+    its own TPOT target (each step the decodes' now and `extra`); one whose layers all fit
+    is not held for its own sake (it only waits for the step to get no faster)."""
+    if not offloaded or new.tpot_slo is None or not budget.decode_step_seconds:
+        return True
+    return budget.decode_step_seconds + extra <= new.tpot_slo
 
 
-__all__ = ["Budget", "Candidate", "OutputLengths", "Plan", "min_resident",
+__all__ = ["Budget", "Candidate", "Plan", "admission_keeps_slack", "min_resident",
            "offload_beats_recompute", "offload_beats_waiting", "plan_step",
-           "prefill_fits", "prefill_pages", "queue_order", "step_fits", "step_pages"]
+           "prefill_fits", "prefill_pages", "queue_order", "step_fits", "step_pages",
+           "within_own_target"]

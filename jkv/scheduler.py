@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine import Engine, Row, Sampled
 from jkv.layer_major import layers_for
+from jkv.output_lengths import OutputLengths
 from jkv.planning import (
     Budget,
     Candidate,
-    OutputLengths,
     min_resident,
     plan_step,
     queue_order,
@@ -205,9 +205,10 @@ class Scheduler(StoreSide):
         # (what admission weighs the cost of its steps over; not known before any reply)
         remaining = (self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
                      if self.lengths.recent else None)
-        return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held,
-                         self._state[r].slot is not None, r.priority, pin_pages, ttft, tpot,
-                         remaining=remaining)
+        running = self._state[r].slot is not None
+        return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held, running,
+                         r.priority, pin_pages, ttft, tpot, remaining=remaining,
+                         whole=not running and r.num_preemptions > 0)
 
     def _running(self, r: Request, now: float) -> Candidate:
         st, cache = self._state[r], self.engine.cache
@@ -406,7 +407,8 @@ class Scheduler(StoreSide):
                      if row.layers is None)
         t0 = time.perf_counter()
         out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])
-        self.costs.learn(time.perf_counter() - t0, sum(work), len(decode), brings)
+        self.costs.learn(time.perf_counter() - t0, sum(work), len(decode), brings,
+                         sum(len(r.tokens) for r, _ in decode))
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]

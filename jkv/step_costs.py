@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from jkv.averages import moving_average
+
+FORGET = 0.995  # of the fit's older steps, each step: about the last 200 steps count
+MIN_BROUGHT = 8  # steps with layers brought in before their cost is taken as known
+MIN_FITTED = 32  # steps of decodes before the fit estimates a row bucket not measured
 
 
 class StepCosts:
@@ -19,14 +25,32 @@ class StepCosts:
         self.by_rows: dict[int, float] = {}  # row bucket -> seconds of a step of decodes
         self.prefill_token_s = 0.0
         self.offload_layer_s = 0.0
+        # steps of decodes, with and without layers brought in, fitted together (recursive
+        # least squares, older steps fading): seconds ~ a + b x padded rows + c x thousands
+        # of tokens of context + d x layers brought. d is the layers' cost: steps that bring
+        # layers in rarely share their row bucket and context with a step that did not (on a
+        # CPU 1K tokens more context costs a row 4 ms, two rows more 12 ms: put on 2 layers,
+        # that read as 8 ms a layer where bringing one takes 0.5); a row bucket never seen
+        # without layers brought in is the fit's too
+        self._fit = np.zeros(4)
+        self._spread = np.eye(4) * 1e4
+        self._fitted = self._brought = 0  # steps fitted; those that brought layers in
+        self._row_context = 0.0  # tokens of context a decoding row has, on average
 
     def decode(self, rows: int) -> float:
         """Seconds of a step of `rows` decodes with every layer in the pool: as measured at
-        their bucket, else at the bucket measured nearest by ratio (the larger of two as
-        near); 0 before any."""
+        their bucket; else, once the fit has seen steps of other buckets, its estimate (no
+        less than a smaller bucket's measure); else as at the bucket measured nearest by
+        ratio (the larger of two as near); 0 before any."""
         if rows <= 0 or not self.by_rows:
             return 0.0
         b = self.rows_bucket(rows)
+        if b in self.by_rows:
+            return self.by_rows[b]
+        if self._fitted >= MIN_FITTED:
+            x = np.array([1.0, b, rows * self._row_context / 1000, 0.0])
+            below = [v for k, v in self.by_rows.items() if k < b]
+            return max(float(x @ self._fit), *below, 0.0)
         near = min(self.by_rows, key=lambda k: (max(k, b) / min(k, b), -k))
         return self.by_rows[near]
 
@@ -34,21 +58,31 @@ class StepCosts:
         """Seconds of a step of `rows` decodes that brings `brings` offloaded layers in."""
         return self.decode(rows) + brings * self.offload_layer_s
 
-    def learn(self, seconds: float, prefill_tokens: int, rows: int, brings: int = 0) -> None:
-        """A step that took `seconds` for `prefill_tokens` prefill tokens, `rows` decodes and
-        `brings` offloaded layers brought in: a step of decodes alone is their bucket's
-        sample; otherwise what the known parts do not explain is the unknown part's (the
-        layers' when no prefill ran, else the prefill tokens')."""
-        if not prefill_tokens and not brings:
+    def learn(self, seconds: float, prefill_tokens: int, rows: int, brings: int = 0,
+              context: int = 0) -> None:
+        """A step that took `seconds` for `prefill_tokens` prefill tokens, `rows` decodes
+        over `context` tokens of context and `brings` offloaded layers brought in: a step of
+        decodes alone is their bucket's sample; with layers brought in, the fit's; with
+        prefill tokens, what the known parts do not explain is the tokens'."""
+        if not prefill_tokens:
             if rows:
+                self._learn_fit(seconds, rows, brings, context)
+            if rows and not brings:
                 b = self.rows_bucket(rows)
                 self.by_rows[b] = moving_average(self.by_rows.get(b, 0.0), seconds)
-        elif not prefill_tokens:
-            base = self.decode(rows)
-            if base:
-                self.offload_layer_s = moving_average(self.offload_layer_s,
-                                                      max(seconds - base, 0.0) / brings)
         else:
             base = self.decode(rows) + brings * self.offload_layer_s
             self.prefill_token_s = moving_average(self.prefill_token_s,
                                                   max(seconds - base, 0.0) / prefill_tokens)
+
+    def _learn_fit(self, seconds: float, rows: int, brings: int, context: int) -> None:
+        x = np.array([1.0, self.rows_bucket(rows), context / 1000, brings])
+        px = self._spread @ x
+        gain = px / (FORGET + x @ px)
+        self._fit = self._fit + gain * (seconds - x @ self._fit)
+        self._spread = (self._spread - np.outer(gain, px)) / FORGET
+        self._fitted += 1
+        self._brought += brings > 0
+        self._row_context = moving_average(self._row_context, context / rows)
+        if self._brought >= MIN_BROUGHT:
+            self.offload_layer_s = max(float(self._fit[3]), 0.0)

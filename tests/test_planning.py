@@ -12,7 +12,6 @@ from jkv.cache.page_cost import PageCost
 from jkv.planning import (
     Budget,
     Candidate,
-    OutputLengths,
     min_resident,
     offload_beats_recompute,
     plan_step,
@@ -168,19 +167,6 @@ def test_tpot_slack_lets_a_longer_prefill_in_and_the_smallest_one_caps_it():
     slow = dict(cost, decode_step_seconds=0.06)  # a step alone already takes longer
     plan = plan_step([late], [waiting("w", 100)], budget(max_tokens=256, chunk=256, **slow))
     assert plan.prefill == [] and plan.decode == ["l"]
-
-
-def test_output_lengths_estimate_low_from_the_session_then_recent_replies():
-    lengths = OutputLengths(quantile=0.25)
-    assert lengths.remaining("s", 100, 0) == 1  # nothing seen: only the next token is certain
-    for n in (40, 80, 120, 160, 200):
-        lengths.add(None, n)
-    assert lengths.remaining("s", 100, 0) == 80  # a low quantile of recent replies (80)
-    assert lengths.remaining("s", 100, 30) == 50
-    lengths.add("s", 20)
-    lengths.add("s", 24)
-    assert lengths.remaining("s", 100, 0) == 21
-    assert lengths.remaining(None, 8, 0) == 8  # max_tokens
 
 
 # ---------------------------------------------------------------------------- restores
@@ -464,6 +450,66 @@ def test_an_offloaded_admission_waits_while_its_steps_would_break_a_decodes_tpot
     # one that fits with every layer resident costs no step anything
     p = plan_step([d], [w], layered(offload_layer_seconds=1.0, chunk=64, max_tokens=64,
                                     available_pages=40))
+    assert p.admit == ["w"] and p.resident == {}
+
+
+def test_an_admission_makes_room_by_moving_the_newest_decodes_layers_to_the_host():
+    # d holds 60 tokens with every layer (32 pages); w needs 8 pages at 0 resident (its
+    # one layer in flight); 4 are free
+    d = offloadable("d", 60, 0.0, tpot_slo=0.1, tpot_slack=1.0, remaining=10)
+    w = waiting("w", 64, 1.0, remaining=10)
+    costs = dict(chunk=64, max_tokens=64, available_pages=4)
+    p = plan_step([d], [w], layered(offload_layer_seconds=0.001, **costs))
+    assert p.admit == ["w"] and p.resident == {"w": 0} and p.held == []
+    # d keeps as many layers as leave room for w's pages and d's step (with a layer on
+    # the host, one layer's pages of its whole length while that layer runs); each layer
+    # moved frees its 8 pages
+    kept = p.offload["d"]
+    assert kept == max(k for k in range(LAYERS) if step_pages(LAYERED, 0, 0, 64)
+                       + step_pages(LAYERED, k, 60, 1) <= 4 + 8 * (LAYERS - k))
+    # the layers moved count in d's slack: w's 4 alone (4 x 20 ms x 10 steps: 0.8 s of
+    # 1.0) would fit, with d's too they do not: w waits and d keeps its layers
+    moved = LAYERS - kept
+    assert (LAYERS + moved) * 0.02 * 10 > 1.0 >= LAYERS * 0.02 * 10
+    p = plan_step([d], [w], layered(offload_layer_seconds=0.02, **costs))
+    assert p.admit == [] and p.offload == {} and p.held == ["w"]
+    # without layer offload w waits for d's pages
+    p = plan_step([d], [w], budget(cost=LAYERED, **costs))
+    assert p.admit == [] and p.offload == {}
+
+
+def test_an_admission_counts_the_running_prefills_and_its_own_target():
+    # p (prefilling, all 4 layers on the host) will decode in the steps w would. 6 pages:
+    # p grows by 2 over w's steps, w keeps 1 layer (4 pages with its layer in flight): w's
+    # 3 layers on the host alone fit d's slack (3 x 10 ms x 10 steps: 0.3 s of 0.5), with
+    # p's 4 they do not
+    d = offloadable("d", 20, 0.0, tpot_slo=0.1, tpot_slack=0.5, remaining=10)
+    pre = dataclasses.replace(offloadable("p", 64, 0.5, resident=0, remaining=10), pending=40)
+    w = waiting("w", 16, 1.0, remaining=10)
+    costs = dict(chunk=16, max_tokens=64, offload_layer_seconds=0.01)
+    p = plan_step([d], [w], layered(available_pages=6, **costs))
+    assert p.admit == ["w"] and p.resident == {"w": 2}  # (without p: no growth, 2 kept)
+    p = plan_step([d, pre], [w], layered(available_pages=6, **costs))
+    assert p.admit == [] and p.held == ["w"]
+    # its own steps, the decodes' (20 ms) and its layers (4 pages: 3 on the host, 30 ms),
+    # beyond its own target
+    costs.update(available_pages=4, decode_step_seconds=0.02)
+    p = plan_step([d], [dataclasses.replace(w, tpot_slo=0.045)], layered(**costs))
+    assert p.admit == [] and p.held == ["w"]
+    p = plan_step([d], [dataclasses.replace(w, tpot_slo=0.055)], layered(**costs))
+    assert p.admit == ["w"]
+
+
+def test_a_preempted_request_comes_back_only_with_every_layer():
+    # 20 pages admit the 64-token chunk with 1 resident layer; one preempted before (its
+    # layers on the host judged dearer than recomputing it) waits for all its pages: back
+    # at once with layers on the host it would pay both, and be preempted again
+    chunk = dict(chunk=64, max_tokens=64, available_pages=20)
+    assert plan_step([], [waiting("w", 64)], layered(**chunk)).resident == {"w": 1}
+    p = plan_step([], [waiting("w", 64, whole=True)], layered(**chunk))
+    assert p.admit == [] and p.resident == {}
+    p = plan_step([], [waiting("w", 64, whole=True)], layered(chunk=64, max_tokens=64,
+                                                               available_pages=32))
     assert p.admit == ["w"] and p.resident == {}
 
 

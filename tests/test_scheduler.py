@@ -342,6 +342,12 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
     (d,), (w,) = running, waiting
     assert d.tpot_slack is not None and d.remaining == 30 - 5
     assert w.remaining == 8  # its max_tokens is below the estimate
+    assert not w.whole  # never preempted: it may come in with layers on the host
+    back = Request(list(range(5, 30)), SamplingParams(max_tokens=8, temperature=0))
+    back.num_preemptions = 1  # (as a preemption leaves it)
+    sched.add(back)
+    sched.step()
+    assert [c.whole for c in seen[-1][1] if c.request_id == back.request_id] == [True]
 
     held = []
 
