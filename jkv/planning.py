@@ -227,8 +227,7 @@ def _offload(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> i
             continue
         per = c.offload_pages // r  # its own pages in one layer
         for k in range(1, r + 1):
-            new = dataclasses.replace(c, resident=r - k, offload_pages=per * (r - k),
-                                      fetch_pages=c.fetch_pages + per * k)
+            new = _moved(c, r, k)
             if _decode_pages(cost, keep[:i] + [new] + keep[i + 1:], horizon) <= avail + per * k:
                 break
         if not offload_beats_recompute(budget, cost.layers - (r - k), c):
@@ -237,6 +236,14 @@ def _offload(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> i
         avail += per * k
         plan.offload[c.request_id] = r - k
     return avail
+
+
+def _moved(c: Candidate, resident: int, k: int) -> Candidate:
+    """Running request `c`, with `resident` layers in the pool, after `k` of them move to
+    the host (each its own pages in one layer)."""
+    per = c.offload_pages // resident
+    return dataclasses.replace(c, resident=resident - k, offload_pages=per * (resident - k),
+                               fetch_pages=c.fetch_pages + per * k)
 
 
 def offload_beats_recompute(budget: Budget, layers: int, c: Candidate) -> bool:
@@ -368,8 +375,8 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         # chunks waiting for pages the decodes take)
         whole = cost.grow(c.held, c.pending) + c.pin_pages if long else pages
         room = None  # running requests' layers moved to the host to make room for it
-        # LayerKV eq. 5 over the steps it is expected to decode: what the running requests
-        # grow by, less what those expected to finish first free, stays free too
+        # LayerKV eq. 5: what the running requests grow by over the forecast's steps, less
+        # what those expected to finish by then free, stays free too
         layered = budget.layer_offload and not c.whole
         ahead = _forecast(cost, keep, max(budget.forecast_steps, 1)) if layered else 0
         if layered and max(pages, whole) + ahead > avail:
@@ -434,9 +441,8 @@ def _room(keep: list[Candidate], need: int, budget: Budget, fetched: set[str]
           ) -> tuple[list[Candidate], int, int, dict[str, int]] | None:
     """LayerKV eq. 5 for an admission: the decoding requests' resident layers that move to
     the host, the newest first (not those fetched this step), to free `need` pages beyond
-    what their next step takes:
-    (the running requests after, the pages freed, the layers moved, request -> layers it
-    keeps). None where moving all of them would not do."""
+    what their next step takes. Returns the running requests after, the pages freed, the
+    layers moved and each moved request's layers kept; None where moving all would not do."""
     cost, keep, freed, moved, keeps = budget.cost, list(keep), 0, 0, {}
     for i in range(len(keep) - 1, -1, -1):
         c = keep[i]
@@ -445,9 +451,7 @@ def _room(keep: list[Candidate], need: int, budget: Budget, fetched: set[str]
             continue
         per, before = c.offload_pages // r, _decode_pages(cost, keep, 1)
         for k in range(1, r + 1):
-            new = dataclasses.replace(c, resident=r - k, offload_pages=per * (r - k),
-                                      fetch_pages=c.fetch_pages + per * k)
-            trial = keep[:i] + [new] + keep[i + 1:]
+            trial = keep[:i] + [_moved(c, r, k)] + keep[i + 1:]
             gain = per * k - (_decode_pages(cost, trial, 1) - before)
             if freed + gain >= need:
                 break

@@ -12,13 +12,15 @@ from jkv.averages import moving_average
 FORGET = 0.995  # of the fit's older steps, each step: about the last 200 steps count
 MIN_BROUGHT = 8  # steps with layers brought in before their cost is taken as known
 MIN_FITTED = 32  # steps of decodes before the fit estimates a row bucket not measured
+SPREAD = 1e4  # the fit's uncertainty at the start, and the most it returns to
 
 
 class StepCosts:
     """Running averages of measured step times, split into parts: a step of decodes by its
     row bucket (on a CPU each row costs its share of the compute, so a step of six decodes
     took 2.5x a step of one with SmolLM2; on a GPU rows come nearly free), a prefill token on
-    top of a step's decodes, and each offloaded layer a step brings in on top of them."""
+    top of a step's decodes, and each offloaded layer a step brings in on top of them (from
+    a least-squares fit of the decode steps)."""
 
     def __init__(self, rows_bucket: Callable[[int], int]) -> None:
         self.rows_bucket = rows_bucket
@@ -33,14 +35,15 @@ class StepCosts:
         # that read as 8 ms a layer where bringing one takes 0.5); a row bucket never seen
         # without layers brought in is the fit's too
         self._fit = np.zeros(4)
-        self._spread = np.eye(4) * 1e4
+        self._spread = np.eye(4) * SPREAD
         self._fitted = self._brought = 0  # steps fitted; those that brought layers in
         self._row_context = 0.0  # tokens of context a decoding row has, on average
 
     def decode(self, rows: int) -> float:
         """Seconds of a step of `rows` decodes with every layer in the pool: as measured at
-        their bucket; else, once the fit has seen steps of other buckets, its estimate (no
-        less than a smaller bucket's measure); else as at the bucket measured nearest by
+        their bucket; else, once the fit has seen `MIN_FITTED` steps, its estimate at the
+        recent context a row (no less than a smaller bucket's measure); else as at the
+        bucket measured nearest by
         ratio (the larger of two as near); 0 before any."""
         if rows <= 0 or not self.by_rows:
             return 0.0
@@ -61,9 +64,9 @@ class StepCosts:
     def learn(self, seconds: float, prefill_tokens: int, rows: int, brings: int = 0,
               context: int = 0) -> None:
         """A step that took `seconds` for `prefill_tokens` prefill tokens, `rows` decodes
-        over `context` tokens of context and `brings` offloaded layers brought in: a step of
-        decodes alone is their bucket's sample; with layers brought in, the fit's; with
-        prefill tokens, what the known parts do not explain is the tokens'."""
+        over `context` tokens of context and `brings` offloaded layers brought in: every step
+        of decodes alone is the fit's sample, one with no layers brought in its bucket's too;
+        with prefill tokens, what the known parts do not explain is the tokens'."""
         if not prefill_tokens:
             if rows:
                 self._learn_fit(seconds, rows, brings, context)
@@ -80,7 +83,11 @@ class StepCosts:
         px = self._spread @ x
         gain = px / (FORGET + x @ px)
         self._fit = self._fit + gain * (seconds - x @ self._fit)
-        self._spread = (self._spread - np.outer(gain, px)) / FORGET
+        spread = (self._spread - np.outer(gain, px)) / FORGET
+        # a part no step varies (no layer ever brought in) would grow without bound as
+        # older steps fade, to overflow in a long-running server: held at its start
+        scale = np.sqrt(np.minimum(1.0, SPREAD / np.maximum(np.diag(spread), SPREAD)))
+        self._spread = spread * np.outer(scale, scale)
         self._fitted += 1
         self._brought += brings > 0
         self._row_context = moving_average(self._row_context, context / rows)

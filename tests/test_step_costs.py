@@ -71,3 +71,13 @@ def test_layers_are_told_apart_from_the_rows_and_context_they_come_with():
     assert c.by_rows.keys() == {1, 2}
     assert c.decode(8) == pytest.approx(truth(8, 8 * 1100, 0), rel=0.2)
     assert c.decode(8) > c.decode(4) > c.decode(2)
+
+
+def test_the_fit_stays_bounded_where_no_step_varies_a_part():
+    # a long-running server that never brings a layer in: that part's uncertainty must not
+    # grow as older steps fade (it would overflow to inf, then every estimate to nan)
+    c = costs()
+    for i in range(3000):
+        c.learn(truth(1 + i % 4, 500 + i, 0), 0, 1 + i % 4, 0, 500 + i)
+    assert np.isfinite(c._spread).all() and c._spread.max() <= 1e4
+    assert c.offload_layer_s == 0.0 and np.isfinite(c.decode(8)) and c.decode(8) > 0
