@@ -98,9 +98,9 @@ case ${1:-1} in
     # and the pool holds 4K tokens: benchmarks/serve_replay.py (the scheduler replayed at
     # the H200's measured costs) found the earlier 3 GB pool with 32-token replies under no
     # pressure at all (the three settings alike); its prediction for this exact command,
-    # with the scheduler as it is now, is serve_replay-h200-llama3-8b-2026-11-27-4.json
-    # (offload + SLO against no offload: TTFT p99 0.27x / 0.52x at 0.5 / 1 a second, TPOT
-    # p99 1.13x / 1.11x), to be compared with what this measures
+    # with the scheduler as it is now, is serve_replay-h200-llama3-8b-2026-11-28.json
+    # (offload + SLO against no offload: TTFT p99 0.26x / 0.61x at 0.5 / 1 a second, TPOT
+    # p99 1.10x / 1.10x), to be compared with what this measures
     step 560 serve_slo python benchmarks/serve_slo.py --requests 16 --rates 0.5,1 \
         --lengths 512,1024,2048 --max-model-len 2560 --max-tokens 256 \
         --ttft-slo-ms 2000 --tpot-slo-ms 25 --vocab 128256 --startup-timeout 300 \

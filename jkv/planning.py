@@ -31,9 +31,12 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   request gives layers up only where bringing them in each step of its remaining output
   costs the step less than recomputing what it holds (`offload_beats_recompute`; else it is
   preempted, and comes back only with every layer: back at once with layers on the host it
-  would pay both, and be preempted again as the decodes grow), and where no decode carries
-  a TPOT target a new request is admitted with layers on the host only where they cost
-  the decoding requests' steps less than its wait for the first of them to finish
+  would pay both, and be preempted again as the decodes grow); one with a TPOT target counts
+  its own wait for pages too, and keeps its layers on the host only while every decode's
+  slack covers them (`offload_beats_preempting`: the rule an admission meets, so one
+  admitted with layers on the host is not preempted a few steps later); where no decode
+  carries a TPOT target a new request is admitted with layers on the host only where they
+  cost the decoding requests' steps less than its wait for the first of them to finish
   (`offload_beats_waiting`; with targets, the slack check below is what weighs them). On the
   H200 at Llama-3-8B's shape a layer brought in costs about what 25 to 45 recomputed tokens
   do, so both mostly say no there; on a CPU recompute is the dearer;
@@ -218,6 +221,7 @@ def _offload(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> i
     fit, the least important running requests keep fewer layers in the pool (as few
     offloaded as cover the gap). Updates `keep` and `plan.offload`; returns `avail`."""
     cost, horizon = budget.cost, max(budget.forecast_steps, 1)
+    extra = 0.0  # what the layers moved so far add to each step
     for i in range(len(keep) - 1, -1, -1):
         if _decode_pages(cost, keep, horizon) <= avail:
             break
@@ -230,8 +234,10 @@ def _offload(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> i
             new = _moved(c, r, k)
             if _decode_pages(cost, keep[:i] + [new] + keep[i + 1:], horizon) <= avail + per * k:
                 break
-        if not offload_beats_recompute(budget, cost.layers - (r - k), c):
-            break  # cheaper preempted (and the requests before it are kept whole)
+        more = extra + k * budget.offload_layer_seconds
+        if not offload_beats_preempting(budget, more, cost.layers - (r - k), c, keep):
+            break  # better preempted (and the requests before it are kept whole)
+        extra = more
         keep[i] = new
         avail += per * k
         plan.offload[c.request_id] = r - k
@@ -258,6 +264,28 @@ def offload_beats_recompute(budget: Budget, layers: int, c: Candidate) -> bool:
     if not (s and p) or c.remaining is None:
         return True
     return layers * s * c.remaining <= c.held * p
+
+
+def offload_beats_preempting(budget: Budget, extra: float, layers: int, c: Candidate,
+                             running: Sequence[Candidate]) -> bool:
+    """Whether running request `c` goes on with `layers` layers on the host, its steps and
+    the others' `extra` seconds longer while it decodes, rather than being preempted.
+    Without a TPOT target, where that costs the running requests less
+    (`offload_beats_recompute`). With one, its own stall counts too (its target pays for
+    it): preempted, it waits at least until the first other decode among `running`
+    finishes and frees pages (that wait shared over the rows, as a step's time is), and
+    going on must keep every decoding request's slack (LayerKV eq. 1, as for an admission)
+    and its own steps within its own target."""
+    s, p, step = budget.offload_layer_seconds, budget.prefill_token_seconds, \
+        budget.decode_step_seconds
+    if c.tpot_slo is None or c.remaining is None or not (s and p and step):
+        return offload_beats_recompute(budget, layers, c)
+    decodes = [d for d in running if d.pending == 1]
+    ends = [d.remaining * step for d in decodes if d.remaining and d is not c]
+    wait = min(ends, default=0.0) / len(decodes or [c])
+    return (layers * s * c.remaining <= c.held * p + wait
+            and admission_keeps_slack(extra, c, decodes, budget)
+            and within_own_target(extra, layers, c, budget))
 
 
 def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
@@ -510,6 +538,7 @@ def within_own_target(extra: float, offloaded: int, new: Candidate, budget: Budg
 
 
 __all__ = ["Budget", "Candidate", "Plan", "admission_keeps_slack", "min_resident",
-           "offload_beats_recompute", "offload_beats_waiting", "plan_step",
+           "offload_beats_preempting", "offload_beats_recompute", "offload_beats_waiting",
+           "plan_step",
            "prefill_fits", "prefill_pages", "queue_order", "step_fits", "step_pages",
            "within_own_target"]

@@ -403,6 +403,32 @@ def test_a_decode_is_preempted_where_its_layers_on_the_host_cost_more_than_recom
     assert plan.preempt == [] and list(plan.offload) == ["b"]
 
 
+def test_with_tpot_targets_a_decode_keeps_going_offloaded_where_preempted_it_would_wait():
+    # b must move 2 layers to the host (as above): 2 x 10 ms a step over its 10 steps,
+    # 0.2 s against 48 ms of recompute: preempted where no one carries a target
+    costs = dict(prefill_token_seconds=0.001, available_pages=10, offload_layer_seconds=0.01,
+                 decode_step_seconds=0.02)
+
+    def plan(a_remaining=40, a_slack=1.0, b_slo=0.1):
+        a = offloadable("a", 32, 1.0, remaining=a_remaining, tpot_slo=0.1, tpot_slack=a_slack)
+        b = offloadable("b", 48, 2.0, remaining=10, tpot_slo=b_slo, tpot_slack=1.0)
+        return plan_step([a, b], [], layered(**costs))
+
+    untargeted = [offloadable("a", 32, 1.0, remaining=40), offloadable("b", 48, 2.0,
+                                                                        remaining=10)]
+    assert plan_step(untargeted, [], layered(**costs)).preempt == ["b"]
+    # with targets its own wait counts: preempted, it waits at least for a's 40 steps (0.8 s,
+    # shared over the 2 rows) before recomputing: 0.448 s against 0.2 s; and the 20 ms a
+    # step more fits a's slack (0.2 s of 1 s) and b's own target (20 + 20 ms of 100)
+    p = plan()
+    assert p.preempt == [] and p.offload == {"b": 2} and p.decode == ["a", "b"]
+    # preempted where a's slack does not cover it, where b's own steps would pass its
+    # target, or where a finishes soon (b back in 2 steps: 0.068 s)
+    assert plan(a_slack=0.1).preempt == ["b"]
+    assert plan(b_slo=0.03).preempt == ["b"]
+    assert plan(a_remaining=2).preempt == ["b"]
+
+
 def test_an_offloaded_admission_waits_when_its_layers_cost_the_decodes_more_than_its_wait():
     # 20 pages admit the 64-token chunk with 1 resident layer (3 on the host); d decodes
     # 50 more steps of 10 ms: waiting for its pages costs w 0.5 s at most
