@@ -24,13 +24,8 @@ from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine import Engine, Row, Sampled
 from jkv.layer_major import layers_for
 from jkv.output_lengths import OutputLengths
-from jkv.planning import (
-    Budget,
-    Candidate,
-    min_resident,
-    plan_step,
-    queue_order,
-)
+from jkv.plan_records import Budget, Candidate, queue_order
+from jkv.planning import min_resident, plan_step
 from jkv.request import Request, SchedulerStats, Tracked, Truncation
 from jkv.restore_planning import RestoreRates
 from jkv.scheduler_store import StoreSide

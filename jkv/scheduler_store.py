@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from jkv.config import SchedulerConfig
 from jkv.engine import Engine, SavedPages
-from jkv.planning import Candidate
+from jkv.plan_records import Candidate
 from jkv.request import Request, SchedulerStats, Tracked
 from jkv.restore_planning import RestoreDecision, RestoreRates, plan_restore
 from jkv.step_costs import StepCosts

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from jkv.cache.page_cost import PageCost
+from jkv.plan_records import Budget, Candidate
 from jkv.planning import (
-    Budget,
-    Candidate,
     min_resident,
     offload_beats_recompute,
     plan_step,
