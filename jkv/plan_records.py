@@ -37,9 +37,10 @@ class Candidate:
     # a prompt fed layer-major (`jkv.layer_major`): running, the layers it has run; waiting,
     # 0 when admitting it with layers on the host would feed it so (None: never)
     layer_major: int | None = None
-    # waiting: preempted before, its layers on the host judged dearer than recomputing it
-    # (or not enough): admitted again only with every layer (back at once with layers on
-    # the host, it would pay both, and be preempted again as the decodes grow)
+    # waiting: preempted before, its layers on the host judged dearer than recomputing it,
+    # or past a TPOT target (or not enough): admitted again only with every layer (back at
+    # once with layers on the host, it would pay both, and be preempted again as the
+    # decodes grow)
     whole: bool = False
 
 
