@@ -19,7 +19,7 @@ import pytest
 
 from jkv.config import KV_FORMATS, SCALE_DTYPE, KVFormat
 from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.kv_quant import pack, unpack
+from jkv.pallas_kernels.kv_quant import as_stored, pack, unpack
 from jkv.pallas_kernels.quantize_write import quantize_write, quantize_write_reference
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -40,6 +40,23 @@ def test_packed_codes_read_back_exactly(bits):
         want |= codes[:, i * dp:(i + 1) * dp] << (bits * i)
     np.testing.assert_array_equal(packed, want)
     np.testing.assert_array_equal(unpack(jnp.asarray(packed), bits), codes)
+
+
+def test_as_stored_rounds_as_a_float16_conversion_does():
+    """Scales and zero points are rounded by `as_stored`, jitted or not, exactly as a float16
+    conversion rounds: random magnitudes from float16's subnormals to past its range, and
+    exact ties between two float16 values (normal and subnormal)."""
+    rng = np.random.default_rng()
+    x = np.concatenate([rng.normal(size=20_000) * 10.0 ** rng.uniform(-9, 5, 20_000),
+                        rng.integers(0, 4096, 2_000) * 2.0 ** -25,  # subnormal ties
+                        [np.inf, -np.inf, np.nan, 0.0, 65504.0, 65519.0, 65520.0, 2.0 ** -14]])
+    halves = rng.normal(size=2_000).astype(np.float16).astype(np.float32)
+    tie = (halves.view(np.int32) + (1 << 12)).view(np.float32)  # half a float16 ulp above
+    x = np.concatenate([x.astype(np.float32), tie])
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    for f in (as_stored, jax.jit(as_stored)):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x))), want)
 
 
 @pytest.mark.parametrize("name", ["k8v4t", "k4v2t", "k8v4", "int8", "k2v2"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jkv.config import SCALE_DTYPE
 
@@ -56,8 +57,43 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
     return parts.astype(jnp.uint8).reshape(*packed.shape[:-1], k * packed.shape[-1])
 
 
-def quantize_codes(x: jax.Array, lo: jax.Array, hi: jax.Array,
-                   bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def as_stored(x: jax.Array) -> jax.Array:
+    """float32 x rounded to the nearest float16 (`SCALE_DTYPE`; ties to even, subnormals
+    and overflow as a conversion gives them), kept in float32: the value a scale or zero
+    point has once stored.
+
+    Not `x.astype(float16).astype(float32)`: XLA's GPU compiler drops that round trip where
+    it allows excess precision (its SimplifyFPConversions pass), so codes were computed
+    against unrounded scales and zero points while the rounded ones were stored (compiled on
+    an H200, 1-3% of codes off by one, 14% of 2-bit scales off by a float16 ulp). Integer
+    operations on the bits and exact float32 steps are not rewritten. Inside a Pallas kernel
+    the plain round trip is used (`_round_trip`): Triton keeps it, and these operations
+    slowed interpret mode 1.7x."""
+    x = x.astype(jnp.float32)
+    ax = jnp.abs(x)
+    mag = lax.bitcast_convert_type(ax, jnp.int32)
+    # normal float16 range: keep 10 of float32's 23 mantissa bits, rounding half to even
+    kept = (mag + (0xFFF + ((mag >> 13) & 1))) & ~0x1FFF
+    kept = jnp.where(kept >= 0x47800000, 0x7F800000, kept)  # 65520 and above: infinity
+    kept = jnp.where(mag >= 0x7F800000, mag, kept)  # inf and nan as they are
+    normal = lax.bitcast_convert_type(kept, jnp.float32)
+    # below float16's smallest normal (2**-14): multiples of 2**-24, counted exactly in
+    # float32 (y < 1024) and rounded half to even by floor (XLA folds `(ax + c) - c`)
+    y = ax * 2.0 ** 24
+    f = jnp.floor(y)
+    odd = f - 2.0 * jnp.floor(f * 0.5)
+    up = (y - f > 0.5) | ((y - f == 0.5) & (odd == 1.0))
+    tiny = (f + up.astype(jnp.float32)) * 2.0 ** -24
+    r = jnp.where(ax < 2.0 ** -14, tiny, normal)
+    return jnp.where(x < 0, -r, r)
+
+
+def _round_trip(x: jax.Array) -> jax.Array:
+    return x.astype(SCALE_DTYPE).astype(jnp.float32)
+
+
+def quantize_codes(x: jax.Array, lo: jax.Array, hi: jax.Array, bits: int,
+                   in_kernel: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Codes of float32 x between lo and hi (broadcast against x), and the scale and zero
     point as stored (`SCALE_DTYPE`, shaped like lo).
 
@@ -69,17 +105,16 @@ def quantize_codes(x: jax.Array, lo: jax.Array, hi: jax.Array,
     XLA and in Triton (whose division is not IEEE, and which may fuse a multiply-add), so
     the stored values agree bit for bit. Codes are computed against the stored scale and
     zero. Rounds half up (floor(y + 0.5)): the Triton lowering has floor but no
-    round-half-even.
+    round-half-even. `in_kernel`: called inside a Pallas kernel (`as_stored`).
     """
+    stored = _round_trip if in_kernel else as_stored
     levels = (1 << bits) - 1
     half_eps = float(jnp.finfo(SCALE_DTYPE).eps) / 2
-    zero = (lo * jnp.where(lo > 0, 1.0 - half_eps, 1.0 + half_eps)).astype(SCALE_DTYPE)
-    z = zero.astype(jnp.float32)
-    scale = ((hi - z) * (1.0 / levels)).astype(SCALE_DTYPE)
-    s = scale.astype(jnp.float32)
+    z = stored(lo * jnp.where(lo > 0, 1.0 - half_eps, 1.0 + half_eps))
+    s = stored((hi - z) * (1.0 / levels))
     inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
     codes = jnp.clip(jnp.floor((x - z) * inv + 0.5), 0, levels).astype(jnp.uint8)
-    return codes, scale, zero
+    return codes, s.astype(SCALE_DTYPE), z.astype(SCALE_DTYPE)
 
 
 # Four levels spread from a group's minimum to its maximum leave most values far from the
@@ -91,16 +126,18 @@ def quantize_codes(x: jax.Array, lo: jax.Array, hi: jax.Array,
 CLIP_RATIOS = (0.9, 0.8)
 
 
-def group_range(g: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+def group_range(g: jax.Array, bits: int,
+                in_kernel: bool = False) -> tuple[jax.Array, jax.Array]:
     """The range (lo, hi) [..., 1] that groups g float32 [..., group] are quantized over:
     min and max, or for 2-bit codes the best of those and the `CLIP_RATIOS` narrowings.
-    Shared with the quantize-and-write kernel."""
+    Shared with the quantize-and-write kernel (`in_kernel`, as for `quantize_codes`)."""
     lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
     if bits > 2:
         return lo, hi
 
     def error(a: jax.Array, b: jax.Array) -> jax.Array:
-        codes, scale, zero = quantize_codes(g, a, b, bits)
+        codes, scale, zero = quantize_codes(g, a, b, bits, in_kernel)
+        # (scale and zero are float16 values already: a dropped round trip changes nothing)
         y = codes.astype(jnp.float32) * scale.astype(jnp.float32) + zero.astype(jnp.float32)
         return ((y - g) * (y - g)).sum(axis=-1, keepdims=True)
 
@@ -111,7 +148,7 @@ def group_range(g: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
         # multiply-add that one compiled program fuses and another does not, and the zero
         # point rounded from it then differed at float16 rounding ties (in 2 of 60 runs of
         # test_kv_write's k4v2 case compiled without LLVM's optimizations)
-        w = (half * f).astype(SCALE_DTYPE).astype(jnp.float32)
+        w = (_round_trip if in_kernel else as_stored)(half * f)
         a, b = mid - w, mid + w
         err = error(a, b)
         better = err < best

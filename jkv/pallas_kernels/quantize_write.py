@@ -33,7 +33,7 @@ def _write_keys(src_ref, pid, out_ref, scale_ref, zero_ref, bits: int) -> None:
     for i in range(parts):
         x = src_ref[:, pl.ds(i * dp, dp)].astype(jnp.float32)  # [page, dp]
         lo, hi = x.min(axis=0, keepdims=True), x.max(axis=0, keepdims=True)  # per channel
-        codes, scale, zero = quantize_codes(x, lo, hi, bits)
+        codes, scale, zero = quantize_codes(x, lo, hi, bits, in_kernel=True)
         packed = packed | (codes << (bits * i)) if parts > 1 else codes
         scale_ref[pid, pl.ds(i * dp, dp)] = scale.reshape(dp)
         zero_ref[pid, pl.ds(i * dp, dp)] = zero.reshape(dp)
@@ -55,9 +55,9 @@ def _write_values(src_ref, pid, out_ref, scale_ref, zero_ref, bits: int, group: 
         # whole groups (a group may span several parts): statistics per (token, group)
         g = src_ref[:, pl.ds(first_group * group, n * group)].astype(jnp.float32)
         g = g.reshape(page, n, group)
-        lo, hi = group_range(g, bits)  # [page, n, 1]
+        lo, hi = group_range(g, bits, in_kernel=True)  # [page, n, 1]
         x = src_ref[:, pl.ds(i * dp, dp)].astype(jnp.float32).reshape(page, n, width)
-        codes, scale, zero = quantize_codes(x, lo, hi, bits)
+        codes, scale, zero = quantize_codes(x, lo, hi, bits, in_kernel=True)
         codes = codes.reshape(page, dp)
         packed = packed | (codes << (bits * i)) if parts > 1 else codes
         scale_ref[pid, :, pl.ds(first_group, n)] = scale.reshape(page, n)
