@@ -134,6 +134,7 @@ def group_range(g: jax.Array, bits: int,
     lo, hi = g.min(axis=-1, keepdims=True), g.max(axis=-1, keepdims=True)
     if bits > 2:
         return lo, hi
+    stored = _round_trip if in_kernel else as_stored
 
     def error(a: jax.Array, b: jax.Array) -> jax.Array:
         codes, scale, zero = quantize_codes(g, a, b, bits, in_kernel)
@@ -148,7 +149,7 @@ def group_range(g: jax.Array, bits: int,
         # multiply-add that one compiled program fuses and another does not, and the zero
         # point rounded from it then differed at float16 rounding ties (in 2 of 60 runs of
         # test_kv_write's k4v2 case compiled without LLVM's optimizations)
-        w = (_round_trip if in_kernel else as_stored)(half * f)
+        w = stored(half * f)
         a, b = mid - w, mid + w
         err = error(a, b)
         better = err < best
