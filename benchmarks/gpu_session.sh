@@ -19,9 +19,9 @@
 #   bash benchmarks/gpu_session.sh 8    # issue 17, 4: the whole suite compiled (500 s; carry
 #                                       # .whl for the server's packages, as for 5)
 #   bash benchmarks/gpu_session.sh 9    # the tests of the float16 rounding fix compiled (150 s)
-# Order: 5 (issue 15's acceptance at 8B shape, never run yet), then 9 in the same warm session
-# (the 2026-11-28 suite's 7 failures, fixed without a GPU to confirm it); 8, 6 and 4 ran on
-# 2026-11-28 (320 + 70 + 80 s).
+# Order: 5 (issue 15's acceptance at 8B shape: its first try, 2026-11-28, ran out at 560 s with
+# nothing written; it now writes after each setting, the acceptance pair first). 9 passed on
+# 2026-11-28 (the float16 rounding fix, compiled: 120 s); 8, 6 and 4 ran on 2026-11-28.
 # Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
@@ -105,8 +105,12 @@ case ${1:-1} in
     # pressure at all (the three settings alike); its prediction for this exact command,
     # with the scheduler as it is now, is serve_replay-h200-llama3-8b-2026-11-28.json
     # (offload + SLO against no offload: TTFT p99 0.26x / 0.61x at 0.5 / 1 a second, TPOT
-    # p99 1.10x / 1.10x), to be compared with what this measures
+    # p99 1.10x / 1.10x), to be compared with what this measures. Its first try (2026-11-28)
+    # ran out at 560 s: three servers compiled their step shapes in 147, 37 and 37 s (the
+    # persistent compilation cache serves the later ones); the settings now run the
+    # acceptance pair first and the results are written after each
     step 560 serve_slo python benchmarks/serve_slo.py --requests 16 --rates 0.5,1 \
+        --settings "no offload,offload + SLO,offload" \
         --lengths 512,1024,2048 --max-model-len 2560 --max-tokens 256 \
         --ttft-slo-ms 2000 --tpot-slo-ms 25 --vocab 128256 --startup-timeout 300 \
         --server-args "--model random:llama3-8b --kv-cache-bytes 540000000 \

@@ -10,26 +10,29 @@ from pathlib import Path
 
 
 def write_results(out: Path, stem: str, result: dict, svg: str | None,
-                  args: argparse.Namespace) -> None:
+                  args: argparse.Namespace, over: Path | None = None) -> Path:
     """Write `out`/<stem>-<date>.json (result + date, platform and the arguments, `out`
-    left out) and the SVG beside it (if any); print where. A result already there is kept:
-    the new one is <stem>-<date>-2 (or the first free number)."""
+    left out) and the SVG beside it (if any); print where and return the JSON's path. A
+    result already there is kept: the new one is <stem>-<date>-2 (or the first free number).
+    `over`, a path this run wrote before, is replaced instead (a run that writes what it has
+    so far, so a time limit cuts it short without losing what finished)."""
     date = datetime.date.today().isoformat()
     result = {**result, "date": date, "platform": platform.platform(),
               "args": {k: v for k, v in vars(args).items() if k != "out"}}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     name, n = f"{stem}-{date}", 1
-    while (out / f"{name}.json").exists() or (out / f"{name}.svg").exists():
+    while over is None and ((out / f"{name}.json").exists() or (out / f"{name}.svg").exists()):
         n += 1
         name = f"{stem}-{date}-{n}"
-    path = out / f"{name}.json"
+    path = Path(over) if over is not None else out / f"{name}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     if svg is None:
         print(f"wrote {path}")
-        return
+        return path
     path.with_suffix(".svg").write_text(svg)
     print(f"wrote {path} and {path.with_suffix('.svg')}")
+    return path
 
 
 def svg_legend(colors: dict[str, str], x: float, top: float) -> list[str]:

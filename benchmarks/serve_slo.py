@@ -21,7 +21,8 @@ requests at each rate. Reported per setting and rate: TTFT mean and p99 (overall
 prompt length), TPOT p50/p99, the share of requests that missed either target (the targets
 are the same for all three settings; only the third tells the server), preemptions and layer
 offload counters. Writes benchmarks/results/serve_slo-<device>-<date>.json and an SVG of TTFT
-p99 and the violation rate against the arrival rate.
+p99 and the violation rate against the arrival rate, after each setting (the JSON's `complete`
+says whether every setting finished).
 """
 
 from __future__ import annotations
@@ -201,6 +202,7 @@ def main() -> None:
         ap.error(f"unknown settings {unknown}; choose from {list(flags)}")
 
     rows: dict[str, dict[str, dict]] = {}
+    device, path = device_kind(), None
     for setting in settings:
         proc, base = start_server(args, flags[setting])
         try:
@@ -219,7 +221,15 @@ def main() -> None:
                 rows[setting][f"{rate:g}"] = summarize(results, args, before, scrape(base))
         finally:
             stop_server(proc)
-    device = device_kind()
+        # what has finished is written (and replaced as more finishes), so a run cut short by
+        # a time limit keeps its finished settings
+        path = report(rows, settings, rates, lengths, device, args, path)
+
+
+def report(rows: dict[str, dict[str, dict]], settings: list[str], rates: list[float],
+           lengths: list[int], device: str, args, path: Path | None) -> Path:
+    """Print the table of the settings finished so far and write them (over `path`)."""
+    import jax
 
     def ms(v):
         return f"{v * 1000:.0f}ms" if v is not None else "-"
@@ -232,15 +242,12 @@ def main() -> None:
                   f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>10}"
                   f"{r['slo_violation_rate']:>9.0%}{r['preemptions']:>9.0f}"
                   f"{r['layers_offloaded']:>9.0f}{r['errors']:>7}")
-    import jax
-
     tag = (device or "cpu").replace(" ", "_").lower()
     result = {"benchmark": "serve_slo", "device": device, "jax": jax.__version__,
               "cpu_count": os.cpu_count(), "rates": rates, "lengths": lengths,
-              "results": rows}
+              "complete": len(rows) == len(settings), "results": rows}
     svg = svg_plots(rows, rates, f"LayerKV settings under KV pressure, {device}")
-    write_results(args.out, f"serve_slo-{tag}", result, svg, args)
-
+    return write_results(args.out, f"serve_slo-{tag}", result, svg, args, over=path)
 
 if __name__ == "__main__":
     main()
