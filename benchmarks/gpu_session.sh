@@ -103,9 +103,12 @@ case ${1:-1} in
     # and the pool holds 4K tokens: benchmarks/serve_replay.py (the scheduler replayed at
     # the H200's measured costs) found the earlier 3 GB pool with 32-token replies under no
     # pressure at all (the three settings alike); its prediction for this exact command,
-    # with the scheduler as it is now, is serve_replay-h200-llama3-8b-2026-11-28.json
+    # with the scheduler as it is now, is serve_replay-h200-llama3-8b-2026-11-28-2.json
     # (offload + SLO against no offload: TTFT p99 0.26x / 0.61x at 0.5 / 1 a second, TPOT
-    # p99 1.10x / 1.10x), to be compared with what this measures. Its first try (2026-11-28)
+    # p99 1.10x / 1.10x, SLO misses 12% / 50% against 6% / 50%: two requests preempted
+    # while decoding end at 25.2 and 25.8 ms a token), to be compared with what this
+    # measures (per request and the server's learned step costs are in its JSON now,
+    # serve_replay's too). Its first try (2026-11-28)
     # ran out at 560 s: three servers compiled their step shapes in 147, 37 and 37 s (the
     # persistent compilation cache serves the later ones); the settings now run the
     # acceptance pair first and the results are written after each

@@ -143,10 +143,14 @@ class VirtualClock:
 
 class Modeled:
     """An engine whose step, fetch and offload advance the clock by their modeled seconds
-    (the work itself runs, on the tiny model)."""
+    (the work itself runs, on the tiny model), each times a random factor where `jitter`
+    is given: lognormal with that sigma and mean 1 (a shared machine's steps vary; the
+    scheduler's learned costs and SLO checks see them vary as in serving)."""
 
-    def __init__(self, engine: Engine, costs: Costs, clock: VirtualClock) -> None:
+    def __init__(self, engine: Engine, costs: Costs, clock: VirtualClock,
+                 jitter: float = 0.0, seed: int = 0) -> None:
         self.engine, self.costs, self.clock = engine, costs, clock
+        self.jitter, self.rng = jitter, np.random.default_rng(seed)
         self.seconds = {"step": 0.0, "fetch": 0.0, "offload": 0.0}
         step, fetch, keep = engine.step, engine.fetch_layers, engine.keep_resident
 
@@ -174,6 +178,8 @@ class Modeled:
             vars(self.engine).pop(name, None)
 
     def _spend(self, what: str, seconds: float) -> None:
+        if self.jitter:
+            seconds *= float(self.rng.lognormal(-self.jitter**2 / 2, self.jitter))
         self.seconds[what] += seconds
         self.clock.advance(seconds)
 
@@ -244,7 +250,12 @@ def _summary(todo: list[Request], args, stats: dict, before: dict) -> dict:
     return {"ttft_mean_s": float(np.mean(ttft)), "ttft_p99_s": pct(ttft, 99),
             "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
             "slo_violation_rate": float(np.mean(missed)),
-            **{k: v - before.get(k, 0) for k, v in stats.items()}}
+            **{k: v - before.get(k, 0) for k, v in stats.items()},
+            # each request, in arrival order: where a tail comes from
+            "requests": [{"arrival_s": round(r.arrival - todo[0].arrival, 3),
+                          "prompt": len(r.prompt), "ttft_s": round(a, 3),
+                          "tpot_ms": round(b * 1000, 1), "preemptions": r.num_preemptions}
+                         for r, a, b in zip(todo, ttft, tpot, strict=True)]}
 
 
 COUNTED = ("preemptions", "layers_offloaded", "admitted_offloaded", "layer_major_prefills",
@@ -258,7 +269,7 @@ def replay(engine: Engine, costs: Costs, setting: str, warm: list[dict],
     clock = VirtualClock()
     real_time = jkv.scheduler.time
     jkv.scheduler.time = clock  # the scheduler's only clock
-    model = Modeled(engine, costs, clock)
+    model = Modeled(engine, costs, clock, args.jitter, args.jitter_seed)
     slo = setting == "offload + SLO"
     out = {}
 
@@ -280,6 +291,7 @@ def replay(engine: Engine, costs: Costs, setting: str, warm: list[dict],
             _run(sched, clock, todo, costs.decode_s)
             out[rate] = _summary(todo, args, {k: getattr(sched.stats, k) for k in COUNTED},
                                  before)
+            out[rate]["step_costs"] = sched.snapshot()["step_costs"]  # as learned by the end
             out[rate]["modeled_seconds"] = {k: round(v - spent[k], 3)
                                             for k, v in model.seconds.items()}
         if engine.cache.free_pages != engine.cache.total_pages:
@@ -313,6 +325,11 @@ def main() -> None:
     ap.add_argument("--settings", default="no offload,offload,offload + SLO",
                     help="settings to replay, in order")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (serve_slo's)")
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="each modeled step, fetch and offload times a lognormal factor of "
+                         "mean 1 and this sigma (0: exact costs); a real run's steps vary")
+    ap.add_argument("--jitter-seed", type=int, default=0,
+                    help="seed of the jitter (each setting sees the same draws)")
     ap.add_argument("--out", default=None,
                     help="directory for the JSON (default: print only; a replay is modeled)")
     args = ap.parse_args()
@@ -326,6 +343,10 @@ def main() -> None:
     lengths = [int(m) for m in args.lengths.split(",")]
     settings = args.settings.split(",")
     engine = tiny_engine(costs, args)
+    # every step shape compiled first, as the servers do (`--precompile`; a GPU's default):
+    # a step that compiles is not learned, so otherwise the first setting would learn from
+    # other steps than the later ones
+    engine.warmup()
     warm = [{"arrival": 0.0, "prompt": r["prompt"]}  # serve_slo's warm-up
             for r in make_requests(len(lengths), 1.0, lengths, 512, args.seed + 99)]
     by_rate = {f"{rate:g}": make_requests(args.requests, rate, lengths, 512, args.seed + i)
@@ -340,7 +361,8 @@ def main() -> None:
         return f"{v * 1000:.0f}ms"
 
     pool = args.kv_cache_bytes // costs.kv_bytes_per_token
-    print(f"\nmodeled ({args.costs}; pool {pool} tokens), not measured:")
+    jitter = f", jitter {args.jitter:g} seed {args.jitter_seed}" if args.jitter else ""
+    print(f"\nmodeled ({args.costs}; pool {pool} tokens{jitter}), not measured:")
     print(f"{'setting':<16}{'rate':>6}{'TTFT mean':>11}{'TTFT p99':>10}{'TPOT p50':>10}"
           f"{'TPOT p99':>10}{'SLO miss':>9}{'preempt':>9}{'offl lay':>9}{'adm offl':>9}"
           f"{'held':>6}")

@@ -73,7 +73,8 @@ async def run_requests(base: str, model: str, reqs: list[dict], args, desc: str)
             return await asyncio.gather(*(one(r, start, bar) for r in reqs))
 
 
-def summarize(results: list[dict], args, before: dict, after: dict) -> dict:
+def summarize(results: list[dict], reqs: list[dict], args, before: dict, after: dict
+              ) -> dict:
     ok = [r for r in results if "error" not in r]
     ttft_slo, tpot_slo = args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000
     missed = [r["ttft"] > ttft_slo or (r["tpot"] or 0.0) > tpot_slo for r in ok]
@@ -102,6 +103,15 @@ def summarize(results: list[dict], args, before: dict, after: dict) -> dict:
         "admissions_held": delta("jkv_layer_offload_admissions_held_total"),
         "layer_fetches": delta("jkv_layer_offload_fetches_total"),
         "bytes_to_host": delta("jkv_layer_offload_bytes_to_host_total"),
+        # the server's learned step costs at the end (what its SLO checks weighed)
+        "step_costs": {k.split('"')[1]: v for k, v in after.items()
+                       if k.startswith("jkv_step_cost_seconds{")},
+        # each request in arrival order: where a tail comes from
+        "per_request": [{"arrival_s": round(q["arrival"], 3), "prompt": len(q["prompt"]),
+                         "ttft_s": None if "error" in r else round(r["ttft"], 3),
+                         "tpot_ms": None if "error" in r or r["tpot"] is None
+                         else round(r["tpot"] * 1000, 1)}
+                        for q, r in zip(reqs, results, strict=True)],
     }
 
 
@@ -218,7 +228,8 @@ def main() -> None:
                 before = scrape(base)
                 results = asyncio.run(run_requests(base, model, reqs, args,
                                                    f"{setting} @ {rate:g}/s"))
-                rows[setting][f"{rate:g}"] = summarize(results, args, before, scrape(base))
+                rows[setting][f"{rate:g}"] = summarize(results, reqs, args, before,
+                                                       scrape(base))
         finally:
             stop_server(proc)
         # what has finished is written (and replaced as more finishes), so a run cut short by

@@ -100,6 +100,12 @@ class Metrics:
                                  for key, name, doc in _OFFLOAD_COUNTERS}
         self.offloaded_requests = Gauge("jkv_layer_offload_requests", "Running requests "
                                         "with some layers' KV in host memory.", registry=r)
+        self.step_costs = Gauge("jkv_step_cost_seconds", "What the scheduler's SLO checks "
+                                "take a step's parts to cost, learned from the steps run: "
+                                "decode (a step of one decode), decode_full (of as many as "
+                                "run together), prefill_token (each prompt token on top), "
+                                "offload_layer (each offloaded layer a step brings in).",
+                                ["part"], registry=r)
         self._seen: dict[str, float] = {}
 
     def _advance(self, counter, name: str, value: float) -> None:
@@ -117,6 +123,8 @@ class Metrics:
         for tier in _TIERS:
             self._advance(self.hits.labels(tier=tier), f"hit/{tier}",
                           stats["prefix_hit_tokens"][tier])
+        for part, seconds in stats["step_costs"].items():
+            self.step_costs.labels(part=part).set(seconds)
         for kind, n in stats["slo_violations"].items():
             self._advance(self.slo_violations.labels(kind=kind), f"slo/{kind}", n)
         store = stats.get("store")

@@ -46,7 +46,8 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   rows and layers of the running prefills and of those admitted before it (they decode in
   those steps too), would take a decoding request past its TPOT target
   (`admission_keeps_slack`, LayerKV eq. 1 over the steps to come), or, with layers on the
-  host, its own steps past its own (`within_own_target`);
+  host, its own steps past its own (`within_own_target`; with no one queued behind it, its
+  mean: its steps as long as those while the decodes it joins run, its own row's after);
 - prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
   before new ones are admitted; a new request is admitted only while a slot is free and its
   first chunk's pages fit;
@@ -299,7 +300,8 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if c.pending > 1:
             later += added_step_seconds(budget, rows, _on_host(cost, c))
             rows += 1
-    for c in sorted(waiting, key=queue_order):
+    queue = sorted(waiting, key=queue_order)
+    for i, c in enumerate(queue):
         if slots <= 0 or tokens <= 0:
             break
         n = min(c.pending, tokens, budget.chunk)
@@ -335,7 +337,8 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         extra = (later + added_step_seconds(budget, rows, offloaded)
                  + moved * budget.offload_layer_seconds)
         if not (admission_keeps_slack(extra, c, decodes, budget)
-                and within_own_target(extra, offloaded, c, budget)
+                and within_own_target(extra, offloaded, c, budget,
+                                      None if queue[i + 1:] else decodes)
                 and offload_beats_waiting(budget, offloaded + moved, c, decodes)):
             plan.resident.pop(c.request_id, None)
             plan.held.append(c.request_id)
@@ -438,13 +441,28 @@ def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candid
     return True
 
 
-def within_own_target(extra: float, offloaded: int, new: Candidate, budget: Budget) -> bool:
-    """Whether `new`, admitted with `offloaded` layers on the host, decodes in steps within
-    its own TPOT target (each step the decodes' now and `extra`); one whose layers all fit
-    is not held for its own sake (it only waits for the step to get no faster)."""
+def within_own_target(extra: float, offloaded: int, new: Candidate, budget: Budget,
+                      decodes: Sequence[Candidate] | None = None) -> bool:
+    """Whether `new`, with `offloaded` layers on the host, decodes within its own TPOT target
+    (each step the decodes' now and `extra`); one whose layers all fit is not held for its
+    own sake (it only waits for the step to get no faster). For an admission with no one
+    queued behind it (`decodes` given) and an output estimate, the target is met on
+    average, as a miss is counted: its steps cost that while the longest of `decodes` still
+    runs, then a step of its own row and its layers (a request arriving while the others
+    near their end is not held for steps it will hardly share; with a queue behind it,
+    others would take their places). Otherwise, and for a running request (its slack is
+    weighed with the others'), each step within it."""
     if not offloaded or new.tpot_slo is None or not budget.decode_step_seconds:
         return True
-    return budget.decode_step_seconds + extra <= new.tpot_slo
+    shared = budget.decode_step_seconds + extra
+    if decodes is None or not new.remaining:
+        return shared <= new.tpot_slo
+    together = min(new.remaining, max((d.remaining or new.remaining for d in decodes),
+                                      default=0))
+    by_rows = budget.decode_step_by_rows
+    alone = ((by_rows[1] if len(by_rows) > 1 else budget.decode_step_seconds)
+             + offloaded * budget.offload_layer_seconds)
+    return together * shared + (new.remaining - together) * alone <= new.remaining * new.tpot_slo
 
 
 __all__ = ["admission_keeps_slack", "min_resident", "offload_beats_preempting",

@@ -29,7 +29,7 @@ from jkv.planning import min_resident, plan_step
 from jkv.request import Request, SchedulerStats, Tracked, Truncation
 from jkv.restore_planning import RestoreRates
 from jkv.scheduler_store import StoreSide
-from jkv.step_costs import StepCosts
+from jkv.step_costs import StepCosts, compilations
 from jkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class Scheduler(StoreSide):
         self._incoming: list[Request] = []
         self._state: dict[Request, Tracked] = {}  # every request it holds past `add`
         self.costs = StepCosts(engine.runner.rows_bucket)  # learned from each step
+        # the figures the last step's plan used, for `snapshot` (other threads read it)
+        self._step_costs = {"decode": 0.0, "decode_full": 0.0, "prefill_token": 0.0,
+                            "offload_layer": 0.0}
         self._next_step_s = 0.0  # what the next step of the decoding requests will take
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
         # LayerKV's layer-wise offload, where the engine's pages are blocks
@@ -167,6 +170,9 @@ class Scheduler(StoreSide):
             "restore": {"tokens_loaded": st.restored_tokens - st.recomputed_tokens,
                         "tokens_recomputed": st.recomputed_tokens,
                         "recompute_ratio": st.recomputed_tokens / max(st.restored_tokens, 1)},
+            # what the SLO checks took a step to cost at the last step, as learned from the
+            # steps run (0 until measured): why an admission was held can be read off these
+            "step_costs": dict(self._step_costs),
         }
         if eng.layers is not None:  # LayerKV's layer-wise offload
             out["layer_offload"] = {
@@ -310,6 +316,10 @@ class Scheduler(StoreSide):
                 0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,
                 self.costs.prefill_token_s),
             forecast_steps=FORECAST_STEPS)
+        self._step_costs = {"decode": budget.decode_step_by_rows[1],
+                            "decode_full": budget.decode_step_by_rows[-1],
+                            "prefill_token": budget.prefill_token_seconds,
+                            "offload_layer": budget.offload_layer_seconds}
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
                              eng.connector.load_bytes_per_s, self.costs.prefill_token_s,
                              eng.split_overlap)
@@ -400,10 +410,11 @@ class Scheduler(StoreSide):
         # (a layer-major prompt brings its layers once for all its tokens: not counted)
         brings = sum(len(eng.offloaded_layers(row.slot)) for _, row in prefill + decode
                      if row.layers is None)
-        t0 = time.perf_counter()
+        compiled, t0 = compilations(), time.perf_counter()
         out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])
-        self.costs.learn(time.perf_counter() - t0, sum(work), len(decode), brings,
-                         sum(len(r.tokens) for r, _ in decode))
+        if compilations() == compiled:  # (a step that compiled is no sample of its cost)
+            self.costs.learn(time.perf_counter() - t0, sum(work), len(decode), brings,
+                             sum(len(r.tokens) for r, _ in decode))
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from jkv.averages import moving_average
@@ -13,6 +14,26 @@ FORGET = 0.995  # of the fit's older steps, each step: about the last 200 steps 
 MIN_BROUGHT = 8  # steps with layers brought in before their cost is taken as known
 MIN_FITTED = 32  # steps of decodes before the fit estimates a row bucket not measured
 SPREAD = 1e4  # the fit's uncertainty at the start, and the most it returns to
+
+
+_compiles = 0  # JAX traces, compilations and persistent-cache loads, in this process
+
+
+def _count(event: str, *args, **kwargs) -> None:
+    global _compiles
+    if event.startswith(("/jax/core/compile/", "/jax/compilation_cache/cache_retrieval")):
+        _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+def compilations() -> int:
+    """How many times JAX has traced, compiled or loaded a compiled function in this process
+    so far: a step during which this moved took a compilation's time too, and is no sample
+    of what a step costs (learned, the seconds of a compile made the steps after it look
+    several times dearer than they were, until the average forgot it)."""
+    return _compiles
 
 
 class StepCosts:

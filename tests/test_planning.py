@@ -525,6 +525,30 @@ def test_an_admission_counts_the_running_prefills_and_its_own_target():
     assert p.admit == ["w"]
 
 
+def test_an_admission_meets_its_own_target_on_average_not_each_shared_step():
+    # w keeps 1 of 4 layers (3 on the host, 30 ms a step) and decodes 10 steps, in steps of
+    # 20 + 30 ms while d runs, then in its own row's 10 + 30 ms: against a 45-ms target
+    # held while d decodes as long as w, admitted where d ends after 2 of w's steps
+    # ((2 x 50 + 8 x 40) / 10 = 42 ms) and no one waits behind w
+    costs = dict(chunk=16, max_tokens=64, offload_layer_seconds=0.01, available_pages=4,
+                 decode_step_seconds=0.02, decode_step_by_rows=(0.0, 0.01, 0.02, 0.03))
+    w = waiting("w", 16, 1.0, remaining=10, tpot_slo=0.045)
+
+    def plan(d_remaining: int | None, w: Candidate = w, behind: tuple = ()):
+        d = offloadable("d", 20, 0.0, tpot_slo=0.1, tpot_slack=5.0, remaining=d_remaining)
+        return plan_step([d], [w, *behind], layered(**costs))
+
+    assert plan(10).held == ["w"]
+    assert plan(2).admit == ["w"] and plan(2).resident == {"w": 1}
+    # with a queue behind it, others would take d's place: each step within its target
+    assert plan(2, behind=(waiting("x", 16, 2.0),)).held == ["w"]
+    assert plan(None).held == ["w"]  # no estimate of d's end: it may share them all
+    # no estimate of its own length: each step within its target
+    assert plan(2, dataclasses.replace(w, remaining=None)).held == ["w"]
+    # where its own row alone passes it too, no share of shared steps admits it
+    assert plan(2, dataclasses.replace(w, tpot_slo=0.035)).held == ["w"]
+
+
 def test_a_preempted_request_comes_back_only_with_every_layer():
     # 20 pages admit the 64-token chunk with 1 resident layer; one preempted before (its
     # layers on the host judged dearer than recomputing it) waits for all its pages: back

@@ -240,6 +240,24 @@ def test_steady_workload_does_not_recompile(params):
     assert snap["prefix_hit_tokens"]["device"] == eng.stats.prefix_hit_tokens
 
 
+def test_a_step_that_compiled_teaches_the_cost_model_nothing(params, monkeypatch):
+    import itertools
+
+    import jkv.scheduler
+
+    sched = Scheduler(engine(params))
+    learned = []
+    monkeypatch.setattr(sched.costs, "learn", lambda *a, **k: learned.append(a))
+    counter = itertools.count()  # every step compiles
+    monkeypatch.setattr(jkv.scheduler, "compilations", lambda: next(counter))
+    run(sched, prompts_of((12,), seed=1), n=4)
+    assert learned == []
+    monkeypatch.setattr(jkv.scheduler, "compilations", lambda: 0)  # none does
+    steps = sched.engine.stats.steps
+    run(sched, prompts_of((12,), seed=2), n=4)
+    assert len(learned) == sched.engine.stats.steps - steps > 0
+
+
 def test_warmup_compiles_every_shape_a_workload_uses(params):
     eng = engine(params, shape_step=2)  # the CPU default (4 on a GPU: fewer, coarser shapes)
     jax.clear_caches()  # engines share compilations: start from none

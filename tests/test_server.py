@@ -473,6 +473,11 @@ def test_metrics_endpoint_exports_the_serving_figures(srv):
         assert name in text, name
     total = [ln for ln in text.splitlines() if ln.startswith("jkv_kv_pages_total ")]
     assert float(total[0].split()[1]) == srv.llm.engine.cache.total_pages
+    # the step costs the SLO checks weigh, learned from the decode steps just run
+    costs = {ln.split('"')[1]: float(ln.split()[1]) for ln in text.splitlines()
+             if ln.startswith("jkv_step_cost_seconds{")}
+    assert set(costs) == {"decode", "decode_full", "prefill_token", "offload_layer"}
+    assert costs["decode"] > 0 and costs["decode_full"] > 0 and costs["offload_layer"] >= 0
 
 
 def test_api_key_guards_v1_routes_only(srv):

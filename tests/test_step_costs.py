@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jkv.buckets import bucket
-from jkv.step_costs import StepCosts
+from jkv.step_costs import StepCosts, compilations
 
 
 def costs() -> StepCosts:
@@ -81,3 +81,19 @@ def test_the_fit_stays_bounded_where_no_step_varies_a_part():
         c.learn(truth(1 + i % 4, 500 + i, 0), 0, 1 + i % 4, 0, 500 + i)
     assert np.isfinite(c._spread).all() and c._spread.max() <= 1e4
     assert c.offload_layer_s == 0.0 and np.isfinite(c.decode(8)) and c.decode(8) > 0
+
+
+def test_compilations_count_new_shapes_not_cached_calls():
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: x * 3 + 1)
+    x, y = jnp.ones(5), jnp.ones(6)
+    before = compilations()
+    f(x)
+    assert compilations() > before
+    cached = compilations()
+    f(x)
+    assert compilations() == cached
+    f(y)
+    assert compilations() > cached
