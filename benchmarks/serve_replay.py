@@ -251,8 +251,8 @@ def _summary(todo: list[Request], args, stats: dict, before: dict) -> dict:
             "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
             "slo_violation_rate": float(np.mean(missed)),
             **{k: v - before.get(k, 0) for k, v in stats.items()},
-            # each request, in arrival order: where a tail comes from
-            "requests": [{"arrival_s": round(r.arrival - todo[0].arrival, 3),
+            # each request, in arrival order: where a tail comes from (as serve_slo's)
+            "per_request": [{"arrival_s": round(r.arrival - todo[0].arrival, 3),
                           "prompt": len(r.prompt), "ttft_s": round(a, 3),
                           "tpot_ms": round(b * 1000, 1), "preemptions": r.num_preemptions}
                          for r, a, b in zip(todo, ttft, tpot, strict=True)]}

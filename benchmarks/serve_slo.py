@@ -260,5 +260,6 @@ def report(rows: dict[str, dict[str, dict]], settings: list[str], rates: list[fl
     svg = svg_plots(rows, rates, f"LayerKV settings under KV pressure, {device}")
     return write_results(args.out, f"serve_slo-{tag}", result, svg, args, over=path)
 
+
 if __name__ == "__main__":
     main()

@@ -338,7 +338,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
                  + moved * budget.offload_layer_seconds)
         if not (admission_keeps_slack(extra, c, decodes, budget)
                 and within_own_target(extra, offloaded, c, budget,
-                                      None if queue[i + 1:] else decodes)
+                                      None if i + 1 < len(queue) else decodes)
                 and offload_beats_waiting(budget, offloaded + moved, c, decodes)):
             plan.resident.pop(c.request_id, None)
             plan.held.append(c.request_id)
