@@ -31,12 +31,10 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   request gives layers up only where bringing them in each step of its remaining output
   costs the step less than recomputing what it holds (`offload_beats_recompute`; else it is
   preempted, and comes back only with every layer: back at once with layers on the host it
-  would pay both, and be preempted again as the decodes grow); one with a TPOT target goes
-  on with its layers on the host unless preempting it would leave fewer decodes past their
-  targets (its own wait for pages and recompute counted), or as many by less
-  (`offload_beats_preempting`); a step that preempts admits no one, and a preempted
-  request comes back with every layer only where its whole prompt and the forecast's growth
-  fit (else, preempted again part way, it would recompute again); where no decode
+  would pay both, and be preempted again as the decodes grow); one with a TPOT target counts
+  its own wait for pages too, and keeps its layers on the host only while every decode's
+  slack covers them (`offload_beats_preempting`: the rule an admission meets, so one
+  admitted with layers on the host is not preempted a few steps later); where no decode
   carries a TPOT target a new request is admitted with layers on the host only where they
   cost the decoding requests' steps less than its wait for the first of them to finish
   (`offload_beats_waiting`; with targets, the slack check below is what weighs them). On the
@@ -56,8 +54,7 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 - while running decodes carry a TPOT target, prefill tokens per step are capped so that the
   prefill time fits the smallest spare among them (LayerKV eq. 1-2: a request's slack, what
   its target allows over its whole output, (generated - 1 + remaining) x target, less the
-  time it has spent since its first token and the remaining tokens' decode steps, each
-  longer than the last as the rows' contexts grow (the scheduler computes it); for a
+  time it has spent since its first token and the remaining tokens' decode steps; for a
   request already behind, whose slack is below 0, its target less one decode step: each
   step within its target, its mean no worse, while prefills still move). A waiting request
   past its TTFT deadline lifts neither this cap nor the admission check: the promises made to
@@ -185,40 +182,21 @@ def offload_beats_preempting(budget: Budget, extra: float, layers: int, c: Candi
     """Whether running request `c` goes on with `layers` layers on the host, its steps and
     the others' `extra` seconds longer while it decodes, rather than being preempted.
     Without a TPOT target, where that costs the running requests less
-    (`offload_beats_recompute`). With one, by the targets: unless preempting it leaves
-    fewer decoding requests past their target on their mean TPOT, as a miss is counted
-    (going on, each spends `extra` a step of its slack; preempted, `c` spends its wait for
-    the first other decode to finish and its recompute), or as many overrun by less.
-    Where both keep every target it goes on: a decode preempted part way stalls for
-    seconds, the tail of TPOT (when the step time decided, preempted requests made serve's
-    TPOT p99 2.1x the no-offload setting's in the CPU replay)."""
+    (`offload_beats_recompute`). With one, its own stall counts too (its target pays for
+    it): preempted, it waits at least until the first other decode among `running`
+    finishes and frees pages (that wait shared over the rows, as a step's time is), and
+    going on must keep every decoding request's slack (LayerKV eq. 1, as for an admission)
+    and its own steps within its own target."""
     s, p, step = budget.offload_layer_seconds, budget.prefill_token_seconds, \
         budget.decode_step_seconds
     if c.tpot_slo is None or c.remaining is None or not (s and p and step):
         return offload_beats_recompute(budget, layers, c)
     decodes = [d for d in running if d.pending == 1]
-    ends = [d.remaining * step for d in decodes
-            if d.remaining and d.request_id != c.request_id]
-    wait = min(ends, default=0.0)
-    going_on = _misses({d.request_id: extra * (d.remaining if d.request_id == c.request_id
-                                               else min(d.remaining or 0, c.remaining))
-                        for d in decodes}, decodes)
-    preempted = _misses({c.request_id: wait + c.held * p}, decodes)
-    return going_on <= preempted
-
-
-def _misses(spent: dict[str, float], decodes: Sequence[Candidate]) -> tuple[int, float]:
-    """How many of `decodes` (those with a target and a known slack) end past their TPOT
-    target on their mean when each spends `spent[request_id]` seconds more, and by how many
-    seconds in all."""
-    count, over = 0, 0.0
-    for d in decodes:
-        if d.tpot_slo is None or d.tpot_slack is None:
-            continue
-        left = d.tpot_slack - spent.get(d.request_id, 0.0)
-        if left < 0:
-            count, over = count + 1, over - left
-    return count, over
+    ends = [d.remaining * step for d in decodes if d.remaining and d is not c]
+    wait = min(ends, default=0.0) / len(decodes or [c])
+    return (layers * s * c.remaining <= c.held * p + wait
+            and admission_keeps_slack(extra, c, decodes, budget)
+            and within_own_target(extra, layers, c, budget))
 
 
 def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
@@ -314,11 +292,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
                 tokens -= n
                 break
 
-    # with layer offload a step that preempts admits no one: the pages it frees are the
-    # preempted requests' to come back to (with every layer, where the decodes' growth
-    # leaves room), not a newer request's; without, they go to the queue's head as before
-    slots = 0 if plan.preempt and budget.layer_offload else \
-        budget.free_slots + len(plan.preempt)
+    slots = budget.free_slots + len(plan.preempt)
     # the steps to come: the running prefills decode in them too (their rows and their
     # layers on the host), and so does each request admitted below
     rows, later = len(decodes), 0.0
@@ -344,12 +318,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         # LayerKV eq. 5: what the running requests grow by over the forecast's steps, less
         # what those expected to finish by then free, stays free too
         layered = budget.layer_offload and not c.whole
-        ahead = (_forecast(cost, keep, max(budget.forecast_steps, 1))
-                 if budget.layer_offload else 0)
-        if budget.layer_offload and c.whole and \
-                cost.grow(c.held, c.pending) + c.pin_pages + ahead > avail:
-            break  # back with every layer only where its whole prompt and the decodes'
-            # growth fit: part way through its prompt it would be preempted again
+        ahead = _forecast(cost, keep, max(budget.forecast_steps, 1)) if layered else 0
         if layered and max(pages, whole) + ahead > avail:
             resident = next((r for r in range(cost.layers - 1, budget.min_resident - 1, -1)
                              if step_pages(cost, r, c.held, span) + c.pin_pages + ahead

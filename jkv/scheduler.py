@@ -63,7 +63,6 @@ class Scheduler(StoreSide):
         self._step_costs = {"decode": 0.0, "decode_full": 0.0, "prefill_token": 0.0,
                             "offload_layer": 0.0}
         self._next_step_s = 0.0  # what the next step of the decoding requests will take
-        self._decodes_ahead: list[int] = []  # the decoding requests' expected tokens to go
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
         # LayerKV's layer-wise offload, where the engine's pages are blocks
         self.layer_offload = self.config.layer_offload and engine.layers is not None
@@ -227,13 +226,9 @@ class Scheduler(StoreSide):
             # LayerKV eq. 1: what its target allows over the whole output, less what it has
             # used and what its remaining tokens' decode steps will take (each as long as a
             # step of the requests decoding now, layers brought in included)
-            # and what the steps grow by as every decoding row's context does (a token a
-            # step, while each of them runs)
             m = self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
-            growth = self.costs.context_token_s * sum(min(m, k) * (min(m, k) + 1) / 2
-                                                      for k in self._decodes_ahead)
             slack = ((len(r.output) - 1 + m) * c.tpot_slo - (now - r.first_token_time)
-                     - m * self._next_step_s - growth)
+                     - m * self._next_step_s)
             c = dataclasses.replace(c, tpot_slack=slack, remaining=m)
         return c
 
@@ -337,10 +332,6 @@ class Scheduler(StoreSide):
             queued.append(c)
             if ready:  # a request still waiting for its read ahead is not admitted yet
                 waiting.append(c)
-        # the decoding requests' expected remaining tokens (their steps' context growth)
-        self._decodes_ahead = [
-            self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
-            for r in self.running if r.output] if self.lengths.recent else []
         plan = plan_step([self._running(r, now) for r in self.running], waiting, budget)
         for r in self.waiting:  # the restores planned: what admission loads, the hint, stats
             st, d = self._state[r], decisions[r.request_id]

@@ -78,14 +78,6 @@ class StepCosts:
         near = min(self.by_rows, key=lambda k: (max(k, b) / min(k, b), -k))
         return self.by_rows[near]
 
-    @property
-    def context_token_s(self) -> float:
-        """Seconds a step of decodes takes more for each token of context its rows hold (the
-        fit's; 0 until it has seen `MIN_FITTED` steps): each step of a decode is a token
-        longer than the last, so on a CPU, where attention over 1K tokens costs a row about
-        4 ms, the steps ahead are dearer than the one now."""
-        return max(float(self._fit[2]), 0.0) / 1000 if self._fitted >= MIN_FITTED else 0.0
-
     def step(self, rows: int, brings: int) -> float:
         """Seconds of a step of `rows` decodes that brings `brings` offloaded layers in."""
         return self.decode(rows) + brings * self.offload_layer_s
