@@ -17,6 +17,11 @@ its clock, so its learned step costs, TPOT slack and SLO checks all see modeled 
         --tpot-slo-ms 100 --max-model-len 1280 --kv-cache-bytes 120000000 \
         --max-num-seqs 8                       # serve_slo's decode-heavy run on this CPU
 
+Beyond serve_slo's figures it reports each request's longest wait between two of its tokens
+(`max_gap_ms`; `stall` in the table: the longest over a rate's requests): where a TPOT tail
+comes from a decode preempted part way (its wait for pages and its recompute), not from
+steps that are all a little slower.
+
 `Costs` presets hold the figures they came from (committed results of device and CPU runs).
 What was never measured on the device is marked as a guess there.
 """
@@ -242,7 +247,24 @@ def _run(sched: Scheduler, clock: VirtualClock, todo: list[Request], step_s: flo
     raise RuntimeError("requests still unfinished")
 
 
-def _summary(todo: list[Request], args, stats: dict, before: dict) -> dict:
+class StallMeter:
+    """Each request's longest wait between two of its tokens, in modeled seconds: a decode
+    preempted part way stalls for its wait and recompute (the tail of TPOT), where a slow
+    step only stretches every gap a little. `on_token` is the requests' hook."""
+
+    def __init__(self, clock: VirtualClock):
+        self.clock, self.last, self.longest = clock, {}, {}
+
+    def on_token(self, r: Request, token: int) -> bool:
+        now, key = self.clock.now, r.request_id
+        if key in self.last:
+            self.longest[key] = max(self.longest.get(key, 0.0), now - self.last[key])
+        self.last[key] = now
+        return False  # never stops a request
+
+
+def _summary(todo: list[Request], args, stats: dict, before: dict,
+             stalls: StallMeter) -> dict:
     ttft = [r.first_token_time - r.arrival for r in todo]
     tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in todo]
     missed = [a > args.ttft_slo_ms / 1000 or b > args.tpot_slo_ms / 1000
@@ -250,11 +272,14 @@ def _summary(todo: list[Request], args, stats: dict, before: dict) -> dict:
     return {"ttft_mean_s": float(np.mean(ttft)), "ttft_p99_s": pct(ttft, 99),
             "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
             "slo_violation_rate": float(np.mean(missed)),
+            # the longest any request waited between two of its tokens
+            "max_gap_s": max(stalls.longest.get(r.request_id, 0.0) for r in todo),
             **{k: v - before.get(k, 0) for k, v in stats.items()},
             # each request, in arrival order: where a tail comes from (as serve_slo's)
             "per_request": [{"arrival_s": round(r.arrival - todo[0].arrival, 3),
                           "prompt": len(r.prompt), "ttft_s": round(a, 3),
-                          "tpot_ms": round(b * 1000, 1), "preemptions": r.num_preemptions}
+                          "tpot_ms": round(b * 1000, 1), "preemptions": r.num_preemptions,
+                          "max_gap_ms": round(stalls.longest.get(r.request_id, 0.0) * 1000, 1)}
                          for r, a, b in zip(todo, ttft, tpot, strict=True)]}
 
 
@@ -271,6 +296,7 @@ def replay(engine: Engine, costs: Costs, setting: str, warm: list[dict],
     jkv.scheduler.time = clock  # the scheduler's only clock
     model = Modeled(engine, costs, clock, args.jitter, args.jitter_seed)
     slo = setting == "offload + SLO"
+    stalls = StallMeter(clock)
     out = {}
 
     def requests(reqs: list[dict], start: float) -> list[Request]:
@@ -278,7 +304,8 @@ def replay(engine: Engine, costs: Costs, setting: str, warm: list[dict],
                         SamplingParams(max_tokens=args.max_tokens, temperature=0),
                         arrival=start + r["arrival"],
                         ttft_slo_ms=args.ttft_slo_ms if slo else None,
-                        tpot_slo_ms=args.tpot_slo_ms if slo else None) for r in reqs]
+                        tpot_slo_ms=args.tpot_slo_ms if slo else None,
+                        on_token=stalls.on_token) for r in reqs]
 
     try:
         sched = Scheduler(engine, SchedulerConfig(layer_offload=setting != "no offload"))
@@ -290,7 +317,7 @@ def replay(engine: Engine, costs: Costs, setting: str, warm: list[dict],
             todo = requests(reqs, clock.now)
             _run(sched, clock, todo, costs.decode_s)
             out[rate] = _summary(todo, args, {k: getattr(sched.stats, k) for k in COUNTED},
-                                 before)
+                                 before, stalls)
             out[rate]["step_costs"] = sched.snapshot()["step_costs"]  # as learned by the end
             out[rate]["modeled_seconds"] = {k: round(v - spent[k], 3)
                                             for k, v in model.seconds.items()}
@@ -365,14 +392,14 @@ def main() -> None:
     print(f"\nmodeled ({args.costs}; pool {pool} tokens{jitter}), not measured:")
     print(f"{'setting':<16}{'rate':>6}{'TTFT mean':>11}{'TTFT p99':>10}{'TPOT p50':>10}"
           f"{'TPOT p99':>10}{'SLO miss':>9}{'preempt':>9}{'offl lay':>9}{'adm offl':>9}"
-          f"{'held':>6}")
+          f"{'held':>6}{'stall':>8}")
     for setting, by_rate in rows.items():
         for rate, r in by_rate.items():
             print(f"{setting:<16}{rate:>6}{ms(r['ttft_mean_s']):>11}{ms(r['ttft_p99_s']):>10}"
                   f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>10}"
                   f"{r['slo_violation_rate']:>9.0%}{r['preemptions']:>9}"
                   f"{r['layers_offloaded']:>9}{r['admitted_offloaded']:>9}"
-                  f"{r['admissions_held']:>6}")
+                  f"{r['admissions_held']:>6}{ms(r['max_gap_s']):>8}")
     if args.out:
         result = {"benchmark": "serve_replay", "modeled": True, "costs": args.costs,
                   "costs_from": costs.source, "costs_values": dataclasses.asdict(costs),
