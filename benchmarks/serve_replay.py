@@ -252,7 +252,7 @@ class StallMeter:
     preempted part way stalls for its wait and recompute (the tail of TPOT), where a slow
     step only stretches every gap a little. `on_token` is the requests' hook."""
 
-    def __init__(self, clock: VirtualClock):
+    def __init__(self, clock: VirtualClock) -> None:
         self.clock, self.last, self.longest = clock, {}, {}
 
     def on_token(self, r: Request, token: int) -> bool:
