@@ -13,7 +13,7 @@ from jkv.averages import moving_average
 FORGET = 0.995  # of the fit's older steps, each step: about the last 200 steps count
 MIN_BROUGHT = 8  # steps with layers brought in before their cost is taken as known
 MIN_FITTED = 32  # steps of decodes before the fit estimates a row bucket not measured
-SPREAD = 1e4  # the fit's uncertainty at the start, and the most it returns to
+RIDGE = 1e-4  # what holds a part no recent step varied at 0 (against a singular solve)
 
 
 _compiles = 0  # JAX traces, compilations and persistent-cache loads, in this process
@@ -48,15 +48,19 @@ class StepCosts:
         self.by_rows: dict[int, float] = {}  # row bucket -> seconds of a step of decodes
         self.prefill_token_s = 0.0
         self.offload_layer_s = 0.0
-        # steps of decodes, with and without layers brought in, fitted together (recursive
-        # least squares, older steps fading): seconds ~ a + b x padded rows + c x thousands
-        # of tokens of context + d x layers brought. d is the layers' cost: steps that bring
+        # steps of decodes, with and without layers brought in, fitted together (least
+        # squares, older steps fading): seconds ~ a + b x padded rows + c x thousands of
+        # tokens of context + d x layers brought. d is the layers' cost: steps that bring
         # layers in rarely share their row bucket and context with a step that did not (on a
         # CPU 1K tokens more context costs a row 4 ms, two rows more 12 ms: put on 2 layers,
         # that read as 8 ms a layer where bringing one takes 0.5); a row bucket never seen
-        # without layers brought in is the fit's too
+        # without layers brought in is the fit's too. The fit is solved afresh from its
+        # faded sums each step, every part at least 0: updated recursively, its uncertainty
+        # lost its symmetry over thousands of steps of a replay and the fit diverged (a
+        # layer read as 1.5 s, a step of 8 rows as 4 s, where 0.5 ms and 0.1 s were true)
         self._fit = np.zeros(4)
-        self._spread = np.eye(4) * SPREAD
+        self._gram = np.zeros((4, 4))  # faded sums of x x' and of seconds x
+        self._moment = np.zeros(4)
         self._fitted = self._brought = 0  # steps fitted; those that brought layers in
         self._row_context = 0.0  # tokens of context a decoding row has, on average
 
@@ -101,16 +105,48 @@ class StepCosts:
 
     def _learn_fit(self, seconds: float, rows: int, brings: int, context: int) -> None:
         x = np.array([1.0, self.rows_bucket(rows), context / 1000, brings])
-        px = self._spread @ x
-        gain = px / (FORGET + x @ px)
-        self._fit = self._fit + gain * (seconds - x @ self._fit)
-        spread = (self._spread - np.outer(gain, px)) / FORGET
-        # a part no step varies (no layer ever brought in) would grow without bound as
-        # older steps fade, to overflow in a long-running server: held at its start
-        scale = np.sqrt(np.minimum(1.0, SPREAD / np.maximum(np.diag(spread), SPREAD)))
-        self._spread = spread * np.outer(scale, scale)
+        self._gram = FORGET * self._gram + np.outer(x, x)
+        self._moment = FORGET * self._moment + seconds * x
+        self._fit = nonnegative_least_squares(self._gram, self._moment, self._fit)
         self._fitted += 1
         self._brought += brings > 0
         self._row_context = moving_average(self._row_context, context / rows)
         if self._brought >= MIN_BROUGHT:
-            self.offload_layer_s = max(float(self._fit[3]), 0.0)
+            self.offload_layer_s = float(self._fit[3])
+
+
+def nonnegative_least_squares(gram: np.ndarray, moment: np.ndarray,
+                              guess: np.ndarray | None = None) -> np.ndarray:
+    """The parts `p` >= 0 minimising |X p - y|^2 given X'X (`gram`) and X'y (`moment`), a
+    little ridge keeping it solvable: Lawson and Hanson's active set (a step's parts are
+    costs; a negative one is a fit that explains one part by taking from another, and
+    extrapolates to nonsense). Tried first: every part free, then the parts free in
+    `guess` (the last fit: from one step to the next they rarely change)."""
+    n = len(moment)
+    a = gram + RIDGE * np.eye(n)
+    tol = 1e-12 * max(1.0, float(np.abs(moment).max()))
+    for free in [np.ones(n, dtype=bool)] + ([guess > 0] if guess is not None else []):
+        if free.any():
+            p = np.zeros(n)
+            p[free] = np.linalg.solve(a[np.ix_(free, free)], moment[free])
+            if (p[free] > 0).all() and (moment - a @ p)[~free].max(initial=0.0) <= tol:
+                return p
+    p, free = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(3 * n):
+        w = moment - a @ p  # (minus) the gradient: where a part could still lower the error
+        if free.all() or w[~free].max(initial=0.0) <= tol:
+            break
+        free[np.flatnonzero(~free)[np.argmax(w[~free])]] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.solve(a[np.ix_(free, free)], moment[free])
+            if (z[free] > 0).all():
+                p = z
+                break
+            # move toward z until a part reaches 0; that part leaves the free set
+            neg = free & (z <= 0)
+            t = np.min(p[neg] / (p[neg] - z[neg]))
+            p = p + t * (z - p)
+            free &= p > 1e-15
+            p[~free] = 0.0
+    return p
