@@ -56,8 +56,9 @@ class StepCosts:
         # that read as 8 ms a layer where bringing one takes 0.5); a row bucket never seen
         # without layers brought in is the fit's too. The fit is solved afresh from its
         # faded sums each step, every part at least 0: updated recursively, its uncertainty
-        # lost its symmetry over thousands of steps of a replay and the fit diverged (a
-        # layer read as 1.5 s, a step of 8 rows as 4 s, where 0.5 ms and 0.1 s were true)
+        # matrix stopped being positive definite over thousands of steps of a replay and the
+        # fit diverged (a layer read as 1.5 s, a step of 8 rows as 4 s, where 0.5 ms and
+        # 0.1 s were true)
         self._fit = np.zeros(4)
         self._gram = np.zeros((4, 4))  # faded sums of x x' and of seconds x
         self._moment = np.zeros(4)
