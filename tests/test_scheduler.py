@@ -275,6 +275,26 @@ def test_warmup_compiles_every_shape_a_workload_uses(params):
     assert eng.num_compiles == compiles
 
 
+def test_prefill_rows_share_a_call_only_where_that_adds_little_padding(params):
+    rng = np.random.default_rng()
+    for shape_step in (2, 4):
+        runner = engine(params, shape_step=shape_step, prefill_chunk=512,
+                        max_model_len=512).runner
+        # a chunk's 2-token tail beside the next prompt's 508: its own 16-token call, not a
+        # second 512-token row of padding (which doubled a CPU step)
+        assert runner.prefill_groups([2, 508]) == [[1], [0]]
+        for _ in range(300):
+            lengths = rng.integers(1, 513, int(rng.integers(1, 9))).tolist()
+            groups = runner.prefill_groups(lengths)
+            assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+            for g in groups:
+                area = runner.rows_bucket(len(g)) * runner.tokens_bucket(
+                    max(lengths[i] for i in g))
+                alone = sum(runner.tokens_bucket(lengths[i]) for i in g)
+                assert area <= runner.prefill_area
+                assert area - alone <= (len(g) - 1) * runner.call_tokens
+
+
 def test_layerwise_dispatch_gives_the_scan_outputs(params):
     prompts = prompts_of((5, 23, 40))
     scan = engine(params, execution="scan")
