@@ -104,7 +104,8 @@ class Metrics:
                                 "take a step's parts to cost, learned from the steps run: "
                                 "decode (a step of one decode), decode_full (of as many as "
                                 "run together), prefill_token (each prompt token on top), "
-                                "offload_layer (each offloaded layer a step brings in).",
+                                "prefill_row (each prefill row: its call), offload_layer "
+                                "(each offloaded layer a step brings in).",
                                 ["part"], registry=r)
         self._seen: dict[str, float] = {}
 

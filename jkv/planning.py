@@ -267,16 +267,18 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             within = c.tpot_slo - budget.decode_step_seconds
             slack = within if c.tpot_slack is None else c.tpot_slack
             spares.append(slack if slack >= 0 else max(slack, within))
+    row_tokens = 0  # what a prefill row's own cost (its call) takes of the tokens
     if spares and budget.prefill_token_seconds > 0:  # eq. 2: within the smallest spare
+        row_tokens = int(budget.prefill_row_seconds / budget.prefill_token_seconds)
         tokens = min(tokens, max(0, int(min(spares) / budget.prefill_token_seconds)))
 
     for c in keep:
-        if c.pending > 1 and tokens > 0:
-            n = prefill_fits(cost, c, min(c.pending, tokens, budget.chunk), avail)
+        if c.pending > 1 and tokens > row_tokens:
+            n = prefill_fits(cost, c, min(c.pending, tokens - row_tokens, budget.chunk), avail)
             if n > 0:
                 plan.prefill.append((c.request_id, n))
                 avail -= prefill_pages(cost, c, n)
-                tokens -= n
+                tokens -= n + row_tokens
     if keep and not plan.decode and not plan.prefill and tokens > 0:
         # running prefills hold every page and none can take another (no decode will ever
         # finish to free one): the least important give theirs back, recomputed later
@@ -302,9 +304,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             rows += 1
     queue = sorted(waiting, key=queue_order)
     for i, c in enumerate(queue):
-        if slots <= 0 or tokens <= 0:
+        if slots <= 0 or tokens <= row_tokens:
             break
-        n = min(c.pending, tokens, budget.chunk)
+        n = min(c.pending, tokens - row_tokens, budget.chunk)
         pages = cost.grow(c.held, n) + c.pin_pages
         # with layers on the host, a prompt longer than a chunk is fed layer-major: its
         # resident layers take the whole prompt's pages at once
@@ -352,7 +354,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if offloaded and span > n:
             plan.layer_major.append(c.request_id)
         avail -= pages
-        tokens -= n
+        tokens -= n + row_tokens
         slots -= 1
         rows += 1
         later = extra

@@ -61,7 +61,7 @@ class Scheduler(StoreSide):
         self.costs = StepCosts(engine.runner.rows_bucket)  # learned from each step
         # the figures the last step's plan used, for `snapshot` (other threads read it)
         self._step_costs = {"decode": 0.0, "decode_full": 0.0, "prefill_token": 0.0,
-                            "offload_layer": 0.0}
+                            "prefill_row": 0.0, "offload_layer": 0.0}
         self._next_step_s = 0.0  # what the next step of the decoding requests will take
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
         # LayerKV's layer-wise offload, where the engine's pages are blocks
@@ -307,7 +307,8 @@ class Scheduler(StoreSide):
             max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,
             chunk=eng.prefill_chunk, cost=eng.cache.cost,
             now=now, decode_step_seconds=self._next_step_s,
-            prefill_token_seconds=self.costs.prefill_token_s, layer_offload=self.layer_offload,
+            prefill_token_seconds=self.costs.prefill_token_s,
+            prefill_row_seconds=self.costs.prefill_row_s, layer_offload=self.layer_offload,
             offload_layer_seconds=self.costs.offload_layer_s,
             decode_step_by_rows=tuple(self.costs.decode(n)
                                       for n in range(eng.runner.max_rows + 1)),
@@ -319,6 +320,7 @@ class Scheduler(StoreSide):
         self._step_costs = {"decode": budget.decode_step_by_rows[1],
                             "decode_full": budget.decode_step_by_rows[-1],
                             "prefill_token": budget.prefill_token_seconds,
+                            "prefill_row": budget.prefill_row_seconds,
                             "offload_layer": budget.offload_layer_seconds}
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
                              eng.connector.load_bytes_per_s, self.costs.prefill_token_s,
@@ -414,7 +416,7 @@ class Scheduler(StoreSide):
         out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])
         if compilations() == compiled:  # (a step that compiled is no sample of its cost)
             self.costs.learn(time.perf_counter() - t0, sum(work), len(decode), brings,
-                             sum(len(r.tokens) for r, _ in decode))
+                             sum(len(r.tokens) for r, _ in decode), len(prefill))
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]

@@ -39,14 +39,24 @@ def compilations() -> int:
 class StepCosts:
     """Running averages of measured step times, split into parts: a step of decodes by its
     row bucket (on a CPU each row costs its share of the compute, so a step of six decodes
-    took 2.5x a step of one with SmolLM2; on a GPU rows come nearly free), a prefill token on
-    top of a step's decodes, and each offloaded layer a step brings in on top of them (from
-    a least-squares fit of the decode steps)."""
+    took 2.5x a step of one with SmolLM2; on a GPU rows come nearly free), a prefill row and
+    a prefill token on top of a step's decodes, and each offloaded layer a step brings in
+    on top of them (from a least-squares fit of the decode steps)."""
 
     def __init__(self, rows_bucket: Callable[[int], int]) -> None:
         self.rows_bucket = rows_bucket
         self.by_rows: dict[int, float] = {}  # row bucket -> seconds of a step of decodes
+        # a prefill's seconds on top of the decodes ~ e x prefill rows + f x tokens (fitted
+        # like the decodes, each part >= 0): a row is a call with its own dispatches and
+        # padding (on a CPU a call of SmolLM2 ~45 ms, a token ~2.2 ms), so a chunk's 2-token
+        # tail is no sample of what a token costs. Averaged per step instead, those tails
+        # read as 11-20 ms a token in a served run, and the SLO check (eq. 2) cut chunks to
+        # a few tokens, each a call: dearer per token still
+        self.prefill_row_s = 0.0
         self.prefill_token_s = 0.0
+        self._prefill_fit = np.zeros(2)
+        self._prefill_gram = np.zeros((2, 2))
+        self._prefill_moment = np.zeros(2)
         self.offload_layer_s = 0.0
         # steps of decodes, with and without layers brought in, fitted together (least
         # squares, older steps fading): seconds ~ a + b x padded rows + c x thousands of
@@ -87,12 +97,17 @@ class StepCosts:
         """Seconds of a step of `rows` decodes that brings `brings` offloaded layers in."""
         return self.decode(rows) + brings * self.offload_layer_s
 
+    def prefill(self, rows: int, tokens: int) -> float:
+        """Seconds that `rows` prefill rows of `tokens` tokens in all add to a step."""
+        return rows * self.prefill_row_s + tokens * self.prefill_token_s
+
     def learn(self, seconds: float, prefill_tokens: int, rows: int, brings: int = 0,
-              context: int = 0) -> None:
-        """A step that took `seconds` for `prefill_tokens` prefill tokens, `rows` decodes
-        over `context` tokens of context and `brings` offloaded layers brought in: every step
-        of decodes alone is the fit's sample, one with no layers brought in its bucket's too;
-        with prefill tokens, what the known parts do not explain is the tokens'."""
+              context: int = 0, prefill_rows: int = 1) -> None:
+        """A step that took `seconds` for `prefill_tokens` prefill tokens in `prefill_rows`
+        rows, `rows` decodes over `context` tokens of context and `brings` offloaded layers
+        brought in: every step of decodes alone is the fit's sample, one with no layers
+        brought in its bucket's too; with prefill tokens, what the known parts do not
+        explain is the prefill fit's sample."""
         if not prefill_tokens:
             if rows:
                 self._learn_fit(seconds, rows, brings, context)
@@ -101,8 +116,12 @@ class StepCosts:
                 self.by_rows[b] = moving_average(self.by_rows.get(b, 0.0), seconds)
         else:
             base = self.decode(rows) + brings * self.offload_layer_s
-            self.prefill_token_s = moving_average(self.prefill_token_s,
-                                                  max(seconds - base, 0.0) / prefill_tokens)
+            x = np.array([max(prefill_rows, 1), prefill_tokens], dtype=float)
+            self._prefill_gram = FORGET * self._prefill_gram + np.outer(x, x)
+            self._prefill_moment = FORGET * self._prefill_moment + max(seconds - base, 0.0) * x
+            self._prefill_fit = nonnegative_least_squares(
+                self._prefill_gram, self._prefill_moment, self._prefill_fit)
+            self.prefill_row_s, self.prefill_token_s = map(float, self._prefill_fit)
 
     def _learn_fit(self, seconds: float, rows: int, brings: int, context: int) -> None:
         x = np.array([1.0, self.rows_bucket(rows), context / 1000, brings])

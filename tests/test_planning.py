@@ -168,6 +168,21 @@ def test_tpot_slack_lets_a_longer_prefill_in_and_the_smallest_one_caps_it():
     assert plan.prefill == [] and plan.decode == ["l"]
 
 
+def test_each_prefill_row_pays_its_own_cost_out_of_the_spare():
+    # a row is a call (its dispatches, its padding): 5 ms of the 20 ms spare before tokens
+    cost = dict(decode_step_seconds=0.03, prefill_token_seconds=0.001,
+                prefill_row_seconds=0.005, now=10.0)
+    run = [running("d", 40, tpot_slo=0.05)]
+    plan = plan_step(run, [waiting("w", 100)], budget(max_tokens=256, chunk=256, **cost))
+    assert plan.prefill == [("w", 15)]  # (0.05 - 0.03 - 0.005) / 0.001
+    plan = plan_step(run, [waiting("v", 4, arrival=1.0), waiting("w", 100, arrival=2.0)],
+                     budget(max_tokens=256, chunk=256, **cost))
+    assert plan.prefill == [("v", 4), ("w", 6)]  # 20 - 5 - 4 - 5 tokens' worth for w
+    tight = dict(cost, prefill_row_seconds=0.02)  # the call alone would use the spare up
+    plan = plan_step(run, [waiting("w", 100)], budget(max_tokens=256, chunk=256, **tight))
+    assert plan.prefill == [] and plan.decode == ["d"]
+
+
 # ---------------------------------------------------------------------------- restores
 
 MB = 10**6

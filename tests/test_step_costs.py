@@ -27,15 +27,30 @@ def test_a_step_of_decodes_is_learned_per_row_bucket():
     assert 0.020 < c.decode(4) < 0.040  # an average, each sample moving it
 
 
-def test_what_a_step_of_decodes_does_not_explain_goes_to_prefill_tokens():
+def test_what_a_step_of_decodes_does_not_explain_goes_to_the_prefill():
     c = costs()
     c.learn(0.010, 0, 2)  # two decodes alone: 10 ms
     c.offload_layer_s = 0.010  # (as fitted: below)
     c.learn(0.010 + 0.040 + 0.032, 16, 2, brings=4)  # 4 layers and 16 prefill tokens on top
-    assert c.prefill_token_s == pytest.approx(0.002)
+    assert c.prefill(1, 16) == pytest.approx(0.032)
     assert c.decode(2) == pytest.approx(0.010)  # steps that did more: not decode samples
     c.learn(0.032, 16, 0)  # a prefill alone
-    assert c.prefill_token_s == pytest.approx(0.002)
+    assert c.prefill(1, 16) == pytest.approx(0.032)
+
+
+def test_a_prefill_row_and_its_tokens_are_told_apart():
+    # served, a chunk leaves a short tail (the decodes take their tokens of the step's
+    # budget): a call of 2 tokens costs its dispatches and padding, no token's share of them
+    rng = np.random.default_rng()
+    c = costs()
+    for _ in range(300):
+        rows = int(rng.integers(1, 3))
+        tokens = int(rng.choice([2, 8, 16, 500, 508, 512, 1000])) * rows
+        c.learn((0.045 * rows + 0.0022 * tokens) * (1 + 0.03 * rng.standard_normal()),
+                tokens, 0, prefill_rows=rows)
+    assert c.prefill_row_s == pytest.approx(0.045, rel=0.2)
+    assert c.prefill_token_s == pytest.approx(0.0022, rel=0.05)
+    assert c.prefill(1, 1024) == pytest.approx(0.045 + 0.0022 * 1024, rel=0.05)
 
 
 def truth(rows: int, context: int, brings: int) -> float:
