@@ -97,10 +97,6 @@ class StepCosts:
         """Seconds of a step of `rows` decodes that brings `brings` offloaded layers in."""
         return self.decode(rows) + brings * self.offload_layer_s
 
-    def prefill(self, rows: int, tokens: int) -> float:
-        """Seconds that `rows` prefill rows of `tokens` tokens in all add to a step."""
-        return rows * self.prefill_row_s + tokens * self.prefill_token_s
-
     def learn(self, seconds: float, prefill_tokens: int, rows: int, brings: int = 0,
               context: int = 0, prefill_rows: int = 1) -> None:
         """A step that took `seconds` for `prefill_tokens` prefill tokens in `prefill_rows`

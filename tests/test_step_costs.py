@@ -32,10 +32,10 @@ def test_what_a_step_of_decodes_does_not_explain_goes_to_the_prefill():
     c.learn(0.010, 0, 2)  # two decodes alone: 10 ms
     c.offload_layer_s = 0.010  # (as fitted: below)
     c.learn(0.010 + 0.040 + 0.032, 16, 2, brings=4)  # 4 layers and 16 prefill tokens on top
-    assert c.prefill(1, 16) == pytest.approx(0.032)
+    assert c.prefill_row_s + 16 * c.prefill_token_s == pytest.approx(0.032)
     assert c.decode(2) == pytest.approx(0.010)  # steps that did more: not decode samples
     c.learn(0.032, 16, 0)  # a prefill alone
-    assert c.prefill(1, 16) == pytest.approx(0.032)
+    assert c.prefill_row_s + 16 * c.prefill_token_s == pytest.approx(0.032)
 
 
 def test_a_prefill_row_and_its_tokens_are_told_apart():
@@ -50,7 +50,8 @@ def test_a_prefill_row_and_its_tokens_are_told_apart():
                 tokens, 0, prefill_rows=rows)
     assert c.prefill_row_s == pytest.approx(0.045, rel=0.2)
     assert c.prefill_token_s == pytest.approx(0.0022, rel=0.05)
-    assert c.prefill(1, 1024) == pytest.approx(0.045 + 0.0022 * 1024, rel=0.05)
+    assert c.prefill_row_s + 1024 * c.prefill_token_s == pytest.approx(0.045 + 0.0022 * 1024,
+                                                                rel=0.05)
 
 
 def truth(rows: int, context: int, brings: int) -> float:
