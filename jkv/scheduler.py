@@ -307,7 +307,7 @@ class Scheduler(StoreSide):
             max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,
             chunk=eng.prefill_chunk, cost=eng.cache.cost,
             now=now, decode_step_seconds=self._next_step_s,
-            prefill_token_seconds=self.costs.prefill_token_s,
+            prefill_token_seconds=self.costs.chunked_token_s(eng.prefill_chunk),
             prefill_row_seconds=self.costs.prefill_row_s, layer_offload=self.layer_offload,
             offload_layer_seconds=self.costs.offload_layer_s,
             decode_step_by_rows=tuple(self.costs.decode(n)
@@ -315,7 +315,7 @@ class Scheduler(StoreSide):
             min_resident=min_resident(
                 eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
                 0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,
-                self.costs.prefill_token_s),
+                self.costs.chunked_token_s(eng.prefill_chunk)),
             forecast_steps=FORECAST_STEPS)
         self._step_costs = {"decode": budget.decode_step_by_rows[1],
                             "decode_full": budget.decode_step_by_rows[-1],
@@ -323,7 +323,8 @@ class Scheduler(StoreSide):
                             "prefill_row": budget.prefill_row_seconds,
                             "offload_layer": budget.offload_layer_seconds}
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
-                             eng.connector.load_bytes_per_s, self.costs.prefill_token_s,
+                             eng.connector.load_bytes_per_s,
+                             self.costs.chunked_token_s(eng.prefill_chunk),
                              eng.split_overlap)
         waiting, queued, decisions, cached = [], [], {}, {}
         declined = self.stats.restores_declined

@@ -72,7 +72,8 @@ class StoreSide:
             st.read_since = None
         else:  # its read is under way: it waits, unless recomputing would be done by now
             st.read_since = now if st.read_since is None else st.read_since
-            recompute_s = (decision.held - cached) * self.costs.prefill_token_s
+            recompute_s = (decision.held - cached) * self.costs.chunked_token_s(
+                self.engine.prefill_chunk)
             if (self.config.restore_planning and recompute_s
                     and now - st.read_since > recompute_s):
                 st.abandoned, ready = True, True

@@ -97,6 +97,12 @@ class StepCosts:
         """Seconds of a step of `rows` decodes that brings `brings` offloaded layers in."""
         return self.decode(rows) + brings * self.offload_layer_s
 
+    def chunked_token_s(self, chunk: int) -> float:
+        """Seconds a prompt token costs fed in full chunks of `chunk` tokens, its share of
+        a row's cost included: what recomputing a long prefix costs a token (with a tiny
+        model the row is nearly all of it)."""
+        return self.prefill_token_s + self.prefill_row_s / chunk
+
     def learn(self, seconds: float, prefill_tokens: int, rows: int, brings: int = 0,
               context: int = 0, prefill_rows: int = 1) -> None:
         """A step that took `seconds` for `prefill_tokens` prefill tokens in `prefill_rows`

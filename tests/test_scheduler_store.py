@@ -195,7 +195,8 @@ def test_restore_planning_splits_a_hit_where_copies_overlap_compute(params):
     eng.split_overlap = 1.0
     store.read_bytes_per_s["host"] = 1e15
     entry = store.snapshot()["bytes"]["host"]
-    eng.connector.load_bytes_per_s = 2 * entry / (blocks * 8 * sched.costs.prefill_token_s)
+    token_s = sched.costs.chunked_token_s(eng.prefill_chunk)
+    eng.connector.load_bytes_per_s = 2 * entry / (blocks * 8 * token_s)
     generate_all(sched, follow)
     restore = sched.snapshot()["restore"]
     assert sched.snapshot()["prefix_hit_tokens"]["host"] == blocks * 8

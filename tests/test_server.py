@@ -476,7 +476,8 @@ def test_metrics_endpoint_exports_the_serving_figures(srv):
     # the step costs the SLO checks weigh, learned from the decode steps just run
     costs = {ln.split('"')[1]: float(ln.split()[1]) for ln in text.splitlines()
              if ln.startswith("jkv_step_cost_seconds{")}
-    assert set(costs) == {"decode", "decode_full", "prefill_token", "offload_layer"}
+    assert set(costs) == {"decode", "decode_full", "prefill_token", "prefill_row",
+                          "offload_layer"}
     assert costs["decode"] > 0 and costs["decode_full"] > 0 and costs["offload_layer"] >= 0
 
 
