@@ -55,7 +55,8 @@ class Budget:
     cost: PageCost  # the KV cache manager's: pages that tokens take
     now: float = 0.0
     decode_step_seconds: float = 0.0  # cost model: a step of decodes alone
-    prefill_token_seconds: float = 0.0  # cost model: each prefill token on top ...
+    prefill_token_seconds: float = 0.0  # cost model: each prefill token on top (in full
+    # chunks: a row's share included) ...
     prefill_row_seconds: float = 0.0  # ... and each prefill row (a call: dispatch, padding)
     # LayerKV: admit a prefill with some of its layers on the host, offload running requests'
     # layers instead of preempting them; an admitted prefill keeps `min_resident` layers at

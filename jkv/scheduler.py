@@ -302,12 +302,13 @@ class Scheduler(StoreSide):
         decoding = [self._state[r].slot for r in self.running if r.output]
         self._next_step_s = self.costs.step(
             len(decoding), sum(len(eng.offloaded_layers(s)) for s in decoding))
+        token_s = self.costs.chunked_token_s(eng.prefill_chunk)  # a token fed in full chunks
         budget = Budget(
             available_pages=eng.cache.available_pages, free_slots=eng.cache.num_free_slots,
             max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,
             chunk=eng.prefill_chunk, cost=eng.cache.cost,
             now=now, decode_step_seconds=self._next_step_s,
-            prefill_token_seconds=self.costs.chunked_token_s(eng.prefill_chunk),
+            prefill_token_seconds=token_s,
             prefill_row_seconds=self.costs.prefill_row_s, layer_offload=self.layer_offload,
             offload_layer_seconds=self.costs.offload_layer_s,
             decode_step_by_rows=tuple(self.costs.decode(n)
@@ -315,7 +316,7 @@ class Scheduler(StoreSide):
             min_resident=min_resident(
                 eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
                 0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,
-                self.costs.chunked_token_s(eng.prefill_chunk)),
+                token_s),
             forecast_steps=FORECAST_STEPS)
         self._step_costs = {"decode": budget.decode_step_by_rows[1],
                             "decode_full": budget.decode_step_by_rows[-1],
@@ -323,9 +324,7 @@ class Scheduler(StoreSide):
                             "prefill_row": budget.prefill_row_seconds,
                             "offload_layer": budget.offload_layer_seconds}
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
-                             eng.connector.load_bytes_per_s,
-                             self.costs.chunked_token_s(eng.prefill_chunk),
-                             eng.split_overlap)
+                             eng.connector.load_bytes_per_s, token_s, eng.split_overlap)
         waiting, queued, decisions, cached = [], [], {}, {}
         declined = self.stats.restores_declined
         for r in self.waiting:
