@@ -200,8 +200,9 @@ class Scheduler(StoreSide):
     # ------------------------------------------------------------------ one step
 
     def _candidate(self, r: Request, held: int, pin_pages: int) -> Candidate:
-        ttft = (None if r.ttft_slo_ms is None or r.output
-                else r.arrival + r.ttft_slo_ms / 1000)
+        # (a preempted request keeps its deadline, met long ago: it orders the queue, and
+        # without one it went behind every later arrival that had one and stalled its stream)
+        ttft = None if r.ttft_slo_ms is None else r.arrival + r.ttft_slo_ms / 1000
         tpot = None if r.tpot_slo_ms is None else r.tpot_slo_ms / 1000
         # (what admission weighs the cost of its steps over; not known before any reply)
         remaining = (self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))

@@ -405,6 +405,33 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
     assert sched.snapshot()["layer_offload"]["admissions_held"] == len(held[0])
 
 
+def test_a_preempted_request_goes_back_ahead_of_later_arrivals(params, monkeypatch):
+    """A request preempted part way through its reply keeps its place by TTFT deadline:
+    behind later arrivals with targets it would wait for all of them, its stream stalled."""
+    import jkv.scheduler as scheduler_module
+    from jkv.plan_records import queue_order
+
+    seen = []
+
+    def spy(running, waiting, budget):
+        seen.append(sorted(waiting, key=queue_order))
+        return plan_step(running, [], budget)  # (admits no one: the queue stays)
+
+    monkeypatch.setattr(scheduler_module, "plan_step", spy)
+    sched = Scheduler(engine(params))
+    slo = dict(ttft_slo_ms=1000, tpot_slo_ms=100)
+    back = Request(list(range(1, 20)), SamplingParams(max_tokens=8, temperature=0),
+                   arrival=0.0, **slo)
+    back.output, back.num_preemptions = [7, 8, 9], 1  # as a preemption leaves it
+    new = Request(list(range(2, 20)), SamplingParams(max_tokens=8, temperature=0),
+                  arrival=0.5, **slo)
+    sched.add(new)
+    sched.add(back)
+    sched.step()
+    assert [c.request_id for c in seen[-1]] == [back.request_id, new.request_id]
+    assert seen[-1][0].ttft_deadline == 1.0 and seen[-1][0].whole
+
+
 def test_a_decoding_requests_tpot_slack_follows_layerkv_eq_1(params):
     sched = Scheduler(engine(params))
     r = Request(list(range(1, 20)), SamplingParams(max_tokens=50, temperature=0),
