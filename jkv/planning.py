@@ -42,7 +42,8 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   do, so both mostly say no there; on a CPU recompute is the dearer;
 - a new request whose pages fit is held while the steps it would decode in, each longer by
   its row (a step of one more decode, as measured or fitted), its layers on the host and
-  those moved to make room for it (each the measured seconds of bringing one in), and the
+  those moved to make room for it (each the measured seconds of bringing one in, until the
+  decodes expected to finish first free the pages that take them back), and the
   rows and layers of the running prefills and of those admitted before it (they decode in
   those steps too), would take a decoding request past its TPOT target
   (`admission_keeps_slack`, LayerKV eq. 1 over the steps to come), or, with layers on the
@@ -200,18 +201,20 @@ def offload_beats_preempting(budget: Budget, extra: float, layers: int, c: Candi
 
 
 def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
-                          decodes: Sequence[Candidate]) -> bool:
+                          decodes: Sequence[Candidate], until: int | None = None) -> bool:
     """Whether admitting `new` now with `layers` layers on the host costs the requests less
     than it waiting would: each step it decodes in brings its layers in for every row
-    (itself included), against its own wait, at least until the first decoding request
-    finishes and frees its pages. True while a rate or an estimate is not known."""
+    (itself included), until finished decodes free the pages that take them back (`until`
+    steps; None: its whole output), against its own wait, at least until the first decoding
+    request finishes and frees its pages. True while a rate or an estimate is not known."""
     s = budget.offload_layer_seconds
     ends = [d.remaining * budget.decode_step_seconds for d in decodes if d.remaining]
     if not layers or not s or new.remaining is None or not ends or not budget.decode_step_seconds:
         return True
     if any(d.tpot_slo is not None for d in decodes):
         return True  # the decodes' TPOT targets say what their steps may cost (eq. 1)
-    return (len(decodes) + 1) * layers * s * new.remaining <= min(ends)
+    steps = new.remaining if until is None else min(until, new.remaining)
+    return (len(decodes) + 1) * layers * s * steps <= min(ends)
 
 
 def _fetch(plan: Plan, keep: list[Candidate], avail: int, budget: Budget) -> int:
@@ -336,12 +339,17 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             break  # head of line waits for pages; later requests do not overtake it
         offloaded = cost.layers - plan.resident.get(c.request_id, cost.layers)
         moved = room[2] if room else 0
-        extra = (later + added_step_seconds(budget, rows, offloaded)
-                 + moved * budget.offload_layer_seconds)
-        if not (admission_keeps_slack(extra, c, decodes, budget)
+        # its layers on the host and those moved for it come back once the decodes expected
+        # to finish first free their pages (eq. 5's releases): brought in until then only
+        on_host = (cost.grow(c.held, c.pending) // cost.layers * offloaded
+                   + (room[1] if room else 0))
+        until = steps_until_freed(on_host, keep)
+        bring = (offloaded + moved) * budget.offload_layer_seconds
+        extra = later + added_step_seconds(budget, rows, 0)
+        if not (admission_keeps_slack(extra, c, decodes, budget, bring, until)
                 and within_own_target(extra, offloaded, c, budget,
-                                      None if i + 1 < len(queue) else decodes)
-                and offload_beats_waiting(budget, offloaded + moved, c, decodes)):
+                                      None if i + 1 < len(queue) else decodes, until, bring)
+                and offload_beats_waiting(budget, offloaded + moved, c, decodes, until)):
             plan.resident.pop(c.request_id, None)
             plan.held.append(c.request_id)
             break  # it waits (for decodes to finish or gain slack); no one overtakes it
@@ -357,8 +365,23 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         tokens -= n + row_tokens
         slots -= 1
         rows += 1
-        later = extra
+        later = extra + bring  # (for those admitted after it, for as long as they decode)
     return plan
+
+
+def steps_until_freed(pages: int, running: Sequence[Candidate]) -> int | None:
+    """The steps until the running requests expected to finish first (by their output
+    estimates) have freed `pages` pages: how long layers moved to the host to admit a request
+    stay there before the pool takes them back. None: not expected within the estimates."""
+    if pages <= 0:
+        return 0
+    freed = 0
+    for c in sorted((c for c in running if c.remaining is not None and c.pending == 1),
+                    key=lambda c: c.remaining):
+        freed += c.pin_pages
+        if freed >= pages:
+            return c.remaining
+    return None
 
 
 def _forecast(cost: PageCost, running: Sequence[Candidate], horizon: int) -> int:
@@ -422,51 +445,59 @@ def added_step_seconds(budget: Budget, rows: int, offloaded: int) -> float:
 
 
 def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candidate],
-                          budget: Budget) -> bool:
+                          budget: Budget, bring: float = 0.0, until: int | None = None
+                          ) -> bool:
     """Whether admitting `new`, which makes each step `extra` seconds longer while it
-    decodes, keeps every decoding request within its TPOT target (LayerKV eq. 1 over the
-    steps to come, not only this one): over the steps both are expected to decode, the
-    extra time must fit each one's slack; one already behind its target (slack below 0)
-    only asks that each step stay within it. True while the cost or a slack is not known."""
-    if extra <= 0:
+    decodes and `bring` more while layers it put on the host are brought in (`until` steps;
+    None: as long as it decodes), keeps every decoding request within its TPOT target
+    (LayerKV eq. 1 over the steps to come, not only this one): over the steps both are
+    expected to decode, the extra time must fit each one's slack; one already behind its
+    target (slack below 0) only asks that each step stay within it. True while the cost or
+    a slack is not known."""
+    if extra + bring <= 0:
         return True
     for d in decodes:
         if d.tpot_slack is None or d.remaining is None or d.tpot_slo is None:
             continue
         if d.tpot_slack < 0:
-            if budget.decode_step_seconds + extra > d.tpot_slo:
+            if budget.decode_step_seconds + extra + bring > d.tpot_slo:
                 return False
             continue
         steps = d.remaining if new.remaining is None else min(d.remaining, new.remaining)
-        if extra * steps > d.tpot_slack:
+        if extra * steps + bring * (steps if until is None else min(steps, until)) \
+                > d.tpot_slack:
             return False
     return True
 
 
 def within_own_target(extra: float, offloaded: int, new: Candidate, budget: Budget,
-                      decodes: Sequence[Candidate] | None = None) -> bool:
+                      decodes: Sequence[Candidate] | None = None, until: int | None = None,
+                      bring: float = 0.0) -> bool:
     """Whether `new`, with `offloaded` layers on the host, decodes within its own TPOT target
-    (each step the decodes' now and `extra`); one whose layers all fit is not held for its
+    (each step the decodes' now and `extra`, and `bring` while the layers on the host are
+    brought in: `until` steps, None: all); one whose layers all fit is not held for its
     own sake (it only waits for the step to get no faster). For an admission with no one
     queued behind it (`decodes` given) and an output estimate, the target is met on
     average, as a miss is counted: its steps cost that while the longest of `decodes` still
-    runs, then a step of its own row and its layers (a request arriving while the others
-    near their end is not held for steps it will hardly share; with a queue behind it,
-    others would take their places). Otherwise, and for a running request (its slack is
-    weighed with the others'), each step within it."""
+    runs, then a step of its own row (a request arriving while the others near their end
+    is not held for steps it will hardly share; with a queue behind it, others would take
+    their places). Otherwise, and for a running request (its slack is weighed with the
+    others'), each step within it."""
     if not offloaded or new.tpot_slo is None or not budget.decode_step_seconds:
         return True
     shared = budget.decode_step_seconds + extra
     if decodes is None or not new.remaining:
-        return shared <= new.tpot_slo
+        return shared + bring <= new.tpot_slo
     together = min(new.remaining, max((d.remaining or new.remaining for d in decodes),
                                       default=0))
     by_rows = budget.decode_step_by_rows
-    alone = ((by_rows[1] if len(by_rows) > 1 else budget.decode_step_seconds)
-             + offloaded * budget.offload_layer_seconds)
-    return together * shared + (new.remaining - together) * alone <= new.remaining * new.tpot_slo
+    alone = by_rows[1] if len(by_rows) > 1 else budget.decode_step_seconds
+    brought = bring * (new.remaining if until is None else min(until, new.remaining))
+    return (together * shared + (new.remaining - together) * alone + brought
+            <= new.remaining * new.tpot_slo)
 
 
 __all__ = ["admission_keeps_slack", "min_resident", "offload_beats_preempting",
            "offload_beats_recompute", "offload_beats_waiting", "plan_step", "prefill_fits",
-           "prefill_pages", "step_fits", "step_pages", "within_own_target"]
+           "prefill_pages", "step_fits", "step_pages", "steps_until_freed",
+           "within_own_target"]
