@@ -68,21 +68,26 @@ class Costs:
     copy_bytes_per_s: float  # ... and its bytes
     shape_step: int  # the engine's row buckets there (a padded row costs a row)
     source: str
+    prefill_row_s: float = 0.0  # each prefill row's own call (its padding, the weights read)
+    overlap: bool = True  # a step's decodes and prefills hide each other (else they add up)
 
     def step(self, decode_ctx: list[int], prefill: list[tuple[int, int, float]],
              brings: list[int], layer_calls: int) -> float:
         """A step of decodes at these contexts, prefill rows (tokens, context before them,
         share of the layers they go through), offloaded layers brought in (one entry per
         layer and row: that row's context) and layer-major calls: the decodes' time and the
-        prefill's overlap (both read the weights once), the brings add to it."""
+        prefill's overlap where `overlap` (a device whose steps are bound by reading the
+        weights, which both do once) and add up where not (a CPU's compute-bound calls),
+        the brings add to it."""
         rows = bucket(len(decode_ctx), 1, self.shape_step)
         dec = 0.0 if not decode_ctx else (self.decode_s + self.decode_row_s * (rows - 1)
                                           + self.decode_context_s * sum(decode_ctx))
-        pre = sum(share * n * (self.prefill_token_s + self.prefill_quadratic_s * (c + n / 2))
+        pre = sum(share * (self.prefill_row_s + n * (self.prefill_token_s
+                                                      + self.prefill_quadratic_s * (c + n / 2)))
                   for n, c, share in prefill)
         pre = max(pre, layer_calls * self.layer_call_s)
         bring = sum(self.bring_layer_s + self.bring_context_s * c for c in brings)
-        return max(dec, pre) + bring
+        return (max(dec, pre) if self.overlap else dec + pre) + bring
 
     def copy(self, layers: int, tokens: int) -> float:
         """Moving `layers` layers of `tokens` tokens between the pool and the host."""
@@ -365,7 +370,11 @@ def main() -> None:
         name, _, value = item.partition("=")
         if name not in {f.name for f in dataclasses.fields(Costs)} - {"source"}:
             ap.error(f"--set {item}: not one of the costs")
-        costs = dataclasses.replace(costs, **{name: type(getattr(costs, name))(value)})
+        kind = type(getattr(costs, name))
+        if kind is bool and value.lower() not in ("true", "false", "1", "0"):
+            ap.error(f"--set {item}: true or false")
+        costs = dataclasses.replace(costs, **{name: value.lower() in ("true", "1")
+                                              if kind is bool else kind(value)})
     rates = [float(r) for r in args.rates.split(",")]
     lengths = [int(m) for m in args.lengths.split(",")]
     settings = args.settings.split(",")
