@@ -511,6 +511,12 @@ def test_layers_on_the_host_count_only_until_finishing_decodes_free_their_pages(
     assert p.admit == ["w"] and p.resident == {"w": 1} and p.held == []
     assert plan_step([d, e(60)], [w], layered(**chunk)).held == ["w"]  # too late
     assert plan_step([d, e(5, held=20)], [w], layered(**chunk)).held == ["w"]  # too few
+    # with no targets its layers are charged for its whole output (3 rows x 3 layers x 4 ms
+    # x 50 steps: 1.8 s) against its wait for e's end (5 steps of 0.1 s): it waits
+    free = [dataclasses.replace(c, tpot_slo=None, tpot_slack=None) for c in (d, e(5))]
+    assert plan_step(free, [w], layered(decode_step_seconds=0.1, **chunk)).held == ["w"]
+    assert plan_step(free, [dataclasses.replace(w, remaining=5)],
+                     layered(decode_step_seconds=0.1, **chunk)).admit == ["w"]
     # the finishes as counted: first expected first, prefills and unknown lengths not
     assert steps_until_freed(0, [d]) == 0
     assert steps_until_freed(24, [d, e(5)]) == 5
