@@ -205,11 +205,8 @@ def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
     """Whether admitting `new` now with `layers` layers on the host costs the requests less
     than it waiting would: each step it decodes in brings its layers in for every row
     (itself included), against its own wait, at least until the first decoding request
-    finishes and frees its pages. Its whole output is charged, not only the steps until
-    pages free (as the slack checks do): with no targets to hold them, the next arrivals
-    move the running requests' layers out again (serve_slo at 0.08/s, charging only until
-    pages free took TPOT p50 from 212 to 378 ms). True while a rate or an estimate is not
-    known."""
+    finishes: its whole output, not only until pages free (no targets hold the next
+    arrivals from moving layers out again). True while a rate or an estimate is unknown."""
     s = budget.offload_layer_seconds
     ends = [d.remaining * budget.decode_step_seconds for d in decodes if d.remaining]
     if not layers or not s or new.remaining is None or not ends or not budget.decode_step_seconds:
@@ -341,8 +338,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             break  # head of line waits for pages; later requests do not overtake it
         offloaded = cost.layers - plan.resident.get(c.request_id, cost.layers)
         moved = room[2] if room else 0
-        # its layers on the host and those moved for it come back once the decodes expected
-        # to finish first free their pages (eq. 5's releases): brought in until then only
+        # layers on the host come back once decodes finish (eq. 5's releases): until then
         on_host = (cost.grow(c.held, c.pending) // cost.layers * offloaded
                    + (room[1] if room else 0))
         until = steps_until_freed(on_host, keep)
