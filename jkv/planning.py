@@ -449,9 +449,8 @@ def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candid
     decodes and `bring` more while layers it put on the host are brought in (`until` steps;
     None: as long as it decodes), keeps every decoding request within its TPOT target
     (LayerKV eq. 1 over the steps to come, not only this one): over the steps both are
-    expected to decode, the extra time must fit each one's slack; one already behind its
-    target (slack below 0) only asks that each step stay within it. True while the cost or
-    a slack is not known."""
+    expected to decode, the extra time must fit each one's slack; one already behind (slack
+    below 0) only asks that each step stay within it. True while a cost or slack is unknown."""
     if extra + bring <= 0:
         return True
     for d in decodes:
