@@ -10,9 +10,10 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 - order is (priority, TTFT deadline, arrival): lower priority values go first; with no
   priorities or SLOs that is first come, first served;
 - running decodes always get their token; when their pages do not fit, the least important
-  running request (the newest, among equals) is preempted: its pages are released (its full
-  blocks stay in the prefix cache when that is on) and it is recomputed later; so are the
-  least important running prefills when, with no decode running, none of them can get a page;
+  running request (the newest, among equals; not one that would free no page) is preempted:
+  its pages are released (its full blocks stay in the prefix cache when that is on) and it
+  is recomputed later; so are the least important running prefills when, with no decode
+  running, none of them can get a page;
 - with layer-wise offload (LayerKV), before anyone is preempted: while the decodes' pages over
   the next `forecast_steps` steps do not fit (eq. 5), the least important running requests
   move as few resident layers to the host as cover the gap (a request with offloaded layers
@@ -32,9 +33,9 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   costs the step less than recomputing what it holds (`offload_beats_recompute`; else it is
   preempted, and comes back only with every layer: back at once with layers on the host it
   would pay both, and be preempted again as the decodes grow); one with a TPOT target counts
-  its own wait for pages too, and keeps its layers on the host only while every decode's
-  slack covers them (`offload_beats_preempting`: the rule an admission meets, so one
-  admitted with layers on the host is not preempted a few steps later); where no decode
+  its wait for pages and its recompute too, and keeps its layers on the host where that
+  runs the decodes less far past their targets than preempting it would run it
+  (`offload_beats_preempting`: late by the time past each one's slack); where no decode
   carries a TPOT target a new request is admitted with layers on the host only where they
   cost the decoding requests' steps less than its wait for the first of them to finish
   (`offload_beats_waiting`; with targets, the slack check below is what weighs them). On the
@@ -60,7 +61,9 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   step within its target, its mean no worse, while prefills still move). A waiting request
   past its TTFT deadline lifts neither this cap nor the admission check: the promises made to
   running requests come first (when it did, under load every step carried a whole chunk and
-  TPOT targets broke as well). The step costs come from `jkv.step_costs.StepCosts`.
+  TPOT targets broke as well); but a decode already behind holds back no prefill that can
+  still meet its TTFT target (`keeps_ttft`): a broken promise does not break a keepable one.
+  The step costs come from `jkv.step_costs.StepCosts`.
 """
 
 from __future__ import annotations
@@ -183,21 +186,28 @@ def offload_beats_preempting(budget: Budget, extra: float, layers: int, c: Candi
     """Whether running request `c` goes on with `layers` layers on the host, its steps and
     the others' `extra` seconds longer while it decodes, rather than being preempted.
     Without a TPOT target, where that costs the running requests less
-    (`offload_beats_recompute`). With one, its own stall counts too (its target pays for
-    it): preempted, it waits at least until the first other decode among `running`
-    finishes and frees pages (that wait shared over the rows, as a step's time is), and
-    going on must keep every decoding request's slack (LayerKV eq. 1, as for an admission)
-    and its own steps within its own target."""
+    (`offload_beats_recompute`). With one, its own stall counts too, and the choice is the
+    one that runs the decodes less far past their targets: going on, each decoding request
+    among `running` is late by what the longer steps take past its slack (all of them for
+    one already behind); preempted, `c` by its wait until the first other decode finishes
+    and frees pages and the recompute of what it holds, past its own slack."""
     s, p, step = budget.offload_layer_seconds, budget.prefill_token_seconds, \
         budget.decode_step_seconds
     if c.tpot_slo is None or c.remaining is None or not (s and p and step):
         return offload_beats_recompute(budget, layers, c)
     decodes = [d for d in running if d.pending == 1]
     ends = [d.remaining * step for d in decodes if d.remaining and d is not c]
-    wait = min(ends, default=0.0) / len(decodes or [c])
-    return (layers * s * c.remaining <= c.held * p + wait
-            and admission_keeps_slack(extra, c, decodes, budget)
-            and within_own_target(extra, layers, c, budget))
+    wait = min(ends, default=0.0)
+    if layers * s * c.remaining > c.held * p + wait / len(decodes or [c]):
+        return False  # (its wait shared over the rows, as a step's time is)
+    late = 0.0
+    for d in decodes:
+        if d.tpot_slo is not None and d.remaining is not None:
+            steps = min(d.remaining, c.remaining)
+            slack = (d.tpot_slo - step) * steps if d.tpot_slack is None else d.tpot_slack
+            late += max(0.0, extra * steps - max(slack, 0.0))
+    own = (c.tpot_slo - step) * c.remaining if c.tpot_slack is None else c.tpot_slack
+    return late <= max(0.0, wait + c.held * p - max(own, 0.0))
 
 
 def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
@@ -247,7 +257,8 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         need = _decode_pages(cost, keep, 1)
         if need <= avail or not keep:
             break
-        victim = keep.pop()
+        victim = keep.pop(next((i for i in range(len(keep) - 1, 0, -1)
+                                if keep[i].pin_pages > 0), 0))  # (none that frees nothing)
         plan.preempt.append(victim.request_id)
         if plan.offload.pop(victim.request_id, None) is not None:  # not offloaded after all
             avail -= freed[victim.request_id] - victim.offload_pages
@@ -262,25 +273,33 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
 
     # what each decode's target leaves this step: its slack (eq. 1); one already behind
     # (slack below 0: it misses its target anyway) what keeps the step itself within the
-    # target, so that its mean gets no worse and prefills still move
-    spares = []
+    # target, and nothing at all of a prefill that can still meet its TTFT target: a
+    # promise already broken does not hold up one that can still be kept (`keeps_ttft`)
+    spares: dict[bool, list[float]] = {False: [], True: []}  # by that prefill's keepability
     for c in decodes:
         if c.tpot_slo is not None:
             within = c.tpot_slo - budget.decode_step_seconds
             slack = within if c.tpot_slack is None else c.tpot_slack
-            spares.append(slack if slack >= 0 else max(slack, within))
-    row_tokens = 0  # what a prefill row's own cost (its call) takes of the tokens
-    if spares and budget.prefill_token_seconds > 0:  # eq. 2: within the smallest spare
+            spares[False].append(slack if slack >= 0 else max(slack, within))
+            if c.tpot_slack is None or slack >= 0:
+                spares[True].append(spares[False][-1])
+    caps, row_tokens, used = {k: tokens for k in spares}, 0, 0  # (prefill tokens so far)
+    if spares[False] and budget.prefill_token_seconds > 0:  # eq. 2: within the smallest
         row_tokens = int(budget.prefill_row_seconds / budget.prefill_token_seconds)
-        tokens = min(tokens, max(0, int(min(spares) / budget.prefill_token_seconds)))
+        for k, some in spares.items():
+            if some:
+                caps[k] = min(tokens, max(0, int(min(some) / budget.prefill_token_seconds)))
+
+    def room_for(c: Candidate) -> int:  # prompt tokens `c` may feed (its row's share out)
+        return caps[keeps_ttft(c, budget)] - used - row_tokens
 
     for c in keep:
-        if c.pending > 1 and tokens > row_tokens:
-            n = prefill_fits(cost, c, min(c.pending, tokens - row_tokens, budget.chunk), avail)
+        if c.pending > 1 and room_for(c) > 0:
+            n = prefill_fits(cost, c, min(c.pending, room_for(c), budget.chunk), avail)
             if n > 0:
                 plan.prefill.append((c.request_id, n))
                 avail -= prefill_pages(cost, c, n)
-                tokens -= n + row_tokens
+                used += n + row_tokens
     if keep and not plan.decode and not plan.prefill and tokens > 0:
         # running prefills hold every page and none can take another (no decode will ever
         # finish to free one): the least important give theirs back, recomputed later
@@ -293,7 +312,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             if n > 0:
                 plan.prefill.append((first.request_id, n))
                 avail -= prefill_pages(cost, first, n)
-                tokens -= n
+                used += n
                 break
 
     slots = budget.free_slots + len(plan.preempt)
@@ -306,9 +325,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             rows += 1
     queue = sorted(waiting, key=queue_order)
     for i, c in enumerate(queue):
-        if slots <= 0 or tokens <= row_tokens:
+        if slots <= 0 or room_for(c) <= 0:
             break
-        n = min(c.pending, tokens - row_tokens, budget.chunk)
+        n = min(c.pending, room_for(c), budget.chunk)
         pages = cost.grow(c.held, n) + c.pin_pages
         # with layers on the host, a prompt longer than a chunk is fed layer-major: its
         # resident layers take the whole prompt's pages at once
@@ -344,7 +363,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         until = steps_until_freed(on_host, keep)
         bring = (offloaded + moved) * budget.offload_layer_seconds
         extra = later + added_step_seconds(budget, rows, 0)
-        if not (admission_keeps_slack(extra, c, decodes, budget, bring, until)
+        kept = [d for d in decodes if not (keeps_ttft(c, budget) and d.tpot_slack is not None
+                                           and d.tpot_slack < 0)]  # (as for the cap above)
+        if not (admission_keeps_slack(extra, c, kept, budget, bring, until)
                 and within_own_target(extra, offloaded, c, budget,
                                       None if i + 1 < len(queue) else decodes, until, bring)
                 and offload_beats_waiting(budget, offloaded + moved, c, decodes)):
@@ -360,11 +381,18 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         if offloaded and span > n:
             plan.layer_major.append(c.request_id)
         avail -= pages
-        tokens -= n + row_tokens
+        used += n + row_tokens
         slots -= 1
         rows += 1
         later = extra + bring  # (for those admitted after it, for as long as they decode)
     return plan
+
+
+def keeps_ttft(c: Candidate, budget: Budget) -> bool:
+    """Whether `c`, fed from now on, can still meet its TTFT target (its prompt's tokens at
+    the measured rate)."""
+    return (c.ttft_deadline is not None
+            and c.ttft_deadline - budget.now >= c.pending * budget.prefill_token_seconds)
 
 
 def steps_until_freed(pages: int, running: Sequence[Candidate]) -> int | None:
@@ -494,7 +522,7 @@ def within_own_target(extra: float, offloaded: int, new: Candidate, budget: Budg
             <= new.remaining * new.tpot_slo)
 
 
-__all__ = ["admission_keeps_slack", "min_resident", "offload_beats_preempting",
+__all__ = ["admission_keeps_slack", "keeps_ttft", "min_resident", "offload_beats_preempting",
            "offload_beats_recompute", "offload_beats_waiting", "plan_step", "prefill_fits",
            "prefill_pages", "step_fits", "step_pages", "steps_until_freed",
            "within_own_target"]

@@ -110,6 +110,11 @@ def test_pages_short_for_decodes_preempt_the_newest_running_request():
     run[0] = running("old", 32, arrival=0.0, priority=5)
     plan = plan_step(run, [], budget(available_pages=2 * BP))
     assert plan.preempt == ["old"]
+    # a newer prefill whose pages are all on the host would free none: it goes on
+    run[0] = running("old", 32, arrival=0.0)
+    feeding = running("feed", 32, arrival=3.0, pending=64, pin_pages=0)
+    plan = plan_step([*run, feeding], [], budget(available_pages=2 * BP))
+    assert plan.preempt == ["new"] and plan.decode == ["old", "mid"]
 
 
 def test_prefills_holding_every_page_preempt_the_newest_instead_of_stalling():
@@ -182,6 +187,35 @@ def test_each_prefill_row_pays_its_own_cost_out_of_the_spare():
     tight = dict(cost, prefill_row_seconds=0.02)  # the call alone would use the spare up
     plan = plan_step(run, [waiting("w", 100)], budget(max_tokens=256, chunk=256, **tight))
     assert plan.prefill == [] and plan.decode == ["d"]
+
+
+def test_a_decode_past_saving_does_not_hold_up_a_prefill_that_can_still_meet_its_ttft():
+    # l misses its target whatever this step does (slack below 0): a prefill past its TTFT
+    # deadline (or with none) keeps each step within l's target; one that can still meet its
+    # deadline is not held for l, only for decodes whose targets can still be met
+    cost = dict(decode_step_seconds=0.03, prefill_token_seconds=0.001, now=10.0,
+                prefill_row_seconds=0.025)
+    late = running("l", 40, tpot_slo=0.05, tpot_slack=-1.0, remaining=20)
+
+    def plan(*run: Candidate, deadline: float | None = 10.5, arrival: float = 9.0):
+        w = waiting("w", 100, arrival, ttft_deadline=deadline, remaining=20)
+        return plan_step(list(run), [w], budget(max_tokens=256, chunk=256,
+                                                decode_step_by_rows=(0.0, 0.03, 0.04),
+                                                **cost))
+
+    assert plan(late, deadline=None).prefill == []  # 20 ms a step: less than the row's 25
+    assert plan(late, deadline=10.05).prefill == []  # 100 tokens take 0.1 s: too late now
+    assert plan(late).prefill == [("w", 100)] and plan(late).admit == ["w"]
+    # its row in l's later steps (10 ms over the step's 50) does not hold it either
+    assert plan(late).held == []
+    ahead = running("a", 40, tpot_slo=0.05, tpot_slack=0.06, remaining=20)
+    assert plan(late, ahead).prefill == [("w", 35)]  # a's 60 ms, less the row's 25
+    # a running prefill that can still meet its deadline goes on likewise
+    p = running("p", 16, 8.0, pending=100, ttft_deadline=10.5)
+    assert plan_step([late, p], [], budget(max_tokens=256, chunk=256, **cost)).prefill == [
+        ("p", 100)]
+    p = dataclasses.replace(p, ttft_deadline=10.0)
+    assert plan_step([late, p], [], budget(max_tokens=256, chunk=256, **cost)).prefill == []
 
 
 # ---------------------------------------------------------------------------- restores
@@ -424,9 +458,9 @@ def test_with_tpot_targets_a_decode_keeps_going_offloaded_where_preempted_it_wou
     costs = dict(prefill_token_seconds=0.001, available_pages=10, offload_layer_seconds=0.01,
                  decode_step_seconds=0.02)
 
-    def plan(a_remaining=40, a_slack=1.0, b_slo=0.1):
+    def plan(a_remaining=40, a_slack=1.0, b_slack=1.0):
         a = offloadable("a", 32, 1.0, remaining=a_remaining, tpot_slo=0.1, tpot_slack=a_slack)
-        b = offloadable("b", 48, 2.0, remaining=10, tpot_slo=b_slo, tpot_slack=1.0)
+        b = offloadable("b", 48, 2.0, remaining=10, tpot_slo=0.1, tpot_slack=b_slack)
         return plan_step([a, b], [], layered(**costs))
 
     untargeted = [offloadable("a", 32, 1.0, remaining=40), offloadable("b", 48, 2.0,
@@ -434,13 +468,18 @@ def test_with_tpot_targets_a_decode_keeps_going_offloaded_where_preempted_it_wou
     assert plan_step(untargeted, [], layered(**costs)).preempt == ["b"]
     # with targets its own wait counts: preempted, it waits at least for a's 40 steps (0.8 s,
     # shared over the 2 rows) before recomputing: 0.448 s against 0.2 s; and the 20 ms a
-    # step more fits a's slack (0.2 s of 1 s) and b's own target (20 + 20 ms of 100)
+    # step more over b's 10 steps fits a's slack (0.2 s of 1 s) and b's own
     p = plan()
     assert p.preempt == [] and p.offload == {"b": 2} and p.decode == ["a", "b"]
-    # preempted where a's slack does not cover it, where b's own steps would pass its
-    # target, or where a finishes soon (b back in 2 steps: 0.068 s)
+    # a's slack does not cover it (0.1 s late): preempted, as b's slack covers its wait and
+    # recompute (0.848 s of 1 s); where it does not (0.3 s: 0.548 s late) b goes on
     assert plan(a_slack=0.1).preempt == ["b"]
-    assert plan(b_slo=0.03).preempt == ["b"]
+    p = plan(a_slack=0.1, b_slack=0.3)
+    assert p.preempt == [] and p.offload == {"b": 2}
+    # a already behind: the whole 0.2 s is late; b's 0.848 s less its 0.7 s is less
+    assert plan(a_slack=-0.5, b_slack=0.7).preempt == ["b"]
+    assert plan(a_slack=-0.5, b_slack=0.5).offload == {"b": 2}
+    # preempted where a finishes soon (b back in 2 steps: 0.068 s)
     assert plan(a_remaining=2).preempt == ["b"]
 
 
