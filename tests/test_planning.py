@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from jkv.cache.page_cost import PageCost
+from jkv.plan_checks import offload_beats_recompute
 from jkv.plan_records import Budget, Candidate
 from jkv.planning import (
     min_resident,
-    offload_beats_recompute,
     plan_step,
     prefill_fits,
     prefill_pages,
