@@ -5,8 +5,8 @@ the host) are `jkv.plan_checks`, the output-length estimate TPOT slack needs is
 `jkv.restore_planning`. They take plain numbers (`Candidate`s, a `Budget`:
 `jkv.plan_records`) and return records the scheduler applies, so policies can be
 unit-tested and simulated without a model or an engine; nothing here imports the engine or
-the store. Page counts come from the KV cache manager's `PageCost`
-(in the `Budget`), never from a formula of this module.
+the store. Page counts come from the KV cache manager's `PageCost` (in the `Budget`), never
+from a formula of this module.
 
 Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 - order is (priority, TTFT deadline, arrival): lower priority values go first; with no
@@ -227,12 +227,13 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
     # target, and nothing at all of a prefill that can still meet its TTFT target: a
     # promise already broken does not hold up one that can still be kept (`keeps_ttft`)
     spares: dict[bool, list[float]] = {False: [], True: []}  # by that prefill's keepability
+    behind = {c.request_id for c in decodes if c.tpot_slack is not None and c.tpot_slack < 0}
     for c in decodes:
         if c.tpot_slo is not None:
             within = c.tpot_slo - budget.decode_step_seconds
             slack = within if c.tpot_slack is None else c.tpot_slack
             spares[False].append(slack if slack >= 0 else max(slack, within))
-            if c.tpot_slack is None or slack >= 0:
+            if c.request_id not in behind:
                 spares[True].append(spares[False][-1])
     caps, row_tokens, used = {k: tokens for k in spares}, 0, 0  # (prefill tokens so far)
     if spares[False] and budget.prefill_token_seconds > 0:  # eq. 2: within the smallest
@@ -314,8 +315,7 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         until = steps_until_freed(on_host, keep)
         bring = (offloaded + moved) * budget.offload_layer_seconds
         extra = later + added_step_seconds(budget, rows, 0)
-        kept = [d for d in decodes if not (keeps_ttft(c, budget) and d.tpot_slack is not None
-                                           and d.tpot_slack < 0)]  # (as for the cap above)
+        kept = [d for d in decodes if not (keeps_ttft(c, budget) and d.request_id in behind)]
         if not (admission_keeps_slack(extra, c, kept, budget, bring, until)
                 and within_own_target(extra, offloaded, c, budget,
                                       None if i + 1 < len(queue) else decodes, until, bring)
