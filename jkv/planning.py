@@ -14,8 +14,8 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
 - running decodes always get their token; when their pages do not fit, the least important
   running request (the newest, among equals; not one that would free no page) is preempted:
   its pages are released (its full blocks stay in the prefix cache when that is on) and it
-  is recomputed later; so are the least important running prefills when, with no decode
-  running, none of them can get a page;
+  is recomputed later; so are the least important running prefills (again only those that
+  free a page) when, with no decode running, none of them can get a page;
 - with layer-wise offload (LayerKV), before anyone is preempted: while the decodes' pages over
   the next `forecast_steps` steps do not fit (eq. 5), the least important running requests
   move as few resident layers to the host as cover the gap (a request with offloaded layers
@@ -254,10 +254,13 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
                 used += n + row_tokens
     if keep and not plan.decode and not plan.prefill and tokens > 0:
         # running prefills hold every page and none can take another (no decode will ever
-        # finish to free one): the least important give theirs back, recomputed later
+        # finish to free one): the least important give theirs back, recomputed later (not
+        # one that frees no page: its prefill would be lost for nothing)
         first = keep[0]
-        while len(keep) > 1:
-            victim = keep.pop()
+        victims = [c for c in keep[1:] if c.pin_pages > 0]
+        while victims:
+            victim = victims.pop()
+            keep.remove(victim)
             plan.preempt.append(victim.request_id)
             avail += victim.pin_pages
             n = prefill_fits(cost, first, min(first.pending, tokens, budget.chunk), avail)

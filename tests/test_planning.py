@@ -123,7 +123,8 @@ def test_prefills_holding_every_page_preempt_the_newest_instead_of_stalling():
                                                                 pending=64),
            running("new", 16, arrival=2.0, pending=64, pin_pages=0)]
     plan = plan_step(run, [], budget(available_pages=0))
-    assert plan.preempt == ["new", "mid"]  # "new" frees nothing (its blocks are shared)
+    # "new" frees nothing (its blocks are shared): preempting it would lose its prefill
+    assert plan.preempt == ["mid"]
     assert plan.prefill == [("old", 32)] and plan.decode == []
     # a running decode will free pages when it ends: nothing is preempted for prefills
     run[2] = running("new", 16, arrival=2.0)
