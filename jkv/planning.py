@@ -64,7 +64,10 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   past its TTFT deadline lifts neither this cap nor the admission check: the promises made to
   running requests come first (when it did, under load every step carried a whole chunk and
   TPOT targets broke as well); but a decode already behind holds back no prefill that can
-  still meet its TTFT target (`keeps_ttft`): a broken promise does not break a keepable one.
+  still meet its TTFT target (`keeps_ttft`): a broken promise does not break a keepable one;
+  and one whose every step is past its target already (a decode step alone takes longer)
+  holds back no prefill at all: holding one keeps no promise, only adds the waiting one's
+  lateness to theirs.
   The step costs come from `jkv.step_costs.StepCosts`.
 """
 
@@ -225,11 +228,14 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
     # what each decode's target leaves this step: its slack (eq. 1); one already behind
     # (slack below 0: it misses its target anyway) what keeps the step itself within the
     # target, and nothing at all of a prefill that can still meet its TTFT target: a
-    # promise already broken does not hold up one that can still be kept (`keeps_ttft`)
+    # promise already broken does not hold up one that can still be kept (`keeps_ttft`);
+    # one whose steps are past its target whatever is admitted holds up none
     spares: dict[bool, list[float]] = {False: [], True: []}  # by that prefill's keepability
     behind = {c.request_id for c in decodes if c.tpot_slack is not None and c.tpot_slack < 0}
+    hopeless = {c.request_id for c in decodes if c.request_id in behind
+                and c.tpot_slo is not None and budget.decode_step_seconds > c.tpot_slo}
     for c in decodes:
-        if c.tpot_slo is not None:
+        if c.tpot_slo is not None and c.request_id not in hopeless:
             within = c.tpot_slo - budget.decode_step_seconds
             slack = within if c.tpot_slack is None else c.tpot_slack
             spares[False].append(slack if slack >= 0 else max(slack, within))
@@ -318,7 +324,8 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         until = steps_until_freed(on_host, keep)
         bring = (offloaded + moved) * budget.offload_layer_seconds
         extra = later + added_step_seconds(budget, rows, 0)
-        kept = [d for d in decodes if not (keeps_ttft(c, budget) and d.request_id in behind)]
+        kept = [d for d in decodes if d.request_id not in hopeless
+                and not (keeps_ttft(c, budget) and d.request_id in behind)]
         if not (admission_keeps_slack(extra, c, kept, budget, bring, until)
                 and within_own_target(extra, offloaded, c, budget,
                                       None if i + 1 < len(queue) else decodes, until, bring)

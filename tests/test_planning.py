@@ -170,9 +170,12 @@ def test_tpot_slack_lets_a_longer_prefill_in_and_the_smallest_one_caps_it():
     late = running("l", 40, tpot_slo=0.05, tpot_slack=-1.0)
     plan = plan_step([late], [waiting("w", 100)], budget(max_tokens=256, chunk=256, **cost))
     assert plan.prefill == [("w", 20)] and plan.decode == ["l"]
-    slow = dict(cost, decode_step_seconds=0.06)  # a step alone already takes longer
+    slow = dict(cost, decode_step_seconds=0.06)  # a step alone already takes longer:
     plan = plan_step([late], [waiting("w", 100)], budget(max_tokens=256, chunk=256, **slow))
-    assert plan.prefill == [] and plan.decode == ["l"]
+    assert plan.prefill == [("w", 100)] and plan.decode == ["l"]  # holding w keeps nothing
+    plan = plan_step([running("d", 40, tpot_slo=0.05)], [waiting("w", 100)],
+                     budget(max_tokens=256, chunk=256, **slow))
+    assert plan.prefill == [] and plan.decode == ["d"]  # (d's slack not known: it holds)
 
 
 def test_each_prefill_row_pays_its_own_cost_out_of_the_spare():
@@ -217,6 +220,31 @@ def test_a_decode_past_saving_does_not_hold_up_a_prefill_that_can_still_meet_its
         ("p", 100)]
     p = dataclasses.replace(p, ttft_deadline=10.0)
     assert plan_step([late, p], [], budget(max_tokens=256, chunk=256, **cost)).prefill == []
+
+
+def test_a_decode_whose_every_step_is_past_its_target_holds_back_no_prefill():
+    # h's target (25 ms) is shorter than a decode step (30 ms): no step keeps it, so a
+    # prefill past its TTFT deadline (or with none) is neither capped nor held for it
+    cost = dict(decode_step_seconds=0.03, prefill_token_seconds=0.001, now=10.0,
+                prefill_row_seconds=0.025)
+    hopeless = running("h", 40, tpot_slo=0.025, tpot_slack=-1.0, remaining=20)
+    late = running("l", 40, tpot_slo=0.05, tpot_slack=-1.0, remaining=20)
+
+    def plan(*run: Candidate, deadline: float | None = None):
+        w = waiting("w", 100, 9.0, ttft_deadline=deadline, remaining=20)
+        return plan_step(list(run), [w], budget(max_tokens=256, chunk=256,
+                                                decode_step_by_rows=(0.0, 0.03, 0.04),
+                                                **cost))
+
+    for deadline in (None, 10.05):
+        assert plan(hopeless, deadline=deadline).admit == ["w"]
+        assert plan(hopeless, deadline=deadline).prefill == [("w", 100)]
+        # one whose steps still meet its target goes on holding it (see above)
+        assert plan(hopeless, late, deadline=deadline).prefill == []
+    # a running prefill past its deadline goes on likewise
+    p = running("p", 16, 8.0, pending=100, ttft_deadline=10.0)
+    assert plan_step([hopeless, p], [], budget(max_tokens=256, chunk=256, **cost)).prefill == [
+        ("p", 100)]
 
 
 # ---------------------------------------------------------------------------- restores
