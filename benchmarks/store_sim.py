@@ -17,6 +17,16 @@ depend on the policy, so every policy sees the very same trace.
 
 Prints hit rates per tier for each capacity setting and policy; writes
 benchmarks/results/store_sim-<date>.json and an SVG of the hit rates.
+
+With --profile (an AdaptCache quality profile, `benchmarks/adapt_profile.py`), the same trace
+goes through fixed-method LRU stores (full bf16 entries, and every compression method of the
+profile at each measured rate) and AdaptCache's policy at several --alphas instead; each job's
+TTFT (its history loaded from its tier or recomputed, plus its new tokens' prefill) and answer
+quality are averaged (`adapt_sim.py`): writes store_sim-adaptcache-<date>.json and an SVG of
+TTFT against quality per capacity setting.
+
+    python benchmarks/store_sim.py \
+        --profile benchmarks/results/adapt_profile-smollm2-135m-2026-11-29.json
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
+import adapt_sim
 import numpy as np
 import sharegpt
 from results_io import svg_legend, write_results
@@ -39,7 +50,10 @@ import jax.numpy as jnp  # noqa: E402
 from jkv.cache.page_pool import page_bytes  # noqa: E402
 from jkv.config import PRESETS, KVFormat  # noqa: E402
 from jkv.store import POLICIES, Placement  # noqa: E402
+from jkv.store.adapt_profile import Profile  # noqa: E402
 
+PLACEMENT_CAPACITIES = "32G/256G,32G/2T"
+ADAPT_CAPACITIES = "2G/16G,4G/64G"
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -62,15 +76,15 @@ def kv_bytes_per_token(model: str, kv_format: str) -> int:
 
 def make_trace(args) -> tuple[list[tuple], dict]:
     """Events in time order: ("arrive", t, session) when a turn's job joins the queue,
-    ("start", t, session) when it leaves the queue and runs, ("end", t, session, kv_bytes)
-    when it is done and the session's KV is saved."""
+    ("start", t, session, its new tokens) when it leaves the queue and runs, ("end", t,
+    session, kv_bytes) when it is done and the session's KV is saved."""
     rng = np.random.default_rng(args.seed)
     per_token = kv_bytes_per_token(args.model, args.kv_format)
     turns = {}
     for s in range(args.sessions):
         n = sharegpt.num_turns(rng)
-        turns[s] = deque(sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS)
-                         + sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS) for _ in range(n))
+        turns[s] = deque((sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS),
+                          sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS)) for _ in range(n))
     history = dict.fromkeys(turns, 0)
     pending = [(t, 0, s) for s, t in enumerate(np.cumsum(rng.exponential(1 / args.rate,
                                                                          args.sessions)))]
@@ -81,7 +95,7 @@ def make_trace(args) -> tuple[list[tuple], dict]:
     while pending or queue:
         if running is None and queue:  # the server is free: the next job starts now
             s = queue.popleft()
-            events.append(("start", now, s))
+            events.append(("start", now, s, turns[s][0][0]))
             running = s
             heapq.heappush(pending, (now + rng.exponential(args.service), 1, s))
             continue
@@ -90,7 +104,7 @@ def make_trace(args) -> tuple[list[tuple], dict]:
             events.append(("arrive", now, s))
             queue.append(s)
         else:
-            history[s] += turns[s].popleft()
+            history[s] += sum(turns[s].popleft())
             events.append(("end", now, s, min(history[s], args.max_model_len) * per_token))
             running = None
             if turns[s]:
@@ -191,29 +205,58 @@ def main() -> None:
                     help="mean seconds between a reply and the user's next turn")
     ap.add_argument("--service", type=float, default=0.34,
                     help="mean seconds one turn's job runs (one FCFS server)")
-    ap.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS),
-                    help="model whose KV bytes per token size the entries")
+    ap.add_argument("--model", choices=sorted(PRESETS),
+                    help="model whose KV bytes per token size the entries (default: llama3-8b; "
+                         "with --profile, the profile's model)")
     ap.add_argument("--kv-format", default="auto", help="stored KV format (auto: bf16)")
     ap.add_argument("--max-model-len", type=int, default=8192,
                     help="context limit: longer histories keep their last tokens")
-    ap.add_argument("--capacities", default="32G/256G,32G/2T",
-                    help="comma-separated DRAM/disk capacity settings")
+    ap.add_argument("--capacities",
+                    help="comma-separated DRAM/disk capacity settings (default: "
+                         f"{PLACEMENT_CAPACITIES}; with --profile, {ADAPT_CAPACITIES})")
     ap.add_argument("--disk-read-gbps", type=float, default=3.0,
-                    help="disk read bandwidth for prefetches, GB/s")
+                    help="disk read bandwidth (prefetches, and loads with --profile), GB/s")
     ap.add_argument("--policies", default=",".join(POLICIES), help="policies to compare")
+    ap.add_argument("--profile",
+                    help="an AdaptCache quality profile (benchmarks/adapt_profile.py): compare "
+                         "fixed-method LRU stores and AdaptCache on TTFT and quality instead")
+    ap.add_argument("--alphas", default="1,3,10,30,100,300",
+                    help="with --profile: AdaptCache's quality weights (seconds of load a "
+                         "use trades for a whole unit of quality)")
+    ap.add_argument("--quality-floor", type=float, default=0.0,
+                    help="with --profile: AdaptCache never keeps a form below this quality")
+    ap.add_argument("--half-life", type=float, default=600.0,
+                    help="with --profile: seconds over which an entry's hit count halves")
+    ap.add_argument("--dram-read-gbps", type=float, default=10.0,
+                    help="with --profile: DRAM-to-device load bandwidth, GB/s")
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=500.0,
+                    help="with --profile: prefill rate for a miss's history and each new "
+                         "turn (the default: SmolLM2 on this 2-core CPU)")
     ap.add_argument("--seed", type=int, default=0, help="trace seed")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).resolve().parent / "results",
                     help="directory for the JSON and SVG results")
     args = ap.parse_args()
+    profile = None
+    if args.profile is not None:
+        try:
+            profile = Profile.load(args.profile)
+        except ValueError as e:
+            ap.error(f"--profile: {e}")
+        if args.kv_format not in ("auto", "bf16"):
+            ap.error("--kv-format: a profile's rates are against bf16 entries (auto or bf16)")
+    args.model = args.model or (profile.model if profile else "llama3-8b")
+    args.capacities = args.capacities or (ADAPT_CAPACITIES if profile else
+                                          PLACEMENT_CAPACITIES)
     policies = args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
             ap.error(f"--policies: {p!r} is not one of {POLICIES}")
     try:
         caps = [tuple(parse_bytes(x) for x in c.split("/")) for c in args.capacities.split(",")]
+        alphas = [float(a) for a in args.alphas.split(",")]
     except ValueError as e:
-        ap.error(f"--capacities: {e}")
+        ap.error(f"--capacities or --alphas: {e}")
     if any(len(c) != 2 for c in caps):
         ap.error("--capacities: each setting is DRAM/disk, e.g. 32G/2T")
 
@@ -221,8 +264,12 @@ def main() -> None:
     print(f"{trace['sessions']} sessions, {trace['jobs']} jobs ({trace['mean_turns']:.2f} turns "
           f"per session), {trace['kv_bytes_per_token'] / 1024:.0f} KiB of KV per token, mean "
           f"final session {trace['mean_final_kv_bytes'] / 2**30:.2f} GiB")
-    rows: dict[str, dict[str, dict]] = {}
     names = args.capacities.split(",")
+    if profile is not None:
+        compare_compression(events, trace, profile, alphas, dict(zip(names, caps, strict=True)),
+                            args)
+        return
+    rows: dict[str, dict[str, dict]] = {}
     with tqdm(total=len(caps) * len(policies), desc="replaying", unit="run") as bar:
         for name, (dram, disk) in zip(names, caps, strict=True):
             rows[name] = {}
@@ -242,6 +289,45 @@ def main() -> None:
                          f"{trace['sessions']} sessions")
     write_results(args.out, "store_sim", {"benchmark": "store_sim", "trace": trace,
                                           "results": rows}, svg, args)
+
+
+def compare_compression(events: list[tuple], trace: dict, profile: Profile,
+                        alphas: list[float], caps: dict[str, tuple[int, int]], args) -> None:
+    """Fixed-method LRU stores and AdaptCache at each alpha on the same trace (adapt_sim)."""
+    rng = np.random.default_rng(args.seed + 1)
+    kinds = {s: profile.kinds[i] for s, i in
+             enumerate(rng.integers(len(profile.kinds), size=args.sessions))}
+    per_token = trace["kv_bytes_per_token"]
+    names = adapt_sim.stores(profile, alphas)
+    rows: dict[str, dict[str, dict]] = {}
+    with tqdm(total=len(caps) * len(names), desc="replaying", unit="run") as bar:
+        for cap, (dram, disk) in caps.items():
+            rows[cap] = {}
+            for name, store in names:
+                rows[cap][name] = adapt_sim.replay(events, store, dram, disk, profile, kinds,
+                                                   per_token, args)
+                bar.update(1)
+    checks = {cap: adapt_sim.checks(by_store) for cap, by_store in rows.items()}
+    print(f"{'capacity':<14}{'store':<26}{'TTFT mean':>10}{'quality':>9}{'DRAM hit':>9}"
+          f"{'disk hit':>9}")
+    for cap, by_store in rows.items():
+        for name, r in by_store.items():
+            print(f"{cap:<14}{name:<26}{r['mean_ttft_s']:>9.3f}s{r['mean_quality']:>9.4f}"
+                  f"{r['dram_hit_rate']:>9.1%}{r['disk_hit_rate']:>9.1%}")
+        best = checks[cap]["best_ttft_ratio"]
+        if best:
+            print(f"{cap}: {best['adaptcache']} TTFT {best['ttft_ratio']:.2f}x lower than "
+                  f"{best['rival']} (the fastest fixed store of equal or better quality)")
+        for name, ok in checks[cap]["beats_streaming_on_quality"].items():
+            print(f"{cap}: {name}: {'an' if ok else 'no'} AdaptCache point of equal or lower "
+                  "TTFT has higher quality")
+    svg = adapt_sim.svg_frontier(rows, f"TTFT and quality per store, {args.model}, "
+                                       f"{trace['sessions']} sessions")
+    write_results(args.out, "store_sim-adaptcache",
+                  {"benchmark": "store_sim", "mode": "compression", "trace": trace,
+                   "profile": profile.to_json(), "results": rows, "checks": checks},
+                  svg, args)
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,156 @@
+"""store_sim's compression dimension (AdaptCache, figure 2 in spirit): the same trace through
+fixed-method LRU stores and AdaptCache's policy, each job's TTFT and answer quality.
+
+A job's TTFT is its history's load (the entry's bytes at its tier's read rate) or, on a miss,
+its recompute (history tokens at the prefill rate), plus its own new tokens' prefill. Its
+quality is the profile's quality of the form it was read from (1 for a full or recomputed
+history), for its session's kind of content (drawn once per session from the profile's
+kinds); a session whose history was read lossy carries that quality into its later turns
+until a miss recomputes it (the pool keeps the approximate values it was given, and saves
+them again). Stores:
+
+- `lru`: CachedAttention's LRU over full (bf16) entries;
+- `<method>@<rate>-lru`: every entry saved in that one form (KIVI, StreamingLLM, each
+  quantized format: every point of the profile), LRU;
+- `adaptcache@<alpha>`: `jkv.store.adapt.AdaptPlacement` choosing form and tier per entry.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+from results_io import svg_legend
+
+from jkv.store import Placement
+from jkv.store.adapt import AdaptPlacement, Tier
+from jkv.store.adapt_profile import Profile
+
+
+def stores(profile: Profile, alphas: list[float]) -> list[tuple[str, tuple]]:
+    out: list[tuple[str, tuple]] = [("lru", ("fixed", None, 1.0))]
+    for method, points in profile.methods.items():
+        out += [(f"{method}@{p.rate:.2f}-lru", ("fixed", method, p.rate)) for p in points]
+    out += [(f"adaptcache@{a:g}", ("adapt", a)) for a in alphas]
+    return out
+
+
+def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Profile,
+           kinds: dict, per_token: int, args) -> dict:
+    """One store over the trace: mean TTFT, mean quality, hits per tier."""
+    read = {"dram": args.dram_read_gbps * 1e9, "disk": args.disk_read_gbps * 1e9}
+    prefill_s = 1.0 / args.prefill_tokens_per_s
+    if store[0] == "adapt":
+        p = AdaptPlacement([Tier("dram", dram, read["dram"]), Tier("disk", disk, read["disk"])],
+                           alpha=store[1], quality_floor=args.quality_floor,
+                           half_life=args.half_life)
+    else:
+        p = Placement("lru", dram, disk)
+        method, rate = store[1], store[2]
+        quality = {k: 1.0 for k in profile.kinds} if method is None else next(
+            pt.quality for pt in profile.methods[method] if pt.rate == rate)
+    history: dict[int, int] = {}  # session -> tokens saved
+    carry: dict[int, float] = {}  # session -> the quality its pool values carry
+    queue: deque[int] = deque()
+    ttft, quality_seen = [], []
+    hits = {"dram": 0, "disk": 0, "miss": 0}
+    for event in events:
+        kind, now, s = event[:3]
+        if kind == "arrive":
+            queue.append(s)
+        elif kind == "start":
+            queue.popleft()
+            h, q, delay = history.get(s, 0), carry.get(s, 1.0), 0.0
+            if h:
+                if store[0] == "adapt":
+                    got = p.access(s, now)
+                    tier, form = (None, None) if got is None else got
+                    size, fq = (0, 1.0) if form is None else (form.size, form.quality)
+                else:
+                    tier = p.access(s)
+                    size = p.size(s)
+                    fq = quality[kinds[s]]
+                hits[tier or "miss"] += 1
+                if tier is None:
+                    delay, q = h * prefill_s, 1.0
+                else:
+                    delay, q = size / read[tier], min(q, fq)
+            carry[s] = q
+            ttft.append(delay + event[3] * prefill_s)
+            quality_seen.append(q)
+        else:
+            tokens = event[3] // per_token
+            history[s] = tokens
+            if store[0] == "adapt":
+                p.hint(set(queue))
+                p.put(s, profile.forms(event[3], kinds[s]), tokens * prefill_s, now)
+            else:
+                p.put(s, round(event[3] * rate), queue)
+    reused = hits["dram"] + hits["disk"] + hits["miss"]
+    return {"mean_ttft_s": float(np.mean(ttft)), "mean_quality": float(np.mean(quality_seen)),
+            "dram_hit_rate": hits["dram"] / max(reused, 1),
+            "disk_hit_rate": hits["disk"] / max(reused, 1), **hits}
+
+
+def checks(rows: dict[str, dict]) -> dict:
+    """The acceptance's two comparisons at one capacity: AdaptCache's best TTFT ratio over the
+    best fixed-method LRU store of equal or better quality, and whether each StreamingLLM
+    store is beaten on quality by an AdaptCache point of equal or lower TTFT."""
+    adapt = {n: r for n, r in rows.items() if n.startswith("adaptcache")}
+    fixed = {n: r for n, r in rows.items() if not n.startswith("adaptcache")}
+    best = None
+    for name, r in adapt.items():
+        rivals = [f for f in fixed.values() if f["mean_quality"] >= r["mean_quality"]]
+        if rivals:
+            rival = min(rivals, key=lambda f: f["mean_ttft_s"])
+            ratio = rival["mean_ttft_s"] / r["mean_ttft_s"]
+            if best is None or ratio > best["ttft_ratio"]:
+                rival_name = next(n for n, f in fixed.items() if f is rival)
+                best = {"adaptcache": name, "rival": rival_name, "ttft_ratio": ratio}
+    streaming = {}
+    for name, r in fixed.items():
+        if name.startswith("streaming"):
+            streaming[name] = any(a["mean_ttft_s"] <= r["mean_ttft_s"]
+                                  and a["mean_quality"] > r["mean_quality"]
+                                  for a in adapt.values())
+    return {"best_ttft_ratio": best, "beats_streaming_on_quality": streaming}
+
+
+def svg_frontier(rows: dict[str, dict[str, dict]], title: str) -> str:
+    """Mean TTFT against mean quality, one panel per capacity setting."""
+    panel, h, pad = 340, 300, 50
+    w = panel * len(rows) + 190
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h + 40}" '
+           'font-family="sans-serif" font-size="11">',
+           f'<text x="{w / 2}" y="16" text-anchor="middle" font-size="13">{title}</text>']
+    colors = {"lru (full)": "#444", "streaming": "#d62728", "kivi": "#9467bd",
+              "other fixed": "#aaa", "adaptcache": "#1f77b4"}
+
+    def color(name: str) -> str:
+        if name == "lru":
+            return colors["lru (full)"]
+        for key in ("streaming", "kivi", "adaptcache"):
+            if name.startswith(key):
+                return colors[key]
+        return colors["other fixed"]
+
+    for i, (cap, by_store) in enumerate(rows.items()):
+        x0, top = i * panel + pad, 30
+        t_max = max(r["mean_ttft_s"] for r in by_store.values()) * 1.05
+        q_min = min(r["mean_quality"] for r in by_store.values())
+        q_lo = max(0.0, q_min - 0.01)
+        out.append(f'<rect x="{x0}" y="{top}" width="{panel - pad - 10}" height="{h - 60}" '
+                   'fill="none" stroke="#999"/>')
+        out.append(f'<text x="{x0 + (panel - pad) / 2}" y="{h - 5}" text-anchor="middle">'
+                   f'{cap}: mean TTFT (s), 0 to {t_max:.2f}</text>')
+        out.append(f'<text x="{x0 - 5}" y="{top + 10}" text-anchor="end">1.0</text>')
+        out.append(f'<text x="{x0 - 5}" y="{top + h - 60}" text-anchor="end">{q_lo:.2f}</text>')
+        for name, r in by_store.items():
+            x = x0 + r["mean_ttft_s"] / t_max * (panel - pad - 10)
+            y = top + (1.0 - r["mean_quality"]) / max(1.0 - q_lo, 1e-9) * (h - 60)
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{color(name)}">'
+                       f'<title>{name}</title></circle>')
+    out += svg_legend(colors, w - 180, 30)
+    out.append(f'<text x="10" y="{h + 30}">quality (mean top-1 agreement) up</text>')
+    out.append("</svg>")
+    return "\n".join(out)

@@ -1,0 +1,277 @@
+"""AdaptCache's policy: each stored entry's compressed form and tier, by marginal utility.
+
+Feng et al., "AdaptCache", section 2. An entry can be held in any of several forms (a
+compression method at a rate: its bytes and the answer quality it keeps, from offline
+profiles) in any tier (each with a byte capacity and a read rate), or not at all (recomputed
+when used: full quality, a prefill's time). Its utility where it is held is
+
+    Utility(i) = Freq(i) * (alpha * Quality(i, M, R) - size(i, M, R) / Bandwidth(tier))
+
+(seconds: alpha weighs quality against load time). Held nowhere, the delay is recomputing
+it. When a tier is over its capacity, the choice that loses the least utility per byte it
+frees there goes next (the greedy multiple-choice knapsack step of the paper): a smaller form
+in the same tier, the same form one tier down, or out of the store; repeated until the tier
+fits, the fastest tier first (what moves down is then the next tier's to fit). Forms only
+shrink: a compressed entry is never expanded back. Profiles measure each method from the full
+KV: a smaller form of the held form's family keeps the quality measured for it, another
+method applied on top of a compressed form is counted at the product of both qualities (an
+estimate that errs low). Forms below `quality_floor` are never chosen (the entry goes out instead).
+Forms reported (`where`, `access`, moves) carry that effective quality.
+
+Freq is an entry's uses (its saves and its hits) with exponential decay (half-life
+`half_life` in the caller's clock: a conversation that has gone quiet stops counting), plus
+one while the scheduler's queue holds a request that will read it (the queue hint).
+
+Pure bookkeeping, like `Placement`: it returns the moves, the store moves (and recompresses)
+the bytes, and the simulator (`benchmarks/store_sim.py`) drives the same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class Form:
+    """One way to hold an entry: `method` at `rate` (bytes kept over the full form's),
+    `size` bytes, and the quality of answers read from it (1: as from the full KV). Forms
+    of one `family` (default: the method) are made from any larger one of the family at the
+    quality measured from the full KV (quantized formats requantized to fewer bits; a
+    window of recent tokens cut shorter)."""
+
+    method: str
+    rate: float
+    size: int
+    quality: float
+    family: str = ""
+
+    @property
+    def kin(self) -> str:
+        return self.family or self.method
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A store tier: its byte capacity and the rate an entry is brought back from it at
+    (read and decode, bytes per second)."""
+
+    name: str
+    capacity: int
+    read_bps: float
+
+
+class Move(NamedTuple):
+    """`key`'s entry goes from (`src`, form `old`) to (`dst`, form `new`); a `dst` of None
+    drops it; a `src` of None is a new entry."""
+
+    key: Hashable
+    src: str | None
+    dst: str | None
+    old: Form | None
+    new: Form | None
+
+
+@dataclass
+class _Entry:
+    forms: tuple[Form, ...]  # the choices, largest first; forms[form] is the one held
+    form: int
+    tier: int
+    carried: float  # the quality of methods applied before the held one (1: none)
+    recompute_s: float
+    uses: float  # decayed count of saves and hits at `stamp`
+    stamp: float
+    cheapest: tuple[float, int, int] | None | bool = False  # (False: not worked out yet)
+
+
+class AdaptPlacement:
+    """Which form and tier each stored entry has, and the policy that changes them."""
+
+    def __init__(self, tiers: Sequence[Tier], alpha: float, quality_floor: float = 0.0,
+                 half_life: float = 600.0) -> None:
+        if not tiers:
+            raise ValueError("tiers must name at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tiers must have distinct names, got {names}")
+        for t in tiers:
+            if t.capacity < 0:
+                raise ValueError(f"tier {t.name!r}: capacity must be >= 0, got {t.capacity}")
+            if not t.read_bps > 0:
+                raise ValueError(f"tier {t.name!r}: read_bps must be > 0, got {t.read_bps}")
+        if alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {alpha}")
+        if not 0.0 <= quality_floor <= 1.0:
+            raise ValueError(f"quality_floor must be in [0, 1], got {quality_floor}")
+        if not half_life > 0:
+            raise ValueError(f"half_life must be > 0, got {half_life}")
+        self.tiers = tuple(tiers)
+        self.alpha = alpha
+        self.quality_floor = quality_floor
+        self._decay = math.log(2) / half_life
+        self._index = {t.name: i for i, t in enumerate(self.tiers)}
+        self._entries: dict[Hashable, _Entry] = {}
+        self._used = [0] * len(self.tiers)
+        self._queued: set[Hashable] = set()
+
+    # ------------------------------------------------------------------ queries
+
+    def where(self, key: Hashable) -> tuple[str, Form] | None:
+        """The tier and form holding `key`, or None."""
+        e = self._entries.get(key)
+        return None if e is None else (self.tiers[e.tier].name, _form(e, e.form))
+
+    def bytes_used(self, tier: str) -> int:
+        return self._used[self._index[tier]]
+
+    def keys(self, tier: str) -> list[Hashable]:
+        i = self._index[tier]
+        return [k for k, e in self._entries.items() if e.tier == i]
+
+    def freq(self, key: Hashable, now: float) -> float:
+        """The expected uses of `key`'s entry: its decayed saves and hits, one more while a
+        queued request will read it."""
+        e = self._entries[key]
+        return self._decayed(e, now) + (key in self._queued)
+
+    def _decayed(self, e: _Entry, now: float) -> float:
+        return e.uses * math.exp(-self._decay * max(now - e.stamp, 0.0))
+
+    # ------------------------------------------------------------------ updates
+
+    def hint(self, queue: Collection[Hashable]) -> None:
+        """The scheduler's queue: keys its waiting requests will read."""
+        self._queued = set(queue)
+
+    def access(self, key: Hashable, now: float) -> tuple[str, Form] | None:
+        """A request reads `key` now: its tier and form (None: a miss), counted as a hit."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        e.uses, e.stamp = self._decayed(e, now) + 1.0, now
+        return self.tiers[e.tier].name, _form(e, e.form)
+
+    def put(self, key: Hashable, forms: Sequence[Form], recompute_s: float, now: float,
+            keep: Collection[Hashable] = ()) -> list[Move]:
+        """Save `key`'s entry (replacing an older one; its uses carry over) in the first of
+        `forms` (what the engine holds: any others are what it may be compressed to) in the
+        fastest tier, then fit every tier. `recompute_s`: the seconds a miss costs. Entries
+        in `keep` move only when the others cannot make the room. Returns the moves in
+        order, this entry's first."""
+        if not forms:
+            raise ValueError("forms must hold at least the entry's own form")
+        if recompute_s < 0:
+            raise ValueError(f"recompute_s must be >= 0, got {recompute_s}")
+        for f in forms:
+            if f.size < 0 or not 0.0 <= f.quality <= 1.0:
+                raise ValueError(f"form {f}: size must be >= 0 and quality in [0, 1]")
+        first = forms[0]
+        smaller = sorted((f for f in forms[1:] if f.size < first.size), key=lambda f: -f.size)
+        moves: list[Move] = []
+        uses, src, old = 1.0, None, None
+        if key in self._entries:
+            prev = self._entries.pop(key)
+            self._used[prev.tier] -= prev.forms[prev.form].size
+            uses += self._decayed(prev, now)
+            src, old = self.tiers[prev.tier].name, _form(prev, prev.form)
+        entry = _Entry((first, *smaller), 0, 0, 1.0, recompute_s, uses, now)
+        self._entries[key] = entry
+        self._used[0] += first.size
+        moves.append(Move(key, src, self.tiers[0].name, old, first))
+        self._fit(now, set(keep), moves)
+        return moves
+
+    def drop(self, key: Hashable) -> None:
+        """Forget `key` (its entry is gone: corrupt, or deleted by the store)."""
+        e = self._entries.pop(key, None)
+        if e is not None:
+            self._used[e.tier] -= e.forms[e.form].size
+
+    # ------------------------------------------------------------------ the greedy step
+
+    def utility(self, key: Hashable, now: float, form: int | None = None,
+                tier: int | None = None) -> float:
+        """`key`'s utility held in `forms[form]` in tier `tier` (default: where it is);
+        tier -1: held nowhere (recomputed)."""
+        e = self._entries[key]
+        return self.freq(key, now) * self._per_use(e, e.form if form is None else form,
+                                                   e.tier if tier is None else tier)
+
+    def _per_use(self, e: _Entry, form: int, tier: int) -> float:
+        """Utility over Freq: alpha x quality less the load (or recompute) seconds."""
+        if tier < 0:
+            return self.alpha - e.recompute_s
+        f = _form(e, form)
+        return self.alpha * f.quality - f.size / self.tiers[tier].read_bps
+
+    def _cheapest(self, e: _Entry) -> tuple[float, int, int] | None:
+        """(utility drop per byte freed in its tier over Freq, form, tier) of the cheapest
+        way `e` can free bytes where it is: a smaller form, one tier down, or out of the
+        store. Freq scales every way alike, so the choice is kept until `e` moves."""
+        if e.cheapest is not False:
+            return e.cheapest
+        here = self._per_use(e, e.form, e.tier)
+        size = e.forms[e.form].size
+        out = []
+        for j in range(e.form + 1, len(e.forms)):
+            f = _form(e, j)
+            if f.size < size and f.quality >= self.quality_floor:
+                out.append(((here - self._per_use(e, j, e.tier)) / (size - f.size), j, e.tier))
+        if size > 0:
+            down = e.tier + 1
+            if down < len(self.tiers) and size <= self.tiers[down].capacity:
+                out.append(((here - self._per_use(e, e.form, down)) / size, e.form, down))
+            out.append(((here - self._per_use(e, e.form, -1)) / size, e.form, -1))
+        e.cheapest = min(out, default=None)
+        return e.cheapest
+
+    def _fit(self, now: float, keep: set, moves: list[Move]) -> None:
+        for t, tier in enumerate(self.tiers):
+            for protect in (keep, set()):  # kept entries move only when nothing else can
+                heap = []
+                for key, e in self._entries.items():
+                    if e.tier == t and key not in protect:
+                        best = self._cheapest(e)
+                        if best is not None:
+                            heap.append((best[0] * self.freq(key, now), *best[1:], id(key),
+                                         key))
+                heapq.heapify(heap)
+                while self._used[t] > tier.capacity and heap:
+                    _, form, dst, _, key = heapq.heappop(heap)
+                    e = self._entries[key]
+                    moves.append(self._apply(key, e, form, dst))
+                    if dst == t:  # still here, smaller: its next cheapest way
+                        best = self._cheapest(e)
+                        if best is not None:
+                            heapq.heappush(heap, (best[0] * self.freq(key, now), *best[1:],
+                                                  id(key), key))
+                if self._used[t] <= tier.capacity:
+                    break
+
+    def _apply(self, key: Hashable, e: _Entry, form: int, dst: int) -> Move:
+        old = _form(e, e.form)
+        src = self.tiers[e.tier].name
+        self._used[e.tier] -= old.size
+        if dst < 0:
+            del self._entries[key]
+            return Move(key, src, None, old, None)
+        new = _form(e, form)
+        if form != e.form and e.form > 0 and e.forms[form].kin != old.kin:
+            e.carried = old.quality  # the held method stays applied under the new one
+        e.form, e.tier, e.cheapest = form, dst, False
+        self._used[dst] += new.size
+        return Move(key, src, self.tiers[dst].name, old, new)
+
+
+def _form(e: _Entry, j: int) -> Form:
+    """`e.forms[j]` reached from the held form, with the quality it would have."""
+    f = e.forms[j]
+    held = e.forms[e.form]
+    q = e.carried * f.quality
+    if j != e.form and e.form > 0 and f.kin != held.kin:
+        q *= held.quality
+    return f if q == f.quality else dataclasses.replace(f, quality=q)

@@ -1,0 +1,237 @@
+"""AdaptCache's placement (`jkv.store.adapt`): forms and tiers by marginal utility, no store;
+the quality profile it reads (`jkv.store.adapt_profile`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jkv.store.adapt import AdaptPlacement, Form, Tier
+from jkv.store.adapt_profile import Profile
+
+MB = 1 << 20
+
+
+def forms(size: int, qualities=(1.0, 0.97, 0.9, 0.6)) -> list[Form]:
+    """A full form and compressed ones at 1/2, 1/4, 1/8 of its bytes."""
+    return [Form("full" if i == 0 else f"m{i}", 1 / 2**i, size // 2**i, q)
+            for i, q in enumerate(qualities)]
+
+
+def tiers(dram: int, disk: int) -> list[Tier]:
+    return [Tier("dram", dram, 10e9), Tier("disk", disk, 1e9)]
+
+
+def test_new_entries_go_to_the_fastest_tier_whole_while_it_fits():
+    p = AdaptPlacement(tiers(100 * MB, 1000 * MB), alpha=1.0)
+    moves = p.put("a", forms(40 * MB), recompute_s=1.0, now=0.0)
+    assert [(m.key, m.src, m.dst, m.new.method) for m in moves] == [("a", None, "dram", "full")]
+    assert p.where("a") == ("dram", forms(40 * MB)[0])
+    assert p.bytes_used("dram") == 40 * MB
+
+
+def test_quality_heavy_alpha_moves_down_a_tier_and_delay_heavy_alpha_compresses():
+    # DRAM holds one full entry; the older one has to give up bytes
+    for alpha in (100.0, 0.0):
+        p = AdaptPlacement(tiers(64 * MB, 1000 * MB), alpha=alpha)
+        p.put("a", forms(40 * MB), recompute_s=1.0, now=0.0)
+        p.access("a", now=1.0)  # a has been read: the newcomer is the colder one
+        p.put("b", forms(40 * MB), recompute_s=1.0, now=2.0)
+        got = sorted((p.where(k)[0], p.where(k)[1].method) for k in "ab")
+        if alpha:  # quality first: whole, one of them on the slower disk
+            assert got == [("disk", "full"), ("dram", "full")]
+        else:  # load time only: a smaller form (any: each loads in proportion to its bytes)
+            assert [t for t, _ in got] == ["dram", "dram"]
+            assert sorted(m == "full" for _, m in got) == [False, True]
+        assert p.bytes_used("dram") <= 64 * MB
+
+
+def test_the_hot_entry_keeps_its_place_and_the_cold_one_gives_way():
+    p = AdaptPlacement(tiers(64 * MB, 1000 * MB), alpha=100.0)
+    p.put("hot", forms(40 * MB), recompute_s=1.0, now=0.0)
+    for t in range(5):
+        p.access("hot", now=float(t))
+    p.put("cold", forms(40 * MB), recompute_s=1.0, now=6.0)
+    assert p.where("hot") == ("dram", forms(40 * MB)[0])
+    assert p.where("cold")[0] == "disk"
+
+
+@pytest.mark.parametrize("queued, leaves", [({"a", "c"}, "b"), ({"b", "c"}, "a")])
+def test_an_entry_the_queue_will_read_is_kept_over_an_equal_one(queued, leaves):
+    p = AdaptPlacement(tiers(100 * MB, 1000 * MB), alpha=100.0)
+    p.hint(queued)
+    for key in "abc":
+        p.put(key, forms(40 * MB), recompute_s=1.0, now=0.0)
+    assert {k for k in "abc" if p.where(k)[0] == "disk"} == {leaves}
+
+
+def test_forms_below_the_quality_floor_are_never_chosen():
+    p = AdaptPlacement(tiers(30 * MB, 0), alpha=0.0, quality_floor=0.95)
+    p.put("a", forms(40 * MB), recompute_s=100.0, now=0.0)  # recompute is dear: compress
+    tier, form = p.where("a")
+    assert tier == "dram" and form.method == "m1"  # 20 MB; m2 (10 MB) is below the floor
+    p = AdaptPlacement(tiers(15 * MB, 0), alpha=0.0, quality_floor=0.95)
+    moves = p.put("a", forms(40 * MB), recompute_s=100.0, now=0.0)
+    assert p.where("a") is None and moves[-1].dst is None  # out, not to m2
+
+
+def test_an_entry_cheaper_to_recompute_than_to_load_goes_out():
+    p = AdaptPlacement([Tier("dram", 10 * MB, 1e9), Tier("disk", 1000 * MB, 1e6)], alpha=0.0)
+    whole = [Form("full", 1.0, 8 * MB, 1.0)]
+    p.put("a", whole, recompute_s=0.5, now=0.0)
+    moves = p.put("b", whole, recompute_s=0.5, now=0.0)
+    # disk would take 8 s to read what recomputes in 0.5 s: the one leaving DRAM is dropped
+    assert moves[-1].dst is None and p.bytes_used("disk") == 0
+    # with a fast disk it is moved there instead
+    p = AdaptPlacement([Tier("dram", 10 * MB, 1e9), Tier("disk", 1000 * MB, 1e9)], alpha=0.0)
+    p.put("a", whole, recompute_s=0.5, now=0.0)
+    assert p.put("b", whole, recompute_s=0.5, now=0.0)[-1].dst == "disk"
+
+
+def test_kept_entries_move_only_when_nothing_else_can_make_room():
+    p = AdaptPlacement(tiers(64 * MB, 1000 * MB), alpha=100.0)
+    p.put("a", forms(40 * MB), recompute_s=1.0, now=0.0)
+    for t in range(5):
+        p.access("a", now=float(t))
+    p.put("b", forms(40 * MB), recompute_s=1.0, now=6.0, keep={"b"})
+    assert p.where("b") == ("dram", forms(40 * MB)[0])  # "a" gave way though hotter
+    p.put("c", forms(80 * MB), recompute_s=1.0, now=7.0, keep={"c"})
+    assert p.bytes_used("dram") <= 64 * MB  # "c" could not stay whole after all
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(tiers=[]), "tiers"), (dict(alpha=-1.0), "alpha"),
+    (dict(quality_floor=1.5), "quality_floor"), (dict(half_life=0.0), "half_life"),
+    (dict(tiers=[Tier("dram", -1, 1e9)]), "capacity"),
+    (dict(tiers=[Tier("dram", 1, 0.0)]), "read_bps"),
+    (dict(tiers=[Tier("x", 1, 1.0), Tier("x", 1, 1.0)]), "distinct")])
+def test_bad_settings_name_the_field(kw, field):
+    args = {"tiers": tiers(1, 1), "alpha": 1.0, **kw}
+    with pytest.raises(ValueError, match=field):
+        AdaptPlacement(**args)
+
+
+def test_bad_puts_name_the_field():
+    p = AdaptPlacement(tiers(MB, MB), alpha=1.0)
+    with pytest.raises(ValueError, match="forms"):
+        p.put("a", [], recompute_s=1.0, now=0.0)
+    with pytest.raises(ValueError, match="recompute_s"):
+        p.put("a", forms(MB), recompute_s=-1.0, now=0.0)
+    with pytest.raises(ValueError, match="quality"):
+        p.put("a", [Form("full", 1.0, MB, 1.5)], recompute_s=1.0, now=0.0)
+
+
+_op = st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 7), st.integers(0, 60),
+              st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4), st.floats(0.0, 5.0),
+              st.booleans()),
+    st.tuples(st.just("access"), st.integers(0, 7)),
+    st.tuples(st.just("drop"), st.integers(0, 7)),
+    st.tuples(st.just("hint"), st.sets(st.integers(0, 7), max_size=3)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(dram=st.integers(0, 80), disk=st.integers(0, 200), alpha=st.floats(0.0, 50.0),
+       floor=st.floats(0.0, 1.0), ops=st.lists(_op, max_size=40))
+def test_replaying_the_moves_never_exceeds_a_tier_and_forms_only_shrink(dram, disk, alpha,
+                                                                         floor, ops):
+    p = AdaptPlacement(tiers(dram * MB, disk * MB), alpha=alpha, quality_floor=floor,
+                       half_life=10.0)
+    held: dict[int, tuple[str, Form]] = {}  # the state the moves build
+    order = {"dram": 0, "disk": 1}
+    for now, op in enumerate(ops):
+        if op[0] == "put":
+            _, key, mb, qualities, recompute_s, keep = op
+            fs = forms(mb * MB, (1.0, *sorted(qualities, reverse=True))[:4])
+            moves = p.put(key, fs, recompute_s, float(now), keep={key} if keep else ())
+            first, *rest = moves
+            assert first.key == key and first.dst == "dram" and first.new == fs[0]
+            assert (first.src, first.old) == ((held[key][0], held[key][1]) if key in held
+                                              else (None, None))
+            held[key] = ("dram", fs[0])
+            for m in rest:
+                assert (m.src, m.old) == held[m.key]  # each move starts where the last left
+                if m.dst is None:
+                    del held[m.key]
+                    continue
+                assert m.new.size <= m.old.size  # never expanded back
+                assert order[m.dst] >= order[m.src]  # never moved up
+                assert m.new == m.old or m.new.quality >= floor
+                held[m.key] = (m.dst, m.new)
+            for tier, cap in (("dram", dram * MB), ("disk", disk * MB)):
+                assert sum(f.size for t, f in held.values() if t == tier) <= cap
+        elif op[0] == "access":
+            assert p.access(op[1], float(now)) == held.get(op[1])
+        elif op[0] == "drop":
+            p.drop(op[1])
+            held.pop(op[1], None)
+        else:
+            p.hint(op[1])
+        assert {k: p.where(k) for k in range(8) if p.where(k)} == held
+        for tier in ("dram", "disk"):
+            assert p.bytes_used(tier) == sum(f.size for t, f in held.values() if t == tier)
+
+
+def test_another_method_on_a_compressed_entry_counts_both_qualities():
+    full = Form("full", 1.0, 40 * MB, 1.0)
+    quant = [Form("q", 0.5, 20 * MB, 0.99), Form("q", 0.25, 10 * MB, 0.97)]
+    drop = [Form("drop", 0.375, 15 * MB, 0.985), Form("drop", 0.125, 5 * MB, 0.5)]
+    p = AdaptPlacement(tiers(25 * MB, 0), alpha=10.0)
+    p.put("a", [full, *quant, *drop], recompute_s=100.0, now=0.0)
+    assert p.where("a")[1] == quant[0]  # the least quality lost per byte freed
+    # a new 10 MB entry that stays: "a" frees 5 MB more. "drop" on top of "q" keeps
+    # 0.99 * 0.985 (losing 0.015 for 5 MB), "q" at 10 MB keeps 0.97 (0.02 for 10 MB)
+    p.put("b", [Form("full", 1.0, 10 * MB, 1.0)], recompute_s=100.0, now=1.0, keep={"b"})
+    assert p.where("a")[1] == quant[1] and p.where("b")[0] == "dram"
+    # and it is counted so: another 8 MB entry makes "a" take "drop" at 5 MB on top of "q"
+    p.put("c", [Form("full", 1.0, 8 * MB, 1.0)], recompute_s=100.0, now=2.0, keep={"c"})
+    assert p.where("a")[1] == Form("drop", 0.125, 5 * MB, pytest.approx(0.97 * 0.5))
+
+
+PROFILE = {"model": "m", "metric": "top1_agreement", "kinds": ["prose", "code"],
+           "methods": {"k4": [{"rate": 0.25, "quality": {"prose": 0.9, "code": 0.8},
+                               "family": "quantized"},
+                              {"rate": 0.5, "quality": {"prose": 0.99, "code": 0.97},
+                               "family": "quantized"}],
+                       "window": [{"rate": 0.3, "quality": {"prose": 0.7, "code": 0.6}}]}}
+
+
+def test_a_profile_gives_each_kind_its_forms_largest_of_a_method_first(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(PROFILE))
+    profile = Profile.load(path)
+    assert Profile.from_json(profile.to_json()) == profile
+    fs = profile.forms(1000, "code")
+    assert fs == [Form("full", 1.0, 1000, 1.0), Form("k4", 0.5, 500, 0.97, "quantized"),
+                  Form("k4", 0.25, 250, 0.8, "quantized"), Form("window", 0.3, 300, 0.6)]
+    assert [f.quality for f in profile.forms(1000, methods=("window",))] == [1.0,
+                                                                           pytest.approx(0.65)]
+    assert profile.forms(1000, full_bytes=2000)[0].size == 2000
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d.pop("kinds"), "kinds"),
+    (lambda d: d["methods"]["k4"][0].update(rate=1.5), r"k4\[0\].rate"),
+    (lambda d: d["methods"]["k4"][1]["quality"].pop("code"), r"k4\[1\].quality"),
+    (lambda d: d["methods"]["window"][0]["quality"].update(prose=2.0), "quality values"),
+    (lambda d: d["methods"].update(full=[]), "full"),
+])
+def test_a_bad_profile_names_the_field(change, field):
+    data = copy.deepcopy(PROFILE)
+    change(data)
+    with pytest.raises(ValueError, match=field):
+        Profile.from_json(data)
+
+
+def test_a_missing_or_garbled_profile_file_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="profile"):
+        Profile.load(tmp_path / "absent.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="profile"):
+        Profile.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="kind"):
+        Profile.from_json(PROFILE).forms(10, "poetry")
