@@ -53,6 +53,28 @@ def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candid
     return True
 
 
+def admitting_runs_less_late(extra: float, new: Candidate, decodes: Sequence[Candidate],
+                             budget: Budget, bring: float = 0.0, until: int | None = None
+                             ) -> bool:
+    """Where admitting `new` breaks the decodes' slack (`admission_keeps_slack`), whether it
+    still runs the requests less far past their targets than holding it: admitted, each
+    decode is late by what the longer steps take past its slack (all of them for one
+    already behind); held, `new` by its wait, until the first of them finishes at least,
+    past its TTFT deadline. False with no deadline or no estimates to weigh."""
+    step = budget.decode_step_seconds
+    ends = [d.remaining * step for d in decodes if d.remaining]
+    if new.ttft_deadline is None or new.remaining is None or not ends:
+        return False
+    late = 0.0
+    for d in decodes:
+        if d.tpot_slack is not None and d.remaining is not None and d.tpot_slo is not None:
+            steps = min(d.remaining, new.remaining)
+            added = extra * steps + bring * (steps if until is None else min(steps, until))
+            late += max(0.0, added - max(d.tpot_slack, 0.0))
+    ready = budget.now + min(ends) + new.pending * budget.prefill_token_seconds
+    return late < ready - new.ttft_deadline
+
+
 def within_own_target(extra: float, offloaded: int, new: Candidate, budget: Budget,
                       decodes: Sequence[Candidate] | None = None, until: int | None = None,
                       bring: float = 0.0) -> bool:
@@ -139,6 +161,6 @@ def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
     return (len(decodes) + 1) * layers * s * new.remaining <= min(ends)
 
 
-__all__ = ["added_step_seconds", "admission_keeps_slack", "keeps_ttft",
+__all__ = ["added_step_seconds", "admission_keeps_slack", "admitting_runs_less_late", "keeps_ttft",
            "offload_beats_preempting", "offload_beats_recompute", "offload_beats_waiting",
            "within_own_target"]

@@ -67,7 +67,10 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   still meet its TTFT target (`keeps_ttft`): a broken promise does not break a keepable one;
   and one whose every step is past its target already (a decode step alone takes longer)
   holds back no prefill at all: holding one keeps no promise, only adds the waiting one's
-  lateness to theirs.
+  lateness to theirs. An admission that would break a decode's slack still goes in while it
+  can meet its TTFT target and holding it (until the first decode finishes) would run it
+  further past that target than admitting runs the decodes past theirs
+  (`admitting_runs_less_late`): promises weighed by how far each is broken.
   The step costs come from `jkv.step_costs.StepCosts`.
 """
 
@@ -80,6 +83,7 @@ from jkv.cache.page_cost import PageCost
 from jkv.plan_checks import (
     added_step_seconds,
     admission_keeps_slack,
+    admitting_runs_less_late,
     keeps_ttft,
     offload_beats_preempting,
     offload_beats_waiting,
@@ -326,7 +330,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         extra = later + added_step_seconds(budget, rows, 0)
         kept = [d for d in decodes if d.request_id not in hopeless
                 and not (keeps_ttft(c, budget) and d.request_id in behind)]
-        if not (admission_keeps_slack(extra, c, kept, budget, bring, until)
+        if not ((admission_keeps_slack(extra, c, kept, budget, bring, until)
+                 or (keeps_ttft(c, budget)
+                     and admitting_runs_less_late(extra, c, kept, budget, bring, until)))
                 and within_own_target(extra, offloaded, c, budget,
                                       None if i + 1 < len(queue) else decodes, until, bring)
                 and offload_beats_waiting(budget, offloaded + moved, c, decodes)):

@@ -717,3 +717,25 @@ def test_an_admission_waits_while_its_row_would_break_a_decodes_tpot():
     assert plan(waiting("w", 20, 1.0, remaining=50), tight, roomy).held == ["w"]
     # not measured: an admission costs no row
     assert plan_step([d, e], [waiting("w", 20, 1.0, remaining=50)], budget()).admit == ["w"]
+
+
+def test_an_admission_that_breaks_a_slack_goes_in_where_holding_it_runs_later():
+    # each row more: 20 ms a step; d has 1 s of slack and 100 steps to go (2 s more
+    # admitted: 1 s past its target); held, w waits until d ends (100 steps of 30 ms)
+    cost = dict(decode_step_seconds=0.03, prefill_token_seconds=0.001, now=10.0,
+                decode_step_by_rows=(0.0, 0.03, 0.05))
+    d = running("d", 40, tpot_slo=0.1, tpot_slack=1.0, remaining=100)
+
+    def plan(deadline: float | None, slack: float = 1.0):
+        w = waiting("w", 20, 9.0, ttft_deadline=deadline, remaining=100)
+        return plan_step([dataclasses.replace(d, tpot_slack=slack)], [w],
+                         budget(max_tokens=256, chunk=256, **cost))
+
+    assert plan(None).held == ["w"]  # no TTFT target: d's slack holds it (LayerKV)
+    assert plan(15.0).held == ["w"]  # held, it starts at 13.02 s: still within its target
+    # due at 11 s: held, 2 s late; admitted, d is 1 s late
+    assert plan(11.0).admit == ["w"]
+    assert plan(11.0, slack=0.05).admit == ["w"]  # 1.95 s against 2.02
+    assert plan(12.5).held == ["w"]  # 0.52 s late held, against d's 1 s admitted
+    # past saving (its 20 tokens no longer fit before the deadline): LayerKV's rule again
+    assert plan(10.01).held == ["w"]
