@@ -54,18 +54,19 @@ def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candid
 
 
 def admitting_runs_less_late(extra: float, new: Candidate, decodes: Sequence[Candidate],
-                             budget: Budget, bring: float = 0.0, until: int | None = None
-                             ) -> bool:
-    """Where admitting `new` breaks the decodes' slack (`admission_keeps_slack`), whether it
-    still runs the requests less far past their targets than holding it: admitted, each
-    decode is late by what the longer steps take past its slack (all of them for one
-    already behind); held, `new` by its wait, until the first of them finishes at least,
+                             budget: Budget, bring: float = 0.0, until: int | None = None,
+                             own: float = 0.0) -> bool:
+    """Where admitting `new` breaks the decodes' slack (`admission_keeps_slack`) or its own
+    TPOT target (`own` seconds past it, `own_target_overrun`), whether it still runs the
+    requests less far past their targets than holding it: admitted, each decode is late by
+    what the longer steps take past its slack (all of them for one already behind), and
+    `new` by `own`; held, `new` by its wait, until the first of them finishes at least,
     past its TTFT deadline. False with no deadline or no estimates to weigh."""
     step = budget.decode_step_seconds
     ends = [d.remaining * step for d in decodes if d.remaining]
     if new.ttft_deadline is None or new.remaining is None or not ends:
         return False
-    late = 0.0
+    late = max(own, 0.0)
     for d in decodes:
         if d.tpot_slack is not None and d.remaining is not None and d.tpot_slo is not None:
             steps = min(d.remaining, new.remaining)
@@ -75,31 +76,31 @@ def admitting_runs_less_late(extra: float, new: Candidate, decodes: Sequence[Can
     return late < ready - new.ttft_deadline
 
 
-def within_own_target(extra: float, offloaded: int, new: Candidate, budget: Budget,
-                      decodes: Sequence[Candidate] | None = None, until: int | None = None,
-                      bring: float = 0.0) -> bool:
-    """Whether `new`, with `offloaded` layers on the host, decodes within its own TPOT target
-    (each step the decodes' now and `extra`, and `bring` while the layers on the host are
-    brought in: `until` steps, None: all); one whose layers all fit is not held for its
-    own sake (it only waits for the step to get no faster). For an admission with no one
-    queued behind it (`decodes` given) and an output estimate, the target is met on
-    average, as a miss is counted: its steps cost that while the longest of `decodes` still
-    runs, then a step of its own row (a request arriving while the others near their end
-    is not held for steps it will hardly share; with a queue behind it, others would take
-    their places). Otherwise, and for a running request (its slack is weighed with the
-    others'), each step within it."""
+def own_target_overrun(extra: float, offloaded: int, new: Candidate, budget: Budget,
+                       decodes: Sequence[Candidate] | None = None, until: int | None = None,
+                       bring: float = 0.0) -> float:
+    """How far past its own TPOT target (seconds over its output; 0 or less: within it)
+    `new`, with `offloaded` layers on the host, decodes: each step the decodes' now and
+    `extra`, and `bring` while the layers on the host are brought in (`until` steps, None:
+    all); one whose layers all fit is not held for its own sake (it only waits for the step
+    to get no faster). For an admission with no one queued behind it (`decodes` given) and
+    an output estimate, the target is met on average, as a miss is counted: its steps cost
+    that while the longest of `decodes` still runs, then a step of its own row (a request
+    arriving while the others near their end is not held for steps it will hardly share;
+    with a queue behind it, others would take their places). Otherwise, and for a running
+    request (its slack is weighed with the others'), each step within it."""
     if not offloaded or new.tpot_slo is None or not budget.decode_step_seconds:
-        return True
+        return 0.0
     shared = budget.decode_step_seconds + extra
     if decodes is None or not new.remaining:
-        return shared + bring <= new.tpot_slo
+        return (shared + bring - new.tpot_slo) * max(new.remaining or 1, 1)
     together = min(new.remaining, max((d.remaining or new.remaining for d in decodes),
                                       default=0))
     by_rows = budget.decode_step_by_rows
     alone = by_rows[1] if len(by_rows) > 1 else budget.decode_step_seconds
     brought = bring * (new.remaining if until is None else min(until, new.remaining))
     return (together * shared + (new.remaining - together) * alone + brought
-            <= new.remaining * new.tpot_slo)
+            - new.remaining * new.tpot_slo)
 
 
 def offload_beats_recompute(budget: Budget, layers: int, c: Candidate) -> bool:
@@ -161,6 +162,6 @@ def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
     return (len(decodes) + 1) * layers * s * new.remaining <= min(ends)
 
 
-__all__ = ["added_step_seconds", "admission_keeps_slack", "admitting_runs_less_late", "keeps_ttft",
-           "offload_beats_preempting", "offload_beats_recompute", "offload_beats_waiting",
-           "within_own_target"]
+__all__ = ["added_step_seconds", "admission_keeps_slack", "admitting_runs_less_late",
+           "keeps_ttft", "offload_beats_preempting", "offload_beats_recompute",
+           "offload_beats_waiting", "own_target_overrun"]

@@ -50,7 +50,7 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   rows and layers of the running prefills and of those admitted before it (they decode in
   those steps too), would take a decoding request past its TPOT target
   (`admission_keeps_slack`, LayerKV eq. 1 over the steps to come), or, with layers on the
-  host, its own steps past its own (`within_own_target`; with no one queued behind it, its
+  host, its own steps past its own (`own_target_overrun`; with no one queued behind it, its
   mean: its steps as long as those while the decodes it joins run, its own row's after);
 - prefill tokens share a per-step budget with the decodes; partly prefilled requests continue
   before new ones are admitted; a new request is admitted only while a slot is free and its
@@ -69,8 +69,8 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   holds back no prefill at all: holding one keeps no promise, only adds the waiting one's
   lateness to theirs. An admission that would break a decode's slack still goes in while it
   can meet its TTFT target and holding it (until the first decode finishes) would run it
-  further past that target than admitting runs the decodes past theirs
-  (`admitting_runs_less_late`): promises weighed by how far each is broken.
+  further past that target than admitting runs the decodes past theirs and itself past its
+  own TPOT target (`admitting_runs_less_late`): promises weighed by how far each is broken.
   The step costs come from `jkv.step_costs.StepCosts`.
 """
 
@@ -87,7 +87,7 @@ from jkv.plan_checks import (
     keeps_ttft,
     offload_beats_preempting,
     offload_beats_waiting,
-    within_own_target,
+    own_target_overrun,
 )
 from jkv.plan_records import Budget, Candidate, Plan, queue_order
 
@@ -330,11 +330,11 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         extra = later + added_step_seconds(budget, rows, 0)
         kept = [d for d in decodes if d.request_id not in hopeless
                 and not (keeps_ttft(c, budget) and d.request_id in behind)]
-        if not ((admission_keeps_slack(extra, c, kept, budget, bring, until)
-                 or (keeps_ttft(c, budget)
-                     and admitting_runs_less_late(extra, c, kept, budget, bring, until)))
-                and within_own_target(extra, offloaded, c, budget,
-                                      None if i + 1 < len(queue) else decodes, until, bring)
+        own = own_target_overrun(extra, offloaded, c, budget,
+                                 None if i + 1 < len(queue) else decodes, until, bring)
+        fits = admission_keeps_slack(extra, c, kept, budget, bring, until) and own <= 0
+        if not ((fits or (keeps_ttft(c, budget) and admitting_runs_less_late(
+                    extra, c, kept, budget, bring, until, own)))
                 and offload_beats_waiting(budget, offloaded + moved, c, decodes)):
             plan.resident.pop(c.request_id, None)
             plan.held.append(c.request_id)

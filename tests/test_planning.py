@@ -665,6 +665,10 @@ def test_an_admission_meets_its_own_target_on_average_not_each_shared_step():
     # a target below that mean holds it
     assert plan(2, dataclasses.replace(w, tpot_slo=0.015)).held == ["w"]
     assert plan(2, dataclasses.replace(w, tpot_slo=0.025)).admit == ["w"]
+    # with a TTFT target it can still meet: held until d ends (10 steps, 0.2 s) it would
+    # be further past it than admitted it runs past its own (10 x 60 ms against 45: 0.15 s)
+    assert plan(10, dataclasses.replace(w, ttft_deadline=0.01)).admit == ["w"]
+    assert plan(10, dataclasses.replace(w, ttft_deadline=0.1)).held == ["w"]  # 0.1 s
 
 
 def test_a_preempted_request_comes_back_only_with_every_layer():
