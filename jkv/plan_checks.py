@@ -46,11 +46,17 @@ def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candid
             if budget.decode_step_seconds + extra + bring > d.tpot_slo:
                 return False
             continue
-        steps = d.remaining if new.remaining is None else min(d.remaining, new.remaining)
-        if extra * steps + bring * (steps if until is None else min(steps, until)) \
-                > d.tpot_slack:
+        if _added_seconds(extra, bring, until, d, new) > d.tpot_slack:
             return False
     return True
+
+
+def _added_seconds(extra: float, bring: float, until: int | None, d: Candidate,
+                   new: Candidate) -> float:
+    """What admitting `new` adds to decode `d`'s time over the steps both decode: `extra`
+    each step, `bring` for the first `until` of them (None: all)."""
+    steps = d.remaining if new.remaining is None else min(d.remaining, new.remaining)
+    return extra * steps + bring * (steps if until is None else min(steps, until))
 
 
 def admitting_runs_less_late(extra: float, new: Candidate, decodes: Sequence[Candidate],
@@ -69,9 +75,8 @@ def admitting_runs_less_late(extra: float, new: Candidate, decodes: Sequence[Can
     late = max(own, 0.0)
     for d in decodes:
         if d.tpot_slack is not None and d.remaining is not None and d.tpot_slo is not None:
-            steps = min(d.remaining, new.remaining)
-            added = extra * steps + bring * (steps if until is None else min(steps, until))
-            late += max(0.0, added - max(d.tpot_slack, 0.0))
+            late += max(0.0, _added_seconds(extra, bring, until, d, new)
+                        - max(d.tpot_slack, 0.0))
     ready = budget.now + min(ends) + new.pending * budget.prefill_token_seconds
     return late < ready - new.ttft_deadline
 

@@ -328,12 +328,13 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         until = steps_until_freed(on_host, keep)
         bring = (offloaded + moved) * budget.offload_layer_seconds
         extra = later + added_step_seconds(budget, rows, 0)
+        keepable = keeps_ttft(c, budget)
         kept = [d for d in decodes if d.request_id not in hopeless
-                and not (keeps_ttft(c, budget) and d.request_id in behind)]
+                and not (keepable and d.request_id in behind)]
         own = own_target_overrun(extra, offloaded, c, budget,
                                  None if i + 1 < len(queue) else decodes, until, bring)
         fits = admission_keeps_slack(extra, c, kept, budget, bring, until) and own <= 0
-        if not ((fits or (keeps_ttft(c, budget) and admitting_runs_less_late(
+        if not ((fits or (keepable and admitting_runs_less_late(
                     extra, c, kept, budget, bring, until, own)))
                 and offload_beats_waiting(budget, offloaded + moved, c, decodes)):
             plan.resident.pop(c.request_id, None)

@@ -128,10 +128,6 @@ class AdaptPlacement:
     def bytes_used(self, tier: str) -> int:
         return self._used[self._index[tier]]
 
-    def keys(self, tier: str) -> list[Hashable]:
-        i = self._index[tier]
-        return [k for k, e in self._entries.items() if e.tier == i]
-
     def freq(self, key: Hashable, now: float) -> float:
         """The expected uses of `key`'s entry: its decayed saves and hits, one more while a
         queued request will read it."""
@@ -192,14 +188,6 @@ class AdaptPlacement:
             self._used[e.tier] -= e.forms[e.form].size
 
     # ------------------------------------------------------------------ the greedy step
-
-    def utility(self, key: Hashable, now: float, form: int | None = None,
-                tier: int | None = None) -> float:
-        """`key`'s utility held in `forms[form]` in tier `tier` (default: where it is);
-        tier -1: held nowhere (recomputed)."""
-        e = self._entries[key]
-        return self.freq(key, now) * self._per_use(e, e.form if form is None else form,
-                                                   e.tier if tier is None else tier)
 
     def _per_use(self, e: _Entry, form: int, tier: int) -> float:
         """Utility over Freq: alpha x quality less the load (or recompute) seconds."""
