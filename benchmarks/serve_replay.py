@@ -42,7 +42,7 @@ from serve_slo import make_requests
 from tqdm import tqdm
 
 import jkv.scheduler
-from jkv.buckets import bucket
+from jkv.buckets import decode_bucket
 from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
@@ -79,7 +79,7 @@ class Costs:
         prefill's overlap where `overlap` (a device whose steps are bound by reading the
         weights, which both do once) and add up where not (a CPU's compute-bound calls),
         the brings add to it."""
-        rows = bucket(len(decode_ctx), 1, self.shape_step)
+        rows = decode_bucket(len(decode_ctx), self.shape_step)
         dec = 0.0 if not decode_ctx else (self.decode_s + self.decode_row_s * (rows - 1)
                                           + self.decode_context_s * sum(decode_ctx))
         pre = sum(share * (self.prefill_row_s + n * (self.prefill_token_s

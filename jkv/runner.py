@@ -3,10 +3,10 @@
 The only module that calls a model family (`jkv.models.family.ModelFamily`). A call runs
 padded rows of tokens through the model over the page pool and samples one token per row.
 Its shapes come from a small closed set (`shapes`): rows and prompt tokens padded to powers
-of `shape_step` (4 on a GPU, 2 on CPU), prefill rows grouped so that rows x tokens stays
-under an area cap; the page-table width is always the whole table (both attention backends
-stop at each row's held pages). `warmup` compiles the whole set, so serving never stalls on
-a compilation.
+of `shape_step` (4 on a GPU, 2 on CPU, where decode rows are finer: `decode_bucket`), prefill
+rows grouped so that rows x tokens stays under an area cap; the page-table width is always
+the whole table (both attention backends stop at each row's held pages). `warmup` compiles
+the whole set, so serving never stalls on a compilation.
 
 Two ways through the layers, with the same outputs: one compiled call that scans every
 layer (`_step`), or one dispatch of the same compiled layer per layer (`_layer_step`), which
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.buckets import bucket
+from jkv.buckets import bucket, decode_bucket
 from jkv.cache.layer_kv import LayerKV, LayerTiers
 from jkv.cache.page_pool import FillingPages
 from jkv.cache.token_tiers import TierCounts, TokenMeta
@@ -249,7 +249,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ shapes
 
     def rows_bucket(self, n: int) -> int:
+        """Rows of a prefill call padded: powers of `shape_step`."""
         return min(bucket(n, 1, self.shape_step), self.max_rows)
+
+    def decode_rows_bucket(self, n: int) -> int:
+        """Rows of a decode call padded (`jkv.buckets.decode_bucket`: finer on a CPU)."""
+        return min(decode_bucket(n, self.shape_step), self.max_rows)
 
     def tokens_bucket(self, n: int) -> int:
         return 1 if n == 1 else min(self.prefill_chunk, bucket(n, 16, self.shape_step))
@@ -278,7 +283,8 @@ class ModelRunner:
         step = self.shape_step
         row_buckets = sorted({self.rows_bucket(step ** i) for i in range(24)})
         token_buckets = sorted({self.tokens_bucket(16 * step ** i) for i in range(24)})
-        out = [(b, 1) for b in row_buckets]
+        out = [(b, 1) for b in sorted({self.decode_rows_bucket(n)
+                                        for n in range(1, self.max_rows + 1)})]
         out += [(b, t) for t in token_buckets for b in row_buckets if b * t <= self.prefill_area]
         return out
 
@@ -288,8 +294,8 @@ class ModelRunner:
               padded_rows: int | None = None, padded_tokens: int | None = None) -> Batch:
         """`rows` (after `held` tokens each) padded with scratch rows to their bucket (or to
         the shape given)."""
-        b = padded_rows or self.rows_bucket(len(rows))
         t = padded_tokens or self.tokens_bucket(max(len(r.tokens) for r in rows))
+        b = padded_rows or (self.decode_rows_bucket if t == 1 else self.rows_bucket)(len(rows))
         out = Batch(slots=np.full(b, self.scratch_slot, np.int32),
                     tokens=np.zeros((b, t), np.int32), positions=np.zeros((b, t), np.int32),
                     valid=np.zeros((b, t), bool), last_idx=np.zeros(b, np.int32),

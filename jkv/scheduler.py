@@ -58,7 +58,7 @@ class Scheduler(StoreSide):
         self._wake = threading.Condition(self._lock)
         self._incoming: list[Request] = []
         self._state: dict[Request, Tracked] = {}  # every request it holds past `add`
-        self.costs = StepCosts(engine.runner.rows_bucket)  # learned from each step
+        self.costs = StepCosts(engine.runner.decode_rows_bucket)  # learned from each step
         # the figures the last step's plan used, for `snapshot` (other threads read it)
         self._step_costs = {"decode": 0.0, "decode_full": 0.0, "prefill_token": 0.0,
                             "prefill_row": 0.0, "offload_layer": 0.0}

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jkv.buckets import bucket, decode_bucket
 from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from jkv.engine import Engine
 from jkv.models.loaders import random_params
@@ -273,6 +274,20 @@ def test_warmup_compiles_every_shape_a_workload_uses(params):
     assert all(r.finish_reason == "length" for r in reqs)
     assert eng.stats.step_shapes <= set(eng.shapes())
     assert eng.num_compiles == compiles
+
+
+def test_decode_rows_are_padded_finely_on_a_cpu_and_in_powers_on_a_gpu(params):
+    for n in range(1, 200):  # (pure: every count up to 8, then steps of at most 1.5x)
+        fine = decode_bucket(n, 2)
+        assert fine == n if n <= 8 else n <= fine < 1.5 * n
+        assert decode_bucket(n, 4) == bucket(n, 1, 4)
+    rows = int(np.random.default_rng().integers(5, 8))  # (not a power of two)
+    for shape_step, padded in ((2, rows), (4, 8)):
+        eng = engine(params, shape_step=shape_step, max_num_seqs=8)
+        sched = Scheduler(eng)
+        run(sched, prompts_of((9,) * rows), n=6)
+        assert (padded, 1) in eng.stats.step_shapes and (padded, 1) in eng.shapes()
+        assert padded in sched.costs.by_rows  # its steps' cost, learned at that size
 
 
 def test_prefill_rows_share_a_call_only_where_that_adds_little_padding(params):
