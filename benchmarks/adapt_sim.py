@@ -1,8 +1,9 @@
 """store_sim's compression dimension (AdaptCache, figure 2 in spirit): the same trace through
 fixed-method LRU stores and AdaptCache's policy, each job's TTFT and answer quality.
 
-A job's TTFT is its history's load (the entry's bytes at its tier's read rate) or, on a miss,
-its recompute (history tokens at the prefill rate), plus its own new tokens' prefill. Its
+A job's TTFT is its history's load (the entry's bytes at its tier's read rate) or, on a miss
+or where that is faster, its recompute (history tokens at the prefill rate: the engine's
+restore planner picks the faster), plus its own new tokens' prefill. Its
 quality is the profile's quality of the form it was read from (1 for a full or recomputed
 history), for its session's kind of content (drawn once per session from the profile's
 kinds); a session whose history was read lossy carries that quality into its later turns
@@ -70,6 +71,8 @@ def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Pro
                     tier = p.access(s)
                     size = p.size(s)
                     fq = quality[kinds[s]]
+                if tier is not None and size / read[tier] >= h * prefill_s:
+                    tier = None  # recomputed: the faster way, at full quality
                 hits[tier or "miss"] += 1
                 if tier is None:
                     delay, q = h * prefill_s, 1.0
@@ -94,26 +97,37 @@ def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Pro
 
 def checks(rows: dict[str, dict]) -> dict:
     """The acceptance's two comparisons at one capacity: AdaptCache's best TTFT ratio over the
-    best fixed-method LRU store of equal or better quality, and whether each StreamingLLM
-    store is beaten on quality by an AdaptCache point of equal or lower TTFT."""
+    fastest fixed-method LRU baseline (full entries, KIVI, StreamingLLM) of equal or better
+    quality, and the same over every fixed form of the profile (jkv's own formats too: a
+    stricter rival); and whether each StreamingLLM store is beaten on quality by an
+    AdaptCache point of equal or lower TTFT."""
     adapt = {n: r for n, r in rows.items() if n.startswith("adaptcache")}
     fixed = {n: r for n, r in rows.items() if not n.startswith("adaptcache")}
-    best = None
-    for name, r in adapt.items():
-        rivals = [f for f in fixed.values() if f["mean_quality"] >= r["mean_quality"]]
-        if rivals:
-            rival = min(rivals, key=lambda f: f["mean_ttft_s"])
-            ratio = rival["mean_ttft_s"] / r["mean_ttft_s"]
-            if best is None or ratio > best["ttft_ratio"]:
-                rival_name = next(n for n, f in fixed.items() if f is rival)
-                best = {"adaptcache": name, "rival": rival_name, "ttft_ratio": ratio}
+    named = {n: r for n, r in fixed.items()
+             if n == "lru" or n.startswith(("kivi@", "streaming@"))}
     streaming = {}
     for name, r in fixed.items():
         if name.startswith("streaming"):
             streaming[name] = any(a["mean_ttft_s"] <= r["mean_ttft_s"]
                                   and a["mean_quality"] > r["mean_quality"]
                                   for a in adapt.values())
-    return {"best_ttft_ratio": best, "beats_streaming_on_quality": streaming}
+    return {"best_ttft_ratio": _best_ratio(adapt, named),
+            "best_ttft_ratio_any_format": _best_ratio(adapt, fixed),
+            "beats_streaming_on_quality": streaming}
+
+
+def _best_ratio(adapt: dict[str, dict], fixed: dict[str, dict]) -> dict | None:
+    """The AdaptCache store with the highest TTFT ratio over the fastest of `fixed` whose
+    quality is equal or better."""
+    best = None
+    for name, r in adapt.items():
+        rivals = {n: f for n, f in fixed.items() if f["mean_quality"] >= r["mean_quality"]}
+        if rivals:
+            rival = min(rivals, key=lambda n: rivals[n]["mean_ttft_s"])
+            ratio = rivals[rival]["mean_ttft_s"] / r["mean_ttft_s"]
+            if best is None or ratio > best["ttft_ratio"]:
+                best = {"adaptcache": name, "rival": rival, "ttft_ratio": ratio}
+    return best
 
 
 def svg_frontier(rows: dict[str, dict[str, dict]], title: str) -> str:

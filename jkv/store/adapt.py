@@ -8,7 +8,8 @@ when used: full quality, a prefill's time). Its utility where it is held is
     Utility(i) = Freq(i) * (alpha * Quality(i, M, R) - size(i, M, R) / Bandwidth(tier))
 
 (seconds: alpha weighs quality against load time). Held nowhere, the delay is recomputing
-it. When a tier is over its capacity, the choice that loses the least utility per byte it
+it, and so it is where loading would take longer (the engine recomputes then, at full
+quality). When a tier is over its capacity, the choice that loses the least utility per byte it
 frees there goes next (the greedy multiple-choice knapsack step of the paper): a smaller form
 in the same tier, the same form one tier down, or out of the store; repeated until the tier
 fits, the fastest tier first (what moves down is then the next tier's to fit). Forms only
@@ -190,11 +191,14 @@ class AdaptPlacement:
     # ------------------------------------------------------------------ the greedy step
 
     def _per_use(self, e: _Entry, form: int, tier: int) -> float:
-        """Utility over Freq: alpha x quality less the load (or recompute) seconds."""
+        """Utility over Freq: alpha x quality less the load (or recompute) seconds. A hit
+        slower to load than to recompute is recomputed (the engine's restore planner
+        does): held there, it is worth what it is out of the store."""
+        recompute = self.alpha - e.recompute_s
         if tier < 0:
-            return self.alpha - e.recompute_s
+            return recompute
         f = _form(e, form)
-        return self.alpha * f.quality - f.size / self.tiers[tier].read_bps
+        return max(self.alpha * f.quality - f.size / self.tiers[tier].read_bps, recompute)
 
     def _cheapest(self, e: _Entry) -> tuple[float, int, int] | None:
         """(utility drop per byte freed in its tier over Freq, form, tier) of the cheapest
