@@ -111,9 +111,32 @@ def checks(rows: dict[str, dict]) -> dict:
             streaming[name] = any(a["mean_ttft_s"] <= r["mean_ttft_s"]
                                   and a["mean_quality"] > r["mean_quality"]
                                   for a in adapt.values())
+    frontier = {n: frontier_ttft(fixed, r["mean_quality"]) / r["mean_ttft_s"]
+                for n, r in adapt.items() if frontier_ttft(fixed, r["mean_quality"])}
     return {"best_ttft_ratio": _best_ratio(adapt, named),
             "best_ttft_ratio_any_format": _best_ratio(adapt, fixed),
+            "ttft_ratio_to_fixed_frontier": frontier,
             "beats_streaming_on_quality": streaming}
+
+
+def frontier_ttft(fixed: dict[str, dict], quality: float) -> float | None:
+    """The fixed stores' mean TTFT at `quality`, on the line between the two stores of the
+    TTFT-quality frontier around it (a mix of the two would come near it): a rival that is
+    not a point of the profile's grid. None above the best quality."""
+    points = sorted((r["mean_quality"], r["mean_ttft_s"]) for r in fixed.values())
+    front: list[tuple[float, float]] = []  # quality up, TTFT up: each point worth having
+    for q, t in reversed(points):
+        if not front or t < front[-1][1]:
+            front.append((q, t))
+    front.reverse()
+    if not front or quality > front[-1][0]:
+        return None
+    if quality <= front[0][0]:
+        return front[0][1]
+    for (q1, t1), (q2, t2) in zip(front, front[1:], strict=False):
+        if q1 <= quality <= q2:
+            return t1 + (t2 - t1) * (quality - q1) / (q2 - q1)
+    return None
 
 
 def _best_ratio(adapt: dict[str, dict], fixed: dict[str, dict]) -> dict | None:

@@ -380,6 +380,11 @@ def compare_compression(events: list[tuple], trace: dict, profile: Profile,
             if best:
                 print(f"{cap}: {best['adaptcache']} TTFT {best['ttft_ratio']:.2f}x lower than "
                       f"{best['rival']} (the fastest {rivals} of equal or better quality)")
+        ratios = checks[cap]["ttft_ratio_to_fixed_frontier"]
+        if ratios:
+            name = max(ratios, key=ratios.get)
+            print(f"{cap}: {name} TTFT {ratios[name]:.2f}x lower than the fixed stores' "
+                  "frontier interpolated at its quality")
         for name, ok in checks[cap]["beats_streaming_on_quality"].items():
             print(f"{cap}: {name}: {'an' if ok else 'no'} AdaptCache point of equal or lower "
                   "TTFT has higher quality")

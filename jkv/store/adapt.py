@@ -251,10 +251,10 @@ class AdaptPlacement:
         if dst < 0:
             del self._entries[key]
             return Move(key, src, None, old, None)
-        new = _form(e, form)
         if form != e.form and e.form > 0 and e.forms[form].kin != old.kin:
             e.carried = old.quality  # the held method stays applied under the new one
         e.form, e.tier, e.cheapest = form, dst, False
+        new = _form(e, form)  # (as `where` will report it, to the last bit)
         self._used[dst] += new.size
         return Move(key, src, self.tiers[dst].name, old, new)
 
