@@ -74,7 +74,7 @@ def restore(eng: Engine, store: KVStore, prompt: list[int], recompute: float = 0
     """Look the prompt up in `store`, load the hit and open a slot with it (`recompute`:
     that share split off and recomputed)."""
     hit = store.lookup(eng.cache.prompt_hashes(prompt))
-    arrays, hashes = store.load(hit)
+    arrays, hashes, _ = store.load(hit)
     return eng.open(prompt, restore=SavedPages(hit.blocks, arrays, hashes),
                     recompute=recompute)
 

@@ -32,8 +32,10 @@ import numpy as np
 from jkv.cache import tier_step
 from jkv.cache.connector import KVConnector, SavedPages, pyramid
 from jkv.cache.kv_cache import KVCacheManager, TierPolicy
+from jkv.cache.kv_forms import convert_pages
 from jkv.cache.layer_offload import LayerOffload, resident_layers
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
+from jkv.kv_format import KVFormat
 from jkv.layer_major import LayerMajor
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
@@ -105,6 +107,7 @@ class Engine:
         # names the KV this engine writes (model, format, page size, shapes) in stored entries
         self.fingerprint = hashlib.blake2b(hash_seed, digest_size=16).hexdigest()
         self.kv_format = cache.kv_format.name
+        self.kv_dtype = dtype  # (a 16-bit side's)
         self.cache = KVCacheManager(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             dtype=dtype, kv_format=cache.kv_format, page_size=cache.page_size,
@@ -315,6 +318,15 @@ class Engine:
                drop: int) -> SavedPages:
         """Saved pages moved for a truncated prompt (`KVConnector.rebase`)."""
         return self.connector.rebase(saved, token_ids, keep, drop)
+
+    def convert_stored(self, arrays: dict, src: str, dst: str) -> dict[str, np.ndarray]:
+        """A stored entry's pages in KV format `src` as pages of `dst` (a smaller form made
+        for AdaptCache, or one read back into the pool's: `kv_forms.convert_pages`,
+        approximate KV); ValueError for a format this jkv does not know, pages not of it,
+        or a tiered row (stored whole, in the pool's format)."""
+        if self.tiered:
+            raise ValueError("a tiered row is stored and restored in the pool's format only")
+        return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), self.kv_dtype)
 
     def read_buffer_layers(self, load_bytes: int, new_tokens: int) -> int:
         """Layers of restored KV a layer-wise step keeps in flight, from measured rates

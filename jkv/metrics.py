@@ -21,6 +21,8 @@ _STORE_COUNTERS = (  # (key of stats()["store"], metric name, help)
     ("prefetches", "jkv_store_prefetches",
      "Stored KV entries moved from disk to host ahead of their request."),
     ("saves", "jkv_store_saves", "KV entries written to the store."),
+    ("converted_loads", "jkv_store_converted_loads",
+     "Stored KV entries read in another KV form and converted to the pool's (approximate)."),
     ("disk_resets", "jkv_store_disk_resets",
      "Persistent KV stores found damaged when opened (their entries dropped, started empty)."),
 )

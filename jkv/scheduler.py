@@ -49,7 +49,8 @@ class Scheduler(StoreSide):
         if isinstance(store, StoreConfig):  # a store for this engine's KV
             store = KVStore(store, model=engine.fingerprint, kv_format=engine.kv_format,
                             page_size=engine.page_size,
-                            aligned_reads=engine.aligned_host_arrays)
+                            aligned_reads=engine.aligned_host_arrays,
+                            convert=engine.convert_stored)
         self.store = store
         self.waiting: list[Request] = []
         self.running: list[Request] = []

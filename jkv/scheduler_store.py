@@ -117,11 +117,11 @@ class StoreSide:
                     loaded = self.store.take(hit)  # read ahead while it waited
                 else:  # read here, the step waiting
                     loaded = self.store.load(hit)
-                    loaded = None if loaded is None else (*loaded, hit.tier)
+                    loaded = None if loaded is None else (loaded, hit.tier)
                 if loaded is not None:
-                    *loaded, tier = loaded
+                    (arrays, hashes, exact), tier = loaded
                     hit = hit._replace(tier=tier)  # counted where it was read from
-                    restore = SavedPages(hit.blocks, *loaded)
+                    restore = SavedPages(hit.blocks, arrays, hashes, exact_blocks=exact)
                     if st.rebase:
                         t = r.truncation
                         restore = eng.rebase(restore, r.tokens, t.keep, t.drop)

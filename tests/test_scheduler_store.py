@@ -290,3 +290,60 @@ def test_a_preempted_request_saves_what_it_holds_and_resumes_from_the_store(para
     assert [r.output for r in reqs] == [r.output for r in alone]
     assert eng.cache.free_pages == eng.cache.total_pages
     store.close()
+
+
+def test_a_recompressed_entry_restores_its_form_and_is_never_shared_exactly(params):
+    rng = np.random.default_rng()
+    first = rng.integers(0, 512, int(rng.integers(30, 45))).tolist()
+
+    def serving(**kw) -> tuple[Engine, KVStore, Scheduler]:
+        eng = engine(params, **kw)
+        store = KVStore(StoreConfig(host_cache_bytes=1 << 24), model=eng.fingerprint,
+                        kv_format=eng.kv_format, page_size=eng.page_size,
+                        convert=eng.convert_stored)
+        return eng, store, Scheduler(eng, SchedulerConfig(restore_planning=False), store=store)
+
+    eng, store, sched = serving()
+    turn1 = request(first, n=12)
+    generate_all(sched, [turn1])
+    store.flush()
+    follow = turn1.prompt + turn1.output + rng.integers(0, 512, 7).tolist()
+    hashes = eng.cache.prompt_hashes(follow)
+    hit = store.lookup(hashes)
+    exact = store.load(hit)
+    assert hit.blocks >= 4 and exact.exact_blocks is None
+    used = store.snapshot()["bytes"]["host"]
+    assert store.recompress(hit.key, "k4v2t")
+    assert store.snapshot()["bytes"]["host"] < used / 3  # (float32 pages to 2-4 bits)
+    assert not store.recompress(hit.key, "k4v2t")  # already in that form
+    # read back: the pages that form implies, in the pool's format, all of them approximate
+    implied = eng.convert_stored(eng.convert_stored(exact.arrays, eng.kv_format, "k4v2t"),
+                                 "k4v2t", eng.kv_format)
+    got = store.load(hit)
+    assert got.exact_blocks == 0 and got.hashes == exact.hashes
+    for name, x in implied.items():
+        np.testing.assert_array_equal(np.asarray(got.arrays[name]), x)
+        assert not np.array_equal(x, exact.arrays[name])  # (lossy: the check can fail)
+
+    # the follow-up turn restores that form: the tokens of the same pages restored as if
+    # they were exact, on an engine with a device prefix cache
+    results = []
+    for approximate in (True, False):
+        eng2, store2, sched2 = serving(enable_prefix_caching=True)
+        if approximate:
+            sched2.store = store  # (the same fingerprint: the recompressed entry)
+        else:
+            store2.save(hit.blocks, implied, hashes[: hit.blocks])
+            store2.flush()
+        turn2 = request(follow, n=8)
+        generate_all(sched2, [turn2])
+        assert sched2.snapshot()["prefix_hit_tokens"]["host"] == hit.blocks * 8
+        # approximate blocks (and those computed after them) are never shared by hash
+        cached, _ = eng2.cache.lookup(eng2.cache.prompt_hashes(follow))
+        results.append((turn2.output, cached))
+        store2.close()
+    (out_approx, cached_approx), (out_exact, cached_exact) = results
+    assert out_approx == out_exact
+    assert cached_approx == 0 < cached_exact
+    assert store.snapshot()["converted_loads"] == 2
+    store.close()

@@ -64,7 +64,7 @@ def test_any_leading_run_of_an_entry_is_found_and_a_longer_one_replaces_it():
     assert not s.save(3, data, hashes)  # nothing new
     hit = s.lookup(hashes)
     assert hit is not None and hit.blocks == 4 and hit.tier == "host"
-    arrays, got = s.load(hit)
+    arrays, got, _ = s.load(hit)
     assert got == hashes[:4]
     for f in data:
         np.testing.assert_array_equal(arrays[f], data[f][:4])
@@ -98,7 +98,7 @@ def test_tiered_rows_are_found_whole_only_and_replace_nothing():
     for n, rows in ((3, 2), (5, 9)):
         hit = s.lookup(hashes[:n] + chain(tokens[:n * PAGE] + [7] * PAGE)[n:], whole=True)
         assert hit is not None and hit.blocks == n
-        arrays, got = s.load(hit)
+        arrays, got, _ = s.load(hit)
         assert got == hashes[:n] and all(len(x) == rows for x in arrays.values())
     assert s.lookup(hashes[:4], whole=True).blocks == 3  # the longest whole row
     assert s.lookup(hashes[:2], whole=True) is None
@@ -321,7 +321,8 @@ def assert_read_ahead(s: KVStore, hit, hashes: list[bytes], data: dict) -> None:
     the host tier."""
     s.wait_reads(5.0)
     assert s.read_ahead(hit)
-    arrays, got, tier = s.take(hit)
+    (arrays, got, exact), tier = s.take(hit)
+    assert exact is None  # stored in the pool's own format
     assert got == hashes and tier == "host"
     for f in data:
         np.testing.assert_array_equal(arrays[f], data[f])
@@ -441,7 +442,7 @@ def test_tail_entries_continue_a_run_and_are_read_along_their_chain(tmp_path):
     def read(store_, n_tokens: int, want_blocks: int) -> None:
         hit = store_.lookup(chain(tokens[:n_tokens]))
         assert hit is not None and hit.blocks == want_blocks
-        arrays, got = store_.load(hit)
+        arrays, got, _ = store_.load(hit)
         assert got == hashes[:want_blocks]
         for f in data:
             np.testing.assert_array_equal(arrays[f], data[f][:want_blocks], err_msg=f)
@@ -513,4 +514,63 @@ def test_a_tail_keeps_its_chain_and_one_whose_parent_went_is_a_miss():
     s.flush()
     assert s.lookup(hz) is None and s.stats.saves_dropped == dropped + 1
     assert s.lookup(hx).blocks == 4  # the other conversation is untouched
+    s.close()
+
+
+def half(arrays, src: str, dst: str) -> dict[str, np.ndarray]:
+    """A stand-in for the engine's KV format conversion: "half" is float16 pages."""
+    return {f: np.asarray(x).astype(np.float16 if dst == "half" else np.float32)
+            for f, x in arrays.items()}
+
+
+class _DyingWrites:
+    """A tier's key-value store whose writes in a transaction fail: the process dying in
+    the middle of a put, before its commit."""
+
+    def __init__(self, kv):
+        self.kv = kv
+
+    def with_transaction(self, txn):
+        return _DyingWrites(self.kv.with_transaction(txn))
+
+    def write(self, *args, **kwargs):
+        raise OSError("killed")
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+
+def test_a_recompression_killed_midway_leaves_the_old_entry(tmp_path, monkeypatch):
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, 1000, 4 * PAGE).tolist()
+    hashes, data = chain(tokens), blocks(4, rng)
+
+    def opened() -> KVStore:
+        return KVStore(StoreConfig(store_dir=str(tmp_path), host_cache_bytes=0,
+                                   disk_cache_bytes=1 << 24),
+                       model="m", kv_format="auto", page_size=PAGE, convert=half)
+
+    s = opened()
+    assert s.save(4, data, hashes)
+    s.flush()
+    hit = s.lookup(hashes)
+    assert hit.tier == "disk"
+    monkeypatch.setattr(s.disk, "_kv", _DyingWrites(s.disk._kv))
+    assert not s.recompress(hit.key, "half")
+    monkeypatch.undo()
+    for _ in range(2):  # as it was, here and in the next process
+        got = s.load(s.lookup(hashes))
+        assert got.exact_blocks is None
+        for f in data:
+            np.testing.assert_array_equal(got.arrays[f], data[f])
+        s.close()
+        s = opened()
+    used = s.snapshot()["bytes"]["disk"]
+    assert s.recompress(hit.key, "half") and s.snapshot()["bytes"]["disk"] < used
+    s.close()
+    s = opened()  # the smaller form is what the next process finds
+    got = s.load(s.lookup(hashes))
+    assert got.exact_blocks == 0 and s.snapshot()["converted_loads"] == 1
+    for f in data:
+        np.testing.assert_array_equal(got.arrays[f], data[f].astype(np.float16))
     s.close()

@@ -409,7 +409,8 @@ class KVConnector:
                            rotate=self._rotate)
         return SavedPages(m, jax.device_get(out.arrays()),
                           self.cache.prompt_hashes(token_ids)[:m],
-                          exact_blocks=min(m, keep // ps))
+                          exact_blocks=min(m, keep // ps, m if saved.exact_blocks is None
+                                           else saved.exact_blocks))
 
     def warmup(self) -> None:
         """Compile the page copies a KV store uses (saving a slot's blocks, restoring them

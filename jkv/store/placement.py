@@ -175,6 +175,15 @@ class Placement:
         self._add("disk", session, size, used=item.used)
         return moves + [Move(session, "dram", "disk")]
 
+    def resize(self, session: Hashable, size: int) -> None:
+        """`session`'s item now takes `size` bytes where it is (recompressed smaller in
+        place); its place in the order is kept."""
+        tier = self.where(session)
+        if tier is not None:
+            item = self._tiers[tier][session]
+            self._used[tier] += size - item.size
+            item.size = size
+
     def drop(self, session: Hashable) -> None:
         """Forget `session` (its entry is gone: corrupt, or deleted by the store)."""
         tier = self.where(session)

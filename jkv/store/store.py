@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,6 +50,17 @@ log = logging.getLogger(__name__)
 
 TIER_NAMES = {"dram": "host", "disk": "disk"}  # placement's tier names -> the store's
 HASHES = "block_hashes"  # the entry array holding its chained block hashes
+
+
+class Loaded(NamedTuple):
+    """What `load` read: `arrays` [blocks, ...] in the pool's format and their block
+    `hashes`; blocks from `exact_blocks` on (None: none) were stored in another form and
+    converted, so they hold approximate KV (usable by the prompt, never shared under their
+    tokens' hashes)."""
+
+    arrays: dict
+    hashes: list[bytes]
+    exact_blocks: int | None = None
 
 
 @dataclass
@@ -72,6 +84,7 @@ class StoreStats:
     loads: int = 0  # entries read for a restore
     read_failures: int = 0  # reads that raised (a failing tier): misses, recomputed
     corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
+    converted_loads: int = 0  # entries read in another KV form, converted (approximate)
     evictions: int = 0  # entries dropped from the store to make room
     offloads: int = 0  # entries moved host -> disk
     prefetches: int = 0  # entries moved disk -> host ahead of their request
@@ -90,17 +103,23 @@ class KVStore:
     most as many bytes (a request past it waits for room).
     aligned_reads: loaded arrays start on 64-byte boundaries (`codec.aligned`: a copy on the
     reading thread where a tier's bytes are not), as a CPU backend takes them without a copy.
+    convert: `convert(arrays, src, dst)` gives pages of KV format `src` as those of `dst`
+    (`Engine.convert_stored`): an entry stored in another form (smaller: AdaptCache) is
+    read into the pool's format on the reading thread, and `recompress` makes such forms;
+    without it an entry of another format is a mismatch (a miss).
     """
 
     def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
                  page_size: int, max_pending_bytes: int = 2 << 30,
-                 aligned_reads: bool = False) -> None:
+                 aligned_reads: bool = False,
+                 convert: Callable[[dict, str, str], dict] | None = None) -> None:
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
         self.config = config
         self.model, self.kv_format, self.page_size = model, kv_format, page_size
         self.aligned_reads = aligned_reads  # loaded arrays 64-byte aligned (`codec.aligned`)
+        self.convert = convert
         self.host = HostTier(config.host_cache_bytes)
         self.disk = (None if config.persistent is None or not config.disk_cache_bytes
                      else PersistentTier(config.persistent, config.disk_cache_bytes))
@@ -242,12 +261,12 @@ class KVStore:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes]] | None:
-        """The first `hit.blocks` blocks of entry `hit.key` and its chain: (arrays [blocks,
+    def load(self, hit: Hit) -> Loaded | None:
+        """The first `hit.blocks` blocks of entry `hit.key` and its chain: arrays [blocks,
         ...] in the pool's format (a chain's as `BlockRuns`, its entries' arrays uncopied),
-        or a whole entry's arrays as saved, and their block hashes), validated; None on a
-        miss (gone, or corrupt: then counted and deleted). An entry still being saved is
-        read once written."""
+        or a whole entry's arrays as saved, and their block hashes, validated (`Loaded`);
+        None on a miss (gone, or corrupt: then counted and deleted). An entry still being
+        saved is read once written."""
         with self._lock:
             pending = self._pending.get(hit.key)
         if pending is not None:
@@ -257,11 +276,13 @@ class KVStore:
             chain = self.index.chain(hit.key) if hit.key in self.index else None
         if chain is None:
             return None
-        parts, nbytes = [], 0
+        parts, nbytes, exact = [], 0, None
         for key in chain:
             part = self._load_one(key, hit.tier)
             if part is None:
                 return None
+            if not part[3] and exact is None:  # converted from another form: approximate
+                exact = sum(len(hs) for _, hs in parts)
             parts.append(part[:2])
             nbytes += part[2]
         with self._lock:
@@ -271,17 +292,20 @@ class KVStore:
         rate = nbytes / max(time.perf_counter() - t0, 1e-9)
         self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
         n = hit.blocks
+        exact = None if exact is None or exact >= n else exact
         if len(parts) == 1:
             arrays, hashes = parts[0]
             if n == len(hashes):  # the whole entry (a tiered row's arrays are not blocks)
-                return dict(arrays), list(hashes)
-            return {f: x[:n] for f, x in arrays.items()}, hashes[:n]
+                return Loaded(dict(arrays), list(hashes), exact)
+            return Loaded({f: x[:n] for f, x in arrays.items()}, hashes[:n], exact)
         hashes = [h for _, hs in parts for h in hs][:n]
         # a chain is handed over in its parts: a restore writes runs inside each, uncopied
-        return {f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]}, hashes
+        return Loaded({f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]},
+                      hashes, exact)
 
-    def _load_one(self, key: str, tier: str) -> tuple[dict, list[bytes], int] | None:
-        """One entry's arrays, block hashes and stored bytes, validated against its index
+    def _load_one(self, key: str, tier: str) -> tuple[dict, list[bytes], int, bool] | None:
+        """One entry's arrays (in the pool's format), block hashes, stored bytes and whether
+        it was stored in the pool's format (else converted), validated against its index
         record; None on a miss (a corrupt entry and what continues it: counted, deleted)."""
         tiers = (self.host, self.disk) if tier == "host" else (self.disk, self.host)
         data = None
@@ -295,11 +319,19 @@ class KVStore:
         try:
             if entry is None:
                 return None
-            _, arrays = decode(data, model=self.model, kv_format=self.kv_format,
-                               page_size=self.page_size, align=self.aligned_reads)
+            info, arrays = decode(data, model=self.model,
+                                  kv_format=None if self.convert else self.kv_format,
+                                  page_size=self.page_size, align=self.aligned_reads)
             stored = arrays.pop(HASHES, None)
             if stored is None or [r.tobytes() for r in stored] != entry.hashes:
                 raise CorruptEntry("the entry's block hashes differ from its index record")
+            exact = info.kv_format == self.kv_format
+            if not exact:
+                try:
+                    arrays = self.convert(arrays, info.kv_format, self.kv_format)
+                except ValueError as e:
+                    raise EntryMismatch(f"a {info.kv_format} entry: {e}") from None
+                self.stats.converted_loads += 1
         except (CorruptEntry, EntryMismatch) as e:
             log.warning("stored KV entry %s is unusable (%s); recomputing", key, e)
             self.stats.corrupt_entries += 1
@@ -308,7 +340,43 @@ class KVStore:
             for k in removed:  # the writer deletes them
                 self._submit(lambda k=k: self._delete(k))
             return None
-        return arrays, entry.hashes, len(data)
+        return arrays, entry.hashes, len(data), exact
+
+    def recompress(self, key: str, kv_format: str) -> bool:
+        """Rewrite entry `key` in place (its tier, its key) in the smaller KV form
+        `kv_format`: its restores then read that form, converted into the pool's and marked
+        approximate. A tier's put replaces the old bytes only once the new ones are whole,
+        so a failure midway leaves the old entry as it was. False, nothing changed, when
+        the entry is gone, still being saved, unreadable, would not get smaller, or its
+        tier failed. Runs where moves run (the writer thread), or with the store idle."""
+        with self._lock:
+            if (self.convert is None or key not in self.index or key in self._pending
+                    or self.placement.where(key) is None):
+                return False
+            tier = self._tier(self.placement.where(key))
+        data, meta = tier.get(key), tier.meta(key)
+        if data is None:
+            return False
+        try:
+            info, arrays = decode(data, model=self.model, page_size=self.page_size)
+        except (CorruptEntry, EntryMismatch):
+            return False  # (a read finds, counts and deletes it)
+        if info.kv_format == kv_format:
+            return False
+        hashes = arrays.pop(HASHES)
+        arrays = {**self.convert(arrays, info.kv_format, kv_format), HASHES: hashes}
+        out = encode_aligned(EntryInfo(self.model, kv_format, self.page_size,
+                                       info.num_tokens, info.key), arrays)
+        if len(out) >= len(data):
+            return False  # forms only shrink
+        try:
+            tier.put(key, out, meta or b"")
+        except Exception as e:  # an I/O error: the old bytes stay
+            log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
+            return False
+        with self._lock:
+            self.placement.resize(key, len(out))
+        return True
 
     def read_ahead(self, hit: Hit) -> bool:
         """Have `hit` loaded (`load`) on the store's reader thread unless it is under way
@@ -316,7 +384,7 @@ class KVStore:
         read is not ready waits in the queue, and the steps of the others go on."""
         return self._reads.start(hit)
 
-    def take(self, hit: Hit) -> tuple[dict[str, np.ndarray], list[bytes], str] | None:
+    def take(self, hit: Hit) -> tuple[Loaded, str] | None:
         """What `read_ahead(hit)` read: `load`'s result and the tier it was read from, or
         None (a miss: the entry gone, corrupt or its tier failing, or no read ready); never
         waits."""
@@ -325,7 +393,7 @@ class KVStore:
         except Exception:  # a failing tier: a miss, counted
             self.stats.read_failures += 1
             return None
-        return None if read is None or read[0] is None else (*read[0], read[1])
+        return None if read is None or read[0] is None else read
 
     def wait_reads(self, timeout: float) -> None:
         """Wait until a read ahead is done, at most `timeout` seconds (a loop with nothing
@@ -574,4 +642,4 @@ class KVStore:
                 "loads": st.loads, "read_failures": st.read_failures,
                 "superseded": st.superseded,
                 "save_failures": st.save_failures, "saves_dropped": st.saves_dropped,
-                "disk_resets": st.disk_resets}
+                "disk_resets": st.disk_resets, "converted_loads": st.converted_loads}
