@@ -349,7 +349,7 @@ class SchedulerConfig:
         _check_choices_and_flags(self)
 
 
-EVICTION_POLICIES = ("lru", "fifo", "scheduler")  # jkv.store.placement
+EVICTION_POLICIES = ("lru", "fifo", "scheduler", "adaptcache")  # jkv.store.placement, .adapt
 HOST_CACHE_SHARE = 4  # the default host tier: a quarter of the memory available at start,
 HOST_CACHE_CAP = 8 << 30  # at most 8 GiB
 
@@ -390,8 +390,20 @@ class StoreConfig:
                 "command line) or URL instead of `store_dir`, e.g. s3://bucket/prefix/"})
     eviction_policy: str = field(default="scheduler", metadata={
         "help": "which stored entry a full tier gives up: scheduler (keeps and prefetches the "
-                "entries of queued requests, CachedAttention), lru, fifo",
+                "entries of queued requests, CachedAttention), lru, fifo, or adaptcache (each "
+                "entry's KV format and tier by marginal utility, AdaptCache: smaller forms "
+                "restore approximate KV; needs --adapt-profile and the pool in the model "
+                "dtype)",
         "choices": EVICTION_POLICIES})
+    adapt_profile: str | None = field(default=None, metadata={
+        "help": "with eviction_policy adaptcache: the quality profile of the compressed "
+                "forms (JSON, written by benchmarks/adapt_profile.py)"})
+    adapt_alpha: float = field(default=1.0, metadata={
+        "help": "with eviction_policy adaptcache: seconds of load time a whole unit of "
+                "answer quality is worth (higher keeps entries larger)"})
+    adapt_quality_floor: float = field(default=0.0, metadata={
+        "help": "with eviction_policy adaptcache: a form below this quality is never kept "
+                "(the entry is evicted instead)"})
     save_interval_blocks: int = field(default=16, metadata={
         "help": "while a request decodes, its KV blocks (pages) are queued for the store "
                 "each time this many more have filled, each save only the blocks since the "
@@ -412,6 +424,14 @@ class StoreConfig:
                  or isinstance(self.store_spec, str | dict), "a string, a dict or None")
         if self.store_dir is not None and self.store_spec is not None:
             raise ValueError("give StoreConfig.store_dir or StoreConfig.store_spec, not both")
+        _require(self, "adapt_alpha", isinstance(self.adapt_alpha, int | float)
+                 and not isinstance(self.adapt_alpha, bool) and self.adapt_alpha >= 0,
+                 "a number >= 0")
+        _require(self, "adapt_quality_floor", isinstance(self.adapt_quality_floor, int | float)
+                 and 0 <= self.adapt_quality_floor <= 1, "a number in [0, 1]")
+        _require(self, "adapt_profile", (self.adapt_profile is not None)
+                 == (self.eviction_policy == "adaptcache"),
+                 "a profile path exactly when eviction_policy is adaptcache")
         _check_choices_and_flags(self)
 
     @property

@@ -108,6 +108,7 @@ class Engine:
         self.fingerprint = hashlib.blake2b(hash_seed, digest_size=16).hexdigest()
         self.kv_format = cache.kv_format.name
         self.kv_dtype = dtype  # (a 16-bit side's)
+        self.kv_bf16_ratio = 2 / jnp.dtype(dtype).itemsize  # (bf16 bytes over a pool's)
         self.cache = KVCacheManager(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             dtype=dtype, kv_format=cache.kv_format, page_size=cache.page_size,

@@ -50,7 +50,8 @@ class Scheduler(StoreSide):
             store = KVStore(store, model=engine.fingerprint, kv_format=engine.kv_format,
                             page_size=engine.page_size,
                             aligned_reads=engine.aligned_host_arrays,
-                            convert=engine.convert_stored)
+                            convert=engine.convert_stored,
+                            bf16_ratio=engine.kv_bf16_ratio)
         self.store = store
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -305,6 +306,8 @@ class Scheduler(StoreSide):
         self._next_step_s = self.costs.step(
             len(decoding), sum(len(eng.offloaded_layers(s)) for s in decoding))
         token_s = self.costs.chunked_token_s(eng.prefill_chunk)  # a token fed in full chunks
+        if self.store is not None:
+            self.store.set_recompute_rate(token_s)
         budget = Budget(
             available_pages=eng.cache.available_pages, free_slots=eng.cache.num_free_slots,
             max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,

@@ -117,7 +117,9 @@ BAD = [(LoadConfig, "model", 3), (LoadConfig, "dtype", "fp8"),
        (StoreConfig, "host_cache_bytes", -1), (StoreConfig, "disk_cache_bytes", -1),
        (StoreConfig, "save_interval_blocks", -1),
        (StoreConfig, "store_dir", 5), (StoreConfig, "store_spec", 5),
-       (StoreConfig, "eviction_policy", "random")]
+       (StoreConfig, "eviction_policy", "random"), (StoreConfig, "adapt_alpha", -1.0),
+       (StoreConfig, "adapt_quality_floor", 1.5),
+       (StoreConfig, "adapt_profile", "p.json")]  # (without eviction_policy adaptcache)
 
 
 def test_leankv_settings_are_checked_together():

@@ -347,3 +347,39 @@ def test_a_recompressed_entry_restores_its_form_and_is_never_shared_exactly(para
     assert cached_approx == 0 < cached_exact
     assert store.snapshot()["converted_loads"] == 2
     store.close()
+
+
+def test_adaptcache_keeps_more_histories_in_host_memory_by_compressing_them(params, tmp_path):
+    import json
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "model": "tiny", "metric": "top1_agreement", "kinds": ["chat"],
+        "methods": {"k8v4t": [{"rate": 0.44, "quality": {"chat": 0.99}, "family": "q"}],
+                    "k4v2t": [{"rate": 0.22, "quality": {"chat": 0.94}, "family": "q"}],
+                    "streaming": [{"rate": 0.5, "quality": {"chat": 0.9}}]}}))
+    rng = np.random.default_rng()
+    firsts = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(36, 44, 4)]
+    budget = 200_000  # float32 KV of one history is ~100 KB: two fit whole, four do not
+    outcome = {}
+    for policy in ("lru", "adaptcache"):
+        eng = engine(params)
+        cfg = StoreConfig(host_cache_bytes=budget, eviction_policy=policy, adapt_alpha=0.0,
+                          adapt_profile=str(profile) if policy == "adaptcache" else None)
+        sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=cfg)
+        turn1 = [request(p, n=10) for p in firsts]
+        generate_all(sched, turn1)
+        sched.store.flush()
+        snap = sched.store.snapshot()
+        assert snap["bytes"]["host"] <= budget and sched.store.host.bytes_used <= budget
+        turn2 = [request(r.prompt + r.output + rng.integers(0, 512, 5).tolist(), n=4)
+                 for r in turn1]
+        generate_all(sched, turn2)
+        assert all(r.finish_reason == "length" for r in turn2)
+        outcome[policy] = (snap["entries"]["host"], sched.snapshot()["prefix_hit_tokens"]["host"],
+                           sched.store.snapshot()["converted_loads"])
+        sched.store.close()
+    (lru_entries, lru_hits, lru_converted), (ac_entries, ac_hits, ac_converted) = \
+        outcome["lru"], outcome["adaptcache"]
+    assert lru_entries <= 2 < ac_entries == 4  # compressed to fit: every history kept
+    assert ac_hits > lru_hits and ac_converted > 0 == lru_converted

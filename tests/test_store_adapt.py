@@ -235,3 +235,23 @@ def test_a_missing_or_garbled_profile_file_is_a_value_error(tmp_path):
         Profile.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="kind"):
         Profile.from_json(PROFILE).forms(10, "poetry")
+
+
+def test_adopted_spilled_and_resized_entries_keep_every_tier_within_budget():
+    p = AdaptPlacement(tiers(64 * MB, 100 * MB), alpha=1.0)
+    stored = Form("stored", 1.0, 40 * MB, 1.0)
+    assert p.adopt("a", stored, "dram", recompute_s=1.0, now=0.0)
+    assert not p.adopt("b", stored, "dram", recompute_s=1.0, now=0.0)  # no room
+    assert not p.adopt("a", stored, "disk", recompute_s=1.0, now=0.0)  # held already
+    m = p.spill("a")
+    assert (m.src, m.dst) == ("dram", "disk") and p.where("a") == ("disk", stored)
+    assert p.spill("a") is None  # no tier below
+    p.put("c", forms(40 * MB), recompute_s=1.0, now=1.0)
+    assert p.resize("c", 30 * MB, now=2.0) == []  # smaller than estimated: nothing moves
+    moves = p.resize("c", 70 * MB, now=2.0)  # larger: the tiers fit again
+    assert moves and p.bytes_used("dram") <= 64 * MB and p.bytes_used("disk") <= 100 * MB
+    p.set_read_rate("disk", 1e6)  # a slow disk: what leaves DRAM now goes out instead
+    disk = p.bytes_used("disk")
+    moves = p.put("d", [Form("full", 1.0, 60 * MB, 1.0)], recompute_s=0.5, now=3.0)
+    assert p.bytes_used("dram") <= 64 * MB and p.bytes_used("disk") == disk
+    assert all(m.dst != "disk" for m in moves)

@@ -182,6 +182,58 @@ class AdaptPlacement:
         self._fit(now, set(keep), moves)
         return moves
 
+    def adopt(self, key: Hashable, form: Form, tier: str, recompute_s: float,
+              now: float) -> bool:
+        """Count an entry already held in `tier` in `form` (a store reopened: it can only
+        shrink or go from there); False, and nothing counted, if it does not fit."""
+        t = self._index[tier]
+        if key in self._entries or self._used[t] + form.size > self.tiers[t].capacity:
+            return False
+        self._entries[key] = _Entry((form,), 0, t, 1.0, recompute_s, 0.0, now)
+        self._used[t] += form.size
+        return True
+
+    def spill(self, key: Hashable) -> Move | None:
+        """Move `key` from the fastest tier to the next as it is (a store closing keeps what
+        it can), where that has room; None otherwise."""
+        e = self._entries.get(key)
+        if e is None or e.tier + 1 >= len(self.tiers):
+            return None
+        size = e.forms[e.form].size
+        if self._used[e.tier + 1] + size > self.tiers[e.tier + 1].capacity:
+            return None
+        return self._apply(key, e, e.form, e.tier + 1)
+
+    def resize(self, key: Hashable, size: int, now: float) -> list[Move]:
+        """`key`'s held form takes `size` bytes as stored (known once encoded, the profile's
+        rate an estimate): the moves that fit every tier again, `key` kept if others can
+        make the room."""
+        e = self._entries.get(key)
+        if e is None:
+            return []
+        f = e.forms[e.form]
+        self._used[e.tier] += size - f.size
+        e.forms = (*e.forms[:e.form], dataclasses.replace(f, size=size), *e.forms[e.form + 1:])
+        e.cheapest = False
+        moves: list[Move] = []
+        self._fit(now, {key}, moves)
+        return moves
+
+    def set_read_rate(self, tier: str, read_bps: float) -> None:
+        """`tier`'s entries are read at `read_bps` (measured by the store as it reads)."""
+        if read_bps > 0:
+            t = self._index[tier]
+            self.tiers = (*self.tiers[:t], dataclasses.replace(self.tiers[t], read_bps=read_bps),
+                          *self.tiers[t + 1:])
+            for e in self._entries.values():
+                e.cheapest = False
+
+    def keys(self, tier: str) -> list[Hashable]:
+        """The entries `tier` holds, most used first."""
+        t = self._index[tier]
+        return sorted((k for k, e in self._entries.items() if e.tier == t),
+                      key=lambda k: -self._entries[k].uses)
+
     def drop(self, key: Hashable) -> None:
         """Forget `key` (its entry is gone: corrupt, or deleted by the store)."""
         e = self._entries.pop(key, None)

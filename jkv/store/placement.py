@@ -31,11 +31,13 @@ TIERS = ("dram", "disk")
 
 
 class Move(NamedTuple):
-    """Move `session`'s item from `src` to `dst` (None: not stored / dropped)."""
+    """Move `session`'s item from `src` to `dst` (None: not stored / dropped); with `form`
+    (AdaptCache's placement only), recompressed to that KV format first."""
 
     session: Hashable
     src: str | None
     dst: str | None
+    form: str | None = None
 
 
 @dataclass
@@ -108,11 +110,11 @@ class Placement:
         return tier
 
     def put(self, session: Hashable, size: int, queue: Sequence[Hashable] = (),
-            keep: Collection[Hashable] = ()) -> list[Move]:
+            keep: Collection[Hashable] = (), tokens: int = 0) -> list[Move]:
         """Save `session`'s KV (now `size` bytes) to DRAM, replacing any older copy, making
         room by the policy without giving up `keep` (items it needs, e.g. the entries a
         tail continues); `queue` is the scheduler's hint. Returns the moves, this one last
-        (its dst None when the item fits in neither tier)."""
+        (its dst None when the item fits in neither tier). (`tokens`: AdaptCache's.)"""
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         old = self.where(session)
@@ -175,14 +177,15 @@ class Placement:
         self._add("disk", session, size, used=item.used)
         return moves + [Move(session, "dram", "disk")]
 
-    def resize(self, session: Hashable, size: int) -> None:
+    def resize(self, session: Hashable, size: int) -> list[Move]:
         """`session`'s item now takes `size` bytes where it is (recompressed smaller in
-        place); its place in the order is kept."""
+        place); its place in the order is kept. (No moves: it only shrinks.)"""
         tier = self.where(session)
         if tier is not None:
             item = self._tiers[tier][session]
             self._used[tier] += size - item.size
             item.size = size
+        return []
 
     def drop(self, session: Hashable) -> None:
         """Forget `session` (its entry is gone: corrupt, or deleted by the store)."""

@@ -39,6 +39,8 @@ import numpy as np
 from jkv.averages import moving_average
 from jkv.block_runs import BlockRuns
 from jkv.config import StoreConfig
+from jkv.store.adapt_profile import Profile
+from jkv.store.adapt_store import AdaptStorePlacement
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
 from jkv.store.index import Entry, EntryIndex, Hit, meta_record, parse_meta
 from jkv.store.placement import Move, Placement
@@ -106,13 +108,15 @@ class KVStore:
     convert: `convert(arrays, src, dst)` gives pages of KV format `src` as those of `dst`
     (`Engine.convert_stored`): an entry stored in another form (smaller: AdaptCache) is
     read into the pool's format on the reading thread, and `recompress` makes such forms;
-    without it an entry of another format is a mismatch (a miss).
+    without it an entry of another format is a mismatch (a miss). bf16_ratio: an entry's
+    bytes in bf16 over its bytes as stored (AdaptCache's profile rates are against bf16).
     """
 
     def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
                  page_size: int, max_pending_bytes: int = 2 << 30,
                  aligned_reads: bool = False,
-                 convert: Callable[[dict, str, str], dict] | None = None) -> None:
+                 convert: Callable[[dict, str, str], dict] | None = None,
+                 bf16_ratio: float = 1.0) -> None:
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
@@ -123,8 +127,17 @@ class KVStore:
         self.host = HostTier(config.host_cache_bytes)
         self.disk = (None if config.persistent is None or not config.disk_cache_bytes
                      else PersistentTier(config.persistent, config.disk_cache_bytes))
-        self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
-                                   0 if self.disk is None else config.disk_cache_bytes)
+        disk_bytes = 0 if self.disk is None else config.disk_cache_bytes
+        if config.eviction_policy == "adaptcache":
+            if convert is None or kv_format not in ("auto", "bf16"):
+                raise ValueError("eviction_policy adaptcache needs the engine's KV format "
+                                 "conversion and a pool in the model dtype (kv_format auto)")
+            self.placement = AdaptStorePlacement(
+                Profile.load(config.adapt_profile), config.adapt_alpha,
+                config.adapt_quality_floor, config.host_cache_bytes, disk_bytes, bf16_ratio)
+        else:
+            self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
+                                       disk_bytes)
         self.stats = StoreStats(disk_resets=int(self.disk is not None and self.disk.damaged))
         # measured rate of `load` (read, checksum, checks) per tier, for restore planning
         self.read_bytes_per_s = {"host": 0.0, "disk": 0.0}
@@ -347,35 +360,50 @@ class KVStore:
         `kv_format`: its restores then read that form, converted into the pool's and marked
         approximate. A tier's put replaces the old bytes only once the new ones are whole,
         so a failure midway leaves the old entry as it was. False, nothing changed, when
-        the entry is gone, still being saved, unreadable, would not get smaller, or its
-        tier failed. Runs where moves run (the writer thread), or with the store idle."""
+        the entry is gone, still being saved, unreadable, already in that form, would not
+        get smaller, or its tier failed. Runs where moves run (the writer thread), or with
+        the store idle."""
         with self._lock:
             if (self.convert is None or key not in self.index or key in self._pending
                     or self.placement.where(key) is None):
                 return False
-            tier = self._tier(self.placement.where(key))
-        data, meta = tier.get(key), tier.meta(key)
-        if data is None:
+            tier = self.placement.where(key)
+        return self._recompress(key, tier, kv_format) is True
+
+    def set_recompute_rate(self, token_s: float) -> None:
+        """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
+        for AdaptCache's placement."""
+        if isinstance(self.placement, AdaptStorePlacement):
+            self.placement.recompute_token_s = token_s
+
+    def _recompress(self, key: str, tier: str, kv_format: str) -> bool | None:
+        """`recompress` of the entry the `tier` tier holds: True done, None nothing to do
+        (already in that form, or it would not shrink), False failed (gone, unreadable,
+        the tier's error; the old bytes stay)."""
+        t = self._tier(tier)
+        data, meta = t.get(key), t.meta(key)
+        if data is None or self.convert is None:
             return False
         try:
             info, arrays = decode(data, model=self.model, page_size=self.page_size)
         except (CorruptEntry, EntryMismatch):
             return False  # (a read finds, counts and deletes it)
         if info.kv_format == kv_format:
-            return False
+            return None
         hashes = arrays.pop(HASHES)
         arrays = {**self.convert(arrays, info.kv_format, kv_format), HASHES: hashes}
         out = encode_aligned(EntryInfo(self.model, kv_format, self.page_size,
                                        info.num_tokens, info.key), arrays)
         if len(out) >= len(data):
-            return False  # forms only shrink
+            return None  # forms only shrink
         try:
-            tier.put(key, out, meta or b"")
+            t.put(key, out, meta or b"")
         except Exception as e:  # an I/O error: the old bytes stay
             log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
             return False
         with self._lock:
-            self.placement.resize(key, len(out))
+            more = self.placement.resize(key, len(out))
+        self._apply(more)
         return True
 
     def read_ahead(self, hit: Hit) -> bool:
@@ -478,12 +506,26 @@ class KVStore:
         with self._lock:  # the entries it continues are not given up to make its room
             keep = [] if entry.parent is None or entry.parent not in self.index else \
                 self.index.chain(entry.parent)
-            moves = self.placement.put(key, len(data), self._queue, keep)
+            if isinstance(self.placement, AdaptStorePlacement):
+                self.placement.set_read_rates(self.read_bytes_per_s)
+            moves = self.placement.put(key, len(data), self._queue, keep,
+                                       tokens=n * self.page_size)
         if not self._apply(moves[:-1]) or moves[-1].dst is None:
             with self._lock:
                 self.placement.drop(key)  # no room was made (or fits nowhere): not stored
             return
         try:
+            if moves[-1].form is not None:  # written in the smaller form chosen for it
+                info = EntryInfo(self.model, moves[-1].form, self.page_size, info.num_tokens,
+                                 key)
+                data = encode_aligned(info, {**self.convert(host, self.kv_format,
+                                                            moves[-1].form), HASHES: digests})
+            with self._lock:  # its bytes as encoded (a form's size was an estimate)
+                more = self.placement.resize(key, len(data))
+            if not self._apply(more) or self.placement.where(key) != moves[-1].dst:
+                with self._lock:
+                    self.placement.drop(key)  # the room was not made after all
+                return
             self._tier(moves[-1].dst).put(key, data, meta)
         except BaseException:
             with self._lock:
@@ -514,6 +556,13 @@ class KVStore:
             with self._lock:
                 gone = m.session not in self.index  # went with an entry it continued
             if gone:
+                continue
+            if m.form is not None and self._recompress(m.session, m.src, m.form) is False:
+                log.warning("could not recompress KV entry %s to %s", m.session, m.form)
+                self._delete(m.session)
+                ok = False
+                continue
+            if m.src == m.dst:
                 continue
             src, dst = self._tier(m.src), self._tier(m.dst)
             data, meta = src.get(m.session), src.meta(m.session)

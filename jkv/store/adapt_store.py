@@ -1,0 +1,128 @@
+"""AdaptCache's policy behind the store's placement interface (`--eviction-policy adaptcache`).
+
+`KVStore` asks its placement where entries go (`put`, `spill`, `adopt`, `access`, `drop`,
+`resize`) and carries out the moves; this gives it `jkv.store.adapt.AdaptPlacement`'s
+answers: a move may also name the KV format an entry is recompressed to (`Move.form`, the
+store's `recompress`). The forms an entry can take are the profile's quantized methods that
+are KV formats this jkv can write (`jkv.kv_format.KV_FORMATS`), sized from the entry's
+bytes; the store's pool keeps KV in the model dtype (a profile's rates are against it).
+Recompute seconds per token and the tiers' read rates come from the running store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Hashable, Sequence
+
+from jkv.kv_format import KV_FORMATS
+from jkv.store.adapt import AdaptPlacement, Form, Tier
+from jkv.store.adapt_profile import Profile
+from jkv.store.placement import Move
+
+# read rates assumed until the store has measured its own (bytes per second)
+DEFAULT_READ_BPS = {"dram": 10e9, "disk": 1e9}
+
+
+class AdaptStorePlacement:
+    """`AdaptPlacement` with `Placement`'s interface, for `KVStore`.
+
+    bf16_ratio: an entry's bf16 bytes over its stored bytes (2 / the dtype's itemsize for a
+    pool in the model dtype: float32 pages are twice a profile's bf16 ones).
+    """
+
+    policy = "adaptcache"
+
+    def __init__(self, profile: Profile, alpha: float, quality_floor: float, dram_bytes: int,
+                 disk_bytes: int, bf16_ratio: float = 1.0) -> None:
+        self.capacity = {"dram": dram_bytes, "disk": disk_bytes}
+        self.methods = tuple(m for m in profile.methods if m in KV_FORMATS)
+        if not self.methods:
+            raise ValueError(f"the profile names no KV format jkv can store (methods "
+                             f"{sorted(profile.methods)}; formats {sorted(KV_FORMATS)})")
+        self.profile, self.bf16_ratio = profile, bf16_ratio
+        self.adapt = AdaptPlacement(
+            [Tier(name, cap, DEFAULT_READ_BPS[name]) for name, cap in self.capacity.items()],
+            alpha=alpha, quality_floor=quality_floor)
+        self.recompute_token_s = 0.0  # a recomputed token's seconds (the scheduler's measure)
+        self.bytes_per_token = 0.0  # stored bytes of a token (learned from the entries)
+
+    # ------------------------------------------------------------------ queries
+
+    def where(self, key: Hashable) -> str | None:
+        got = self.adapt.where(key)
+        return None if got is None else got[0]
+
+    def size(self, key: Hashable) -> int:
+        got = self.adapt.where(key)
+        return 0 if got is None else got[1].size
+
+    def bytes_used(self, tier: str) -> int:
+        return self.adapt.bytes_used(tier)
+
+    def sessions(self, tier: str) -> list[Hashable]:
+        return self.adapt.keys(tier)
+
+    def by_recency(self, tier: str) -> list[Hashable]:
+        """The tier's entries, most used first (by decayed use, AdaptCache's Freq)."""
+        return self.adapt.keys(tier)
+
+    # ------------------------------------------------------------------ updates
+
+    def set_read_rates(self, rates: dict[str, float]) -> None:
+        """The store's measured read rates ("host"/"disk", bytes per second; 0: unknown)."""
+        for tier, name in (("dram", "host"), ("disk", "disk")):
+            self.adapt.set_read_rate(tier, rates.get(name, 0.0))
+
+    def access(self, key: Hashable) -> str | None:
+        got = self.adapt.access(key, time.monotonic())
+        return None if got is None else got[0]
+
+    def put(self, key: Hashable, size: int, queue: Sequence[Hashable] = (),
+            keep: Collection[Hashable] = (), tokens: int = 0) -> list[Move]:
+        """Save `key`'s entry (`size` bytes, `tokens` tokens, in the pool's format); returns
+        the moves of the others, then this one's (its tier and the form it is written in;
+        dst None: not stored)."""
+        if tokens:
+            self.bytes_per_token = size / tokens
+        forms = self.profile.forms(round(size * self.bf16_ratio), methods=self.methods,
+                                   full_bytes=size)
+        self.adapt.hint(set(queue))
+        moves = self.adapt.put(key, forms, tokens * self.recompute_token_s, time.monotonic(),
+                               keep={key, *keep})
+        out = [_move(m) for m in moves if m.key != key]
+        final = self.adapt.where(key)
+        if final is None:
+            return [*out, Move(key, None, None)]
+        tier, form = final
+        return [*out, Move(key, None, tier, None if form.method == "full" else form.method)]
+
+    def prefetch(self, queue: Sequence[Hashable]) -> list[Move]:
+        self.adapt.hint(set(queue))
+        return []  # (what moves up is not AdaptCache's: its entries only shrink and sink)
+
+    def spill(self, key: Hashable, queue: Sequence[Hashable] = ()) -> list[Move]:
+        m = self.adapt.spill(key)
+        return [] if m is None else [_move(m)]
+
+    def adopt(self, key: Hashable, size: int, tier: str) -> bool:
+        tokens = size / self.bytes_per_token if self.bytes_per_token else 0.0
+        return self.adapt.adopt(key, Form("stored", 1.0, size, 1.0), tier,
+                                tokens * self.recompute_token_s, time.monotonic())
+
+    def resize(self, key: Hashable, size: int) -> list[Move]:
+        return [_move(m) for m in self.adapt.resize(key, size, time.monotonic())]
+
+    def drop(self, key: Hashable) -> None:
+        self.adapt.drop(key)
+
+
+def _move(m) -> Move:
+    """An AdaptPlacement move as the store's: a change of form names the KV format."""
+    form = None
+    if m.dst is not None and m.new is not None and m.old is not None \
+            and m.new.method != m.old.method:
+        form = m.new.method
+    return Move(m.key, m.src, m.dst, form)
+
+
+__all__ = ["AdaptStorePlacement"]
