@@ -84,6 +84,7 @@ async def timed_stream(client: httpx.AsyncClient, path: str, body: dict,
     token counts from the usage chunk, or {"error": ...}."""
     t0 = time.perf_counter()
     first = usage = None
+    text = []
     async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
@@ -95,12 +96,14 @@ async def timed_stream(client: httpx.AsyncClient, path: str, body: dict,
                 return {"error": event["error"]["message"]}
             if event.get("usage"):
                 usage = event["usage"]
+            text += [c["delta"].get("content") or "" for c in event.get("choices", [])
+                     if "delta" in c]
             if first is None and is_token(event):
                 first = time.perf_counter()
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else 0
     first = first or end
-    return {"ttft": first - t0, "e2e": end - t0, "output_tokens": n,
+    return {"ttft": first - t0, "e2e": end - t0, "output_tokens": n, "text": "".join(text),
             "prompt_tokens": usage["prompt_tokens"] if usage else 0,
             "tpot": (end - first) / (n - 1) if n > 1 else None}
 
@@ -114,16 +117,17 @@ async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
 
 
 async def conversation(client, model: str, conv: dict, start: float, args, results: list,
-                       bar) -> None:
+                       bar, index: int = 0) -> None:
     await asyncio.sleep(max(0.0, start + conv["arrival"] - time.perf_counter()))
     history: list[dict] = [{"role": "system", "content": "You are a helpful assistant."}]
     session = f"conv-{id(conv)}"
     budget = int(args.max_model_len * 0.9) - args.max_tokens  # words ~ tokens, some slack
-    for turn in conv["turns"]:
+    for t, turn in enumerate(conv["turns"]):
         history.append({"role": "user", "content": turn["user"]})
         while sum(len(m["content"].split()) for m in history) > budget and len(history) > 2:
             del history[1:3]  # drop the oldest turn (a user message and its reply)
         out = await one_turn(client, model, history, args.max_tokens, session)
+        out["turn"] = (index, t)
         results.append(out)
         bar.update(1)
         if "error" in out:
@@ -138,8 +142,8 @@ async def run_workload(base: str, model: str, convs: list[dict], args) -> tuple[
     async with httpx.AsyncClient(base_url=base, timeout=args.timeout, limits=limits) as client:
         with tqdm(total=sum(len(c["turns"]) for c in convs), desc="turns", leave=False) as bar:
             start = time.perf_counter()
-            await asyncio.gather(*(conversation(client, model, c, start, args, results, bar)
-                                   for c in convs))
+            await asyncio.gather(*(conversation(client, model, c, start, args, results, bar,
+                                                i) for i, c in enumerate(convs)))
             elapsed = time.perf_counter() - start
     return results, elapsed
 
@@ -233,6 +237,28 @@ def summarize(results: list[dict], elapsed: float, before: dict, after: dict) ->
     }
 
 
+def fidelity(results: list[dict], reference: list[dict]) -> dict:
+    """Answers against the reference setting's for the same turns (the same prompts: each
+    history holds the recorded replies): the share that are identical, and the mean share
+    of the reference answer's words matched before the first difference (greedy decoding:
+    any difference comes from the KV the history was restored with)."""
+    ref = {r["turn"]: r["text"] for r in reference if "error" not in r}
+    pairs = [(r["text"], ref[r["turn"]]) for r in results
+             if "error" not in r and r["turn"] in ref]
+    if not pairs:
+        return {"turns_compared": 0}
+
+    def prefix(a: str, b: str) -> float:
+        wa, wb = a.split(), b.split()
+        n = next((i for i, (x, y) in enumerate(zip(wa, wb, strict=False)) if x != y),
+                 min(len(wa), len(wb)))
+        return n / max(len(wb), 1) if wa != wb else 1.0
+
+    return {"turns_compared": len(pairs),
+            "identical_answers": float(np.mean([a == b for a, b in pairs])),
+            "prefix_agreement": float(np.mean([prefix(a, b) for a, b in pairs]))}
+
+
 # ---------------------------------------------------------------------------- plot
 
 
@@ -295,6 +321,9 @@ def main() -> None:
                     help="settings to run, in order, each a server of its own: on/off (prefix "
                          "caching), or 'name=flags' entries separated by ';' (e.g. 'store=; "
                          "no store=--host-cache-bytes 0')")
+    ap.add_argument("--reference",
+                    help="a setting whose answers are the full-precision ones: every other "
+                         "setting's answers are compared with them turn by turn (fidelity)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--warmup", type=int, default=4,
                     help="conversations run (all at once) before measuring, to compile")
@@ -319,6 +348,9 @@ def main() -> None:
                 "--enable-prefix-caching" if name.strip() == "on" else
                 "--no-enable-prefix-caching")
         settings[name.strip()] = shlex.split(flags)
+    if args.reference is not None and args.reference not in settings:
+        ap.error(f"--reference: {args.reference!r} is not one of the settings {list(settings)}")
+    answers = {}
     for setting, flags in settings.items():
         proc, base = start_server(args, flags)
         try:
@@ -329,6 +361,7 @@ def main() -> None:
             before = scrape(base)
             results, elapsed = asyncio.run(run_workload(base, model, convs, args))
             rows[setting] = summarize(results, elapsed, before, scrape(base))
+            answers[setting] = results
             device = device or device_kind()
         finally:
             stop_server(proc)
@@ -346,6 +379,14 @@ def main() -> None:
               f"{ms(r['tpot_p50_s']):>10}{ms(r['tpot_p99_s']):>10}{r['output_tok_s']:>11.1f}"
               f"{r['turns_per_s']:>9.2f}{hits:>20}"
               f"{r['compilations']:>10.0f}{r['errors']:>8}")
+    if args.reference is not None:
+        print(f"\nanswers against {args.reference!r}'s:")
+        for name in rows:
+            f = rows[name]["fidelity"] = fidelity(answers[name], answers[args.reference])
+            if f["turns_compared"]:
+                print(f"{name:<20} identical {f['identical_answers']:.0%}, words matched "
+                      f"before the first difference {f['prefix_agreement']:.0%} "
+                      f"({f['turns_compared']} turns)")
     import jax
 
     tag = (device or "cpu").replace(" ", "_").lower()

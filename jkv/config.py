@@ -395,6 +395,10 @@ class StoreConfig:
                 "restore approximate KV; needs --adapt-profile and the pool in the model "
                 "dtype)",
         "choices": EVICTION_POLICIES})
+    store_kv_format: str | None = field(default=None, metadata={
+        "help": "KV format the store writes entries in (a fixed smaller form: k8v4t, k4v2t, "
+                "k2v2 (KIVI's)...; it restores approximate KV, never shared under its tokens' "
+                "hashes); one of the kv_format names; default: the pool's own"})
     adapt_profile: str | None = field(default=None, metadata={
         "help": "with eviction_policy adaptcache: the quality profile of the compressed "
                 "forms (JSON, written by benchmarks/adapt_profile.py)"})
@@ -429,6 +433,11 @@ class StoreConfig:
                  "a number >= 0")
         _require(self, "adapt_quality_floor", isinstance(self.adapt_quality_floor, int | float)
                  and 0 <= self.adapt_quality_floor <= 1, "a number in [0, 1]")
+        _require(self, "store_kv_format", self.store_kv_format is None
+                 or self.store_kv_format in KV_FORMATS, f"None or one of {sorted(KV_FORMATS)}")
+        _require(self, "store_kv_format", self.store_kv_format is None
+                 or self.eviction_policy != "adaptcache",
+                 "None with eviction_policy adaptcache (it picks each entry's format)")
         _require(self, "adapt_profile", (self.adapt_profile is not None)
                  == (self.eviction_policy == "adaptcache"),
                  "a profile path exactly when eviction_policy is adaptcache")

@@ -349,7 +349,8 @@ def test_a_recompressed_entry_restores_its_form_and_is_never_shared_exactly(para
     store.close()
 
 
-def test_adaptcache_keeps_more_histories_in_host_memory_by_compressing_them(params, tmp_path):
+def test_adaptcache_and_a_fixed_small_form_keep_more_histories_in_host_memory(params,
+                                                                            tmp_path):
     import json
 
     profile = tmp_path / "profile.json"
@@ -362,9 +363,12 @@ def test_adaptcache_keeps_more_histories_in_host_memory_by_compressing_them(para
     firsts = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(36, 44, 4)]
     budget = 200_000  # float32 KV of one history is ~100 KB: two fit whole, four do not
     outcome = {}
-    for policy in ("lru", "adaptcache"):
+    for policy in ("lru", "adaptcache", "k4v2t-lru"):
         eng = engine(params)
-        cfg = StoreConfig(host_cache_bytes=budget, eviction_policy=policy, adapt_alpha=0.0,
+        fixed = policy.endswith("-lru")
+        cfg = StoreConfig(host_cache_bytes=budget, adapt_alpha=0.0,
+                          eviction_policy="lru" if fixed else policy,
+                          store_kv_format=policy[:-4] if fixed else None,
                           adapt_profile=str(profile) if policy == "adaptcache" else None)
         sched = Scheduler(eng, SchedulerConfig(restore_planning=False), store=cfg)
         turn1 = [request(p, n=10) for p in firsts]
@@ -383,3 +387,6 @@ def test_adaptcache_keeps_more_histories_in_host_memory_by_compressing_them(para
         outcome["lru"], outcome["adaptcache"]
     assert lru_entries <= 2 < ac_entries == 4  # compressed to fit: every history kept
     assert ac_hits > lru_hits and ac_converted > 0 == lru_converted
+    # a fixed smaller form (store_kv_format): every entry written so, every restore converted
+    fixed_entries, fixed_hits, fixed_converted = outcome["k4v2t-lru"]
+    assert fixed_entries == 4 and fixed_hits > lru_hits and fixed_converted == 4

@@ -127,6 +127,10 @@ class KVStore:
         self.host = HostTier(config.host_cache_bytes)
         self.disk = (None if config.persistent is None or not config.disk_cache_bytes
                      else PersistentTier(config.persistent, config.disk_cache_bytes))
+        self.form = (None if config.store_kv_format in (None, kv_format)
+                     else config.store_kv_format)  # the format entries are written in
+        if self.form is not None and convert is None:
+            raise ValueError("store_kv_format needs the engine's KV format conversion")
         disk_bytes = 0 if self.disk is None else config.disk_cache_bytes
         if config.eviction_policy == "adaptcache":
             if convert is None or kv_format not in ("auto", "bf16"):
@@ -485,7 +489,10 @@ class KVStore:
         whole, rows = rows is not None, n if rows is None else rows
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
         key = entry.hashes[-1].hex()
-        info = EntryInfo(self.model, self.kv_format, self.page_size, n * self.page_size, key)
+        fmt = self.kv_format if self.form is None or whole else self.form
+        if fmt != self.kv_format:  # a fixed smaller form (`store_kv_format`)
+            host = self.convert(host, self.kv_format, fmt)
+        info = EntryInfo(self.model, fmt, self.page_size, n * self.page_size, key)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
         data = encode_aligned(info, {**host, HASHES: digests})
         meta = meta_record(self.model, entry.session, entry)
