@@ -10,10 +10,13 @@ restores are approximate (never shared under exact hashes), like rebased ones.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jkv.buckets import bucket
 from jkv.cache.rotation import rotate
 from jkv.kv_format import KVFormat
 from jkv.pallas_kernels.kv_pages import KVPages
@@ -27,18 +30,27 @@ def convert_pages(arrays: Mapping[str, np.ndarray | jax.Array], src: KVFormat,
     if src == dst:
         return {name: np.asarray(x) for name, x in arrays.items()}
     try:
-        pages = KVPages.from_arrays(src, {name: jax.numpy.asarray(x)
+        pages = KVPages.from_arrays(src, {name: jnp.asarray(x)
                                           for name, x in arrays.items()})
         lead = pages.k.shape[:-2]  # (blocks, layers, KV heads): checked as one pool
         flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[len(lead):]), pages)
         flat.check(pages.head_dim, "stored pages")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"arrays are not pages of {src.name}: {e}") from e
+    n = pages.k.shape[0]  # blocks, padded to a power of two: few compiled shapes
+    padded = KVPages.from_arrays(src, {
+        name: np.concatenate([x, np.zeros((bucket(n) - n, *x.shape[1:]), x.dtype)])
+        for name, x in ((name, np.asarray(x)) for name, x in arrays.items())})
+    out = _convert(padded, dst, jnp.dtype(dtype))
+    return {name: np.asarray(x)[:n] for name, x in jax.device_get(out.arrays()).items()}
+
+
+@partial(jax.jit, static_argnames=("dst", "dtype"))
+def _convert(pages: KVPages, dst: KVFormat, dtype) -> KVPages:
     k, v = pages.dense()
-    if src.rotated != dst.rotated:  # (the rotation is its own inverse)
+    if pages.kv_format.rotated != dst.rotated:  # (the rotation is its own inverse)
         k, v = rotate(k), rotate(v)
-    out = KVPages.from_dense(k, v, dst, dtype)
-    return {name: np.asarray(x) for name, x in jax.device_get(out.arrays()).items()}
+    return KVPages.from_dense(k, v, dst, dtype)
 
 
 __all__ = ["convert_pages"]
