@@ -88,7 +88,7 @@ class AdaptStorePlacement:
                                    full_bytes=size)
         self.adapt.hint(set(queue))
         moves = self.adapt.put(key, forms, tokens * self.recompute_token_s, time.monotonic(),
-                               keep={key, *keep})
+                               keep=keep)
         out = [_move(m) for m in moves if m.key != key]
         final = self.adapt.where(key)
         if final is None:
