@@ -395,9 +395,7 @@ class KVStore:
         if info.kv_format == kv_format:
             return None
         hashes = arrays.pop(HASHES)
-        arrays = {**self.convert(arrays, info.kv_format, kv_format), HASHES: hashes}
-        out = encode_aligned(EntryInfo(self.model, kv_format, self.page_size,
-                                       info.num_tokens, info.key), arrays)
+        out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key, hashes)
         if len(out) >= len(data):
             return None  # forms only shrink
         try:
@@ -489,12 +487,9 @@ class KVStore:
         whole, rows = rows is not None, n if rows is None else rows
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
         key = entry.hashes[-1].hex()
-        fmt = self.kv_format if self.form is None or whole else self.form
-        if fmt != self.kv_format:  # a fixed smaller form (`store_kv_format`)
-            host = self.convert(host, self.kv_format, fmt)
-        info = EntryInfo(self.model, fmt, self.page_size, n * self.page_size, key)
+        fmt = self.kv_format if self.form is None or whole else self.form  # (store_kv_format)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
-        data = encode_aligned(info, {**host, HASHES: digests})
+        data = self._encode(host, self.kv_format, fmt, n * self.page_size, key, digests)
         meta = meta_record(self.model, entry.session, entry)
         with self._lock:
             if key in self.index or len(data) > max(self.placement.capacity.values()):
@@ -523,10 +518,8 @@ class KVStore:
             return
         try:
             if moves[-1].form is not None:  # written in the smaller form chosen for it
-                info = EntryInfo(self.model, moves[-1].form, self.page_size, info.num_tokens,
-                                 key)
-                data = encode_aligned(info, {**self.convert(host, self.kv_format,
-                                                            moves[-1].form), HASHES: digests})
+                data = self._encode(host, self.kv_format, moves[-1].form, n * self.page_size,
+                                    key, digests)
             with self._lock:  # its bytes as encoded (a form's size was an estimate)
                 more = self.placement.resize(key, len(data))
             if not self._apply(more) or self.placement.where(key) != moves[-1].dst:
@@ -547,6 +540,15 @@ class KVStore:
             self._delete(key)
             return
         self.stats.saves += 1
+
+    def _encode(self, arrays: Mapping[str, np.ndarray], src: str, fmt: str, num_tokens: int,
+                key: str, hashes: np.ndarray) -> memoryview:
+        """An entry's bytes in KV format `fmt`, its pages converted from `src` where that
+        differs (a smaller form), with its block hashes."""
+        if fmt != src:
+            arrays = self.convert(arrays, src, fmt)
+        info = EntryInfo(self.model, fmt, self.page_size, num_tokens, key)
+        return encode_aligned(info, {**arrays, HASHES: hashes})
 
     def _tier(self, name: str) -> HostTier | PersistentTier:
         return self.host if name == "dram" else self.disk
