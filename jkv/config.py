@@ -398,7 +398,9 @@ class StoreConfig:
     store_kv_format: str | None = field(default=None, metadata={
         "help": "KV format the store writes entries in (a fixed smaller form: k8v4t, k4v2t, "
                 "k2v2 (KIVI's)...; it restores approximate KV, never shared under its tokens' "
-                "hashes); one of the kv_format names; default: the pool's own"})
+                "hashes in the device cache, and keeps what a conversation restored from it "
+                "computes next, marked approximate); one of the kv_format names; default: "
+                "the pool's own"})
     adapt_profile: str | None = field(default=None, metadata={
         "help": "with eviction_policy adaptcache: the quality profile of the compressed "
                 "forms (JSON, written by benchmarks/adapt_profile.py)"})

@@ -300,16 +300,18 @@ class Engine:
         self.cache.close(slot, shareable, finished, keep)
         self.cache.free_pages += ahead  # (taken for a prompt not yet held: freed with it)
 
-    def gather(self, slot: int, start: int = 0) -> SavedPages:
+    def gather(self, slot: int, start: int = 0, approximate: bool = False) -> SavedPages:
         """The full blocks `slot` holds from block `start` on, being copied out of the pool
-        (`KVConnector.gather`; with token tiers, its whole tiered row: `gather_tiers`)."""
+        (`KVConnector.gather`: `approximate`, with its approximate blocks too; with token
+        tiers, its whole tiered row: `gather_tiers`)."""
         if self.tiered:
             return self.connector.gather_tiers(slot)
-        return self.connector.gather(slot, start)
+        return self.connector.gather(slot, start, approximate)
 
-    def saved_hashes(self, slot: int) -> list[bytes]:
-        """Block hashes of what `gather(slot)` saves (a tiered row: none, it is saved whole)."""
-        return [] if self.tiered else self.connector.shareable_hashes(slot)
+    def saved_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
+        """Block hashes of what `gather(slot, approximate=...)` saves (a tiered row: none, it
+        is saved whole)."""
+        return [] if self.tiered else self.connector.shareable_hashes(slot, approximate)
 
     def save_pages(self, slot: int) -> SavedPages:
         """The full blocks `slot` holds (a tiered row: its tiers' pages), copied to the host."""

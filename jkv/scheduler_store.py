@@ -155,15 +155,19 @@ class StoreSide:
 
     def _save(self, r: Request, slot: int) -> None:
         """Hand `r`'s full blocks to the store's write-behind, only those after the run the
-        store already has or has queued (never fails the request)."""
+        store already has or has queued (never fails the request). A lossy store (one that
+        keeps smaller forms) is handed the approximate blocks too, marked: a conversation
+        restored from a small form goes on in it instead of losing its later turns."""
         try:
-            hashes = self.engine.saved_hashes(slot)
+            approximate = self.store.keeps_approximate
+            hashes = self.engine.saved_hashes(slot, approximate)
             start = self.store.tail_start(hashes)
             if not self.engine.tiered and start == len(hashes):
                 return  # nothing new (a tiered row is saved whole)
-            saved = self.engine.gather(slot, start)
+            saved = self.engine.gather(slot, start, approximate)
             self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id,
-                            rows=saved.rows, start=saved.start)
+                            rows=saved.rows, start=saved.start,
+                            exact_blocks=saved.exact_blocks)
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
 
@@ -180,6 +184,7 @@ class StoreSide:
             full = 0 if st is None else st.num_computed // page
             if st is not None and not r.finished and full - st.saved >= every:
                 # tried again only after another interval, whatever this save covered (a
-                # restored history's moved blocks are never saved; a failure is logged)
+                # restored history's moved blocks are saved to a lossy store only; a failure
+                # is logged)
                 self._save(r, st.slot)
                 st.saved = full

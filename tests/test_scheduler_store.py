@@ -390,3 +390,30 @@ def test_adaptcache_and_a_fixed_small_form_keep_more_histories_in_host_memory(pa
     # a fixed smaller form (store_kv_format): every entry written so, every restore converted
     fixed_entries, fixed_hits, fixed_converted = outcome["k4v2t-lru"]
     assert fixed_entries == 4 and fixed_hits > lru_hits and fixed_converted == 4
+
+
+def test_a_conversation_restored_from_a_smaller_form_goes_on_in_it(params):
+    """Turn 2 restores turn 1's history from a k4v2t store (approximate KV): its own save adds
+    the blocks it computed over it, marked approximate, so turn 3 restores both turns'
+    history, not turn 1's alone (a lossy store would otherwise lose a conversation's depth)."""
+    rng = np.random.default_rng()
+    eng = engine(params)
+    sched = Scheduler(eng, SchedulerConfig(restore_planning=False),
+                      store=StoreConfig(host_cache_bytes=1 << 24, store_kv_format="k4v2t"))
+    turn1 = request(rng.integers(0, 512, 30).tolist(), n=10)
+    generate_all(sched, [turn1])
+    sched.store.flush()
+    turn2 = request(turn1.prompt + turn1.output + rng.integers(0, 512, 6).tolist(), n=10)
+    generate_all(sched, [turn2])
+    sched.store.flush()
+    before = sched.snapshot()["prefix_hit_tokens"]["host"]
+    assert before == (len(turn1.prompt) + 10 - 1) // 8 * 8
+    follow = turn2.prompt + turn2.output + rng.integers(0, 512, 6).tolist()
+    hit = sched.store.lookup(eng.cache.prompt_hashes(follow))
+    assert hit.blocks == (len(turn2.prompt) + 10 - 1) // 8  # turn 2's every full block
+    assert sched.store.load(hit).exact_blocks == 0
+    turn3 = request(follow)
+    generate_all(sched, [turn3])
+    assert sched.snapshot()["prefix_hit_tokens"]["host"] - before == hit.blocks * 8
+    assert turn3.finish_reason == "length"
+    sched.store.close()

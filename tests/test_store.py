@@ -574,3 +574,50 @@ def test_a_recompression_killed_midway_leaves_the_old_entry(tmp_path, monkeypatc
     for f in data:
         np.testing.assert_array_equal(got.arrays[f], data[f].astype(np.float16))
     s.close()
+
+
+def test_a_lossy_store_keeps_approximate_blocks_marked_and_an_exact_one_refuses_them(tmp_path):
+    """Blocks whose KV is approximate (a history restored from a smaller form, and what was
+    computed over it) are saved only to a store that keeps such KV, and restore marked
+    approximate from the first of them, whatever form holds them, here and after a reopen."""
+    import json
+
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, 1000, 6 * PAGE).tolist()
+    hashes, data = chain(tokens), blocks(6, rng)
+    exact = store(host_cache_bytes=1 << 24)
+    assert not exact.keeps_approximate
+    with pytest.raises(ValueError, match="exact_blocks"):
+        exact.save(6, data, hashes, exact_blocks=2)
+    assert exact.save(6, data, hashes, exact_blocks=6)  # (no block past it: all exact)
+    exact.close()
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "model": "m", "metric": "top1_agreement", "kinds": ["chat"],
+        "methods": {"k4v2t": [{"rate": 0.22, "quality": {"chat": 0.9}, "family": "q"}]}}))
+
+    def opened() -> KVStore:  # room for everything: every entry kept in its full form
+        return KVStore(StoreConfig(store_dir=str(tmp_path / "kv"), host_cache_bytes=1 << 24,
+                                   disk_cache_bytes=1 << 24, eviction_policy="adaptcache",
+                                   adapt_profile=str(profile), adapt_alpha=100.0),
+                       model="m", kv_format="auto", page_size=PAGE, convert=half)
+
+    s = opened()
+    assert s.keeps_approximate
+    assert s.save(2, data, hashes)  # turn 1: exact
+    # turn 2 restored block 1 on approximate: its new blocks are saved, approximate
+    assert s.save(6, {f: x[2:] for f, x in data.items()}, hashes, start=2, exact_blocks=1)
+    other = chain(rng.integers(0, 1000, 6 * PAGE).tolist())
+    assert s.save(6, data, other, exact_blocks=4)  # a root entry approximate from block 4
+    for _ in range(2):  # here, and reopened from the meta records
+        s.flush()
+        assert s.snapshot()["converted_loads"] == 0
+        for run, n, approx in ((hashes, 6, 2), (hashes[:2], 2, None), (other, 6, 4),
+                               (other[:4], 4, None), (other[:5], 5, 4)):
+            got = s.load(s.lookup(run))
+            assert len(got.hashes) == n and got.exact_blocks == approx, (n, approx)
+            for f in data:
+                np.testing.assert_array_equal(got.arrays[f], data[f][:n])
+        s.close()
+        s = opened()
+    s.close()

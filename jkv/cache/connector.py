@@ -13,7 +13,8 @@ Saved pages are written as they come from the store (views of the entry's bytes:
 host copy), in runs of power-of-two lengths so that a few compiled shapes cover any restore.
 Each slot has at most one `_Pending` record: the saved pages not yet written, and the first
 block whose KV is not its tokens' own (restored but unwritten, or moved and so approximate).
-Such blocks are never shared under their tokens' hashes (`shareable_blocks`).
+Such blocks are never shared under their tokens' hashes (`shareable_blocks`); a store that
+keeps approximate KV (a lossy one: `gather(approximate=True)`) is handed them marked so.
 """
 
 from __future__ import annotations
@@ -286,20 +287,21 @@ class KVConnector:
         """The slot closed: a restore never written is dropped."""
         self._pending.pop(slot, None)
 
-    def shareable_hashes(self, slot: int) -> list[bytes]:
+    def shareable_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
         """Chained hashes of `slot`'s shareable blocks (what `gather` saves)."""
         c = self.cache
         return block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed,
-                            self.shareable_blocks(slot))
+                            self.shareable_blocks(slot, approximate))
 
-    def shareable_blocks(self, slot: int) -> int:
-        """Full blocks of `slot` whose KV is exactly its tokens' (all but moved ones, and
-        none past a restore that was never written)."""
+    def shareable_blocks(self, slot: int, approximate: bool = False) -> int:
+        """Full blocks of `slot` whose KV is exactly its tokens' (all but moved or converted
+        ones, and none past a restore that was never written); `approximate`: those too."""
         n = len(self.cache.slot_tokens[slot]) // self.cache.page_size
         p = self._pending.get(slot)
         if p is None:
             return n
-        return min(n, *(x for x in (p.unwritten_from, p.approx_from) if x is not None))
+        stops = (p.unwritten_from,) if approximate else (p.unwritten_from, p.approx_from)
+        return min([n, *(x for x in stops if x is not None)])
 
     def _learn_load(self, nbytes: int, seconds: float) -> None:
         if seconds > 0:
@@ -352,12 +354,17 @@ class KVConnector:
 
     # ------------------------------------------------------------------ saving, moving
 
-    def gather(self, slot: int, start: int = 0) -> SavedPages:
+    def gather(self, slot: int, start: int = 0, approximate: bool = False) -> SavedPages:
         """The full blocks `slot` holds from block `start` on (a store save of what it has
         not saved yet), as device arrays being copied out of the pool: the copy is
-        dispatched, not awaited, and later steps may reuse the pages."""
+        dispatched, not awaited, and later steps may reuse the pages. `approximate`: with
+        the blocks whose KV is not their tokens' own (moved, converted, or computed over
+        such), from `exact_blocks` on; else only the blocks before them."""
         self.write([slot])
-        n = self.shareable_blocks(slot)
+        n = self.shareable_blocks(slot, approximate)
+        p = self._pending.get(slot)
+        exact = None if p is None or p.approx_from is None or p.approx_from >= n else \
+            p.approx_from
         start = min(start, n)
         c = self.cache
         arrays = gather_pages(c.pool, c.page_ids(slot, start, n)).arrays()
@@ -369,7 +376,7 @@ class KVConnector:
                               host[f][first - h.first:stop - h.first])
                           for f, x in arrays.items()}
         return SavedPages(n, arrays, block_hashes(c.slot_tokens[slot], c.page_size,
-                                                  c.hash_seed), start=start)
+                                                  c.hash_seed), exact_blocks=exact, start=start)
 
     def gather_tiers(self, slot: int) -> SavedPages:
         """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),

@@ -36,6 +36,9 @@ class Entry:
     session: str | None
     parent: str | None = None  # the entry holding the blocks before its first (a tail)
     start: int = 0  # index of its first block in the run
+    # blocks from this one on (in the run; None: none) hold approximate KV (saved by a lossy
+    # store from a conversation restored from a smaller form): restored marked approximate
+    approx_from: int | None = None
 
     @property
     def stop(self) -> int:
@@ -48,6 +51,8 @@ def meta_record(model: str, session: str | None, entry: Entry) -> bytes:
     head = {"model": model, "session": session, "blocks": len(entry.hashes)}
     if entry.parent is not None:
         head |= {"parent": entry.parent, "start": entry.start}
+    if entry.approx_from is not None:
+        head |= {"approx_from": entry.approx_from}
     return json.dumps(head).encode() + b"\n" + b"".join(entry.hashes)
 
 
@@ -58,11 +63,13 @@ def parse_meta(data: bytes) -> tuple[str, Entry] | None:
         h = json.loads(head)
         n, size = int(h["blocks"]), len(raw) // max(int(h["blocks"]), 1)
         start, parent = int(h.get("start", 0)), h.get("parent")
+        approx = None if h.get("approx_from") is None else int(h["approx_from"])
         if (n < 1 or len(raw) != n * size or size not in (16, 32)
-                or (parent is None) != (start == 0) or start < 0):
+                or (parent is None) != (start == 0) or start < 0
+                or (approx is not None and not start <= approx < start + n)):
             return None
         return str(h["model"]), Entry([raw[i * size:(i + 1) * size] for i in range(n)],
-                                      h.get("session"), parent, start)
+                                      h.get("session"), parent, start, approx)
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -19,7 +19,10 @@ never stalls a step (`load` is the same read, on the caller's thread); saving (t
 the device, encoding, checksumming, writing) and moving entries between tiers run on one
 background writer, so a finishing request never waits for its save; `lookup` finds a save not
 yet written too (a preempted request readmitted at once), and its read waits for the write.
-The index is rebuilt from the persistent tier's meta records when the store opens. An entry
+The index is rebuilt from the persistent tier's meta records when the store opens.
+A lossy store (entries in smaller forms: `store_kv_format`, AdaptCache) restores approximate
+KV, and is saved approximate blocks too (a conversation restored from it goes on in it),
+marked so in their entry: any restore of them is approximate, whatever form holds them. An entry
 that fails to decode (torn, flipped bytes, foreign) is a miss, counted in `corrupt_entries`,
 and deleted.
 """
@@ -298,8 +301,8 @@ class KVStore:
             part = self._load_one(key, hit.tier)
             if part is None:
                 return None
-            if not part[3] and exact is None:  # converted from another form: approximate
-                exact = sum(len(hs) for _, hs in parts)
+            if exact is None:  # the chain's first approximate block (root first)
+                exact = part[3]
             parts.append(part[:2])
             nbytes += part[2]
         with self._lock:
@@ -320,10 +323,12 @@ class KVStore:
         return Loaded({f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]},
                       hashes, exact)
 
-    def _load_one(self, key: str, tier: str) -> tuple[dict, list[bytes], int, bool] | None:
-        """One entry's arrays (in the pool's format), block hashes, stored bytes and whether
-        it was stored in the pool's format (else converted), validated against its index
-        record; None on a miss (a corrupt entry and what continues it: counted, deleted)."""
+    def _load_one(self, key: str, tier: str
+                  ) -> tuple[dict, list[bytes], int, int | None] | None:
+        """One entry's arrays (in the pool's format), block hashes, stored bytes and its
+        first approximate block in the run (None: exact; its first block when it was stored
+        in another form and converted), validated against its index record; None on a miss
+        (a corrupt entry and what continues it: counted, deleted)."""
         tiers = (self.host, self.disk) if tier == "host" else (self.disk, self.host)
         data = None
         for t in tiers:  # the entry may be moving between tiers right now
@@ -357,7 +362,7 @@ class KVStore:
             for k in removed:  # the writer deletes them
                 self._submit(lambda k=k: self._delete(k))
             return None
-        return arrays, entry.hashes, len(data), exact
+        return arrays, entry.hashes, len(data), entry.approx_from if exact else entry.start
 
     def recompress(self, key: str, kv_format: str) -> bool:
         """Rewrite entry `key` in place (its tier, its key) in the smaller KV form
@@ -437,15 +442,29 @@ class KVStore:
 
     # ------------------------------------------------------------------ saving
 
+    @property
+    def keeps_approximate(self) -> bool:
+        """Whether this store keeps approximate KV (a lossy store: entries in smaller forms,
+        `store_kv_format` or AdaptCache's); only such a store is saved approximate blocks."""
+        return self.form is not None or isinstance(self.placement, AdaptStorePlacement)
+
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
-             session: str | None = None, rows: int | None = None, start: int = 0) -> bool:
+             session: str | None = None, rows: int | None = None, start: int = 0,
+             exact_blocks: int | None = None) -> bool:
         """Queue blocks [start, num_blocks) of a request for the writer (`arrays`: host or
         device arrays with >= num_blocks - start rows, the first being block `start`, as
         `Engine.gather` returns them; a tiered row's arrays with >= `rows` rows; `hashes`:
         the run's hashes from block 0). A tail (`start` > 0) continues the entry ending at
         block start - 1 (written or queued: `tail_start` says which). False (nothing queued)
         when there is nothing new (no full block, or an entry already holds these blocks) or
-        a tail has no such entry."""
+        a tail has no such entry. `exact_blocks`: the blocks from this one on hold approximate
+        KV (`keeps_approximate` stores only; ValueError otherwise): the entry is restored
+        marked approximate from there."""
+        approx = (None if exact_blocks is None or exact_blocks >= num_blocks
+                  else max(exact_blocks, start))
+        if approx is not None and (not self.keeps_approximate or rows is not None):
+            raise ValueError("exact_blocks: approximate KV is saved only to a lossy store "
+                             "(store_kv_format or eviction_policy adaptcache), never a tiered row")
         if num_blocks <= start or self._closed or (start and rows is not None):
             return False
         hashes = list(hashes[:num_blocks])
@@ -472,7 +491,8 @@ class KVStore:
 
         def job() -> None:
             try:
-                self._write(Entry(hashes[start:], session, parent, start), arrays, rows)
+                self._write(Entry(hashes[start:], session, parent, start, approx), arrays,
+                            rows)
             finally:
                 done()
 
