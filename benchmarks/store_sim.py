@@ -129,8 +129,9 @@ def chat_trace(args) -> tuple[list[tuple], dict]:
     turns = {}
     for s in range(args.sessions):
         n = sharegpt.num_turns(rng)
-        turns[s] = deque((sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS),
-                          sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS)) for _ in range(n))
+        turns[s] = deque((sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS, args.length_scale),
+                          sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS, args.length_scale))
+                         for _ in range(n))
     history = dict.fromkeys(turns, 0)
     pending = [(t, 0, s) for s, t in enumerate(np.cumsum(rng.exponential(1 / args.rate,
                                                                          args.sessions)))]
@@ -249,6 +250,9 @@ def main() -> None:
                     help="conversation arrivals per second (Poisson)")
     ap.add_argument("--think", type=float, default=600.0,
                     help="mean seconds between a reply and the user's next turn")
+    ap.add_argument("--length-scale", type=float, default=1.0,
+                    help="with --trace chat: multiplies the ShareGPT message and reply lengths "
+                         "(benchmarks/serve.py's --length-scale)")
     ap.add_argument("--service", type=float, default=0.34,
                     help="mean seconds one turn's job runs (one FCFS server)")
     ap.add_argument("--model", choices=sorted(PRESETS),

@@ -392,8 +392,8 @@ class StoreConfig:
         "help": "which stored entry a full tier gives up: scheduler (keeps and prefetches the "
                 "entries of queued requests, CachedAttention), lru, fifo, or adaptcache (each "
                 "entry's KV format and tier by marginal utility, AdaptCache: smaller forms "
-                "restore approximate KV; needs --adapt-profile and the pool in the model "
-                "dtype)",
+                "restore approximate KV; its quality profile is --adapt-profile; needs the pool "
+                "in the model dtype)",
         "choices": EVICTION_POLICIES})
     store_kv_format: str | None = field(default=None, metadata={
         "help": "KV format the store writes entries in (a fixed smaller form: k8v4t, k4v2t, "
@@ -403,13 +403,18 @@ class StoreConfig:
                 "the pool's own"})
     adapt_profile: str | None = field(default=None, metadata={
         "help": "with eviction_policy adaptcache: the quality profile of the compressed "
-                "forms (JSON, written by benchmarks/adapt_profile.py)"})
+                "forms (JSON, written by benchmarks/adapt_profile.py); default: the one jkv "
+                "ships, measured on the embedded SmolLM2-135M (measure your model's own)"})
     adapt_alpha: float = field(default=1.0, metadata={
         "help": "with eviction_policy adaptcache: seconds of load time a whole unit of "
                 "answer quality is worth (higher keeps entries larger)"})
     adapt_quality_floor: float = field(default=0.0, metadata={
         "help": "with eviction_policy adaptcache: a form below this quality is never kept "
                 "(the entry is evicted instead)"})
+    adapt_half_life: float = field(default=600.0, metadata={
+        "help": "with eviction_policy adaptcache: seconds over which an entry's count of "
+                "uses halves (its expected reuse); near twice the users' think time between "
+                "turns, so conversations gone quiet stop holding room"})
     save_interval_blocks: int = field(default=16, metadata={
         "help": "while a request decodes, its KV blocks (pages) are queued for the store "
                 "each time this many more have filled, each save only the blocks since the "
@@ -433,6 +438,9 @@ class StoreConfig:
         _require(self, "adapt_alpha", isinstance(self.adapt_alpha, int | float)
                  and not isinstance(self.adapt_alpha, bool) and self.adapt_alpha >= 0,
                  "a number >= 0")
+        _require(self, "adapt_half_life", isinstance(self.adapt_half_life, int | float)
+                 and not isinstance(self.adapt_half_life, bool) and self.adapt_half_life > 0,
+                 "a number > 0")
         _require(self, "adapt_quality_floor", isinstance(self.adapt_quality_floor, int | float)
                  and 0 <= self.adapt_quality_floor <= 1, "a number in [0, 1]")
         _require(self, "store_kv_format", self.store_kv_format is None
@@ -440,9 +448,9 @@ class StoreConfig:
         _require(self, "store_kv_format", self.store_kv_format is None
                  or self.eviction_policy != "adaptcache",
                  "None with eviction_policy adaptcache (it picks each entry's format)")
-        _require(self, "adapt_profile", (self.adapt_profile is not None)
-                 == (self.eviction_policy == "adaptcache"),
-                 "a profile path exactly when eviction_policy is adaptcache")
+        _require(self, "adapt_profile", self.adapt_profile is None
+                 or self.eviction_policy == "adaptcache",
+                 "None unless eviction_policy is adaptcache")
         _check_choices_and_flags(self)
 
     @property

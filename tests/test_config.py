@@ -118,7 +118,8 @@ BAD = [(LoadConfig, "model", 3), (LoadConfig, "dtype", "fp8"),
        (StoreConfig, "save_interval_blocks", -1),
        (StoreConfig, "store_dir", 5), (StoreConfig, "store_spec", 5),
        (StoreConfig, "eviction_policy", "random"), (StoreConfig, "adapt_alpha", -1.0),
-       (StoreConfig, "adapt_quality_floor", 1.5), (StoreConfig, "store_kv_format", "k9v9"),
+       (StoreConfig, "adapt_quality_floor", 1.5),
+       (StoreConfig, "adapt_half_life", 0), (StoreConfig, "store_kv_format", "k9v9"),
        (StoreConfig, "adapt_profile", "p.json")]  # (without eviction_policy adaptcache)
 
 

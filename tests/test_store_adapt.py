@@ -237,6 +237,24 @@ def test_a_missing_or_garbled_profile_file_is_a_value_error(tmp_path):
         Profile.from_json(PROFILE).forms(10, "poetry")
 
 
+def test_the_shipped_profile_is_the_embedded_models_and_a_store_uses_it_by_default():
+    import numpy as np
+
+    from jkv.config import StoreConfig
+    from jkv.kv_format import KV_FORMATS
+    from jkv.store.store import KVStore
+
+    profile = Profile.default()
+    assert profile.model == "smollm2-135m" and profile.metric == "top1_agreement"
+    storable = {m for m in profile.methods if m in KV_FORMATS}
+    assert {"k8v4t", "k4v2t"} <= storable
+    store = KVStore(StoreConfig(host_cache_bytes=1 << 20, eviction_policy="adaptcache"),
+                    model="m", kv_format="auto", page_size=8,
+                    convert=lambda arrays, src, dst: {f: np.asarray(x) for f, x in arrays.items()})
+    assert store.placement.profile == profile and set(store.placement.methods) == storable
+    store.close()
+
+
 def test_adopted_spilled_and_resized_entries_keep_every_tier_within_budget():
     p = AdaptPlacement(tiers(64 * MB, 100 * MB), alpha=1.0)
     stored = Form("stored", 1.0, 40 * MB, 1.0)

@@ -10,7 +10,8 @@ method's bytes over bf16 pages' bytes for the same tokens). JSON:
                  "k4v2t": [{"rate": 0.22, "quality": {...}, "family": "quantized"}], ...}}
 
 A point's family (default: its method) names the forms made from any larger one of the
-family at the quality measured from the full KV (`jkv.store.adapt.Form`).
+family at the quality measured from the full KV (`jkv.store.adapt.Form`). `Profile.default()`:
+the one shipped for the embedded model (SmolLM2-135M), used when none is given.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from jkv.store.adapt import Form
@@ -77,6 +79,13 @@ class Profile:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"profile {path}: {e}") from e
         return cls.from_json(data)
+
+    @classmethod
+    def default(cls) -> Profile:
+        """The profile shipped with jkv: SmolLM2-135M's (the embedded model), measured by
+        `benchmarks/adapt_profile.py`; another model's qualities differ (measure its own)."""
+        text = resources.files("jkv.store").joinpath("profiles/smollm2-135m.json").read_text()
+        return cls.from_json(json.loads(text))
 
     def to_json(self) -> dict:
         return {"model": self.model, "metric": self.metric, "kinds": list(self.kinds),

@@ -27,13 +27,14 @@ class AdaptStorePlacement:
     """`AdaptPlacement` with `Placement`'s interface, for `KVStore`.
 
     bf16_ratio: an entry's bf16 bytes over its stored bytes (2 / the dtype's itemsize for a
-    pool in the model dtype: float32 pages are twice a profile's bf16 ones).
+    pool in the model dtype: float32 pages are twice a profile's bf16 ones). half_life:
+    seconds over which an entry's uses halve (`AdaptPlacement`).
     """
 
     policy = "adaptcache"
 
     def __init__(self, profile: Profile, alpha: float, quality_floor: float, dram_bytes: int,
-                 disk_bytes: int, bf16_ratio: float = 1.0) -> None:
+                 disk_bytes: int, bf16_ratio: float = 1.0, half_life: float = 600.0) -> None:
         self.capacity = {"dram": dram_bytes, "disk": disk_bytes}
         self.methods = tuple(m for m in profile.methods if m in KV_FORMATS)
         if not self.methods:
@@ -42,7 +43,7 @@ class AdaptStorePlacement:
         self.profile, self.bf16_ratio = profile, bf16_ratio
         self.adapt = AdaptPlacement(
             [Tier(name, cap, DEFAULT_READ_BPS[name]) for name, cap in self.capacity.items()],
-            alpha=alpha, quality_floor=quality_floor)
+            alpha=alpha, quality_floor=quality_floor, half_life=half_life)
         self.recompute_token_s = 0.0  # a recomputed token's seconds (the scheduler's measure)
         self.bytes_per_token = 0.0  # stored bytes of a token (learned from the entries)
 

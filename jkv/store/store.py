@@ -140,8 +140,10 @@ class KVStore:
                 raise ValueError("eviction_policy adaptcache needs the engine's KV format "
                                  "conversion and a pool in the model dtype (kv_format auto)")
             self.placement = AdaptStorePlacement(
-                Profile.load(config.adapt_profile), config.adapt_alpha,
-                config.adapt_quality_floor, config.host_cache_bytes, disk_bytes, bf16_ratio)
+                Profile.default() if config.adapt_profile is None
+                else Profile.load(config.adapt_profile), config.adapt_alpha,
+                config.adapt_quality_floor, config.host_cache_bytes, disk_bytes, bf16_ratio,
+                config.adapt_half_life)
         else:
             self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
                                        disk_bytes)

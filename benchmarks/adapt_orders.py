@@ -1,0 +1,131 @@
+"""Does a real serving run order KV stores as the simulator does? (AdaptCache, issue 16)
+
+Reads a `benchmarks/serve.py` result (settings run on the real model, with `--reference` a
+full-precision setting whose answers the others are compared with) and a `store_sim.py
+--profile` result (the same stores on a trace of the same shape, one capacity setting), and
+compares every pair of stores the two have in common: on mean TTFT and on quality (the
+simulator's profile quality; the real run's words matched before the first difference from
+the reference answer). A pair counts only where the simulator separates it (TTFT apart by
+more than --ttft-tolerance of the larger, quality by more than --quality-tolerance); it
+agrees when the real run orders it the same way.
+
+Stores are matched by name: a real setting `X` is the simulator's `X`, `X@<rate>-lru`, or
+for `k2v2` (KIVI's 2-bit keys and values) `kivi@<rate>-lru`; `--names real=sim,...` adds
+pairs by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ALIASES = {"k2v2": "kivi"}  # a jkv KV format -> the profile's name of its method
+
+
+def match(real: list[str], sim: list[str], extra: dict[str, str]) -> dict[str, str]:
+    """Real setting name -> the simulator's store of the same policy."""
+    out = {}
+    for name in real:
+        if name in extra:
+            out[name] = extra[name]
+            continue
+        stem = ALIASES.get(name, name)
+        found = [s for s in sim if s == stem or (s.startswith(stem + "@")
+                                                  and s.endswith("-lru"))]
+        if len(found) == 1:
+            out[name] = found[0]
+    return out
+
+
+def pairs(real: dict[str, float], sim: dict[str, float], tolerance: float,
+          relative: bool) -> list[dict]:
+    """Every pair the simulator separates, with whether the real run orders it alike."""
+    out = []
+    for a, b in itertools.combinations(sorted(real), 2):
+        gap = abs(sim[a] - sim[b])
+        if gap <= tolerance * (max(abs(sim[a]), abs(sim[b])) if relative else 1.0):
+            continue
+        lo, hi = (a, b) if sim[a] < sim[b] else (b, a)
+        out.append({"lower": lo, "higher": hi, "sim": [sim[lo], sim[hi]],
+                    "real": [real[lo], real[hi]], "agrees": bool(real[lo] < real[hi])})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--serve", type=Path, required=True,
+                    help="a benchmarks/serve.py result JSON (run with --reference)")
+    ap.add_argument("--sim", type=Path, required=True,
+                    help="a benchmarks/store_sim.py --profile result JSON")
+    ap.add_argument("--capacity", help="the simulator's capacity setting to compare (default: "
+                                       "its only one)")
+    ap.add_argument("--names", default="",
+                    help="more real=sim name pairs, comma-separated")
+    ap.add_argument("--ttft-tolerance", type=float, default=0.15,
+                    help="TTFTs closer than this share of the larger are a tie")
+    ap.add_argument("--quality-tolerance", type=float, default=0.005,
+                    help="qualities closer than this are a tie")
+    ap.add_argument("--out", type=Path, help="also write the comparison here as JSON")
+    args = ap.parse_args()
+
+    serve, sim = json.loads(args.serve.read_text()), json.loads(args.sim.read_text())
+    caps = list(sim.get("results", {}))
+    if sim.get("mode") != "compression" or not caps:
+        ap.error("--sim: not a store_sim.py --profile result")
+    cap = args.capacity or (caps[0] if len(caps) == 1 else None)
+    if cap not in caps:
+        ap.error(f"--capacity: one of {caps}")
+    runs = serve["results"]
+    reference = serve.get("args", {}).get("reference")
+    if reference is None:
+        ap.error("--serve: run without --reference: no answers' fidelity to compare")
+    extra = dict(p.split("=", 1) for p in args.names.split(",") if p)
+    names = match([n for n in runs if n != reference], list(sim["results"][cap]), extra)
+    if len(names) < 2:
+        ap.error(f"fewer than two stores in common (real {list(runs)}, simulated "
+                 f"{list(sim['results'][cap])})")
+    real_ttft = {n: float(np.mean(runs[n]["ttft_all_s"])) for n in names}
+    real_q = {n: runs[n]["fidelity"]["prefix_agreement"] for n in names}
+    sims = sim["results"][cap]
+    sim_ttft = {n: sims[s]["mean_ttft_s"] for n, s in names.items()}
+    sim_q = {n: sims[s]["mean_quality"] for n, s in names.items()}
+
+    print(f"{'store':<18}{'simulated as':<22}{'TTFT sim':>10}{'TTFT real':>11}"
+          f"{'quality sim':>13}{'words matched':>15}{'identical':>11}")
+    for n, s in names.items():
+        f = runs[n]["fidelity"]
+        print(f"{n:<18}{s:<22}{sim_ttft[n]:>9.3f}s{real_ttft[n]:>10.3f}s{sim_q[n]:>13.4f}"
+              f"{f['prefix_agreement']:>15.1%}{f['identical_answers']:>11.1%}")
+    # (the real TTFT is lower for more hits; lower is "first" on both axes alike)
+    by = {"ttft": pairs(real_ttft, sim_ttft, args.ttft_tolerance, True),
+          "quality": pairs(real_q, sim_q, args.quality_tolerance, False)}
+    total = 0
+    for axis, ps in by.items():
+        ok = sum(p["agrees"] for p in ps)
+        total += len(ps) - ok
+        print(f"{axis}: the real run orders {ok} of the {len(ps)} pairs the simulator "
+              "separates as it does")
+        for p in ps:
+            if not p["agrees"]:
+                print(f"  differs: {p['lower']} < {p['higher']} simulated "
+                      f"({p['sim'][0]:.4g} vs {p['sim'][1]:.4g}), real {p['real'][0]:.4g} "
+                      f"vs {p['real'][1]:.4g}")
+    print("orders agree" if total == 0 else f"orders differ on {total} pairs")
+    if args.out is not None:
+        args.out.write_text(json.dumps({
+            "serve": str(args.serve), "sim": str(args.sim), "capacity": cap,
+            "names": names, "real_mean_ttft_s": real_ttft, "real_prefix_agreement": real_q,
+            "sim_mean_ttft_s": sim_ttft, "sim_quality": sim_q, "pairs": by,
+            "agree": total == 0}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    sys.exit(0 if total == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
