@@ -273,3 +273,31 @@ def test_adopted_spilled_and_resized_entries_keep_every_tier_within_budget():
     moves = p.put("d", [Form("full", 1.0, 60 * MB, 1.0)], recompute_s=0.5, now=3.0)
     assert p.bytes_used("dram") <= 64 * MB and p.bytes_used("disk") == disk
     assert all(m.dst != "disk" for m in moves)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(100, 4000), min_size=5, max_size=60),
+       st.sampled_from([0.01, 1.0, 100.0]), st.booleans())
+def test_the_store_can_carry_out_its_moves_one_by_one_within_every_tier(sizes, alpha, slow):
+    """The store applies a put's moves in order, each a tier's put or delete: no step may
+    need room that a later step makes (the greedy fits the fastest tier first, so its own
+    list moves an entry down before the evictions below that make the room)."""
+    from jkv.store.adapt_store import AdaptStorePlacement
+
+    caps = {"dram": 6000, "disk": 12000}
+    p = AdaptStorePlacement(Profile.default(), alpha, 0.0, caps["dram"], caps["disk"])
+    p.recompute_token_s = 1.0 if slow else 1e-6
+    held: dict[int, tuple[str, int]] = {}  # what the store's tiers hold: key -> (tier, bytes)
+    for key, size in enumerate(sizes):
+        for m in p.put(key, size, tokens=size // 10):
+            if m.dst is None:
+                held.pop(m.session, None)
+                continue
+            # an entry's bytes change only when it is (re)written: new, or recompressed
+            nbytes = held[m.session][1] if m.src is not None and m.form is None else \
+                p.size(m.session)
+            held[m.session] = (m.dst, nbytes)
+            for tier, cap in caps.items():
+                assert sum(b for t, b in held.values() if t == tier) <= cap, (m, tier)
+        assert held == {k: (p.where(k), p.size(k)) for k in held}
+        assert set(held) == set(p.sessions("dram")) | set(p.sessions("disk"))

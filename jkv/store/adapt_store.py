@@ -90,7 +90,7 @@ class AdaptStorePlacement:
         self.adapt.hint(set(queue))
         moves = self.adapt.put(key, forms, tokens * self.recompute_token_s, time.monotonic(),
                                keep=keep)
-        out = [_move(m) for m in moves if m.key != key]
+        out = _in_order([m for m in moves if m.key != key])
         final = self.adapt.where(key)
         if final is None:
             return [*out, Move(key, None, None)]
@@ -111,7 +111,7 @@ class AdaptStorePlacement:
                                 tokens * self.recompute_token_s, time.monotonic())
 
     def resize(self, key: Hashable, size: int) -> list[Move]:
-        return [_move(m) for m in self.adapt.resize(key, size, time.monotonic())]
+        return _in_order(self.adapt.resize(key, size, time.monotonic()))
 
     def drop(self, key: Hashable) -> None:
         self.adapt.drop(key)
@@ -124,6 +124,27 @@ def _move(m) -> Move:
             and m.new.method != m.old.method:
         form = m.new.method
     return Move(m.key, m.src, m.dst, form)
+
+
+def _in_order(moves: Sequence) -> list[Move]:
+    """AdaptPlacement's moves as the store can carry them out one by one: each entry's
+    moves as one (where it was, where and in what form it ends), evictions first, then
+    recompressions in place, then moves down a tier. The greedy fits the fastest tier
+    first, so its list moves an entry down before the evictions that make room for it
+    below; each step here only frees room or takes what the final placement has."""
+    first: dict = {}
+    last: dict = {}
+    for m in moves:
+        first.setdefault(m.key, m)
+        last[m.key] = m
+    out = []
+    for key, a in first.items():
+        b = last[key]
+        net = _move(type(a)(key, a.src, b.dst, a.old, b.new))
+        if net.dst == net.src and net.form is None:
+            continue  # back where and as it was
+        out.append(net)
+    return sorted(out, key=lambda m: 0 if m.dst is None else 1 if m.src == m.dst else 2)
 
 
 __all__ = ["AdaptStorePlacement"]
