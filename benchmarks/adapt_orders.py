@@ -1,8 +1,9 @@
 """Does a real serving run order KV stores as the simulator does? (AdaptCache, issue 16)
 
-Reads a `benchmarks/serve.py` result (settings run on the real model, with `--reference` a
+Reads `benchmarks/serve.py` results (settings run on the real model, with `--reference` a
 full-precision setting whose answers the others are compared with) and a `store_sim.py
---profile` result (the same stores on a trace of the same shape, one capacity setting), and
+--profile --trace serve` result (the same stores on the same workload, one capacity
+setting), and
 compares every pair of stores the two have in common: on mean TTFT and on quality (the
 simulator's profile quality; the real run's words matched before the first difference from
 the reference answer). A pair counts only where the simulator separates it (TTFT apart by
@@ -59,8 +60,10 @@ def pairs(real: dict[str, float], sim: dict[str, float], tolerance: float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--serve", type=Path, required=True,
-                    help="a benchmarks/serve.py result JSON (run with --reference)")
+    ap.add_argument("--serve", type=Path, nargs="+", required=True,
+                    help="benchmarks/serve.py result JSONs (each run with --reference, on the "
+                         "same workload): their settings together, a later file's replacing an "
+                         "earlier one's of the same name")
     ap.add_argument("--sim", type=Path, required=True,
                     help="a benchmarks/store_sim.py --profile result JSON")
     ap.add_argument("--capacity", help="the simulator's capacity setting to compare (default: "
@@ -74,19 +77,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="also write the comparison here as JSON")
     args = ap.parse_args()
 
-    serve, sim = json.loads(args.serve.read_text()), json.loads(args.sim.read_text())
+    sim = json.loads(args.sim.read_text())
     caps = list(sim.get("results", {}))
     if sim.get("mode") != "compression" or not caps:
         ap.error("--sim: not a store_sim.py --profile result")
     cap = args.capacity or (caps[0] if len(caps) == 1 else None)
     if cap not in caps:
         ap.error(f"--capacity: one of {caps}")
-    runs = serve["results"]
-    reference = serve.get("args", {}).get("reference")
-    if reference is None:
-        ap.error("--serve: run without --reference: no answers' fidelity to compare")
+    runs, workloads = {}, []
+    for path in args.serve:
+        serve = json.loads(path.read_text())
+        reference = serve.get("args", {}).get("reference")
+        if reference is None:
+            ap.error(f"--serve {path}: run without --reference: no answers' fidelity")
+        runs |= {n: r for n, r in serve["results"].items() if n != reference}
+        workloads.append(serve["workload"])
+    if any(w != workloads[0] for w in workloads):
+        ap.error("--serve: the runs' workloads differ")
     extra = dict(p.split("=", 1) for p in args.names.split(",") if p)
-    names = match([n for n in runs if n != reference], list(sim["results"][cap]), extra)
+    names = match(list(runs), list(sim["results"][cap]), extra)
     if len(names) < 2:
         ap.error(f"fewer than two stores in common (real {list(runs)}, simulated "
                  f"{list(sim['results'][cap])})")
@@ -119,7 +128,7 @@ def main() -> None:
     print("orders agree" if total == 0 else f"orders differ on {total} pairs")
     if args.out is not None:
         args.out.write_text(json.dumps({
-            "serve": str(args.serve), "sim": str(args.sim), "capacity": cap,
+            "serve": [str(p) for p in args.serve], "sim": str(args.sim), "capacity": cap,
             "names": names, "real_mean_ttft_s": real_ttft, "real_prefix_agreement": real_q,
             "sim_mean_ttft_s": sim_ttft, "sim_quality": sim_q, "pairs": by,
             "agree": total == 0}, indent=2) + "\n")

@@ -30,7 +30,9 @@ TTFT against quality per capacity setting.
 
 `--trace documents` replaces the conversations with AdaptCache's own setting: questions
 about shared long contexts (LongBench-like lengths, Poisson arrivals, optionally
-Zipf-popular), each document's KV saved and reused.
+Zipf-popular), each document's KV saved and reused. `--trace serve` replays
+benchmarks/serve.py's workload instead (to set the simulator beside a real serving run:
+benchmarks/adapt_orders.py).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def kv_bytes_per_token(model: str, kv_format: str) -> int:
 
 def make_trace(args) -> tuple[list[tuple], dict]:
     """The --trace's events (`chat_trace` or `document_trace`)."""
-    return (document_trace if args.trace == "documents" else chat_trace)(args)
+    return {"documents": document_trace, "serve": serve_trace, "chat": chat_trace}[args.trace](args)
 
 
 def document_trace(args) -> tuple[list[tuple], dict]:
@@ -125,20 +127,60 @@ def chat_trace(args) -> tuple[list[tuple], dict]:
     ("start", t, session, its new tokens) when it leaves the queue and runs, ("end", t,
     session, kv_bytes) when it is done and the session's KV is saved."""
     rng = np.random.default_rng(args.seed)
-    per_token = kv_bytes_per_token(args.model, args.kv_format)
     turns = {}
     for s in range(args.sessions):
         n = sharegpt.num_turns(rng)
-        turns[s] = deque((sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS, args.length_scale),
-                          sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS, args.length_scale))
-                         for _ in range(n))
-    history = dict.fromkeys(turns, 0)
-    pending = [(t, 0, s) for s, t in enumerate(np.cumsum(rng.exponential(1 / args.rate,
-                                                                         args.sessions)))]
+        lengths = [(sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS, args.length_scale),
+                    sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS, args.length_scale))
+                   for _ in range(n)]
+        held = np.cumsum([u + r for u, r in lengths])  # its history after each turn
+        turns[s] = deque((u, min(int(h), args.max_model_len), None)
+                         for (u, _), h in zip(lengths, held, strict=True))
+    arrivals = np.cumsum(rng.exponential(1 / args.rate, args.sessions))
+    return fcfs_events(turns, arrivals, rng, args)
+
+
+def serve_trace(args) -> tuple[list[tuple], dict]:
+    """benchmarks/serve.py's workload for the same --sessions, --rate, --length-scale,
+    --think and --seed (its conversations, arrivals and think times), on chat_trace's one
+    FCFS server. serve.py's histories hold the recorded replies, not the model's answers, so
+    what a turn finds stored is its previous prompt (the answer saved after it differs) and
+    its new tokens are the previous reply and its own message; a history over serve.py's
+    budget (90% of --max-model-len less --max-tokens) drops its oldest turns. A word counts
+    --tokens-per-word tokens (chat template included)."""
+    from serve import make_workload
+
+    convs = make_workload(args.sessions, args.rate, args.length_scale, args.think, args.seed)
+    budget = int(args.max_model_len * 0.9) - args.max_tokens
+    turns = {}
+    for s, conv in enumerate(convs):
+        history, reply, out = [1], 0, deque()  # (the system message: a few words)
+        for turn in conv["turns"]:
+            user = len(turn["user"].split())
+            history.append(user)
+            while sum(history) > budget and len(history) > 2:
+                del history[1:3]
+            out.append((round((reply + user) * args.tokens_per_word),
+                        round(sum(history) * args.tokens_per_word), turn["think"]))
+            reply = len(turn["reply"].split())
+            history.append(reply)
+        turns[s] = out
+    rng = np.random.default_rng(args.seed)
+    return fcfs_events(turns, np.array([c["arrival"] for c in convs]), rng, args)
+
+
+def fcfs_events(turns: dict[int, deque], arrivals: np.ndarray, rng: np.random.Generator,
+                args) -> tuple[list[tuple], dict]:
+    """The events of sessions arriving at `arrivals` whose turns (new tokens, tokens of KV
+    saved at its end, think seconds after it: None, drawn) run one at a time, FCFS, each for
+    an exponential service time (chat_trace's events)."""
+    per_token = kv_bytes_per_token(args.model, args.kv_format)
+    pending = [(t, 0, s) for s, t in enumerate(arrivals)]
     heapq.heapify(pending)  # (time, kind: 0 arrival / 1 end, session)
     queue: deque[int] = deque()
     now, running = 0.0, None
     events: list[tuple] = []
+    saved = dict.fromkeys(turns, 0)
     while pending or queue:
         if running is None and queue:  # the server is free: the next job starts now
             s = queue.popleft()
@@ -151,16 +193,16 @@ def chat_trace(args) -> tuple[list[tuple], dict]:
             events.append(("arrive", now, s))
             queue.append(s)
         else:
-            history[s] += sum(turns[s].popleft())
-            events.append(("end", now, s, min(history[s], args.max_model_len) * per_token))
+            _, saved[s], think = turns[s].popleft()
+            events.append(("end", now, s, saved[s] * per_token))
             running = None
             if turns[s]:
-                heapq.heappush(pending, (now + rng.exponential(args.think), 0, s))
+                think = rng.exponential(args.think) if think is None else think
+                heapq.heappush(pending, (now + think, 0, s))
     jobs = sum(1 for e in events if e[0] == "start")
-    stats = {"sessions": args.sessions, "jobs": jobs, "kv_bytes_per_token": per_token,
-             "mean_turns": jobs / args.sessions,
-             "mean_final_kv_bytes": float(np.mean([min(h, args.max_model_len) * per_token
-                                                   for h in history.values()]))}
+    stats = {"sessions": len(turns), "jobs": jobs, "kv_bytes_per_token": per_token,
+             "mean_turns": jobs / len(turns),
+             "mean_final_kv_bytes": float(np.mean(list(saved.values()))) * per_token}
     return events, stats
 
 
@@ -282,9 +324,16 @@ def main() -> None:
     ap.add_argument("--prefill-tokens-per-s", type=float, default=500.0,
                     help="with --profile: prefill rate for a miss's history and each new "
                          "turn (the default: SmolLM2 on this 2-core CPU)")
-    ap.add_argument("--trace", choices=("chat", "documents"), default="chat",
+    ap.add_argument("--trace", choices=("chat", "documents", "serve"), default="chat",
                     help="chat: ShareGPT-shaped conversations (CachedAttention); documents: "
-                         "questions about shared long contexts (AdaptCache's LongBench setting)")
+                         "questions about shared long contexts (AdaptCache's LongBench "
+                         "setting); serve: benchmarks/serve.py's workload (its recorded "
+                         "replies: a turn reuses its previous prompt)")
+    ap.add_argument("--max-tokens", type=int, default=16,
+                    help="with --trace serve: serve.py's --max-tokens (its history budget)")
+    ap.add_argument("--tokens-per-word", type=float, default=1.13,
+                    help="with --trace serve: tokens a workload word takes, chat template "
+                         "included (SmolLM2: 445 prompt tokens for 393 words measured)")
     ap.add_argument("--documents", type=int, default=1100,
                     help="with --trace documents: how many contexts")
     ap.add_argument("--document-tokens", type=float, default=6000,
