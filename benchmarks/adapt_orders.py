@@ -8,7 +8,8 @@ compares every pair of stores the two have in common: on mean TTFT and on qualit
 simulator's profile quality; the real run's words matched before the first difference from
 the reference answer). A pair counts only where the simulator separates it (TTFT apart by
 more than --ttft-tolerance of the larger, quality by more than --quality-tolerance); it
-agrees when the real run orders it the same way.
+agrees when the real run orders it the same way, is a tie when the real difference is within
+two standard errors, and differs otherwise (the exit status is 1 then).
 
 Stores are matched by name: a real setting `X` is the simulator's `X`, `X@<rate>-lru`, or
 for `k2v2` (KIVI's 2-bit keys and values) `kivi@<rate>-lru`; `--names real=sim,...` adds
@@ -43,17 +44,22 @@ def match(real: list[str], sim: list[str], extra: dict[str, str]) -> dict[str, s
     return out
 
 
-def pairs(real: dict[str, float], sim: dict[str, float], tolerance: float,
-          relative: bool) -> list[dict]:
-    """Every pair the simulator separates, with whether the real run orders it alike."""
+def pairs(real: dict[str, float], error: dict[str, float], sim: dict[str, float],
+          tolerance: float, relative: bool) -> list[dict]:
+    """Every pair the simulator separates: "agrees" when the real run orders it alike,
+    "tie" when the real difference is within two standard errors (`error`, each store's),
+    "differs" when the real run orders it the other way beyond them."""
     out = []
     for a, b in itertools.combinations(sorted(real), 2):
         gap = abs(sim[a] - sim[b])
         if gap <= tolerance * (max(abs(sim[a]), abs(sim[b])) if relative else 1.0):
             continue
         lo, hi = (a, b) if sim[a] < sim[b] else (b, a)
+        noise = 2 * float(np.hypot(error[lo], error[hi]))
+        verdict = ("tie" if abs(real[hi] - real[lo]) <= noise
+                   else "agrees" if real[lo] < real[hi] else "differs")
         out.append({"lower": lo, "higher": hi, "sim": [sim[lo], sim[hi]],
-                    "real": [real[lo], real[hi]], "agrees": bool(real[lo] < real[hi])})
+                    "real": [real[lo], real[hi]], "real_noise": noise, "verdict": verdict})
     return out
 
 
@@ -101,6 +107,12 @@ def main() -> None:
                  f"{list(sim['results'][cap])})")
     real_ttft = {n: float(np.mean(runs[n]["ttft_all_s"])) for n in names}
     real_q = {n: runs[n]["fidelity"]["prefix_agreement"] for n in names}
+    # standard errors: of a mean TTFT from its turns; of a mean share in [0, 1] at most
+    # sqrt(m (1 - m) / n) (a share's variance is largest when every turn is 0 or 1)
+    ttft_se = {n: float(np.std(runs[n]["ttft_all_s"]) / np.sqrt(len(runs[n]["ttft_all_s"])))
+               for n in names}
+    q_se = {n: float(np.sqrt(real_q[n] * (1 - real_q[n])
+                             / runs[n]["fidelity"]["turns_compared"])) for n in names}
     sims = sim["results"][cap]
     sim_ttft = {n: sims[s]["mean_ttft_s"] for n, s in names.items()}
     sim_q = {n: sims[s]["mean_quality"] for n, s in names.items()}
@@ -112,28 +124,32 @@ def main() -> None:
         print(f"{n:<18}{s:<22}{sim_ttft[n]:>9.3f}s{real_ttft[n]:>10.3f}s{sim_q[n]:>13.4f}"
               f"{f['prefix_agreement']:>15.1%}{f['identical_answers']:>11.1%}")
     # (the real TTFT is lower for more hits; lower is "first" on both axes alike)
-    by = {"ttft": pairs(real_ttft, sim_ttft, args.ttft_tolerance, True),
-          "quality": pairs(real_q, sim_q, args.quality_tolerance, False)}
-    total = 0
+    by = {"ttft": pairs(real_ttft, ttft_se, sim_ttft, args.ttft_tolerance, True),
+          "quality": pairs(real_q, q_se, sim_q, args.quality_tolerance, False)}
+    count = {"agrees": 0, "tie": 0, "differs": 0}
     for axis, ps in by.items():
-        ok = sum(p["agrees"] for p in ps)
-        total += len(ps) - ok
-        print(f"{axis}: the real run orders {ok} of the {len(ps)} pairs the simulator "
-              "separates as it does")
+        got = {v: sum(p["verdict"] == v for p in ps) for v in count}
+        count = {v: count[v] + got[v] for v in count}
+        print(f"{axis}: of the {len(ps)} pairs the simulator separates, the real run orders "
+              f"{got['agrees']} alike, {got['differs']} the other way, and ties {got['tie']} "
+              "(within two standard errors)")
         for p in ps:
-            if not p["agrees"]:
-                print(f"  differs: {p['lower']} < {p['higher']} simulated "
+            if p["verdict"] != "agrees":
+                print(f"  {p['verdict']}: {p['lower']} < {p['higher']} simulated "
                       f"({p['sim'][0]:.4g} vs {p['sim'][1]:.4g}), real {p['real'][0]:.4g} "
-                      f"vs {p['real'][1]:.4g}")
-    print("orders agree" if total == 0 else f"orders differ on {total} pairs")
+                      f"vs {p['real'][1]:.4g} (noise {p['real_noise']:.2g})")
+    print("orders agree" if count["differs"] == count["tie"] == 0 else
+          f"orders agree on {count['agrees']} pairs, differ on {count['differs']}, "
+          f"{count['tie']} tied in the real run")
     if args.out is not None:
         args.out.write_text(json.dumps({
             "serve": [str(p) for p in args.serve], "sim": str(args.sim), "capacity": cap,
             "names": names, "real_mean_ttft_s": real_ttft, "real_prefix_agreement": real_q,
+            "real_ttft_standard_error_s": ttft_se, "real_quality_standard_error": q_se,
             "sim_mean_ttft_s": sim_ttft, "sim_quality": sim_q, "pairs": by,
-            "agree": total == 0}, indent=2) + "\n")
+            "counts": count}, indent=2) + "\n")
         print(f"wrote {args.out}")
-    sys.exit(0 if total == 0 else 1)
+    sys.exit(1 if count["differs"] else 0)
 
 
 if __name__ == "__main__":
