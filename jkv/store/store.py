@@ -12,7 +12,9 @@ extends an older one nothing continues (the next turn's save) replaces it. A tie
 replaces nothing. Which tier holds an entry, and what a full tier gives up, is
 `Placement`'s decision (LRU, FIFO or scheduler-aware, with the waiting queue as its hint).
 
-Threads: `lookup` runs on the scheduler's thread (the index only); `read_ahead` loads an entry
+The index, lookups, reads and the writer thread are here; saving, writing, moving and
+recompressing entries are `StoreWrites` (`writes.py`). Threads: `lookup` runs on the
+scheduler's thread (the index only); `read_ahead` loads an entry
 (read, checksum, decode) on the store's reader thread while the request waits in the queue,
 and `take` hands the result over at admission without waiting, so a slow or failing tier
 never stalls a step (`load` is the same read, on the caller's thread); saving (the copy off
@@ -33,28 +35,25 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
-
-import numpy as np
 
 from jkv.averages import moving_average
 from jkv.block_runs import BlockRuns
 from jkv.config import StoreConfig
 from jkv.store.adapt_profile import Profile
 from jkv.store.adapt_store import AdaptStorePlacement
-from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
-from jkv.store.index import Entry, EntryIndex, Hit, meta_record, parse_meta
-from jkv.store.placement import Move, Placement
+from jkv.store.codec import CorruptEntry, EntryMismatch, decode
+from jkv.store.index import EntryIndex, Hit, parse_meta
+from jkv.store.placement import Placement
 from jkv.store.priority import lower_thread_priority
 from jkv.store.reads import ReadAhead
 from jkv.store.tiers import HostTier, PersistentTier
+from jkv.store.writes import HASHES, PendingSave, StoreStats, StoreWrites
 
 log = logging.getLogger(__name__)
 
 TIER_NAMES = {"dram": "host", "disk": "disk"}  # placement's tier names -> the store's
-HASHES = "block_hashes"  # the entry array holding its chained block hashes
 
 
 class Loaded(NamedTuple):
@@ -68,36 +67,8 @@ class Loaded(NamedTuple):
     exact_blocks: int | None = None
 
 
-@dataclass
-class _Pending:
-    """A save queued for the writer: found by `lookup` before it is written (a preempted
-    request readmitted at once), its reads waiting for `written`."""
 
-    nbytes: int
-    hashes: list[bytes]  # its own blocks'
-    whole: bool
-    written: threading.Event
-    start: int = 0  # a tail's first block
-    parent: str | None = None  # a tail's parent: the entry (written or queued) ending before
-
-
-@dataclass
-class StoreStats:
-    saves: int = 0  # entries written
-    saves_dropped: int = 0  # saves refused because the writer was too far behind
-    save_failures: int = 0  # saves that raised (logged; the request was not affected)
-    loads: int = 0  # entries read for a restore
-    read_failures: int = 0  # reads that raised (a failing tier): misses, recomputed
-    corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
-    converted_loads: int = 0  # entries read in another KV form, converted (approximate)
-    evictions: int = 0  # entries dropped from the store to make room
-    offloads: int = 0  # entries moved host -> disk
-    prefetches: int = 0  # entries moved disk -> host ahead of their request
-    superseded: int = 0  # entries replaced by a longer one of the same prefix
-    disk_resets: int = 0  # persistent tiers found damaged at open, dropped and started empty
-
-
-class KVStore:
+class KVStore(StoreWrites):
     """Host and persistent tiers behind one index; see the module docstring.
 
     model: the fingerprint of the KV written (`Engine.fingerprint`: model, format, page size);
@@ -156,7 +127,7 @@ class KVStore:
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
         self.max_pending_bytes = max_pending_bytes
-        self._pending: dict[str, _Pending] = {}  # entry key -> its save not yet written
+        self._pending: dict[str, PendingSave] = {}  # entry key -> its save not yet written
         if self.disk is not None:
             self._adopt_disk()
         self._reads = ReadAhead(self.load, max_pending_bytes)
@@ -366,55 +337,6 @@ class KVStore:
             return None
         return arrays, entry.hashes, len(data), entry.approx_from if exact else entry.start
 
-    def recompress(self, key: str, kv_format: str) -> bool:
-        """Rewrite entry `key` in place (its tier, its key) in the smaller KV form
-        `kv_format`: its restores then read that form, converted into the pool's and marked
-        approximate. A tier's put replaces the old bytes only once the new ones are whole,
-        so a failure midway leaves the old entry as it was. False, nothing changed, when
-        the entry is gone, still being saved, unreadable, already in that form, would not
-        get smaller, or its tier failed. Runs where moves run (the writer thread), or with
-        the store idle."""
-        with self._lock:
-            if (self.convert is None or key not in self.index or key in self._pending
-                    or self.placement.where(key) is None):
-                return False
-            tier = self.placement.where(key)
-        return self._recompress(key, tier, kv_format) is True
-
-    def set_recompute_rate(self, token_s: float) -> None:
-        """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
-        for AdaptCache's placement."""
-        if isinstance(self.placement, AdaptStorePlacement):
-            self.placement.recompute_token_s = token_s
-
-    def _recompress(self, key: str, tier: str, kv_format: str) -> bool | None:
-        """`recompress` of the entry the `tier` tier holds: True done, None nothing to do
-        (already in that form, or it would not shrink), False failed (gone, unreadable,
-        the tier's error; the old bytes stay)."""
-        t = self._tier(tier)
-        data, meta = t.get(key), t.meta(key)
-        if data is None or self.convert is None:
-            return False
-        try:
-            info, arrays = decode(data, model=self.model, page_size=self.page_size)
-        except (CorruptEntry, EntryMismatch):
-            return False  # (a read finds, counts and deletes it)
-        if info.kv_format == kv_format:
-            return None
-        hashes = arrays.pop(HASHES)
-        out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key, hashes)
-        if len(out) >= len(data):
-            return None  # forms only shrink
-        try:
-            t.put(key, out, meta or b"")
-        except Exception as e:  # an I/O error: the old bytes stay
-            log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
-            return False
-        with self._lock:
-            more = self.placement.resize(key, len(out))
-        self._apply(more)
-        return True
-
     def read_ahead(self, hit: Hit) -> bool:
         """Have `hit` loaded (`load`) on the store's reader thread unless it is under way
         already; True once the result is ready for `take`. Never waits: a request whose
@@ -441,202 +363,6 @@ class KVStore:
         """Forget the reads ahead of hits not in `keep` (their requests left the queue or
         will recompute): their bytes are freed, a read not started is cancelled."""
         self._reads.drop(keep)
-
-    # ------------------------------------------------------------------ saving
-
-    @property
-    def keeps_approximate(self) -> bool:
-        """Whether this store keeps approximate KV (a lossy store: entries in smaller forms,
-        `store_kv_format` or AdaptCache's); only such a store is saved approximate blocks."""
-        return self.form is not None or isinstance(self.placement, AdaptStorePlacement)
-
-    def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
-             session: str | None = None, rows: int | None = None, start: int = 0,
-             exact_blocks: int | None = None) -> bool:
-        """Queue blocks [start, num_blocks) of a request for the writer (`arrays`: host or
-        device arrays with >= num_blocks - start rows, the first being block `start`, as
-        `Engine.gather` returns them; a tiered row's arrays with >= `rows` rows; `hashes`:
-        the run's hashes from block 0). A tail (`start` > 0) continues the entry ending at
-        block start - 1 (written or queued: `tail_start` says which). False (nothing queued)
-        when there is nothing new (no full block, or an entry already holds these blocks) or
-        a tail has no such entry. `exact_blocks`: the blocks from this one on hold approximate
-        KV (`keeps_approximate` stores only; ValueError otherwise): the entry is restored
-        marked approximate from there."""
-        approx = (None if exact_blocks is None or exact_blocks >= num_blocks
-                  else max(exact_blocks, start))
-        if approx is not None and (not self.keeps_approximate or rows is not None):
-            raise ValueError("exact_blocks: approximate KV is saved only to a lossy store "
-                             "(store_kv_format or eviction_policy adaptcache), never a tiered row")
-        if num_blocks <= start or self._closed or (start and rows is not None):
-            return False
-        hashes = list(hashes[:num_blocks])
-        key = hashes[-1].hex()
-        parent = hashes[start - 1].hex() if start else None
-        nbytes = sum(getattr(x, "nbytes", 0) for x in arrays.values())
-        with self._lock:
-            # a longer run of blocks serves this one; a tiered row (`rows`) only its own
-            held = (key in self.index if rows is not None
-                    else bool(self.index.holders(hashes[-1])))
-            if held or key in self._pending or (parent is not None
-                                                and not self._reachable(parent)):
-                return False
-            if sum(p.nbytes for p in self._pending.values()) + nbytes > self.max_pending_bytes:
-                self.stats.saves_dropped += 1
-                return False
-            pending = self._pending[key] = _Pending(nbytes, hashes[start:], rows is not None,
-                                                    threading.Event(), start, parent)
-
-        def done() -> None:
-            with self._lock:
-                self._pending.pop(key, None)
-            pending.written.set()
-
-        def job() -> None:
-            try:
-                self._write(Entry(hashes[start:], session, parent, start, approx), arrays,
-                            rows)
-            finally:
-                done()
-
-        if not self._submit(job):
-            done()
-            return False
-        return True
-
-    def _write(self, entry: Entry, arrays: Mapping[str, object],
-               rows: int | None = None) -> None:
-        n = len(entry.hashes)
-        whole, rows = rows is not None, n if rows is None else rows
-        host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
-        key = entry.hashes[-1].hex()
-        fmt = self.kv_format if self.form is None or whole else self.form  # (store_kv_format)
-        digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
-        data = self._encode(host, self.kv_format, fmt, n * self.page_size, key, digests)
-        meta = meta_record(self.model, entry.session, entry)
-        with self._lock:
-            if key in self.index or len(data) > max(self.placement.capacity.values()):
-                return  # already stored, or fits no tier (then the shorter runs stay)
-            if entry.parent is not None and entry.parent not in self.index:
-                self.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
-                return
-            # a longer run of blocks replaces shorter ones nothing continues (a tail's
-            # ancestors stay); tiered rows are used whole only
-            older = [] if whole or entry.parent is not None else [
-                h.hex() for h in entry.hashes[:-1]
-                if h.hex() in self.index and not self.index.has_children(h.hex())]
-        for old in older:  # a longer run of the same prefix replaces them
-            self._delete(old)
-            self.stats.superseded += 1
-        with self._lock:  # the entries it continues are not given up to make its room
-            keep = [] if entry.parent is None or entry.parent not in self.index else \
-                self.index.chain(entry.parent)
-            if isinstance(self.placement, AdaptStorePlacement):
-                self.placement.set_read_rates(self.read_bytes_per_s)
-            moves = self.placement.put(key, len(data), self._queue, keep,
-                                       tokens=n * self.page_size)
-        if not self._apply(moves[:-1]) or moves[-1].dst is None:
-            with self._lock:
-                self.placement.drop(key)  # no room was made (or fits nowhere): not stored
-            return
-        try:
-            if moves[-1].form is not None:  # written in the smaller form chosen for it
-                data = self._encode(host, self.kv_format, moves[-1].form, n * self.page_size,
-                                    key, digests)
-            with self._lock:  # its bytes as encoded (a form's size was an estimate)
-                more = self.placement.resize(key, len(data))
-            if not self._apply(more) or self.placement.where(key) != moves[-1].dst:
-                with self._lock:
-                    self.placement.drop(key)  # the room was not made after all
-                return
-            self._tier(moves[-1].dst).put(key, data, meta)
-        except BaseException:
-            with self._lock:
-                self.placement.drop(key)
-            raise
-        with self._lock:
-            orphan = entry.parent is not None and entry.parent not in self.index
-            if not orphan:
-                self.index.add(key, entry)
-        if orphan:  # the room made for it evicted its parent
-            self.stats.saves_dropped += 1
-            self._delete(key)
-            return
-        self.stats.saves += 1
-
-    def _encode(self, arrays: Mapping[str, np.ndarray], src: str, fmt: str, num_tokens: int,
-                key: str, hashes: np.ndarray) -> memoryview:
-        """An entry's bytes in KV format `fmt`, its pages converted from `src` where that
-        differs (a smaller form), with its block hashes."""
-        if fmt != src:
-            arrays = self.convert(arrays, src, fmt)
-        info = EntryInfo(self.model, fmt, self.page_size, num_tokens, key)
-        return encode_aligned(info, {**arrays, HASHES: hashes})
-
-    def _tier(self, name: str) -> HostTier | PersistentTier:
-        return self.host if name == "dram" else self.disk
-
-    def _apply(self, moves: Sequence[Move]) -> bool:
-        """Carry out placement moves of stored entries (in order: each makes the room the
-        next needs). False if one failed (that entry is then deleted)."""
-        ok = True
-        for m in moves:
-            if m.dst is None:
-                self._delete(m.session)
-                self.stats.evictions += 1
-                continue
-            with self._lock:
-                gone = m.session not in self.index  # went with an entry it continued
-            if gone:
-                continue
-            if m.form is not None and self._recompress(m.session, m.src, m.form) is False:
-                log.warning("could not recompress KV entry %s to %s", m.session, m.form)
-                self._delete(m.session)
-                ok = False
-                continue
-            if m.src == m.dst:
-                continue
-            src, dst = self._tier(m.src), self._tier(m.dst)
-            data, meta = src.get(m.session), src.meta(m.session)
-            try:
-                if data is None:
-                    raise KeyError(f"entry {m.session} vanished from the {m.src} tier")
-                dst.put(m.session, data, meta or b"")
-            except Exception as e:  # an I/O error of the tier as much as TierFull
-                log.warning("could not move KV entry %s %s -> %s: %s", m.session, m.src,
-                            m.dst, e)
-                self._delete(m.session)
-                ok = False
-                continue
-            src.delete(m.session)
-            if m.dst == "disk":
-                self.stats.offloads += 1
-            else:
-                self.stats.prefetches += 1
-        return ok
-
-    def _delete(self, key: str) -> None:
-        """Forget an entry and every entry that continues it, and delete their bytes from
-        every tier."""
-        with self._lock:
-            keys = self.index.remove(key) or [key]
-            for k in keys:
-                self.placement.drop(k)
-        for k in keys:
-            for tier in (self.host, self.disk):
-                if tier is not None and k in tier:
-                    tier.delete(k)
-
-    def clear(self) -> None:
-        """Delete every entry of this store's KV (other fingerprints' are left alone)."""
-
-        def clear_all() -> None:
-            with self._lock:
-                keys = list(self.index.entries)
-            for key in keys:
-                self._delete(key)
-
-        self._submit(clear_all)
-        self.flush()
 
     # ------------------------------------------------------------------ hints
 

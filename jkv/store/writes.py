@@ -1,0 +1,327 @@
+"""The KV store's write side (`StoreWrites`, a part of `jkv.store.store.KVStore`).
+
+`save` queues a request's new blocks for the writer thread; `_write` encodes an entry (in the
+store's form, or the one AdaptCache chose for it), has the placement make room and puts it in
+its tier; `_apply` carries out placement moves (evictions, moves between tiers, recompressions
+in place); `recompress` rewrites an entry in a smaller KV form atomically (the tier's put
+replaces the old bytes only once the new ones are whole). A lossy store (entries in smaller
+forms) is also saved approximate blocks, marked in their entry (`Entry.approx_from`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jkv.config import StoreConfig
+from jkv.store.adapt_store import AdaptStorePlacement
+from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
+from jkv.store.index import Entry, EntryIndex, meta_record
+from jkv.store.placement import Move, Placement
+from jkv.store.tiers import HostTier, PersistentTier
+
+log = logging.getLogger("jkv.store.store")
+
+HASHES = "block_hashes"  # the entry array holding its chained block hashes
+
+
+@dataclass
+class PendingSave:
+    """A save queued for the writer: found by `lookup` before it is written (a preempted
+    request readmitted at once), its reads waiting for `written`."""
+
+    nbytes: int
+    hashes: list[bytes]  # its own blocks'
+    whole: bool
+    written: threading.Event
+    start: int = 0  # a tail's first block
+    parent: str | None = None  # a tail's parent: the entry (written or queued) ending before
+
+
+@dataclass
+class StoreStats:
+    saves: int = 0  # entries written
+    saves_dropped: int = 0  # saves refused because the writer was too far behind
+    save_failures: int = 0  # saves that raised (logged; the request was not affected)
+    loads: int = 0  # entries read for a restore
+    read_failures: int = 0  # reads that raised (a failing tier): misses, recomputed
+    corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
+    converted_loads: int = 0  # entries read in another KV form, converted (approximate)
+    evictions: int = 0  # entries dropped from the store to make room
+    offloads: int = 0  # entries moved host -> disk
+    prefetches: int = 0  # entries moved disk -> host ahead of their request
+    superseded: int = 0  # entries replaced by a longer one of the same prefix
+    disk_resets: int = 0  # persistent tiers found damaged at open, dropped and started empty
+
+
+class StoreWrites:
+    """Saving, writing, moving, deleting and recompressing entries; `KVStore` provides the
+    attributes below (its docstring says what they are)."""
+
+    config: StoreConfig
+    model: str
+    kv_format: str
+    page_size: int
+    form: str | None
+    convert: Callable[[dict, str, str], dict] | None
+    host: HostTier
+    disk: PersistentTier | None
+    placement: Placement | AdaptStorePlacement
+    index: EntryIndex
+    stats: StoreStats
+    read_bytes_per_s: dict[str, float]
+    max_pending_bytes: int
+    _lock: threading.Lock
+    _queue: list[str]
+    _closed: bool
+    _pending: dict[str, PendingSave]
+    _submit: Callable[[Callable[[], None]], bool]
+    _reachable: Callable[[str], bool]
+    flush: Callable[[], None]
+
+    @property
+    def keeps_approximate(self) -> bool:
+        """Whether this store keeps approximate KV (a lossy store: entries in smaller forms,
+        `store_kv_format` or AdaptCache's); only such a store is saved approximate blocks."""
+        return self.form is not None or isinstance(self.placement, AdaptStorePlacement)
+
+    def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
+             session: str | None = None, rows: int | None = None, start: int = 0,
+             exact_blocks: int | None = None) -> bool:
+        """Queue blocks [start, num_blocks) of a request for the writer (`arrays`: host or
+        device arrays with >= num_blocks - start rows, the first being block `start`, as
+        `Engine.gather` returns them; a tiered row's arrays with >= `rows` rows; `hashes`:
+        the run's hashes from block 0). A tail (`start` > 0) continues the entry ending at
+        block start - 1 (written or queued: `tail_start` says which). False (nothing queued)
+        when there is nothing new (no full block, or an entry already holds these blocks) or
+        a tail has no such entry. `exact_blocks`: the blocks from this one on hold approximate
+        KV (`keeps_approximate` stores only; ValueError otherwise): the entry is restored
+        marked approximate from there."""
+        approx = (None if exact_blocks is None or exact_blocks >= num_blocks
+                  else max(exact_blocks, start))
+        if approx is not None and (not self.keeps_approximate or rows is not None):
+            raise ValueError("exact_blocks: approximate KV is saved only to a lossy store "
+                             "(store_kv_format or eviction_policy adaptcache), never a tiered row")
+        if num_blocks <= start or self._closed or (start and rows is not None):
+            return False
+        hashes = list(hashes[:num_blocks])
+        key = hashes[-1].hex()
+        parent = hashes[start - 1].hex() if start else None
+        nbytes = sum(getattr(x, "nbytes", 0) for x in arrays.values())
+        with self._lock:
+            # a longer run of blocks serves this one; a tiered row (`rows`) only its own
+            held = (key in self.index if rows is not None
+                    else bool(self.index.holders(hashes[-1])))
+            if held or key in self._pending or (parent is not None
+                                                and not self._reachable(parent)):
+                return False
+            if sum(p.nbytes for p in self._pending.values()) + nbytes > self.max_pending_bytes:
+                self.stats.saves_dropped += 1
+                return False
+            pending = self._pending[key] = PendingSave(nbytes, hashes[start:], rows is not None,
+                                                    threading.Event(), start, parent)
+
+        def done() -> None:
+            with self._lock:
+                self._pending.pop(key, None)
+            pending.written.set()
+
+        def job() -> None:
+            try:
+                self._write(Entry(hashes[start:], session, parent, start, approx), arrays,
+                            rows)
+            finally:
+                done()
+
+        if not self._submit(job):
+            done()
+            return False
+        return True
+
+    def _write(self, entry: Entry, arrays: Mapping[str, object],
+               rows: int | None = None) -> None:
+        n = len(entry.hashes)
+        whole, rows = rows is not None, n if rows is None else rows
+        host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
+        key = entry.hashes[-1].hex()
+        fmt = self.kv_format if self.form is None or whole else self.form  # (store_kv_format)
+        digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
+        data = self._encode(host, self.kv_format, fmt, n * self.page_size, key, digests)
+        meta = meta_record(self.model, entry.session, entry)
+        with self._lock:
+            if key in self.index or len(data) > max(self.placement.capacity.values()):
+                return  # already stored, or fits no tier (then the shorter runs stay)
+            if entry.parent is not None and entry.parent not in self.index:
+                self.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
+                return
+            # a longer run of blocks replaces shorter ones nothing continues (a tail's
+            # ancestors stay); tiered rows are used whole only
+            older = [] if whole or entry.parent is not None else [
+                h.hex() for h in entry.hashes[:-1]
+                if h.hex() in self.index and not self.index.has_children(h.hex())]
+        for old in older:  # a longer run of the same prefix replaces them
+            self._delete(old)
+            self.stats.superseded += 1
+        with self._lock:  # the entries it continues are not given up to make its room
+            keep = [] if entry.parent is None or entry.parent not in self.index else \
+                self.index.chain(entry.parent)
+            if isinstance(self.placement, AdaptStorePlacement):
+                self.placement.set_read_rates(self.read_bytes_per_s)
+            moves = self.placement.put(key, len(data), self._queue, keep,
+                                       tokens=n * self.page_size)
+        if not self._apply(moves[:-1]) or moves[-1].dst is None:
+            with self._lock:
+                self.placement.drop(key)  # no room was made (or fits nowhere): not stored
+            return
+        try:
+            if moves[-1].form is not None:  # written in the smaller form chosen for it
+                data = self._encode(host, self.kv_format, moves[-1].form, n * self.page_size,
+                                    key, digests)
+            with self._lock:  # its bytes as encoded (a form's size was an estimate)
+                more = self.placement.resize(key, len(data))
+            if not self._apply(more) or self.placement.where(key) != moves[-1].dst:
+                with self._lock:
+                    self.placement.drop(key)  # the room was not made after all
+                return
+            self._tier(moves[-1].dst).put(key, data, meta)
+        except BaseException:
+            with self._lock:
+                self.placement.drop(key)
+            raise
+        with self._lock:
+            orphan = entry.parent is not None and entry.parent not in self.index
+            if not orphan:
+                self.index.add(key, entry)
+        if orphan:  # the room made for it evicted its parent
+            self.stats.saves_dropped += 1
+            self._delete(key)
+            return
+        self.stats.saves += 1
+
+    def _encode(self, arrays: Mapping[str, np.ndarray], src: str, fmt: str, num_tokens: int,
+                key: str, hashes: np.ndarray) -> memoryview:
+        """An entry's bytes in KV format `fmt`, its pages converted from `src` where that
+        differs (a smaller form), with its block hashes."""
+        if fmt != src:
+            arrays = self.convert(arrays, src, fmt)
+        info = EntryInfo(self.model, fmt, self.page_size, num_tokens, key)
+        return encode_aligned(info, {**arrays, HASHES: hashes})
+
+    def _tier(self, name: str) -> HostTier | PersistentTier:
+        return self.host if name == "dram" else self.disk
+
+    def _apply(self, moves: Sequence[Move]) -> bool:
+        """Carry out placement moves of stored entries (in order: each makes the room the
+        next needs). False if one failed (that entry is then deleted)."""
+        ok = True
+        for m in moves:
+            if m.dst is None:
+                self._delete(m.session)
+                self.stats.evictions += 1
+                continue
+            with self._lock:
+                gone = m.session not in self.index  # went with an entry it continued
+            if gone:
+                continue
+            if m.form is not None and self._recompress(m.session, m.src, m.form) is False:
+                log.warning("could not recompress KV entry %s to %s", m.session, m.form)
+                self._delete(m.session)
+                ok = False
+                continue
+            if m.src == m.dst:
+                continue
+            src, dst = self._tier(m.src), self._tier(m.dst)
+            data, meta = src.get(m.session), src.meta(m.session)
+            try:
+                if data is None:
+                    raise KeyError(f"entry {m.session} vanished from the {m.src} tier")
+                dst.put(m.session, data, meta or b"")
+            except Exception as e:  # an I/O error of the tier as much as TierFull
+                log.warning("could not move KV entry %s %s -> %s: %s", m.session, m.src,
+                            m.dst, e)
+                self._delete(m.session)
+                ok = False
+                continue
+            src.delete(m.session)
+            if m.dst == "disk":
+                self.stats.offloads += 1
+            else:
+                self.stats.prefetches += 1
+        return ok
+
+    def _delete(self, key: str) -> None:
+        """Forget an entry and every entry that continues it, and delete their bytes from
+        every tier."""
+        with self._lock:
+            keys = self.index.remove(key) or [key]
+            for k in keys:
+                self.placement.drop(k)
+        for k in keys:
+            for tier in (self.host, self.disk):
+                if tier is not None and k in tier:
+                    tier.delete(k)
+
+    def clear(self) -> None:
+        """Delete every entry of this store's KV (other fingerprints' are left alone)."""
+
+        def clear_all() -> None:
+            with self._lock:
+                keys = list(self.index.entries)
+            for key in keys:
+                self._delete(key)
+
+        self._submit(clear_all)
+        self.flush()
+
+    def recompress(self, key: str, kv_format: str) -> bool:
+        """Rewrite entry `key` in place (its tier, its key) in the smaller KV form
+        `kv_format`: its restores then read that form, converted into the pool's and marked
+        approximate. A tier's put replaces the old bytes only once the new ones are whole,
+        so a failure midway leaves the old entry as it was. False, nothing changed, when
+        the entry is gone, still being saved, unreadable, already in that form, would not
+        get smaller, or its tier failed. Runs where moves run (the writer thread), or with
+        the store idle."""
+        with self._lock:
+            if (self.convert is None or key not in self.index or key in self._pending
+                    or self.placement.where(key) is None):
+                return False
+            tier = self.placement.where(key)
+        return self._recompress(key, tier, kv_format) is True
+
+    def set_recompute_rate(self, token_s: float) -> None:
+        """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
+        for AdaptCache's placement."""
+        if isinstance(self.placement, AdaptStorePlacement):
+            self.placement.recompute_token_s = token_s
+
+    def _recompress(self, key: str, tier: str, kv_format: str) -> bool | None:
+        """`recompress` of the entry the `tier` tier holds: True done, None nothing to do
+        (already in that form, or it would not shrink), False failed (gone, unreadable,
+        the tier's error; the old bytes stay)."""
+        t = self._tier(tier)
+        data, meta = t.get(key), t.meta(key)
+        if data is None or self.convert is None:
+            return False
+        try:
+            info, arrays = decode(data, model=self.model, page_size=self.page_size)
+        except (CorruptEntry, EntryMismatch):
+            return False  # (a read finds, counts and deletes it)
+        if info.kv_format == kv_format:
+            return None
+        hashes = arrays.pop(HASHES)
+        out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key, hashes)
+        if len(out) >= len(data):
+            return None  # forms only shrink
+        try:
+            t.put(key, out, meta or b"")
+        except Exception as e:  # an I/O error: the old bytes stay
+            log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
+            return False
+        with self._lock:
+            more = self.placement.resize(key, len(out))
+        self._apply(more)
+        return True
