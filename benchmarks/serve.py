@@ -233,6 +233,9 @@ def summarize(results: list[dict], elapsed: float, before: dict, after: dict) ->
         "prompt_tokens_computed": delta("jkv_prompt_tokens_total"),
         "preemptions": delta("jkv_preemptions_total"),
         "compilations": delta("jkv_compilations_total"),
+        "store": {k: delta(f"jkv_store_{k}_total") for k in (
+            "saves", "evictions", "converted_loads", "misses", "restores_declined",
+            "restores_abandoned")},
         "ttft_all_s": sorted(r["ttft"] for r in ok),
     }
 

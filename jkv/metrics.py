@@ -25,6 +25,12 @@ _STORE_COUNTERS = (  # (key of stats()["store"], metric name, help)
      "Stored KV entries read in another KV form and converted to the pool's (approximate)."),
     ("disk_resets", "jkv_store_disk_resets",
      "Persistent KV stores found damaged when opened (their entries dropped, started empty)."),
+    ("misses", "jkv_store_misses",
+     "Store hits that could not be restored (gone, corrupt, a failing tier): recomputed."),
+    ("restores_declined", "jkv_store_restores_declined",
+     "Store hits recomputed because that was measured to be faster than loading them."),
+    ("restores_abandoned", "jkv_store_restores_abandoned",
+     "Store hits whose read outlasted recomputing them: recomputed."),
 )
 _GAUGES = (  # (stats key = metric name without the prefix, help)
     ("num_requests_running", "Requests holding a sequence slot."),

@@ -416,4 +416,12 @@ def test_a_conversation_restored_from_a_smaller_form_goes_on_in_it(params):
     generate_all(sched, [turn3])
     assert sched.snapshot()["prefix_hit_tokens"]["host"] - before == hit.blocks * 8
     assert turn3.finish_reason == "length"
+    from jkv.metrics import Metrics
+
+    metrics, snap = Metrics(), sched.snapshot()
+    metrics.sync(snap)
+    text = metrics.render().decode()
+    assert snap["store"]["converted_loads"] >= 2 and snap["store"]["misses"] == 0
+    for key in ("converted_loads", "misses", "restores_declined", "restores_abandoned"):
+        assert f"jkv_store_{key}_total {float(snap['store'][key])}" in text
     sched.store.close()
