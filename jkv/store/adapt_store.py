@@ -16,6 +16,7 @@ from collections.abc import Collection, Hashable, Sequence
 
 from jkv.kv_format import KV_FORMATS
 from jkv.store.adapt import AdaptPlacement, Form, Tier
+from jkv.store.adapt import Move as AdaptMove
 from jkv.store.adapt_profile import Profile
 from jkv.store.placement import Move
 
@@ -126,7 +127,7 @@ def _move(m) -> Move:
     return Move(m.key, m.src, m.dst, form)
 
 
-def _in_order(moves: Sequence) -> list[Move]:
+def _in_order(moves: Sequence[AdaptMove]) -> list[Move]:
     """AdaptPlacement's moves as the store can carry them out one by one: each entry's
     moves as one (where it was, where and in what form it ends), evictions first, then
     recompressions in place, then moves down a tier. The greedy fits the fastest tier
@@ -140,7 +141,7 @@ def _in_order(moves: Sequence) -> list[Move]:
     out = []
     for key, a in first.items():
         b = last[key]
-        net = _move(type(a)(key, a.src, b.dst, a.old, b.new))
+        net = _move(AdaptMove(key, a.src, b.dst, a.old, b.new))
         if net.dst == net.src and net.form is None:
             continue  # back where and as it was
         out.append(net)

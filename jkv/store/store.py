@@ -366,6 +366,12 @@ class KVStore(StoreWrites):
 
     # ------------------------------------------------------------------ hints
 
+    def set_recompute_rate(self, token_s: float) -> None:
+        """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
+        for AdaptCache's placement."""
+        if isinstance(self.placement, AdaptStorePlacement):
+            self.placement.recompute_token_s = token_s
+
     def hint(self, waiting: Sequence[str]) -> None:
         """The scheduler's queue: entry keys of the waiting requests in the order they will
         run. Eviction keeps them; the scheduler-aware policy prefetches them disk -> host."""

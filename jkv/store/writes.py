@@ -24,7 +24,7 @@ from jkv.store.index import Entry, EntryIndex, meta_record
 from jkv.store.placement import Move, Placement
 from jkv.store.tiers import HostTier, PersistentTier
 
-log = logging.getLogger("jkv.store.store")
+log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 
 HASHES = "block_hashes"  # the entry array holding its chained block hashes
 
@@ -291,12 +291,6 @@ class StoreWrites:
                 return False
             tier = self.placement.where(key)
         return self._recompress(key, tier, kv_format) is True
-
-    def set_recompute_rate(self, token_s: float) -> None:
-        """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
-        for AdaptCache's placement."""
-        if isinstance(self.placement, AdaptStorePlacement):
-            self.placement.recompute_token_s = token_s
 
     def _recompress(self, key: str, tier: str, kv_format: str) -> bool | None:
         """`recompress` of the entry the `tier` tier holds: True done, None nothing to do
