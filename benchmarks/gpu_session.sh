@@ -19,6 +19,8 @@
 #   bash benchmarks/gpu_session.sh 8    # issue 17, 4: the whole suite compiled (500 s; carry
 #                                       # .whl for the server's packages, as for 5)
 #   bash benchmarks/gpu_session.sh 9    # the tests of the float16 rounding fix compiled (150 s)
+#   bash benchmarks/gpu_session.sh 10   # issue 16: stored forms' decode rates (30 s; needs
+#                                       # tqdm, as the others)
 # Order: 5 (issue 15's acceptance at 8B shape: its first try, 2026-11-28, ran out at 560 s with
 # nothing written; it now writes after each setting, the acceptance pair first). 9 passed on
 # 2026-11-28 (the float16 rounding fix, compiled: 120 s); 8, 6 and 4 ran on 2026-11-28.
@@ -142,8 +144,15 @@ case ${1:-1} in
     step 150 fix_tests python -m pytest -p no:cacheprovider -n 14 -q -rfE --timeout 140 \
         tests/test_kv_write.py tests/test_engine_formats.py tests/test_quantize_write.py
     logs="fix_tests" ;;
+10)
+    # issue 16: each stored form's decode rate on the GPU (AdaptCache's load term), into a
+    # copy of the shipped profile that comes back under $out (30 s)
+    cp jkv/store/profiles/smollm2-135m.json "$out/smollm2-135m-profile.json"
+    step 120 adapt_decode python benchmarks/adapt_profile.py --decode --out "$out" \
+        --update "$out/smollm2-135m-profile.json"
+    logs="adapt_decode" ;;
 *)
-    echo "usage: $0 1|2|3|4|5|6|7|8|9" >&2
+    echo "usage: $0 1|2|3|4|5|6|7|8|9|10" >&2
     exit 2 ;;
 esac
 for f in $logs; do

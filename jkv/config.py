@@ -403,8 +403,10 @@ class StoreConfig:
                 "the pool's own"})
     adapt_profile: str | None = field(default=None, metadata={
         "help": "with eviction_policy adaptcache: the quality profile of the compressed "
-                "forms (JSON, written by benchmarks/adapt_profile.py); default: the one jkv "
-                "ships, measured on the embedded SmolLM2-135M (measure your model's own)"})
+                "forms (JSON, written by benchmarks/adapt_profile.py), with each form's "
+                "decode rate per backend (assumed until the store measures its own); "
+                "default: the one jkv ships, measured on the embedded SmolLM2-135M (measure "
+                "your model's own)"})
     adapt_alpha: float = field(default=1.0, metadata={
         "help": "with eviction_policy adaptcache: seconds of load time a whole unit of "
                 "answer quality is worth (higher keeps entries larger)"})

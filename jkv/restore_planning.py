@@ -3,7 +3,8 @@ functions over measured rates (`RestoreRates`) and the KV cache manager's `PageC
 policy can be unit-tested without a model, an engine or a store.
 
 A store hit past the device prefix cache's hit is restored only while loading
-it is expected to beat recomputing it (`restore_pays`, from measured rates); every
+it (reading it, converting what is stored in another form, writing it into the pool) is
+expected to beat recomputing it (`restore_pays`, from measured rates); every
 `PROBE_EVERY`-th declined hit is restored anyway, so that rates measured once (badly, or
 before the load changed) are measured again. A restored hit may be split (Krul 6.1, eq. 1):
 a share r_c of it recomputed while the rest loads, r_c balancing the two (`split_share`);
@@ -13,7 +14,7 @@ full load (0) and full recompute (declining the hit) are its two ends.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jkv.cache.page_cost import PageCost
@@ -25,13 +26,16 @@ PROBE_EVERY = 16  # of the store hits restore planning declines, one is restored
 
 
 def restore_pays(tokens: int, read_bytes: int, write_bytes: int, read_bytes_per_s: float,
-                 write_bytes_per_s: float, prefill_token_seconds: float) -> bool:
+                 write_bytes_per_s: float, prefill_token_seconds: float,
+                 convert_s: float = 0.0) -> bool:
     """Restore planning: is loading `tokens` tokens of KV (reading `read_bytes` from a store
-    tier, writing `write_bytes` into the pool) expected to beat recomputing them? From
-    measured rates; True until all three have been measured (loading is the usual winner)."""
+    tier, converting what is stored in another form in `convert_s` seconds, writing
+    `write_bytes` into the pool) expected to beat recomputing them? From measured rates;
+    True until the read, write and prefill rates have been measured (loading is the usual
+    winner)."""
     if not (read_bytes_per_s and write_bytes_per_s and prefill_token_seconds):
         return True
-    load = read_bytes / read_bytes_per_s + write_bytes / write_bytes_per_s
+    load = read_bytes / read_bytes_per_s + convert_s + write_bytes / write_bytes_per_s
     return load < tokens * prefill_token_seconds
 
 
@@ -60,6 +64,14 @@ class RestoreRates:
     write_bytes_per_s: float  # host arrays into the pool (`Engine.load_bytes_per_s`)
     prefill_token_seconds: float  # computing one prompt token
     split_overlap: float = 0.0  # `split_share`'s overlap (`Engine.split_overlap`)
+    # converting an entry stored in another form into the pool's, per stored KV format
+    convert_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
+
+    def convert_seconds(self, hit: Hit) -> float:
+        """Seconds converting `hit`'s entries stored in other forms takes (`Hit.converted`;
+        a format not measured yet counts nothing)."""
+        return sum(n / rate for fmt, n in hit.converted
+                   if (rate := self.convert_bytes_per_s.get(fmt, 0.0)) > 0)
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,7 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
     if (hit is not None and tokens > cached and planning and not probe and not restore_pays(
             tokens - cached, hit.entry_bytes, hit.blocks_bytes,
             rates.read_bytes_per_s[hit.tier], rates.write_bytes_per_s,
-            rates.prefill_token_seconds)):
+            rates.prefill_token_seconds, rates.convert_seconds(hit))):
         if not declined:
             newly = True
             probe = (declined_count + 1) % PROBE_EVERY == 0
@@ -115,7 +127,8 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
         share = split_share((tokens - cached) * rates.prefill_token_seconds,
                             hit.blocks_bytes * (tokens - cached) / tokens
                             / rates.write_bytes_per_s,
-                            hit.entry_bytes / read_rate, rates.split_overlap)
+                            hit.entry_bytes / read_rate + rates.convert_seconds(hit),
+                            rates.split_overlap)
     # restoring takes new pages for the stored blocks past the device hit
     return RestoreDecision(tokens, hit, cost.grow(cached, tokens - cached),
                            blocks if rebase else 0, newly, probe, share)

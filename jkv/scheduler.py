@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+import jax
+
 from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine import Engine, Row, Sampled
 from jkv.layer_major import layers_for
@@ -51,7 +53,8 @@ class Scheduler(StoreSide):
                             page_size=engine.page_size,
                             aligned_reads=engine.aligned_host_arrays,
                             convert=engine.convert_stored,
-                            bf16_ratio=engine.kv_bf16_ratio)
+                            bf16_ratio=engine.kv_bf16_ratio,
+                            backend=jax.default_backend())
         self.store = store
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -329,7 +332,8 @@ class Scheduler(StoreSide):
                             "prefill_row": budget.prefill_row_seconds,
                             "offload_layer": budget.offload_layer_seconds}
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
-                             eng.connector.load_bytes_per_s, token_s, eng.split_overlap)
+                             eng.connector.load_bytes_per_s, token_s, eng.split_overlap,
+                             {} if self.store is None else self.store.convert_bytes_per_s)
         waiting, queued, decisions, cached = [], [], {}, {}
         declined = self.stats.restores_declined
         for r in self.waiting:

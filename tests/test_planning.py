@@ -289,6 +289,20 @@ def test_a_hit_cheaper_to_recompute_is_declined_once():
                    declined=True).restore
 
 
+def test_a_hit_stored_in_another_form_counts_converting_it():
+    stored = hit(30)._replace(converted=(("k4v2t", 2 * MB),))
+    assert restore(16, stored).restore  # the conversion's rate not measured yet: as before
+    # 4.6 ms of compute against 4 ms of reading and writing: loaded; converting 2 MB at
+    # 1 GB/s on top (6 ms): recomputed
+    slow = dataclasses.replace(FAST, convert_bytes_per_s={"k4v2t": 1e9})
+    assert slow.convert_seconds(stored) == pytest.approx(2e-3)
+    assert slow.convert_seconds(hit(30)) == 0.0  # nothing stored in another form
+    assert restore(16, hit(30), rates=slow).restore
+    assert restore(16, stored, rates=slow) == RestoreDecision(held=16, newly_declined=True)
+    fast = dataclasses.replace(FAST, convert_bytes_per_s={"k4v2t": 1e11})
+    assert restore(16, stored, rates=fast).restore
+
+
 def test_rates_not_measured_yet_restore():
     d = restore(0, hit(10), rates=UNMEASURED)
     assert d.restore and d.held == 10 * PS and not d.newly_declined

@@ -382,6 +382,8 @@ def test_adaptcache_and_a_fixed_small_form_keep_more_histories_in_host_memory(pa
         assert all(r.finish_reason == "length" for r in turn2)
         outcome[policy] = (snap["entries"]["host"], sched.snapshot()["prefix_hit_tokens"]["host"],
                            sched.store.snapshot()["converted_loads"])
+        if fixed:  # histories of one padded size: the conversions after the first timed
+            assert set(sched.store.snapshot()["convert_bytes_per_s"]) == {"k4v2t"}
         sched.store.close()
     (lru_entries, lru_hits, lru_converted), (ac_entries, ac_hits, ac_converted) = \
         outcome["lru"], outcome["adaptcache"]

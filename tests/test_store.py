@@ -576,6 +576,48 @@ def test_a_recompression_killed_midway_leaves_the_old_entry(tmp_path, monkeypatc
     s.close()
 
 
+def test_a_stored_forms_conversion_is_timed_apart_from_the_tiers_read(tmp_path):
+    """Restore planning and AdaptCache weigh reading a tier and converting a stored form
+    separately: a load's conversion is left out of the tier's read rate and measured per
+    stored format (the first at a block count left out: it compiles), and a hit names the
+    forms of its chain, also after a reopen (the entry's record keeps its form)."""
+    pause = 0.2
+
+    def slow_half(arrays, src, dst):
+        if dst != "half":  # converting back into the pool's format
+            time.sleep(pause)
+        return half(arrays, src, dst)
+
+    def opened() -> KVStore:
+        return KVStore(StoreConfig(store_dir=str(tmp_path), host_cache_bytes=0,
+                                   disk_cache_bytes=1 << 24),
+                       model="m", kv_format="auto", page_size=PAGE, convert=slow_half)
+
+    rng = np.random.default_rng()
+    runs = [chain(rng.integers(0, 1000, 4 * PAGE).tolist()) for _ in range(2)]
+    s = opened()
+    for hashes in runs:
+        assert s.save(4, blocks(4, rng), hashes)
+    s.flush()
+    assert s.lookup(runs[0]).converted == ()
+    assert s.recompress(runs[0][-1].hex(), "half")
+    s.close()
+    s = opened()
+    hit = s.lookup(runs[0])
+    assert hit.converted == (("half", hit.entry_bytes),)
+    assert s.lookup(runs[1]).converted == ()
+    s.load(hit)
+    assert s.snapshot()["convert_bytes_per_s"] == {}  # the first at its size compiles
+    for _ in range(2):
+        s.load(hit)
+    assert s.snapshot()["converted_loads"] == 3
+    convert = s.snapshot()["convert_bytes_per_s"]["half"]
+    assert 0.5 * hit.entry_bytes / pause < convert < hit.entry_bytes / pause
+    # the tier's rate is its reads' alone (a tiny entry's read takes far less than `pause`)
+    assert s.read_bytes_per_s["disk"] > 4 * hit.entry_bytes / pause
+    s.close()
+
+
 def test_a_lossy_store_keeps_approximate_blocks_marked_and_an_exact_one_refuses_them(tmp_path):
     """Blocks whose KV is approximate (a history restored from a smaller form, and what was
     computed over it) are saved only to a store that keeps such KV, and restore marked

@@ -50,6 +50,27 @@ def test_quality_heavy_alpha_moves_down_a_tier_and_delay_heavy_alpha_compresses(
         assert p.bytes_used("dram") <= 64 * MB
 
 
+@pytest.mark.parametrize("slow_decode", [False, True])
+def test_a_form_slow_to_decode_is_worth_less_than_its_bytes_say(slow_decode):
+    """The load term counts converting a compressed form back: where that is slow, moving
+    the whole entry down a tier beats compressing it in the fast one."""
+    slow = {f"m{i}": 1e8 for i in (1, 2, 3)}  # 20 MB of m1 in 0.2 s, past 40 MB from disk
+    for how in ("profile", "measured"):
+        p = AdaptPlacement(tiers(64 * MB, 1000 * MB), alpha=0.0,
+                           decode_bps=slow if slow_decode and how == "profile" else None)
+        if slow_decode and how == "measured":
+            for method, bps in slow.items():
+                p.set_decode_rate(method, bps)
+        p.put("a", forms(40 * MB), recompute_s=1.0, now=0.0)
+        p.access("a", now=1.0)
+        p.put("b", forms(40 * MB), recompute_s=1.0, now=2.0)
+        got = sorted((p.where(k)[0], p.where(k)[1].method) for k in "ab")
+        if slow_decode:
+            assert got == [("disk", "full"), ("dram", "full")], how
+        else:
+            assert [t for t, _ in got] == ["dram", "dram"]
+
+
 def test_the_hot_entry_keeps_its_place_and_the_cold_one_gives_way():
     p = AdaptPlacement(tiers(64 * MB, 1000 * MB), alpha=100.0)
     p.put("hot", forms(40 * MB), recompute_s=1.0, now=0.0)
@@ -108,7 +129,8 @@ def test_kept_entries_move_only_when_nothing_else_can_make_room():
     (dict(quality_floor=1.5), "quality_floor"), (dict(half_life=0.0), "half_life"),
     (dict(tiers=[Tier("dram", -1, 1e9)]), "capacity"),
     (dict(tiers=[Tier("dram", 1, 0.0)]), "read_bps"),
-    (dict(tiers=[Tier("x", 1, 1.0), Tier("x", 1, 1.0)]), "distinct")])
+    (dict(tiers=[Tier("x", 1, 1.0), Tier("x", 1, 1.0)]), "distinct"),
+    (dict(decode_bps={"m1": 0.0}), "decode_bps")])
 def test_bad_settings_name_the_field(kw, field):
     args = {"tiers": tiers(1, 1), "alpha": 1.0, **kw}
     with pytest.raises(ValueError, match=field):
@@ -211,6 +233,24 @@ def test_a_profile_gives_each_kind_its_forms_largest_of_a_method_first(tmp_path)
     assert [f.quality for f in profile.forms(1000, methods=("window",))] == [1.0,
                                                                            pytest.approx(0.65)]
     assert profile.forms(1000, full_bytes=2000)[0].size == 2000
+    timed = Profile.from_json({**PROFILE, "decode_bps": {"cpu": {"k4": 3e8}}})
+    assert timed.decode_bps == {"cpu": {"k4": 3e8}} and profile.decode_bps == {}
+    assert Profile.from_json(timed.to_json()) == timed
+
+
+def test_a_store_assumes_its_backends_profiled_decode_rates_until_it_measures_its_own():
+    from jkv.store.adapt_store import AdaptStorePlacement
+
+    profile = Profile.from_json({"model": "m", "metric": "top1_agreement", "kinds": ["chat"],
+                                 "methods": {"k4v2t": [{"rate": 0.2, "quality": {"chat": 0.9}}],
+                                             "window": [{"rate": 0.3, "quality": {"chat": 0.8}}]},
+                                 "decode_bps": {"cpu": {"k4v2t": 3e8, "window": 1e9},
+                                                "gpu": {"k4v2t": 5e10}}})
+    for backend, assumed in (("cpu", {"k4v2t": 3e8}), ("gpu", {"k4v2t": 5e10}), ("tpu", {})):
+        p = AdaptStorePlacement(profile, 1.0, 0.0, MB, MB, backend=backend)
+        assert p.adapt.decode_bps == assumed  # (only forms the store can hold)
+        p.set_decode_rates({"k4v2t": 2e8})
+        assert p.adapt.decode_bps == {"k4v2t": 2e8}
 
 
 @pytest.mark.parametrize("change, field", [
@@ -219,6 +259,8 @@ def test_a_profile_gives_each_kind_its_forms_largest_of_a_method_first(tmp_path)
     (lambda d: d["methods"]["k4"][1]["quality"].pop("code"), r"k4\[1\].quality"),
     (lambda d: d["methods"]["window"][0]["quality"].update(prose=2.0), "quality values"),
     (lambda d: d["methods"].update(full=[]), "full"),
+    (lambda d: d.update(decode_bps={"cpu": {"k4": -1}}), r"decode_bps.cpu.k4"),
+    (lambda d: d.update(decode_bps={"cpu": {"k8": 1e9}}), r"decode_bps.cpu.k8: not a method"),
 ])
 def test_a_bad_profile_names_the_field(change, field):
     data = copy.deepcopy(PROFILE)

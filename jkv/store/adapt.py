@@ -5,9 +5,12 @@ compression method at a rate: its bytes and the answer quality it keeps, from of
 profiles) in any tier (each with a byte capacity and a read rate), or not at all (recomputed
 when used: full quality, a prefill's time). Its utility where it is held is
 
-    Utility(i) = Freq(i) * (alpha * Quality(i, M, R) - size(i, M, R) / Bandwidth(tier))
+    Utility(i) = Freq(i) * (alpha * Quality(i, M, R) - size(i, M, R) / Bandwidth(tier)
+                            - size(i, M, R) / Decode(M))
 
-(seconds: alpha weighs quality against load time). Held nowhere, the delay is recomputing
+(seconds: alpha weighs quality against load time; Decode(M): the rate a form of method M is
+converted back at, from the profile and then as the store measures it; unknown: free, as the
+full form is). Held nowhere, the delay is recomputing
 it, and so it is where loading would take longer (the engine recomputes then, at full
 quality). When a tier is over its capacity, the choice that loses the least utility per byte it
 frees there goes next (the greedy multiple-choice knapsack step of the paper): a smaller form
@@ -32,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,8 +61,8 @@ class Form:
 
 @dataclass(frozen=True)
 class Tier:
-    """A store tier: its byte capacity and the rate an entry is brought back from it at
-    (read and decode, bytes per second)."""
+    """A store tier: its byte capacity and the rate its entries are read at (bytes per
+    second; converting a compressed form back is its method's decode rate on top)."""
 
     name: str
     capacity: int
@@ -93,7 +96,8 @@ class AdaptPlacement:
     """Which form and tier each stored entry has, and the policy that changes them."""
 
     def __init__(self, tiers: Sequence[Tier], alpha: float, quality_floor: float = 0.0,
-                 half_life: float = 600.0) -> None:
+                 half_life: float = 600.0,
+                 decode_bps: Mapping[str, float] | None = None) -> None:
         if not tiers:
             raise ValueError("tiers must name at least one tier")
         names = [t.name for t in tiers]
@@ -110,6 +114,10 @@ class AdaptPlacement:
             raise ValueError(f"quality_floor must be in [0, 1], got {quality_floor}")
         if not half_life > 0:
             raise ValueError(f"half_life must be > 0, got {half_life}")
+        for method, bps in (decode_bps or {}).items():
+            if not bps > 0:
+                raise ValueError(f"decode_bps[{method!r}] must be > 0, got {bps}")
+        self.decode_bps = dict(decode_bps or {})  # a method's forms converted back, bytes/s
         self.tiers = tuple(tiers)
         self.alpha = alpha
         self.quality_floor = quality_floor
@@ -228,6 +236,14 @@ class AdaptPlacement:
             for e in self._entries.values():
                 e.cheapest = False
 
+    def set_decode_rate(self, method: str, bps: float) -> None:
+        """`method`'s forms are converted back at `bps` stored bytes per second (measured
+        by the store as it reads them)."""
+        if bps > 0 and self.decode_bps.get(method) != bps:
+            self.decode_bps[method] = bps
+            for e in self._entries.values():
+                e.cheapest = False
+
     def keys(self, tier: str) -> list[Hashable]:
         """The entries `tier` holds, most used first."""
         t = self._index[tier]
@@ -250,7 +266,10 @@ class AdaptPlacement:
         if tier < 0:
             return recompute
         f = _form(e, form)
-        return max(self.alpha * f.quality - f.size / self.tiers[tier].read_bps, recompute)
+        load = f.size / self.tiers[tier].read_bps
+        if decode := self.decode_bps.get(f.method):
+            load += f.size / decode
+        return max(self.alpha * f.quality - load, recompute)
 
     def _cheapest(self, e: _Entry) -> tuple[float, int, int] | None:
         """(utility drop per byte freed in its tier over Freq, form, tier) of the cheapest

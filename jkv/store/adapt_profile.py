@@ -10,7 +10,11 @@ method's bytes over bf16 pages' bytes for the same tokens). JSON:
                  "k4v2t": [{"rate": 0.22, "quality": {...}, "family": "quantized"}], ...}}
 
 A point's family (default: its method) names the forms made from any larger one of the
-family at the quality measured from the full KV (`jkv.store.adapt.Form`). `Profile.default()`:
+family at the quality measured from the full KV (`jkv.store.adapt.Form`). Optional
+`"decode_bps": {"cpu": {"k4v2t": 4.1e8, ...}}`: per JAX backend, the stored bytes per
+second an entry of each method is converted back into a model-dtype pool at (the decode
+cost of the paper's estimator; `adapt_profile.py --decode` measures it), what the store
+assumes until it has measured its own. `Profile.default()`:
 the one shipped for the embedded model (SmolLM2-135M), used when none is given.
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -40,6 +44,7 @@ class Profile:
     metric: str
     kinds: tuple[str, ...]
     methods: Mapping[str, tuple[Point, ...]]
+    decode_bps: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping) -> Profile:
@@ -70,7 +75,17 @@ class Profile:
                     raise ValueError(f"{where}.family must be a name")
                 out.append(Point(float(rate), quality, family))
             methods[method] = tuple(sorted(out, key=lambda p: -p.rate))
-        return cls(str(data["model"]), str(data["metric"]), kinds, methods)
+        decode: dict[str, dict[str, float]] = {}
+        for backend, rates in dict(data.get("decode_bps", {})).items():
+            decode[backend] = {}
+            for method, bps in dict(rates).items():
+                where = f"profile: decode_bps.{backend}.{method}"
+                if method not in methods:
+                    raise ValueError(f"{where}: not a method of the profile")
+                if not isinstance(bps, int | float) or isinstance(bps, bool) or not bps > 0:
+                    raise ValueError(f"{where} must be a number > 0, got {bps!r}")
+                decode[backend][method] = float(bps)
+        return cls(str(data["model"]), str(data["metric"]), kinds, methods, decode)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -91,7 +106,9 @@ class Profile:
         return {"model": self.model, "metric": self.metric, "kinds": list(self.kinds),
                 "methods": {m: [{"rate": p.rate, "quality": dict(p.quality),
                                  **({"family": p.family} if p.family else {})}
-                                for p in points] for m, points in self.methods.items()}}
+                                for p in points] for m, points in self.methods.items()},
+                **({"decode_bps": {b: dict(r) for b, r in self.decode_bps.items()}}
+                   if self.decode_bps else {})}
 
     def forms(self, bf16_bytes: int, kind: str | None = None,
               methods: tuple[str, ...] | None = None,

@@ -6,7 +6,8 @@ answers: a move may also name the KV format an entry is recompressed to (`Move.f
 store's `recompress`). The forms an entry can take are the profile's quantized methods that
 are KV formats this jkv can write (`jkv.kv_format.KV_FORMATS`), sized from the entry's
 bytes; the store's pool keeps KV in the model dtype (a profile's rates are against it).
-Recompute seconds per token and the tiers' read rates come from the running store.
+Recompute seconds per token, the tiers' read rates and each form's decode (conversion) rate
+come from the running store.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ class AdaptStorePlacement:
 
     bf16_ratio: an entry's bf16 bytes over its stored bytes (2 / the dtype's itemsize for a
     pool in the model dtype: float32 pages are twice a profile's bf16 ones). half_life:
-    seconds over which an entry's uses halve (`AdaptPlacement`).
+    seconds over which an entry's uses halve (`AdaptPlacement`). backend: the JAX backend
+    the store's conversions run on: the profile's decode rates for it are assumed until the
+    store measures its own (`set_decode_rates`).
     """
 
     policy = "adaptcache"
 
     def __init__(self, profile: Profile, alpha: float, quality_floor: float, dram_bytes: int,
-                 disk_bytes: int, bf16_ratio: float = 1.0, half_life: float = 600.0) -> None:
+                 disk_bytes: int, bf16_ratio: float = 1.0, half_life: float = 600.0,
+                 backend: str = "cpu") -> None:
         self.capacity = {"dram": dram_bytes, "disk": disk_bytes}
         self.methods = tuple(m for m in profile.methods if m in KV_FORMATS)
         if not self.methods:
@@ -44,7 +48,9 @@ class AdaptStorePlacement:
         self.profile, self.bf16_ratio = profile, bf16_ratio
         self.adapt = AdaptPlacement(
             [Tier(name, cap, DEFAULT_READ_BPS[name]) for name, cap in self.capacity.items()],
-            alpha=alpha, quality_floor=quality_floor, half_life=half_life)
+            alpha=alpha, quality_floor=quality_floor, half_life=half_life,
+            decode_bps={m: bps for m, bps in profile.decode_bps.get(backend, {}).items()
+                        if m in self.methods})
         self.recompute_token_s = 0.0  # a recomputed token's seconds (the scheduler's measure)
         self.bytes_per_token = 0.0  # stored bytes of a token (learned from the entries)
 
@@ -74,6 +80,12 @@ class AdaptStorePlacement:
         """The store's measured read rates ("host"/"disk", bytes per second; 0: unknown)."""
         for tier, name in (("dram", "host"), ("disk", "disk")):
             self.adapt.set_read_rate(tier, rates.get(name, 0.0))
+
+    def set_decode_rates(self, rates: dict[str, float]) -> None:
+        """The store's measured conversion rates (stored KV format -> bytes per second; a
+        format is a method here)."""
+        for method, bps in rates.items():
+            self.adapt.set_decode_rate(method, bps)
 
     def access(self, key: Hashable) -> str | None:
         got = self.adapt.access(key, time.monotonic())

@@ -21,13 +21,15 @@ from typing import NamedTuple
 class Hit(NamedTuple):
     """The longest stored run of a prompt's blocks: `blocks` blocks of entry `key` (with the
     entries it continues), which take `entry_bytes` to read and hold `blocks_bytes` for
-    these blocks."""
+    these blocks; `converted`: (KV format, stored bytes) of the entries among them stored
+    in another form than the pool's, which a read converts (restore planning's decode cost)."""
 
     key: str
     blocks: int
     tier: str  # "host" or "disk": where the chain is read from (disk if any of it is)
     entry_bytes: int = 0
     blocks_bytes: int = 0
+    converted: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Entry:
     # blocks from this one on (in the run; None: none) hold approximate KV (saved by a lossy
     # store from a conversation restored from a smaller form): restored marked approximate
     approx_from: int | None = None
+    form: str | None = None  # the KV format it is stored in when not the pool's
 
     @property
     def stop(self) -> int:
@@ -53,6 +56,8 @@ def meta_record(model: str, session: str | None, entry: Entry) -> bytes:
         head |= {"parent": entry.parent, "start": entry.start}
     if entry.approx_from is not None:
         head |= {"approx_from": entry.approx_from}
+    if entry.form is not None:
+        head |= {"form": entry.form}
     return json.dumps(head).encode() + b"\n" + b"".join(entry.hashes)
 
 
@@ -64,12 +69,14 @@ def parse_meta(data: bytes) -> tuple[str, Entry] | None:
         n, size = int(h["blocks"]), len(raw) // max(int(h["blocks"]), 1)
         start, parent = int(h.get("start", 0)), h.get("parent")
         approx = None if h.get("approx_from") is None else int(h["approx_from"])
-        if (n < 1 or len(raw) != n * size or size not in (16, 32)
+        form = h.get("form")
+        if (not isinstance(form, str | None) or n < 1 or len(raw) != n * size
+                or size not in (16, 32)
                 or (parent is None) != (start == 0) or start < 0
                 or (approx is not None and not start <= approx < start + n)):
             return None
         return str(h["model"]), Entry([raw[i * size:(i + 1) * size] for i in range(n)],
-                                      h.get("session"), parent, start, approx)
+                                      h.get("session"), parent, start, approx, form)
     except (ValueError, KeyError, TypeError):
         return None
 

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 from jkv.averages import moving_average
 from jkv.block_runs import BlockRuns
+from jkv.buckets import bucket
 from jkv.config import StoreConfig
 from jkv.store.adapt_profile import Profile
 from jkv.store.adapt_store import AdaptStorePlacement
@@ -68,6 +69,18 @@ class Loaded(NamedTuple):
 
 
 
+class _Part(NamedTuple):
+    """One entry of a chain as read: its arrays in the pool's format, block hashes, stored
+    bytes, first approximate block in the run (None: exact; its first block when it was
+    stored in another form and converted) and the seconds converting it took."""
+
+    arrays: dict
+    hashes: list[bytes]
+    nbytes: int
+    approx_from: int | None
+    convert_s: float
+
+
 class KVStore(StoreWrites):
     """Host and persistent tiers behind one index; see the module docstring.
 
@@ -84,13 +97,15 @@ class KVStore(StoreWrites):
     read into the pool's format on the reading thread, and `recompress` makes such forms;
     without it an entry of another format is a mismatch (a miss). bf16_ratio: an entry's
     bytes in bf16 over its bytes as stored (AdaptCache's profile rates are against bf16).
+    backend: the JAX backend conversions run on (AdaptCache's profile decode rates are per
+    backend).
     """
 
     def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
                  page_size: int, max_pending_bytes: int = 2 << 30,
                  aligned_reads: bool = False,
                  convert: Callable[[dict, str, str], dict] | None = None,
-                 bf16_ratio: float = 1.0) -> None:
+                 bf16_ratio: float = 1.0, backend: str = "cpu") -> None:
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
@@ -114,13 +129,17 @@ class KVStore(StoreWrites):
                 Profile.default() if config.adapt_profile is None
                 else Profile.load(config.adapt_profile), config.adapt_alpha,
                 config.adapt_quality_floor, config.host_cache_bytes, disk_bytes, bf16_ratio,
-                config.adapt_half_life)
+                config.adapt_half_life, backend)
         else:
             self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
                                        disk_bytes)
         self.stats = StoreStats(disk_resets=int(self.disk is not None and self.disk.damaged))
-        # measured rate of `load` (read, checksum, checks) per tier, for restore planning
+        # measured rate of `load` (read, checksum, checks) per tier, and of converting an
+        # entry of each stored KV format into the pool's (stored bytes per second), for
+        # restore planning and AdaptCache's load term
         self.read_bytes_per_s = {"host": 0.0, "disk": 0.0}
+        self.convert_bytes_per_s: dict[str, float] = {}
+        self._converted_shapes: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
         self.index = EntryIndex()
         self._queue: list[str] = []  # entry keys of the waiting requests, in run order
@@ -178,7 +197,8 @@ class KVStore(StoreWrites):
                 chain = [] if p.parent is None else self._chain_bytes(p.parent)
                 size = sum(chain) + p.nbytes
                 return Hit(key, n, self._pending_tier(key), size,
-                           sum(chain) + p.nbytes * (n - p.start) // len(p.hashes))
+                           sum(chain) + p.nbytes * (n - p.start) // len(p.hashes),
+                           () if p.parent is None else self._converted(p.parent, chain))
             if lo == 0:
                 return None
             holders = self.index.holders(hashes[lo - 1])
@@ -192,7 +212,14 @@ class KVStore(StoreWrites):
             entry = self.index.entries[key]
             sizes = self._chain_bytes(key)
             return Hit(key, lo, TIER_NAMES[tiers[key]], sum(sizes),
-                       sum(sizes[:-1]) + sizes[-1] * (lo - entry.start) // len(entry.hashes))
+                       sum(sizes[:-1]) + sizes[-1] * (lo - entry.start) // len(entry.hashes),
+                       self._converted(key, sizes))
+
+    def _converted(self, key: str, sizes: Sequence[int]) -> tuple[tuple[str, int], ...]:
+        """(KV format, stored bytes) of the entries of `key`'s written chain (`sizes`: their
+        stored sizes, root first) held in another form than the pool's (under the lock)."""
+        forms = [self.index.entries[k].form for k in self.index.chain(key)]
+        return tuple((f, n) for f, n in zip(forms, sizes, strict=True) if f is not None)
 
     def _chain_tier(self, key: str) -> str | None:
         """Where `key`'s chain is read from (under the lock): "dram" when every entry of it
@@ -269,20 +296,22 @@ class KVStore(StoreWrites):
             chain = self.index.chain(hit.key) if hit.key in self.index else None
         if chain is None:
             return None
-        parts, nbytes, exact = [], 0, None
+        parts, nbytes, exact, convert_s = [], 0, None, 0.0
         for key in chain:
             part = self._load_one(key, hit.tier)
             if part is None:
                 return None
             if exact is None:  # the chain's first approximate block (root first)
-                exact = part[3]
-            parts.append(part[:2])
-            nbytes += part[2]
+                exact = part.approx_from
+            parts.append((part.arrays, part.hashes))
+            nbytes += part.nbytes
+            convert_s += part.convert_s
         with self._lock:
             for key in chain:
                 self.placement.access(key)
         self.stats.loads += 1
-        rate = nbytes / max(time.perf_counter() - t0, 1e-9)
+        # the tier's rate: reading, checksumming and checking (conversions are per form)
+        rate = nbytes / max(time.perf_counter() - t0 - convert_s, 1e-9)
         self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
         n = hit.blocks
         exact = None if exact is None or exact >= n else exact
@@ -296,12 +325,9 @@ class KVStore(StoreWrites):
         return Loaded({f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]},
                       hashes, exact)
 
-    def _load_one(self, key: str, tier: str
-                  ) -> tuple[dict, list[bytes], int, int | None] | None:
-        """One entry's arrays (in the pool's format), block hashes, stored bytes and its
-        first approximate block in the run (None: exact; its first block when it was stored
-        in another form and converted), validated against its index record; None on a miss
-        (a corrupt entry and what continues it: counted, deleted)."""
+    def _load_one(self, key: str, tier: str) -> _Part | None:
+        """One entry, validated against its index record (`_Part`); None on a miss (a
+        corrupt entry and what continues it: counted, deleted)."""
         tiers = (self.host, self.disk) if tier == "host" else (self.disk, self.host)
         data = None
         for t in tiers:  # the entry may be moving between tiers right now
@@ -321,11 +347,16 @@ class KVStore(StoreWrites):
             if stored is None or [r.tobytes() for r in stored] != entry.hashes:
                 raise CorruptEntry("the entry's block hashes differ from its index record")
             exact = info.kv_format == self.kv_format
+            convert_s = 0.0
             if not exact:
+                t0 = time.perf_counter()
                 try:
                     arrays = self.convert(arrays, info.kv_format, self.kv_format)
                 except ValueError as e:
                     raise EntryMismatch(f"a {info.kv_format} entry: {e}") from None
+                convert_s = time.perf_counter() - t0
+                self._measure_conversion(info.kv_format, len(data), len(entry.hashes),
+                                         convert_s)
                 self.stats.converted_loads += 1
         except (CorruptEntry, EntryMismatch) as e:
             log.warning("stored KV entry %s is unusable (%s); recomputing", key, e)
@@ -335,7 +366,26 @@ class KVStore(StoreWrites):
             for k in removed:  # the writer deletes them
                 self._submit(lambda k=k: self._delete(k))
             return None
-        return arrays, entry.hashes, len(data), entry.approx_from if exact else entry.start
+        form = None if exact else info.kv_format
+        if entry.form != form:  # (a record written before forms were recorded)
+            with self._lock:
+                entry.form = form
+        return _Part(arrays, entry.hashes, len(data),
+                     entry.approx_from if exact else entry.start, convert_s)
+
+    def _measure_conversion(self, kv_format: str, nbytes: int, blocks: int,
+                            seconds: float) -> None:
+        """Fold a conversion's rate into `convert_bytes_per_s[kv_format]`; the first at a
+        padded block count (`buckets.bucket`, as the conversion pads) is left out: it
+        compiled."""
+        shape = (kv_format, bucket(blocks))
+        with self._lock:
+            if shape not in self._converted_shapes:
+                self._converted_shapes.add(shape)
+                return
+            rates = self.convert_bytes_per_s
+            rates[kv_format] = moving_average(rates.get(kv_format, 0.0),
+                                              nbytes / max(seconds, 1e-9))
 
     def read_ahead(self, hit: Hit) -> bool:
         """Have `hit` loaded (`load`) on the store's reader thread unless it is under way
@@ -454,4 +504,6 @@ class KVStore(StoreWrites):
                 "loads": st.loads, "read_failures": st.read_failures,
                 "superseded": st.superseded,
                 "save_failures": st.save_failures, "saves_dropped": st.saves_dropped,
-                "disk_resets": st.disk_resets, "converted_loads": st.converted_loads}
+                "disk_resets": st.disk_resets, "converted_loads": st.converted_loads,
+                "read_bytes_per_s": dict(self.read_bytes_per_s),
+                "convert_bytes_per_s": dict(self.convert_bytes_per_s)}

@@ -10,10 +10,10 @@ forms) is also saved approximate blocks, marked in their entry (`Entry.approx_fr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,7 +29,7 @@ log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 HASHES = "block_hashes"  # the entry array holding its chained block hashes
 
 
-@dataclass
+@dataclasses.dataclass
 class PendingSave:
     """A save queued for the writer: found by `lookup` before it is written (a preempted
     request readmitted at once), its reads waiting for `written`."""
@@ -42,7 +42,7 @@ class PendingSave:
     parent: str | None = None  # a tail's parent: the entry (written or queued) ending before
 
 
-@dataclass
+@dataclasses.dataclass
 class StoreStats:
     saves: int = 0  # entries written
     saves_dropped: int = 0  # saves refused because the writer was too far behind
@@ -74,6 +74,7 @@ class StoreWrites:
     index: EntryIndex
     stats: StoreStats
     read_bytes_per_s: dict[str, float]
+    convert_bytes_per_s: dict[str, float]
     max_pending_bytes: int
     _lock: threading.Lock
     _queue: list[str]
@@ -151,7 +152,6 @@ class StoreWrites:
         fmt = self.kv_format if self.form is None or whole else self.form  # (store_kv_format)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
         data = self._encode(host, self.kv_format, fmt, n * self.page_size, key, digests)
-        meta = meta_record(self.model, entry.session, entry)
         with self._lock:
             if key in self.index or len(data) > max(self.placement.capacity.values()):
                 return  # already stored, or fits no tier (then the shorter runs stay)
@@ -171,6 +171,7 @@ class StoreWrites:
                 self.index.chain(entry.parent)
             if isinstance(self.placement, AdaptStorePlacement):
                 self.placement.set_read_rates(self.read_bytes_per_s)
+                self.placement.set_decode_rates(self.convert_bytes_per_s)
             moves = self.placement.put(key, len(data), self._queue, keep,
                                        tokens=n * self.page_size)
         if not self._apply(moves[:-1]) or moves[-1].dst is None:
@@ -179,15 +180,17 @@ class StoreWrites:
             return
         try:
             if moves[-1].form is not None:  # written in the smaller form chosen for it
-                data = self._encode(host, self.kv_format, moves[-1].form, n * self.page_size,
-                                    key, digests)
+                fmt = moves[-1].form
+                data = self._encode(host, self.kv_format, fmt, n * self.page_size, key, digests)
+            entry.form = None if fmt == self.kv_format else fmt
             with self._lock:  # its bytes as encoded (a form's size was an estimate)
                 more = self.placement.resize(key, len(data))
             if not self._apply(more) or self.placement.where(key) != moves[-1].dst:
                 with self._lock:
                     self.placement.drop(key)  # the room was not made after all
                 return
-            self._tier(moves[-1].dst).put(key, data, meta)
+            self._tier(moves[-1].dst).put(key, data,
+                                          meta_record(self.model, entry.session, entry))
         except BaseException:
             with self._lock:
                 self.placement.drop(key)
@@ -310,12 +313,19 @@ class StoreWrites:
         out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key, hashes)
         if len(out) >= len(data):
             return None  # forms only shrink
+        with self._lock:
+            entry = self.index.get(key)
+        if entry is not None:  # its record names the form the bytes are in
+            meta = meta_record(self.model, entry.session,
+                               dataclasses.replace(entry, form=kv_format))
         try:
             t.put(key, out, meta or b"")
         except Exception as e:  # an I/O error: the old bytes stay
             log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
             return False
         with self._lock:
+            if entry is not None:
+                entry.form = None if kv_format == self.kv_format else kv_format
             more = self.placement.resize(key, len(out))
         self._apply(more)
         return True
