@@ -42,6 +42,7 @@ from results_io import write_results  # noqa: E402
 from jkv.store.adapt_profile import Profile  # noqa: E402
 
 FULL = "none:auto"
+ALIASES = {"kivi": "k2v2"}  # a method's stored KV format, where not its name (decode rates)
 NEEDS_SCORES = ("leankv", "h2o")
 
 
@@ -90,7 +91,7 @@ def measure_decode(methods: list[str], layers: int, kv_heads: int, head_dim: int
     full = {n: np.asarray(x) for n, x in KVPages.from_dense(k, v, pool, dtype).arrays().items()}
     out = {}
     for method in tqdm(methods, desc=f"decode ({jax.default_backend()})", unit="method"):
-        fmt = KVFormat.parse(method)
+        fmt = KVFormat.parse(ALIASES.get(method, method))
         stored = convert_pages(full, pool, fmt, dtype)
         nbytes = sum(x.nbytes for x in stored.values())
         convert_pages(stored, fmt, pool, dtype)  # compiles
@@ -138,7 +139,8 @@ def main() -> None:
 
         from jkv.kv_format import KV_FORMATS
 
-        rates = measure_decode([m for m in profile.methods if m in KV_FORMATS], args.layers,
+        rates = measure_decode([m for m in profile.methods
+                                if ALIASES.get(m, m) in KV_FORMATS], args.layers,
                                args.kv_heads, args.head_dim, args.page_size, args.tokens,
                                args.repeats)
         profile = dataclasses.replace(

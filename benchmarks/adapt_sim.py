@@ -1,7 +1,9 @@
 """store_sim's compression dimension (AdaptCache, figure 2 in spirit): the same trace through
 fixed-method LRU stores and AdaptCache's policy, each job's TTFT and answer quality.
 
-A job's TTFT is its history's load (the entry's bytes at its tier's read rate) or, on a miss
+A job's TTFT is its history's load (the entry's bytes at its tier's read rate, plus, with
+`--decode-backend`, converting a compressed form back at the profile's decode rate for that
+backend; without it decoding is free, as a GPU's dequantization nearly is) or, on a miss
 or where that is faster, its recompute (history tokens at the prefill rate: the engine's
 restore planner picks the faster), plus its own new tokens' prefill. Its
 quality is the profile's quality of the form it was read from (1 for a full or recomputed
@@ -40,11 +42,13 @@ def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Pro
            kinds: dict, per_token: int, args) -> dict:
     """One store over the trace: mean TTFT, mean quality, hits per tier."""
     read = {"dram": args.dram_read_gbps * 1e9, "disk": args.disk_read_gbps * 1e9}
+    decode = decode_rates(profile, args.decode_backend)
     prefill_s = 1.0 / args.prefill_tokens_per_s
+    method = None
     if store[0] == "adapt":
         p = AdaptPlacement([Tier("dram", dram, read["dram"]), Tier("disk", disk, read["disk"])],
                            alpha=store[1], quality_floor=args.quality_floor,
-                           half_life=args.half_life)
+                           half_life=args.half_life, decode_bps=decode)
     else:
         p = Placement("lru", dram, disk)
         method, rate = store[1], store[2]
@@ -67,17 +71,20 @@ def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Pro
                     got = p.access(s, now)
                     tier, form = (None, None) if got is None else got
                     size, fq = (0, 1.0) if form is None else (form.size, form.quality)
+                    method = None if form is None else form.method
                 else:
                     tier = p.access(s)
                     size = p.size(s)
                     fq = quality[kinds[s]]
-                if tier is not None and size / read[tier] >= h * prefill_s:
+                load = 0.0 if tier is None else size / read[tier] + (
+                    size / decode[method] if method in decode else 0.0)
+                if tier is not None and load >= h * prefill_s:
                     tier = None  # recomputed: the faster way, at full quality
                 hits[tier or "miss"] += 1
                 if tier is None:
                     delay, q = h * prefill_s, 1.0
                 else:
-                    delay, q = size / read[tier], min(q, fq)
+                    delay, q = load, min(q, fq)
             carry[s] = q
             ttft.append(delay + event[3] * prefill_s)
             quality_seen.append(q)
@@ -93,6 +100,16 @@ def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Pro
     return {"mean_ttft_s": float(np.mean(ttft)), "mean_quality": float(np.mean(quality_seen)),
             "dram_hit_rate": hits["dram"] / max(reused, 1),
             "disk_hit_rate": hits["disk"] / max(reused, 1), **hits}
+
+
+def decode_rates(profile: Profile, backend: str | None) -> dict[str, float]:
+    """The profile's decode rates for `backend` by method; none without a backend."""
+    if backend is None:
+        return {}
+    if backend not in profile.decode_bps:
+        raise SystemExit(f"--decode-backend: the profile has decode rates for "
+                         f"{sorted(profile.decode_bps)}, not {backend!r}")
+    return dict(profile.decode_bps[backend])
 
 
 def checks(rows: dict[str, dict]) -> dict:

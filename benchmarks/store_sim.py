@@ -319,6 +319,10 @@ def main() -> None:
                     help="with --profile: AdaptCache never keeps a form below this quality")
     ap.add_argument("--half-life", type=float, default=600.0,
                     help="with --profile: seconds over which an entry's hit count halves")
+    ap.add_argument("--decode-backend",
+                    help="with --profile: count converting a compressed form back at the "
+                         "profile's decode rates for this JAX backend (e.g. cpu; default: "
+                         "free)")
     ap.add_argument("--dram-read-gbps", type=float, default=10.0,
                     help="with --profile: DRAM-to-device load bandwidth, GB/s")
     ap.add_argument("--prefill-tokens-per-s", type=float, default=500.0,
