@@ -48,7 +48,8 @@ def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Pro
     if store[0] == "adapt":
         p = AdaptPlacement([Tier("dram", dram, read["dram"]), Tier("disk", disk, read["disk"])],
                            alpha=store[1], quality_floor=args.quality_floor,
-                           half_life=args.half_life, decode_bps=decode)
+                           half_life=(None if args.half_life == "auto"
+                                      else float(args.half_life)), decode_bps=decode)
     else:
         p = Placement("lru", dram, disk)
         method, rate = store[1], store[2]

@@ -317,8 +317,9 @@ def main() -> None:
                          "use trades for a whole unit of quality)")
     ap.add_argument("--quality-floor", type=float, default=0.0,
                     help="with --profile: AdaptCache never keeps a form below this quality")
-    ap.add_argument("--half-life", type=float, default=600.0,
-                    help="with --profile: seconds over which an entry's hit count halves")
+    ap.add_argument("--half-life", default="600",
+                    help="with --profile: seconds over which an entry's hit count halves, or "
+                         "auto: learned from the reuse gaps (what the store does by default)")
     ap.add_argument("--decode-backend",
                     help="with --profile: count converting a compressed form back at the "
                          "profile's decode rates for this JAX backend (e.g. cpu; default: "
@@ -375,6 +376,12 @@ def main() -> None:
         ap.error(f"--capacities or --alphas: {e}")
     if any(len(c) != 2 for c in caps):
         ap.error("--capacities: each setting is DRAM/disk, e.g. 32G/2T")
+    if args.half_life != "auto":
+        try:
+            if not float(args.half_life) > 0:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--half-life: seconds > 0 or auto, got {args.half_life!r}")
 
     events, trace = make_trace(args)
     unit = "document" if args.trace == "documents" else "session"

@@ -413,10 +413,11 @@ class StoreConfig:
     adapt_quality_floor: float = field(default=0.0, metadata={
         "help": "with eviction_policy adaptcache: a form below this quality is never kept "
                 "(the entry is evicted instead)"})
-    adapt_half_life: float = field(default=600.0, metadata={
+    adapt_half_life: float | None = field(default=None, metadata={
         "help": "with eviction_policy adaptcache: seconds over which an entry's count of "
-                "uses halves (its expected reuse); near twice the users' think time between "
-                "turns, so conversations gone quiet stop holding room"})
+                "uses halves (its expected reuse), so conversations gone quiet stop holding "
+                "room; default: learned, twice the median gap between an entry's uses "
+                "(the users' think time between turns), 600 until one is seen"})
     save_interval_blocks: int = field(default=16, metadata={
         "help": "while a request decodes, its KV blocks (pages) are queued for the store "
                 "each time this many more have filled, each save only the blocks since the "
@@ -440,9 +441,10 @@ class StoreConfig:
         _require(self, "adapt_alpha", isinstance(self.adapt_alpha, int | float)
                  and not isinstance(self.adapt_alpha, bool) and self.adapt_alpha >= 0,
                  "a number >= 0")
-        _require(self, "adapt_half_life", isinstance(self.adapt_half_life, int | float)
-                 and not isinstance(self.adapt_half_life, bool) and self.adapt_half_life > 0,
-                 "a number > 0")
+        _require(self, "adapt_half_life", self.adapt_half_life is None or (
+            isinstance(self.adapt_half_life, int | float)
+            and not isinstance(self.adapt_half_life, bool) and self.adapt_half_life > 0),
+                 "None (learned) or a number > 0")
         _require(self, "adapt_quality_floor", isinstance(self.adapt_quality_floor, int | float)
                  and 0 <= self.adapt_quality_floor <= 1, "a number in [0, 1]")
         _require(self, "store_kv_format", self.store_kv_format is None

@@ -81,6 +81,26 @@ def test_the_hot_entry_keeps_its_place_and_the_cold_one_gives_way():
     assert p.where("cold")[0] == "disk"
 
 
+@pytest.mark.parametrize("half_life", [600.0, None])
+def test_a_learned_half_life_forgets_a_conversation_quiet_for_a_few_of_its_pauses(half_life):
+    """Turns 10 s apart: the learned half-life is 20 s, so an entry used five times but quiet
+    for 160 s gives way to a new one; with a fixed 600 s its old uses still outweigh it."""
+    p = AdaptPlacement(tiers(64 * MB, 1000 * MB), alpha=100.0, half_life=half_life)
+    assert p.half_life == 600.0
+    p.put("old", forms(40 * MB), recompute_s=1.0, now=0.0)
+    for t in (10.0, 20.0, 30.0, 40.0):
+        p.access("old", now=t)
+    assert p.half_life == (600.0 if half_life else 20.0)
+    p.put("new", forms(40 * MB), recompute_s=1.0, now=200.0)
+    assert p.where("old")[0] == ("dram" if half_life else "disk")
+    assert p.where("new")[0] == ("disk" if half_life else "dram")
+    if half_life is None:  # hits right after their saves: floored, not every use erased
+        for t in (201.0, 201.0, 201.0, 201.0, 201.0, 201.0, 201.0):
+            p.put("x", forms(MB), recompute_s=1.0, now=t)
+            p.access("x", now=t)
+        assert p.half_life == 1.0
+
+
 @pytest.mark.parametrize("queued, leaves", [({"a", "c"}, "b"), ({"b", "c"}, "a")])
 def test_an_entry_the_queue_will_read_is_kept_over_an_equal_one(queued, leaves):
     p = AdaptPlacement(tiers(100 * MB, 1000 * MB), alpha=100.0)
@@ -294,6 +314,7 @@ def test_the_shipped_profile_is_the_embedded_models_and_a_store_uses_it_by_defau
                     model="m", kv_format="auto", page_size=8,
                     convert=lambda arrays, src, dst: {f: np.asarray(x) for f, x in arrays.items()})
     assert store.placement.profile == profile and set(store.placement.methods) == storable
+    assert store.placement.adapt.learned and store.snapshot()["adapt_half_life_s"] == 600.0
     store.close()
 
 

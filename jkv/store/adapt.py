@@ -24,7 +24,11 @@ Forms reported (`where`, `access`, moves) carry that effective quality.
 
 Freq is an entry's uses (its saves and its hits) with exponential decay (half-life
 `half_life` in the caller's clock: a conversation that has gone quiet stops counting), plus
-one while the scheduler's queue holds a request that will read it (the queue hint).
+one while the scheduler's queue holds a request that will read it (the queue hint). A
+`half_life` of None is learned: twice the median of the last `GAPS` reuse gaps (from an
+entry's last save or hit to its next hit: the users' think time and the queue's wait), so
+an entry quiet for a few of its users' usual pauses stops counting; `DEFAULT_HALF_LIFE`
+until a gap is seen.
 
 Pure bookkeeping, like `Placement`: it returns the moves, the store moves (and recompresses)
 the bytes, and the simulator (`benchmarks/store_sim.py`) drives the same object.
@@ -35,9 +39,15 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import statistics
+from collections import deque
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+DEFAULT_HALF_LIFE = 600.0  # seconds, until a learned half-life has a reuse gap to go on
+GAPS = 64  # reuse gaps a learned half-life is the median of (x2)
+MIN_HALF_LIFE = 1.0  # seconds: hits right after their save must not erase every use
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ class AdaptPlacement:
     """Which form and tier each stored entry has, and the policy that changes them."""
 
     def __init__(self, tiers: Sequence[Tier], alpha: float, quality_floor: float = 0.0,
-                 half_life: float = 600.0,
+                 half_life: float | None = DEFAULT_HALF_LIFE,
                  decode_bps: Mapping[str, float] | None = None) -> None:
         if not tiers:
             raise ValueError("tiers must name at least one tier")
@@ -112,8 +122,8 @@ class AdaptPlacement:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
         if not 0.0 <= quality_floor <= 1.0:
             raise ValueError(f"quality_floor must be in [0, 1], got {quality_floor}")
-        if not half_life > 0:
-            raise ValueError(f"half_life must be > 0, got {half_life}")
+        if half_life is not None and not half_life > 0:
+            raise ValueError(f"half_life must be > 0 (or None: learned), got {half_life}")
         for method, bps in (decode_bps or {}).items():
             if not bps > 0:
                 raise ValueError(f"decode_bps[{method!r}] must be > 0, got {bps}")
@@ -121,7 +131,9 @@ class AdaptPlacement:
         self.tiers = tuple(tiers)
         self.alpha = alpha
         self.quality_floor = quality_floor
-        self._decay = math.log(2) / half_life
+        self.learned = half_life is None
+        self._gaps: deque[float] = deque(maxlen=GAPS)
+        self._set_half_life(DEFAULT_HALF_LIFE if half_life is None else half_life)
         self._index = {t.name: i for i, t in enumerate(self.tiers)}
         self._entries: dict[Hashable, _Entry] = {}
         self._used = [0] * len(self.tiers)
@@ -146,6 +158,10 @@ class AdaptPlacement:
     def _decayed(self, e: _Entry, now: float) -> float:
         return e.uses * math.exp(-self._decay * max(now - e.stamp, 0.0))
 
+    def _set_half_life(self, seconds: float) -> None:
+        self.half_life = seconds
+        self._decay = math.log(2) / seconds
+
     # ------------------------------------------------------------------ updates
 
     def hint(self, queue: Collection[Hashable]) -> None:
@@ -157,6 +173,9 @@ class AdaptPlacement:
         e = self._entries.get(key)
         if e is None:
             return None
+        if self.learned and e.uses > 0:  # (an adopted entry's stamp is no use's)
+            self._gaps.append(max(now - e.stamp, 0.0))
+            self._set_half_life(max(2.0 * statistics.median(self._gaps), MIN_HALF_LIFE))
         e.uses, e.stamp = self._decayed(e, now) + 1.0, now
         return self.tiers[e.tier].name, _form(e, e.form)
 

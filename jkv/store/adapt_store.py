@@ -30,15 +30,15 @@ class AdaptStorePlacement:
 
     bf16_ratio: an entry's bf16 bytes over its stored bytes (2 / the dtype's itemsize for a
     pool in the model dtype: float32 pages are twice a profile's bf16 ones). half_life:
-    seconds over which an entry's uses halve (`AdaptPlacement`). backend: the JAX backend
-    the store's conversions run on: the profile's decode rates for it are assumed until the
-    store measures its own (`set_decode_rates`).
+    seconds over which an entry's uses halve (`AdaptPlacement`; None: learned). backend:
+    the JAX backend the store's conversions run on: the profile's decode rates for it are
+    assumed until the store measures its own (`set_decode_rates`).
     """
 
     policy = "adaptcache"
 
     def __init__(self, profile: Profile, alpha: float, quality_floor: float, dram_bytes: int,
-                 disk_bytes: int, bf16_ratio: float = 1.0, half_life: float = 600.0,
+                 disk_bytes: int, bf16_ratio: float = 1.0, half_life: float | None = None,
                  backend: str = "cpu") -> None:
         self.capacity = {"dram": dram_bytes, "disk": disk_bytes}
         self.methods = tuple(m for m in profile.methods if m in KV_FORMATS)

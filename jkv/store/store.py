@@ -506,4 +506,6 @@ class KVStore(StoreWrites):
                 "save_failures": st.save_failures, "saves_dropped": st.saves_dropped,
                 "disk_resets": st.disk_resets, "converted_loads": st.converted_loads,
                 "read_bytes_per_s": dict(self.read_bytes_per_s),
-                "convert_bytes_per_s": dict(self.convert_bytes_per_s)}
+                "convert_bytes_per_s": dict(self.convert_bytes_per_s),
+                **({"adapt_half_life_s": self.placement.adapt.half_life}
+                   if isinstance(self.placement, AdaptStorePlacement) else {})}
