@@ -236,6 +236,12 @@ def summarize(results: list[dict], elapsed: float, before: dict, after: dict) ->
         "store": {k: delta(f"jkv_store_{k}_total") for k in (
             "saves", "evictions", "converted_loads", "misses", "restores_declined",
             "restores_abandoned")},
+        # what the store measured by the end (read and conversion rates, AdaptCache's
+        # half-life): the figures its placement and restore planning weighed
+        "store_rates": {name[len("jkv_store_"):]: value for name, value in after.items()
+                        if name.startswith(("jkv_store_read_bytes_per_second",
+                                            "jkv_store_convert_bytes_per_second",
+                                            "jkv_store_adapt_half_life_seconds"))},
         "ttft_all_s": sorted(r["ttft"] for r in ok),
     }
 

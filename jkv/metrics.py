@@ -104,6 +104,16 @@ class Metrics:
                                    ["tier"], registry=r)
         self.store_counters = {key: Counter(name, doc, registry=r)
                                for key, name, doc in _STORE_COUNTERS}
+        self.store_read_rate = Gauge("jkv_store_read_bytes_per_second", "Measured rate of "
+                                     "reading stored KV entries, by store tier (0: not yet).",
+                                     ["tier"], registry=r)
+        self.store_convert_rate = Gauge("jkv_store_convert_bytes_per_second", "Measured rate "
+                                        "of converting stored entries of each KV format into "
+                                        "the pool's (stored bytes).", ["kv_format"], registry=r)
+        self.store_half_life = Gauge("jkv_store_adapt_half_life_seconds", "AdaptCache: "
+                                     "seconds over which an entry's count of uses halves "
+                                     "(learned from the gaps between uses unless set).",
+                                     registry=r)
         self.offload_counters = {key: Counter(name, doc, registry=r)
                                  for key, name, doc in _OFFLOAD_COUNTERS}
         self.offloaded_requests = Gauge("jkv_layer_offload_requests", "Running requests "
@@ -144,6 +154,12 @@ class Metrics:
                 self.store_entries.labels(tier=tier).set(store["entries"][tier])
             for key, counter in self.store_counters.items():
                 self._advance(counter, f"store/{key}", store[key])
+            for tier in _STORE_TIERS:
+                self.store_read_rate.labels(tier=tier).set(store["read_bytes_per_s"][tier])
+            for fmt, rate in store["convert_bytes_per_s"].items():
+                self.store_convert_rate.labels(kv_format=fmt).set(rate)
+            if "adapt_half_life_s" in store:
+                self.store_half_life.set(store["adapt_half_life_s"])
         offload = stats.get("layer_offload")
         if offload is not None:
             self.offloaded_requests.set(offload["requests_offloaded"])

@@ -426,4 +426,14 @@ def test_a_conversation_restored_from_a_smaller_form_goes_on_in_it(params):
     assert snap["store"]["converted_loads"] >= 2 and snap["store"]["misses"] == 0
     for key in ("converted_loads", "misses", "restores_declined", "restores_abandoned"):
         assert f"jkv_store_{key}_total {float(snap['store'][key])}" in text
+    # turn 1's entry converted twice (turns 2 and 3): the second timed; the host tier read
+    exported = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                    if line.startswith("jkv_store_") and "_per_second" in line)
+    rates = snap["store"]["convert_bytes_per_s"]
+    assert set(rates) == {"k4v2t"} and rates["k4v2t"] > 0
+    assert float(exported['jkv_store_convert_bytes_per_second{kv_format="k4v2t"}']) == \
+        pytest.approx(rates["k4v2t"])
+    read = snap["store"]["read_bytes_per_s"]["host"]
+    assert read > 0 and float(exported['jkv_store_read_bytes_per_second{tier="host"}']) == \
+        pytest.approx(read)
     sched.store.close()

@@ -318,12 +318,36 @@ def test_the_shipped_profile_is_the_embedded_models_and_a_store_uses_it_by_defau
     store.close()
 
 
+def test_a_reopened_stores_entries_keep_the_forms_they_can_still_take_and_get_priced():
+    """Adopted entries (a store reopened) can still shrink to the profile's smaller forms
+    (not only move down or out), and what a miss of them costs is set once the engine has
+    measured its prefill (until then recomputing them looks free)."""
+    from jkv.store.adapt_store import AdaptStorePlacement
+
+    profile = Profile.from_json({"model": "m", "metric": "top1_agreement", "kinds": ["chat"],
+                                 "methods": {"k8v4t": [{"rate": 0.44, "quality": {"chat": 0.99}}],
+                                             "k4v2t": [{"rate": 0.22, "quality": {"chat": 0.9}}]}})
+    p = AdaptStorePlacement(profile, 1.0, 0.0, 0, 10 * MB, bf16_ratio=2.0)
+    assert p.adopt("full", 1000, "disk", tokens=64)
+    assert p.adopt("k8", 880, "disk", tokens=64, form="k8v4t")
+    assert p.adopt("foreign", 500, "disk", tokens=64, form="k2v2")
+    held = {k: [(f.method, f.size) for f in p.adapt._entries[k].forms]
+            for k in ("full", "k8", "foreign")}
+    assert held == {"full": [("full", 1000), ("k8v4t", 880), ("k4v2t", 440)],
+                    "k8": [("k8v4t", 880), ("k4v2t", 440)], "foreign": [("stored", 500)]}
+    assert {p.adapt._entries[k].recompute_s for k in held} == {0.0}
+    p.set_recompute_rate(0.01)
+    assert [p.adapt._entries[k].recompute_s for k in held] == [0.64] * 3
+    assert p.adopt("late", 300, "disk", tokens=32)  # priced as it comes
+    assert p.adapt._entries["late"].recompute_s == pytest.approx(0.32)
+
+
 def test_adopted_spilled_and_resized_entries_keep_every_tier_within_budget():
     p = AdaptPlacement(tiers(64 * MB, 100 * MB), alpha=1.0)
     stored = Form("stored", 1.0, 40 * MB, 1.0)
-    assert p.adopt("a", stored, "dram", recompute_s=1.0, now=0.0)
-    assert not p.adopt("b", stored, "dram", recompute_s=1.0, now=0.0)  # no room
-    assert not p.adopt("a", stored, "disk", recompute_s=1.0, now=0.0)  # held already
+    assert p.adopt("a", [stored], "dram", recompute_s=1.0, now=0.0)
+    assert not p.adopt("b", [stored], "dram", recompute_s=1.0, now=0.0)  # no room
+    assert not p.adopt("a", [stored], "disk", recompute_s=1.0, now=0.0)  # held already
     m = p.spill("a")
     assert (m.src, m.dst) == ("dram", "disk") and p.where("a") == ("disk", stored)
     assert p.spill("a") is None  # no tier below

@@ -209,16 +209,26 @@ class AdaptPlacement:
         self._fit(now, set(keep), moves)
         return moves
 
-    def adopt(self, key: Hashable, form: Form, tier: str, recompute_s: float,
+    def adopt(self, key: Hashable, forms: Sequence[Form], tier: str, recompute_s: float,
               now: float) -> bool:
-        """Count an entry already held in `tier` in `form` (a store reopened: it can only
-        shrink or go from there); False, and nothing counted, if it does not fit."""
+        """Count an entry already held in `tier` in the first of `forms` (a store reopened:
+        the others are what it may still shrink to); False, and nothing counted, if it
+        does not fit."""
+        held = forms[0]
         t = self._index[tier]
-        if key in self._entries or self._used[t] + form.size > self.tiers[t].capacity:
+        if key in self._entries or self._used[t] + held.size > self.tiers[t].capacity:
             return False
-        self._entries[key] = _Entry((form,), 0, t, 1.0, recompute_s, 0.0, now)
-        self._used[t] += form.size
+        smaller = sorted((f for f in forms[1:] if f.size < held.size), key=lambda f: -f.size)
+        self._entries[key] = _Entry((held, *smaller), 0, t, 1.0, recompute_s, 0.0, now)
+        self._used[t] += held.size
         return True
+
+    def set_recompute(self, key: Hashable, recompute_s: float) -> None:
+        """What a miss of `key` costs, in seconds (known only once the engine has measured
+        its prefill: an adopted entry's)."""
+        e = self._entries.get(key)
+        if e is not None and recompute_s >= 0:
+            e.recompute_s, e.cheapest = recompute_s, False
 
     def spill(self, key: Hashable) -> Move | None:
         """Move `key` from the fastest tier to the next as it is (a store closing keeps what

@@ -12,6 +12,7 @@ come from the running store.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Collection, Hashable, Sequence
 
@@ -52,7 +53,7 @@ class AdaptStorePlacement:
             decode_bps={m: bps for m, bps in profile.decode_bps.get(backend, {}).items()
                         if m in self.methods})
         self.recompute_token_s = 0.0  # a recomputed token's seconds (the scheduler's measure)
-        self.bytes_per_token = 0.0  # stored bytes of a token (learned from the entries)
+        self._unpriced: dict[Hashable, int] = {}  # adopted before that: key -> its tokens
 
     # ------------------------------------------------------------------ queries
 
@@ -81,6 +82,15 @@ class AdaptStorePlacement:
         for tier, name in (("dram", "host"), ("disk", "disk")):
             self.adapt.set_read_rate(tier, rates.get(name, 0.0))
 
+    def set_recompute_rate(self, token_s: float) -> None:
+        """Seconds a recomputed token costs (the scheduler's measure): what a miss costs;
+        entries adopted before it was known are priced now."""
+        self.recompute_token_s = token_s
+        if token_s > 0:
+            for key, tokens in self._unpriced.items():
+                self.adapt.set_recompute(key, tokens * token_s)
+            self._unpriced.clear()
+
     def set_decode_rates(self, rates: dict[str, float]) -> None:
         """The store's measured conversion rates (stored KV format -> bytes per second; a
         format is a method here)."""
@@ -96,8 +106,6 @@ class AdaptStorePlacement:
         """Save `key`'s entry (`size` bytes, `tokens` tokens, in the pool's format); returns
         the moves of the others, then this one's (its tier and the form it is written in;
         dst None: not stored)."""
-        if tokens:
-            self.bytes_per_token = size / tokens
         forms = self.profile.forms(round(size * self.bf16_ratio), methods=self.methods,
                                    full_bytes=size)
         self.adapt.hint(set(queue))
@@ -118,16 +126,37 @@ class AdaptStorePlacement:
         m = self.adapt.spill(key)
         return [] if m is None else [_move(m)]
 
-    def adopt(self, key: Hashable, size: int, tier: str) -> bool:
-        tokens = size / self.bytes_per_token if self.bytes_per_token else 0.0
-        return self.adapt.adopt(key, Form("stored", 1.0, size, 1.0), tier,
-                                tokens * self.recompute_token_s, time.monotonic())
+    def adopt(self, key: Hashable, size: int, tier: str, tokens: int = 0,
+              form: str | None = None) -> bool:
+        """Count an entry a reopened store holds: `size` bytes of `tokens` tokens in KV
+        format `form` (None: the pool's); it keeps the profile's smaller forms to go to.
+        An entry of a form the profile does not rate (another model's, say) is held as it
+        is, at full quality, and can only move down or out."""
+        if form is None:
+            forms = self.profile.forms(round(size * self.bf16_ratio), methods=self.methods,
+                                       full_bytes=size)
+        elif form in self.methods:
+            # the full form's bf16 bytes, from the held one's (a format: one rate)
+            bf16 = round(size / self.profile.methods[form][0].rate)
+            forms = [f for f in self.profile.forms(bf16, methods=self.methods)
+                     if f.method == form or f.size < size]
+            forms.sort(key=lambda f: f.method != form)  # the held one first
+            forms[0] = dataclasses.replace(forms[0], size=size)
+        else:
+            forms = [Form("stored", 1.0, size, 1.0)]
+        if not self.adapt.adopt(key, forms, tier, tokens * self.recompute_token_s,
+                                time.monotonic()):
+            return False
+        if tokens and not self.recompute_token_s:
+            self._unpriced[key] = tokens
+        return True
 
     def resize(self, key: Hashable, size: int) -> list[Move]:
         return _in_order(self.adapt.resize(key, size, time.monotonic()))
 
     def drop(self, key: Hashable) -> None:
         self.adapt.drop(key)
+        self._unpriced.pop(key, None)
 
 
 def _move(m) -> Move:

@@ -155,9 +155,10 @@ class Placement:
             moves.append(Move(session, "disk", "dram"))
         return moves
 
-    def adopt(self, session: Hashable, size: int, tier: str) -> bool:
+    def adopt(self, session: Hashable, size: int, tier: str, tokens: int = 0,
+              form: str | None = None) -> bool:
         """Count an item already held in `tier` (a store reopened): False, and nothing
-        counted, if it does not fit."""
+        counted, if it does not fit. (`tokens`, `form`: what AdaptCache's placement weighs.)"""
         if self.where(session) is not None or self._used[tier] + size > self.capacity[tier]:
             return False
         self._add(tier, session, size)

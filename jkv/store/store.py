@@ -172,7 +172,8 @@ class KVStore(StoreWrites):
             parent = None if entry.parent is None else self.index.get(entry.parent)
             if entry.parent is not None and (parent is None or parent.stop != entry.start):
                 self.disk.delete(key)  # a tail whose parent is gone: unreachable
-            elif self.placement.adopt(key, self.disk.size(key), "disk"):
+            elif self.placement.adopt(key, self.disk.size(key), "disk",
+                                      len(entry.hashes) * self.page_size, entry.form):
                 self.index.add(key, entry)
             else:
                 self.disk.delete(key)  # over the configured capacity: the store shrank
@@ -420,7 +421,8 @@ class KVStore(StoreWrites):
         """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
         for AdaptCache's placement."""
         if isinstance(self.placement, AdaptStorePlacement):
-            self.placement.recompute_token_s = token_s
+            with self._lock:
+                self.placement.set_recompute_rate(token_s)
 
     def hint(self, waiting: Sequence[str]) -> None:
         """The scheduler's queue: entry keys of the waiting requests in the order they will
