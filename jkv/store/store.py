@@ -12,8 +12,9 @@ extends an older one nothing continues (the next turn's save) replaces it. A tie
 replaces nothing. Which tier holds an entry, and what a full tier gives up, is
 `Placement`'s decision (LRU, FIFO or scheduler-aware, with the waiting queue as its hint).
 
-The index, lookups, reads and the writer thread are here; saving, writing, moving and
-recompressing entries are `StoreWrites` (`writes.py`). Threads: `lookup` runs on the
+The index, lookups, hints and the writer thread are here; loading entries and handing
+reads ahead over are `StoreLoads` (`loads.py`); saving, writing, moving and recompressing
+entries are `StoreWrites` (`writes.py`). Threads: `lookup` runs on the
 scheduler's thread (the index only); `read_ahead` loads an entry
 (read, checksum, decode) on the store's reader thread while the request waits in the queue,
 and `take` hands the result over at admission without waiting, so a slow or failing tier
@@ -34,54 +35,25 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
-from collections.abc import Callable, Collection, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
 
-from jkv.averages import moving_average
-from jkv.block_runs import BlockRuns
-from jkv.buckets import bucket
 from jkv.config import StoreConfig
 from jkv.store.adapt_profile import Profile
 from jkv.store.adapt_store import AdaptStorePlacement
-from jkv.store.codec import CorruptEntry, EntryMismatch, decode
 from jkv.store.index import EntryIndex, Hit, parse_meta
+from jkv.store.loads import StoreLoads
 from jkv.store.placement import Placement
 from jkv.store.priority import lower_thread_priority
 from jkv.store.reads import ReadAhead
 from jkv.store.tiers import HostTier, PersistentTier
-from jkv.store.writes import HASHES, PendingSave, StoreStats, StoreWrites
+from jkv.store.writes import PendingSave, StoreStats, StoreWrites
 
 log = logging.getLogger(__name__)
 
 TIER_NAMES = {"dram": "host", "disk": "disk"}  # placement's tier names -> the store's
 
 
-class Loaded(NamedTuple):
-    """What `load` read: `arrays` [blocks, ...] in the pool's format and their block
-    `hashes`; blocks from `exact_blocks` on (None: none) were stored in another form and
-    converted, so they hold approximate KV (usable by the prompt, never shared under their
-    tokens' hashes)."""
-
-    arrays: dict
-    hashes: list[bytes]
-    exact_blocks: int | None = None
-
-
-
-class _Part(NamedTuple):
-    """One entry of a chain as read: its arrays in the pool's format, block hashes, stored
-    bytes, first approximate block in the run (None: exact; its first block when it was
-    stored in another form and converted) and the seconds converting it took."""
-
-    arrays: dict
-    hashes: list[bytes]
-    nbytes: int
-    approx_from: int | None
-    convert_s: float
-
-
-class KVStore(StoreWrites):
+class KVStore(StoreLoads, StoreWrites):
     """Host and persistent tiers behind one index; see the module docstring.
 
     model: the fingerprint of the KV written (`Engine.fingerprint`: model, format, page size);
@@ -279,141 +251,6 @@ class KVStore(StoreWrites):
             if n and (best is None or n > best[1]):
                 best = (key, n)
         return best
-
-    # ------------------------------------------------------------------ loading
-
-    def load(self, hit: Hit) -> Loaded | None:
-        """The first `hit.blocks` blocks of entry `hit.key` and its chain: arrays [blocks,
-        ...] in the pool's format (a chain's as `BlockRuns`, its entries' arrays uncopied),
-        or a whole entry's arrays as saved, and their block hashes, validated (`Loaded`);
-        None on a miss (gone, or corrupt: then counted and deleted). An entry still being
-        saved is read once written."""
-        with self._lock:
-            pending = self._pending.get(hit.key)
-        if pending is not None:
-            pending.written.wait()  # the writer writes in order: its parents are written
-        t0 = time.perf_counter()
-        with self._lock:
-            chain = self.index.chain(hit.key) if hit.key in self.index else None
-        if chain is None:
-            return None
-        parts, nbytes, exact, convert_s = [], 0, None, 0.0
-        for key in chain:
-            part = self._load_one(key, hit.tier)
-            if part is None:
-                return None
-            if exact is None:  # the chain's first approximate block (root first)
-                exact = part.approx_from
-            parts.append((part.arrays, part.hashes))
-            nbytes += part.nbytes
-            convert_s += part.convert_s
-        with self._lock:
-            for key in chain:
-                self.placement.access(key)
-        self.stats.loads += 1
-        # the tier's rate: reading, checksumming and checking (conversions are per form)
-        rate = nbytes / max(time.perf_counter() - t0 - convert_s, 1e-9)
-        self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
-        n = hit.blocks
-        exact = None if exact is None or exact >= n else exact
-        if len(parts) == 1:
-            arrays, hashes = parts[0]
-            if n == len(hashes):  # the whole entry (a tiered row's arrays are not blocks)
-                return Loaded(dict(arrays), list(hashes), exact)
-            return Loaded({f: x[:n] for f, x in arrays.items()}, hashes[:n], exact)
-        hashes = [h for _, hs in parts for h in hs][:n]
-        # a chain is handed over in its parts: a restore writes runs inside each, uncopied
-        return Loaded({f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]},
-                      hashes, exact)
-
-    def _load_one(self, key: str, tier: str) -> _Part | None:
-        """One entry, validated against its index record (`_Part`); None on a miss (a
-        corrupt entry and what continues it: counted, deleted)."""
-        tiers = (self.host, self.disk) if tier == "host" else (self.disk, self.host)
-        data = None
-        for t in tiers:  # the entry may be moving between tiers right now
-            if t is not None and (data := t.get(key)) is not None:
-                break
-        if data is None:
-            return None
-        with self._lock:
-            entry = self.index.get(key)
-        try:
-            if entry is None:
-                return None
-            info, arrays = decode(data, model=self.model,
-                                  kv_format=None if self.convert else self.kv_format,
-                                  page_size=self.page_size, align=self.aligned_reads)
-            stored = arrays.pop(HASHES, None)
-            if stored is None or [r.tobytes() for r in stored] != entry.hashes:
-                raise CorruptEntry("the entry's block hashes differ from its index record")
-            exact = info.kv_format == self.kv_format
-            convert_s = 0.0
-            if not exact:
-                t0 = time.perf_counter()
-                try:
-                    arrays = self.convert(arrays, info.kv_format, self.kv_format)
-                except ValueError as e:
-                    raise EntryMismatch(f"a {info.kv_format} entry: {e}") from None
-                convert_s = time.perf_counter() - t0
-                self._measure_conversion(info.kv_format, len(data), len(entry.hashes),
-                                         convert_s)
-                self.stats.converted_loads += 1
-        except (CorruptEntry, EntryMismatch) as e:
-            log.warning("stored KV entry %s is unusable (%s); recomputing", key, e)
-            self.stats.corrupt_entries += 1
-            with self._lock:
-                removed = self.index.remove(key)  # no second lookup finds them
-            for k in removed:  # the writer deletes them
-                self._submit(lambda k=k: self._delete(k))
-            return None
-        form = None if exact else info.kv_format
-        if entry.form != form:  # (a record written before forms were recorded)
-            with self._lock:
-                entry.form = form
-        return _Part(arrays, entry.hashes, len(data),
-                     entry.approx_from if exact else entry.start, convert_s)
-
-    def _measure_conversion(self, kv_format: str, nbytes: int, blocks: int,
-                            seconds: float) -> None:
-        """Fold a conversion's rate into `convert_bytes_per_s[kv_format]`; the first at a
-        padded block count (`buckets.bucket`, as the conversion pads) is left out: it
-        compiled."""
-        shape = (kv_format, bucket(blocks))
-        with self._lock:
-            if shape not in self._converted_shapes:
-                self._converted_shapes.add(shape)
-                return
-            rates = self.convert_bytes_per_s
-            rates[kv_format] = moving_average(rates.get(kv_format, 0.0),
-                                              nbytes / max(seconds, 1e-9))
-
-    def read_ahead(self, hit: Hit) -> bool:
-        """Have `hit` loaded (`load`) on the store's reader thread unless it is under way
-        already; True once the result is ready for `take`. Never waits: a request whose
-        read is not ready waits in the queue, and the steps of the others go on."""
-        return self._reads.start(hit)
-
-    def take(self, hit: Hit) -> tuple[Loaded, str] | None:
-        """What `read_ahead(hit)` read: `load`'s result and the tier it was read from, or
-        None (a miss: the entry gone, corrupt or its tier failing, or no read ready); never
-        waits."""
-        try:
-            read = self._reads.take(hit)
-        except Exception:  # a failing tier: a miss, counted
-            self.stats.read_failures += 1
-            return None
-        return None if read is None or read[0] is None else read
-
-    def wait_reads(self, timeout: float) -> None:
-        """Wait until a read ahead is done, at most `timeout` seconds (a loop with nothing
-        else to do, instead of spinning)."""
-        self._reads.wait(timeout)
-
-    def drop_reads(self, keep: Collection[Hit]) -> None:
-        """Forget the reads ahead of hits not in `keep` (their requests left the queue or
-        will recompute): their bytes are freed, a read not started is cancelled."""
-        self._reads.drop(keep)
 
     # ------------------------------------------------------------------ hints
 

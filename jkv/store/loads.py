@@ -1,0 +1,210 @@
+"""The KV store's read side (`StoreLoads`, a part of `jkv.store.store.KVStore`).
+
+`load` reads an entry and the chain it continues (read, checksum, checks against the index
+record), converting an entry stored in another KV form into the pool's (approximate KV,
+`Loaded.exact_blocks`); the tier's read rate and each stored format's conversion rate are
+measured apart (restore planning and AdaptCache weigh them). `read_ahead` runs `load` on the
+store's reader thread (`reads.ReadAhead`) and `take` hands its result over at admission
+without waiting. A corrupt or foreign entry is a miss, counted and deleted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+from typing import NamedTuple
+
+from jkv.averages import moving_average
+from jkv.block_runs import BlockRuns
+from jkv.buckets import bucket
+from jkv.store.adapt_store import AdaptStorePlacement
+from jkv.store.codec import CorruptEntry, EntryMismatch, decode
+from jkv.store.index import EntryIndex, Hit
+from jkv.store.placement import Placement
+from jkv.store.reads import ReadAhead
+from jkv.store.tiers import HostTier, PersistentTier
+from jkv.store.writes import HASHES, PendingSave, StoreStats, log
+
+
+class Loaded(NamedTuple):
+    """What `load` read: `arrays` [blocks, ...] in the pool's format and their block
+    `hashes`; blocks from `exact_blocks` on (None: none) were stored in another form and
+    converted, so they hold approximate KV (usable by the prompt, never shared under their
+    tokens' hashes)."""
+
+    arrays: dict
+    hashes: list[bytes]
+    exact_blocks: int | None = None
+
+
+class _Part(NamedTuple):
+    """One entry of a chain as read: its arrays in the pool's format, block hashes, stored
+    bytes, first approximate block in the run (None: exact; its first block when it was
+    stored in another form and converted) and the seconds converting it took."""
+
+    arrays: dict
+    hashes: list[bytes]
+    nbytes: int
+    approx_from: int | None
+    convert_s: float
+
+
+class StoreLoads:
+    """Loading entries and handing reads ahead over; `KVStore` provides the attributes below
+    (its docstring says what they are)."""
+
+    model: str
+    kv_format: str
+    page_size: int
+    aligned_reads: bool
+    convert: Callable[[dict, str, str], dict] | None
+    host: HostTier
+    disk: PersistentTier | None
+    placement: Placement | AdaptStorePlacement
+    index: EntryIndex
+    stats: StoreStats
+    read_bytes_per_s: dict[str, float]
+    convert_bytes_per_s: dict[str, float]
+    _converted_shapes: set[tuple[str, int]]
+    _reads: ReadAhead
+    _lock: threading.Lock
+    _pending: dict[str, PendingSave]
+    _submit: Callable[[Callable[[], None]], bool]
+    _delete: Callable[[str], None]
+
+    def load(self, hit: Hit) -> Loaded | None:
+        """The first `hit.blocks` blocks of entry `hit.key` and its chain: arrays [blocks,
+        ...] in the pool's format (a chain's as `BlockRuns`, its entries' arrays uncopied),
+        or a whole entry's arrays as saved, and their block hashes, validated (`Loaded`);
+        None on a miss (gone, or corrupt: then counted and deleted). An entry still being
+        saved is read once written."""
+        with self._lock:
+            pending = self._pending.get(hit.key)
+        if pending is not None:
+            pending.written.wait()  # the writer writes in order: its parents are written
+        t0 = time.perf_counter()
+        with self._lock:
+            chain = self.index.chain(hit.key) if hit.key in self.index else None
+        if chain is None:
+            return None
+        parts, nbytes, exact, convert_s = [], 0, None, 0.0
+        for key in chain:
+            part = self._load_one(key, hit.tier)
+            if part is None:
+                return None
+            if exact is None:  # the chain's first approximate block (root first)
+                exact = part.approx_from
+            parts.append((part.arrays, part.hashes))
+            nbytes += part.nbytes
+            convert_s += part.convert_s
+        with self._lock:
+            for key in chain:
+                self.placement.access(key)
+        self.stats.loads += 1
+        # the tier's rate: reading, checksumming and checking (conversions are per form)
+        rate = nbytes / max(time.perf_counter() - t0 - convert_s, 1e-9)
+        self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
+        n = hit.blocks
+        exact = None if exact is None or exact >= n else exact
+        if len(parts) == 1:
+            arrays, hashes = parts[0]
+            if n == len(hashes):  # the whole entry (a tiered row's arrays are not blocks)
+                return Loaded(dict(arrays), list(hashes), exact)
+            return Loaded({f: x[:n] for f, x in arrays.items()}, hashes[:n], exact)
+        hashes = [h for _, hs in parts for h in hs][:n]
+        # a chain is handed over in its parts: a restore writes runs inside each, uncopied
+        return Loaded({f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]},
+                      hashes, exact)
+
+    def _load_one(self, key: str, tier: str) -> _Part | None:
+        """One entry, validated against its index record (`_Part`); None on a miss (a
+        corrupt entry and what continues it: counted, deleted)."""
+        tiers = (self.host, self.disk) if tier == "host" else (self.disk, self.host)
+        data = None
+        for t in tiers:  # the entry may be moving between tiers right now
+            if t is not None and (data := t.get(key)) is not None:
+                break
+        if data is None:
+            return None
+        with self._lock:
+            entry = self.index.get(key)
+        try:
+            if entry is None:
+                return None
+            info, arrays = decode(data, model=self.model,
+                                  kv_format=None if self.convert else self.kv_format,
+                                  page_size=self.page_size, align=self.aligned_reads)
+            stored = arrays.pop(HASHES, None)
+            if stored is None or [r.tobytes() for r in stored] != entry.hashes:
+                raise CorruptEntry("the entry's block hashes differ from its index record")
+            exact = info.kv_format == self.kv_format
+            convert_s = 0.0
+            if not exact:
+                t0 = time.perf_counter()
+                try:
+                    arrays = self.convert(arrays, info.kv_format, self.kv_format)
+                except ValueError as e:
+                    raise EntryMismatch(f"a {info.kv_format} entry: {e}") from None
+                convert_s = time.perf_counter() - t0
+                self._measure_conversion(info.kv_format, len(data), len(entry.hashes),
+                                         convert_s)
+                self.stats.converted_loads += 1
+        except (CorruptEntry, EntryMismatch) as e:
+            log.warning("stored KV entry %s is unusable (%s); recomputing", key, e)
+            self.stats.corrupt_entries += 1
+            with self._lock:
+                removed = self.index.remove(key)  # no second lookup finds them
+            for k in removed:  # the writer deletes them
+                self._submit(lambda k=k: self._delete(k))
+            return None
+        form = None if exact else info.kv_format
+        if entry.form != form:  # (a record written before forms were recorded)
+            with self._lock:
+                entry.form = form
+        return _Part(arrays, entry.hashes, len(data),
+                     entry.approx_from if exact else entry.start, convert_s)
+
+    def _measure_conversion(self, kv_format: str, nbytes: int, blocks: int,
+                            seconds: float) -> None:
+        """Fold a conversion's rate into `convert_bytes_per_s[kv_format]`; the first at a
+        padded block count (`buckets.bucket`, as the conversion pads) is left out: it
+        compiled."""
+        shape = (kv_format, bucket(blocks))
+        with self._lock:
+            if shape not in self._converted_shapes:
+                self._converted_shapes.add(shape)
+                return
+            rates = self.convert_bytes_per_s
+            rates[kv_format] = moving_average(rates.get(kv_format, 0.0),
+                                              nbytes / max(seconds, 1e-9))
+
+    def read_ahead(self, hit: Hit) -> bool:
+        """Have `hit` loaded (`load`) on the store's reader thread unless it is under way
+        already; True once the result is ready for `take`. Never waits: a request whose
+        read is not ready waits in the queue, and the steps of the others go on."""
+        return self._reads.start(hit)
+
+    def take(self, hit: Hit) -> tuple[Loaded, str] | None:
+        """What `read_ahead(hit)` read: `load`'s result and the tier it was read from, or
+        None (a miss: the entry gone, corrupt or its tier failing, or no read ready); never
+        waits."""
+        try:
+            read = self._reads.take(hit)
+        except Exception:  # a failing tier: a miss, counted
+            self.stats.read_failures += 1
+            return None
+        return None if read is None or read[0] is None else read
+
+    def wait_reads(self, timeout: float) -> None:
+        """Wait until a read ahead is done, at most `timeout` seconds (a loop with nothing
+        else to do, instead of spinning)."""
+        self._reads.wait(timeout)
+
+    def drop_reads(self, keep: Collection[Hit]) -> None:
+        """Forget the reads ahead of hits not in `keep` (their requests left the queue or
+        will recompute): their bytes are freed, a read not started is cancelled."""
+        self._reads.drop(keep)
+
+
+__all__ = ["Loaded", "StoreLoads"]
