@@ -419,6 +419,27 @@ def test_a_save_not_yet_written_is_found_and_its_read_waits_for_the_write(whole)
     s.close()
 
 
+def test_a_queued_tail_of_a_queued_entry_is_found_with_its_chain():
+    """A request saved as its blocks fill while the writer is behind: its tail continues a
+    save that is queued too, and a lookup finds both (as unconverted: their forms are
+    chosen as they are written)."""
+    import threading
+
+    rng = np.random.default_rng()
+    s = store(host_cache_bytes=1 << 24)
+    hashes, data = chain(rng.integers(0, 1000, 8 * PAGE).tolist()), blocks(8, rng)
+    release = threading.Event()
+    s._submit(release.wait)
+    assert s.save(4, {f: x[:4] for f, x in data.items()}, hashes)
+    assert s.save(8, {f: x[4:] for f, x in data.items()}, hashes, start=4)
+    hit = s.lookup(hashes)
+    assert (hit.key, hit.blocks, hit.converted) == (hashes[-1].hex(), 8, ())
+    s.read_ahead(hit)  # (waits for the writes)
+    release.set()
+    assert_read_ahead(s, hit, hashes, data)
+    s.close()
+
+
 def test_tail_entries_continue_a_run_and_are_read_along_their_chain(tmp_path):
     """A request saved as its blocks fill: a root entry, then tails holding only the blocks
     since the last save; any leading run is found and read across the chain, the chain

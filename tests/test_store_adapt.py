@@ -91,6 +91,8 @@ def test_a_learned_half_life_forgets_a_conversation_quiet_for_a_few_of_its_pause
     for t in (10.0, 20.0, 30.0, 40.0):
         p.access("old", now=t)
     assert p.half_life == (600.0 if half_life else 20.0)
+    p.access("old", now=40.5, learn=False)  # read as what another entry continues
+    assert p.half_life == (600.0 if half_life else 20.0)
     p.put("new", forms(40 * MB), recompute_s=1.0, now=200.0)
     assert p.where("old")[0] == ("dram" if half_life else "disk")
     assert p.where("new")[0] == ("disk" if half_life else "dram")
@@ -281,6 +283,8 @@ def test_a_store_assumes_its_backends_profiled_decode_rates_until_it_measures_it
     (lambda d: d["methods"].update(full=[]), "full"),
     (lambda d: d.update(decode_bps={"cpu": {"k4": -1}}), r"decode_bps.cpu.k4"),
     (lambda d: d.update(decode_bps={"cpu": {"k8": 1e9}}), r"decode_bps.cpu.k8: not a method"),
+    (lambda d: d.update(decode_bps=[1e9]), "decode_bps must map"),
+    (lambda d: d["methods"].update(k2=[]), "methods.k2 must be a non-empty list"),
 ])
 def test_a_bad_profile_names_the_field(change, field):
     data = copy.deepcopy(PROFILE)
@@ -322,7 +326,7 @@ def test_a_reopened_stores_entries_keep_the_forms_they_can_still_take_and_get_pr
     """Adopted entries (a store reopened) can still shrink to the profile's smaller forms
     (not only move down or out), and what a miss of them costs is set once the engine has
     measured its prefill (until then recomputing them looks free)."""
-    from jkv.store.adapt_store import AdaptStorePlacement
+    from jkv.store.adapt_store import FOREIGN, AdaptStorePlacement
 
     profile = Profile.from_json({"model": "m", "metric": "top1_agreement", "kinds": ["chat"],
                                  "methods": {"k8v4t": [{"rate": 0.44, "quality": {"chat": 0.99}}],
@@ -330,11 +334,18 @@ def test_a_reopened_stores_entries_keep_the_forms_they_can_still_take_and_get_pr
     p = AdaptStorePlacement(profile, 1.0, 0.0, 0, 10 * MB, bf16_ratio=2.0)
     assert p.adopt("full", 1000, "disk", tokens=64)
     assert p.adopt("k8", 880, "disk", tokens=64, form="k8v4t")
-    assert p.adopt("foreign", 500, "disk", tokens=64, form="k2v2")
+    assert p.adopt("unrated", 500, "disk", tokens=64, form="k2v2")
+    assert p.adopt("foreign", 500, "disk", form=FOREIGN)
     held = {k: [(f.method, f.size) for f in p.adapt._entries[k].forms]
-            for k in ("full", "k8", "foreign")}
+            for k in ("full", "k8", "unrated", "foreign")}
+    # a compressed entry keeps the full form before it (never chosen: forms only shrink),
+    # so another method on top of it would count both qualities
     assert held == {"full": [("full", 1000), ("k8v4t", 880), ("k4v2t", 440)],
-                    "k8": [("k8v4t", 880), ("k4v2t", 440)], "foreign": [("stored", 500)]}
+                    "k8": [("full", 2000), ("k8v4t", 880), ("k4v2t", 440)],
+                    "unrated": [("stored", 500)], "foreign": [("stored", 500)]}
+    assert [p.adapt.where(k)[1].method for k in held] == ["full", "k8v4t", "stored", "stored"]
+    assert p.bytes_used("disk") == 1000 + 880 + 500 + 500
+    del held["foreign"]
     assert {p.adapt._entries[k].recompute_s for k in held} == {0.0}
     p.set_recompute_rate(0.01)
     assert [p.adapt._entries[k].recompute_s for k in held] == [0.64] * 3

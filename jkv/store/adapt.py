@@ -168,12 +168,14 @@ class AdaptPlacement:
         """The scheduler's queue: keys its waiting requests will read."""
         self._queued = set(queue)
 
-    def access(self, key: Hashable, now: float) -> tuple[str, Form] | None:
-        """A request reads `key` now: its tier and form (None: a miss), counted as a hit."""
+    def access(self, key: Hashable, now: float, learn: bool = True) -> tuple[str, Form] | None:
+        """A request reads `key` now: its tier and form (None: a miss), counted as a hit.
+        `learn`: its gap since the last use counts towards a learned half-life (not for an
+        entry read only as what another continues: a shared prefix's gaps are the arrivals')."""
         e = self._entries.get(key)
         if e is None:
             return None
-        if self.learned and e.uses > 0:  # (an adopted entry's stamp is no use's)
+        if self.learned and learn and e.uses > 0:  # (an adopted entry's stamp is no use's)
             self._gaps.append(max(now - e.stamp, 0.0))
             self._set_half_life(max(2.0 * statistics.median(self._gaps), MIN_HALF_LIFE))
         e.uses, e.stamp = self._decayed(e, now) + 1.0, now
@@ -210,17 +212,19 @@ class AdaptPlacement:
         return moves
 
     def adopt(self, key: Hashable, forms: Sequence[Form], tier: str, recompute_s: float,
-              now: float) -> bool:
-        """Count an entry already held in `tier` in the first of `forms` (a store reopened:
-        the others are what it may still shrink to); False, and nothing counted, if it
-        does not fit."""
-        held = forms[0]
+              now: float, held: int = 0) -> bool:
+        """Count an entry already held in `tier` in `forms[held]` (a store reopened: the
+        ones after it are what it may still shrink to; the full form first when `held` is
+        a compressed one); False, and nothing counted, if it does not fit."""
+        form = forms[held]
         t = self._index[tier]
-        if key in self._entries or self._used[t] + held.size > self.tiers[t].capacity:
+        if key in self._entries or self._used[t] + form.size > self.tiers[t].capacity:
             return False
-        smaller = sorted((f for f in forms[1:] if f.size < held.size), key=lambda f: -f.size)
-        self._entries[key] = _Entry((held, *smaller), 0, t, 1.0, recompute_s, 0.0, now)
-        self._used[t] += held.size
+        smaller = sorted((f for f in forms[held + 1:] if f.size < form.size),
+                         key=lambda f: -f.size)
+        self._entries[key] = _Entry((*forms[:held + 1], *smaller), held, t, 1.0, recompute_s,
+                                    0.0, now)
+        self._used[t] += form.size
         return True
 
     def set_recompute(self, key: Hashable, recompute_s: float) -> None:

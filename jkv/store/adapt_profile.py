@@ -56,9 +56,13 @@ class Profile:
         if not kinds or not all(isinstance(k, str) for k in kinds):
             raise ValueError("profile: kinds must be a non-empty list of names")
         methods: dict[str, tuple[Point, ...]] = {}
+        if not isinstance(data["methods"], Mapping):
+            raise ValueError("profile: methods must map each method to its points")
         for method, points in dict(data["methods"]).items():
             if method == "full":
                 raise ValueError("profile: methods: 'full' is the uncompressed form's name")
+            if not isinstance(points, list) or not points:
+                raise ValueError(f"profile: methods.{method} must be a non-empty list")
             out = []
             for i, p in enumerate(points):
                 where = f"profile: methods.{method}[{i}]"
@@ -76,7 +80,11 @@ class Profile:
                 out.append(Point(float(rate), quality, family))
             methods[method] = tuple(sorted(out, key=lambda p: -p.rate))
         decode: dict[str, dict[str, float]] = {}
-        for backend, rates in dict(data.get("decode_bps", {})).items():
+        decode_bps = data.get("decode_bps", {})
+        if not isinstance(decode_bps, Mapping) or not all(
+                isinstance(r, Mapping) for r in decode_bps.values()):
+            raise ValueError("profile: decode_bps must map backends to {method: rate}")
+        for backend, rates in decode_bps.items():
             decode[backend] = {}
             for method, bps in dict(rates).items():
                 where = f"profile: decode_bps.{backend}.{method}"

@@ -22,6 +22,7 @@ from jkv.store.adapt import Move as AdaptMove
 from jkv.store.adapt_profile import Profile
 from jkv.store.placement import Move
 
+FOREIGN = "foreign"  # `adopt`'s form of an entry not of this KV (another model's): opaque
 # read rates assumed until the store has measured its own (bytes per second)
 DEFAULT_READ_BPS = {"dram": 10e9, "disk": 1e9}
 
@@ -97,8 +98,8 @@ class AdaptStorePlacement:
         for method, bps in rates.items():
             self.adapt.set_decode_rate(method, bps)
 
-    def access(self, key: Hashable) -> str | None:
-        got = self.adapt.access(key, time.monotonic())
+    def access(self, key: Hashable, own: bool = True) -> str | None:
+        got = self.adapt.access(key, time.monotonic(), learn=own)
         return None if got is None else got[0]
 
     def put(self, key: Hashable, size: int, queue: Sequence[Hashable] = (),
@@ -132,20 +133,23 @@ class AdaptStorePlacement:
         format `form` (None: the pool's); it keeps the profile's smaller forms to go to.
         An entry of a form the profile does not rate (another model's, say) is held as it
         is, at full quality, and can only move down or out."""
+        held = 0
         if form is None:
             forms = self.profile.forms(round(size * self.bf16_ratio), methods=self.methods,
                                        full_bytes=size)
         elif form in self.methods:
-            # the full form's bf16 bytes, from the held one's (a format: one rate)
+            # the full form's bf16 bytes, from the held one's (a format: one rate); the
+            # full form stays first so a form of another method counts both qualities
             bf16 = round(size / self.profile.methods[form][0].rate)
-            forms = [f for f in self.profile.forms(bf16, methods=self.methods)
-                     if f.method == form or f.size < size]
-            forms.sort(key=lambda f: f.method != form)  # the held one first
-            forms[0] = dataclasses.replace(forms[0], size=size)
+            forms = self.profile.forms(bf16, methods=self.methods)
+            held = next(i for i, f in enumerate(forms) if f.method == form)
+            forms = [forms[0], dataclasses.replace(forms[held], size=size),
+                     *(f for f in forms[1:] if f.method != form and f.size < size)]
+            held = 1
         else:
             forms = [Form("stored", 1.0, size, 1.0)]
         if not self.adapt.adopt(key, forms, tier, tokens * self.recompute_token_s,
-                                time.monotonic()):
+                                time.monotonic(), held=held):
             return False
         if tokens and not self.recompute_token_s:
             self._unpriced[key] = tokens

@@ -99,8 +99,8 @@ class StoreLoads:
             nbytes += part.nbytes
             convert_s += part.convert_s
         with self._lock:
-            for key in chain:
-                self.placement.access(key)
+            for key in chain:  # (the reuse gap AdaptCache learns from is the hit's own)
+                self.placement.access(key, own=key == chain[-1])
         self.stats.loads += 1
         # the tier's rate: reading, checksumming and checking (conversions are per form)
         rate = nbytes / max(time.perf_counter() - t0 - convert_s, 1e-9)
@@ -158,10 +158,9 @@ class StoreLoads:
             for k in removed:  # the writer deletes them
                 self._submit(lambda k=k: self._delete(k))
             return None
-        form = None if exact else info.kv_format
-        if entry.form != form:  # (a record written before forms were recorded)
-            with self._lock:
-                entry.form = form
+        if not exact and entry.form is None:  # (a record written before forms were kept;
+            with self._lock:                  # a recorded one is the writer's to change)
+                entry.form = info.kv_format
         return _Part(arrays, entry.hashes, len(data),
                      entry.approx_from if exact else entry.start, convert_s)
 

@@ -101,8 +101,9 @@ class Placement:
 
     # ------------------------------------------------------------------ updates
 
-    def access(self, session: Hashable) -> str | None:
-        """A job of `session` runs now: returns the tier its KV is read from (None: a miss)."""
+    def access(self, session: Hashable, own: bool = True) -> str | None:
+        """A job of `session` runs now: returns the tier its KV is read from (None: a miss).
+        (`own`: whether the job's hit ends in it, or it is an entry that hit continues.)"""
         tier = self.where(session)
         if tier is not None:
             self._clock += 1

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 from jkv.config import StoreConfig
 from jkv.store.adapt_profile import Profile
-from jkv.store.adapt_store import AdaptStorePlacement
+from jkv.store.adapt_store import FOREIGN, AdaptStorePlacement
 from jkv.store.index import EntryIndex, Hit, parse_meta
 from jkv.store.loads import StoreLoads
 from jkv.store.placement import Placement
@@ -150,7 +150,7 @@ class KVStore(StoreLoads, StoreWrites):
             else:
                 self.disk.delete(key)  # over the configured capacity: the store shrank
         for key in other:  # another model's (or unreadable) entries: evicted like any other
-            if not self.placement.adopt(key, self.disk.size(key), "disk"):
+            if not self.placement.adopt(key, self.disk.size(key), "disk", form=FOREIGN):
                 # never deleted at opening; the room they take is not ours to use
                 self.placement.capacity["disk"] = max(
                     0, self.placement.capacity["disk"] - self.disk.size(key))
@@ -171,7 +171,7 @@ class KVStore(StoreLoads, StoreWrites):
                 size = sum(chain) + p.nbytes
                 return Hit(key, n, self._pending_tier(key), size,
                            sum(chain) + p.nbytes * (n - p.start) // len(p.hashes),
-                           () if p.parent is None else self._converted(p.parent, chain))
+                           self._converted(key, [*chain, p.nbytes]))
             if lo == 0:
                 return None
             holders = self.index.holders(hashes[lo - 1])
@@ -189,10 +189,17 @@ class KVStore(StoreLoads, StoreWrites):
                        self._converted(key, sizes))
 
     def _converted(self, key: str, sizes: Sequence[int]) -> tuple[tuple[str, int], ...]:
-        """(KV format, stored bytes) of the entries of `key`'s written chain (`sizes`: their
-        stored sizes, root first) held in another form than the pool's (under the lock)."""
-        forms = [self.index.entries[k].form for k in self.index.chain(key)]
-        return tuple((f, n) for f, n in zip(forms, sizes, strict=True) if f is not None)
+        """(KV format, stored bytes) of the entries of `key`'s chain (`sizes`: their stored
+        sizes, root first) held in another form than the pool's (under the lock; a save not
+        yet written counts as in the pool's: its form is chosen as it is written)."""
+        return tuple((f, n) for f, n in zip(self._chain_forms(key), sizes, strict=True)
+                     if f is not None)
+
+    def _chain_forms(self, key: str) -> list[str | None]:
+        if key in self._pending:
+            parent = self._pending[key].parent
+            return [*([] if parent is None else self._chain_forms(parent)), None]
+        return [self.index.entries[k].form for k in self.index.chain(key)]
 
     def _chain_tier(self, key: str) -> str | None:
         """Where `key`'s chain is read from (under the lock): "dram" when every entry of it
@@ -257,7 +264,8 @@ class KVStore(StoreLoads, StoreWrites):
     def set_recompute_rate(self, token_s: float) -> None:
         """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
         for AdaptCache's placement."""
-        if isinstance(self.placement, AdaptStorePlacement):
+        if (isinstance(self.placement, AdaptStorePlacement)
+                and token_s != self.placement.recompute_token_s):
             with self._lock:
                 self.placement.set_recompute_rate(token_s)
 
