@@ -23,7 +23,8 @@
 #                                       # tqdm, as the others)
 # Order: 5 (issue 15's acceptance at 8B shape: its first try, 2026-11-28, ran out at 560 s with
 # nothing written; it now writes after each setting, the acceptance pair first). 9 passed on
-# 2026-11-28 (the float16 rounding fix, compiled: 120 s); 8, 6 and 4 ran on 2026-11-28.
+# 2026-11-28 (the float16 rounding fix, compiled: 120 s); 8, 6 and 4 ran on 2026-11-28. Then 10
+# (issue 16: the GPU's decode rates, into the shipped profile's "gpu" entry).
 # Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
