@@ -142,8 +142,8 @@ class AdaptStorePlacement:
             # full form stays first so a form of another method counts both qualities
             bf16 = round(size / self.profile.methods[form][0].rate)
             forms = self.profile.forms(bf16, methods=self.methods)
-            held = next(i for i, f in enumerate(forms) if f.method == form)
-            forms = [forms[0], dataclasses.replace(forms[held], size=size),
+            mine = next(f for f in forms if f.method == form)
+            forms = [forms[0], dataclasses.replace(mine, size=size),
                      *(f for f in forms[1:] if f.method != form and f.size < size)]
             held = 1
         else:

@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 TIER_NAMES = {"dram": "host", "disk": "disk"}  # placement's tier names -> the store's
 
 
+def _converted(parts: Sequence[tuple[int, str | None]]) -> tuple[tuple[str, int], ...]:
+    """`Hit.converted` of a chain's (stored bytes, form) parts: those in another form."""
+    return tuple((form, size) for size, form in parts if form is not None)
+
+
 class KVStore(StoreLoads, StoreWrites):
     """Host and persistent tiers behind one index; see the module docstring.
 
@@ -167,11 +172,11 @@ class KVStore(StoreLoads, StoreWrites):
             if pending is not None and pending[1] > lo:  # its reads wait for the write
                 key, n = pending
                 p = self._pending[key]
-                chain = [] if p.parent is None else self._chain_bytes(p.parent)
-                size = sum(chain) + p.nbytes
-                return Hit(key, n, self._pending_tier(key), size,
-                           sum(chain) + p.nbytes * (n - p.start) // len(p.hashes),
-                           self._converted(key, [*chain, p.nbytes]))
+                parts = self._chain_parts(key)
+                before = sum(size for size, _ in parts[:-1])
+                return Hit(key, n, self._pending_tier(key), before + p.nbytes,
+                           before + p.nbytes * (n - p.start) // len(p.hashes),
+                           _converted(parts))
             if lo == 0:
                 return None
             holders = self.index.holders(hashes[lo - 1])
@@ -183,23 +188,11 @@ class KVStore(StoreLoads, StoreWrites):
                 return None
             key = min(tiers, key=lambda k: (tiers[k] != "dram", k))
             entry = self.index.entries[key]
-            sizes = self._chain_bytes(key)
+            parts = self._chain_parts(key)
+            sizes = [size for size, _ in parts]
             return Hit(key, lo, TIER_NAMES[tiers[key]], sum(sizes),
                        sum(sizes[:-1]) + sizes[-1] * (lo - entry.start) // len(entry.hashes),
-                       self._converted(key, sizes))
-
-    def _converted(self, key: str, sizes: Sequence[int]) -> tuple[tuple[str, int], ...]:
-        """(KV format, stored bytes) of the entries of `key`'s chain (`sizes`: their stored
-        sizes, root first) held in another form than the pool's (under the lock; a save not
-        yet written counts as in the pool's: its form is chosen as it is written)."""
-        return tuple((f, n) for f, n in zip(self._chain_forms(key), sizes, strict=True)
-                     if f is not None)
-
-    def _chain_forms(self, key: str) -> list[str | None]:
-        if key in self._pending:
-            parent = self._pending[key].parent
-            return [*([] if parent is None else self._chain_forms(parent)), None]
-        return [self.index.entries[k].form for k in self.index.chain(key)]
+                       _converted(parts))
 
     def _chain_tier(self, key: str) -> str | None:
         """Where `key`'s chain is read from (under the lock): "dram" when every entry of it
@@ -217,13 +210,15 @@ class KVStore(StoreLoads, StoreWrites):
             return self._pending_tier(parent)
         return "host" if self._chain_tier(parent) == "dram" else "disk"
 
-    def _chain_bytes(self, key: str) -> list[int]:
-        """The stored sizes of `key`'s chain, root first (under the lock; a save not yet
-        written counts its bytes)."""
+    def _chain_parts(self, key: str) -> list[tuple[int, str | None]]:
+        """(stored bytes, KV format: None for the pool's) of each entry of `key`'s chain,
+        root first (under the lock; a save not yet written counts its bytes, in the pool's
+        format: its form is chosen as it is written)."""
         if key in self._pending:
             p = self._pending[key]
-            return ([] if p.parent is None else self._chain_bytes(p.parent)) + [p.nbytes]
-        return [self.placement.size(k) or 0 for k in self.index.chain(key)]
+            return ([] if p.parent is None else self._chain_parts(p.parent)) + [(p.nbytes, None)]
+        return [(self.placement.size(k) or 0, self.index.entries[k].form)
+                for k in self.index.chain(key)]
 
     def tail_start(self, hashes: Sequence[bytes]) -> int:
         """The most leading blocks of `hashes` that an entry (written or queued) ends with:
