@@ -391,9 +391,10 @@ class StoreConfig:
     eviction_policy: str = field(default="scheduler", metadata={
         "help": "which stored entry a full tier gives up: scheduler (keeps and prefetches the "
                 "entries of queued requests, CachedAttention), lru, fifo, or adaptcache (each "
-                "entry's KV format and tier by marginal utility, AdaptCache: smaller forms "
-                "restore approximate KV; its quality profile is --adapt-profile; needs the pool "
-                "in the model dtype)",
+                "entry's form and tier by marginal utility, AdaptCache: smaller forms restore "
+                "approximate KV; its quality profile is --adapt-profile. Block pages: forms are "
+                "KV formats, the pool in the model dtype; under kv_policy leankv/h2o/streaming: "
+                "a stored row's tokens dropped, streaming@<keep> or h2o@<keep>)",
         "choices": EVICTION_POLICIES})
     store_kv_format: str | None = field(default=None, metadata={
         "help": "KV format the store writes entries in (a fixed smaller form: k8v4t, k4v2t, "
@@ -403,10 +404,10 @@ class StoreConfig:
                 "the pool's own"})
     adapt_profile: str | None = field(default=None, metadata={
         "help": "with eviction_policy adaptcache: the quality profile of the compressed "
-                "forms (JSON, written by benchmarks/adapt_profile.py), with each form's "
-                "decode rate per backend (assumed until the store measures its own); "
-                "default: the one jkv ships, measured on the embedded SmolLM2-135M (measure "
-                "your model's own)"})
+                "forms (JSON, written by benchmarks/adapt_profile.py, or for a token-tier "
+                "engine's rows by benchmarks/adapt_rows.py), with each form's decode rate per "
+                "backend (assumed until the store measures its own); default: the one jkv "
+                "ships, measured on the embedded SmolLM2-135M (measure your model's own)"})
     adapt_alpha: float = field(default=1.0, metadata={
         "help": "with eviction_policy adaptcache: seconds of load time a whole unit of "
                 "answer quality is worth (higher keeps entries larger)"})

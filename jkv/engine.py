@@ -34,6 +34,7 @@ from jkv.cache.connector import KVConnector, SavedPages, pyramid
 from jkv.cache.kv_cache import KVCacheManager, TierPolicy
 from jkv.cache.kv_forms import convert_pages
 from jkv.cache.layer_offload import LayerOffload, resident_layers
+from jkv.cache.row_forms import convert_row
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
 from jkv.kv_format import KVFormat
 from jkv.layer_major import LayerMajor
@@ -293,7 +294,9 @@ class Engine:
         """End the sequence in `slot`: its full blocks go to the prefix cache (when on; with
         token tiers its whole row is kept) and its other pages back to the pool. `finished`
         False: preempted (what it held does not count in the statistics of finished
-        sequences). `keep` False: nothing of it is kept (its KV is suspect)."""
+        sequences). `keep` False: nothing of it is kept (its KV is suspect). A tiered row
+        restored from a smaller stored form is not kept (`KVConnector.approximate_row`)."""
+        keep = keep and not (self.tiered and self.connector.approximate_row(slot))
         shareable = self.connector.shareable_blocks(slot) if keep else 0
         self.connector.forget(slot)  # a restore never written: the request ended first
         ahead = 0 if self.layer_major is None else self.layer_major.drop(slot)
@@ -325,10 +328,14 @@ class Engine:
     def convert_stored(self, arrays: dict, src: str, dst: str) -> dict[str, np.ndarray]:
         """A stored entry's pages in KV format `src` as pages of `dst` (a smaller form made
         for AdaptCache, or one read back into the pool's: `kv_forms.convert_pages`,
-        approximate KV); ValueError for a format this jkv does not know, pages not of it,
-        or a tiered row (stored whole, in the pool's format)."""
+        approximate KV); ValueError for a format this jkv does not know or pages not of
+        it. Under token tiers a stored row's forms are the pool's format and row forms,
+        which drop tokens (`row_forms.convert_row`)."""
         if self.tiered:
-            raise ValueError("a tiered row is stored and restored in the pool's format only")
+            t, c = self.cache.tiers, self.cfg
+            return convert_row(arrays, src, dst, self.cache.pool.kv_format,
+                               heads=c.num_layers * c.num_kv_heads, page=self.page_size,
+                               sinks=t.sinks, recent=t.recent_window)
         return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), self.kv_dtype)
 
     def read_buffer_layers(self, load_bytes: int, new_tokens: int) -> int:

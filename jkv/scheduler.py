@@ -54,7 +54,7 @@ class Scheduler(StoreSide):
                             aligned_reads=engine.aligned_host_arrays,
                             convert=engine.convert_stored,
                             bf16_ratio=engine.kv_bf16_ratio,
-                            backend=jax.default_backend())
+                            backend=jax.default_backend(), tiered=engine.tiered)
         self.store = store
         self.waiting: list[Request] = []
         self.running: list[Request] = []

@@ -165,6 +165,8 @@ class StoreSide:
             if not self.engine.tiered and start == len(hashes):
                 return  # nothing new (a tiered row is saved whole)
             saved = self.engine.gather(slot, start, approximate)
+            if saved.rows is not None and saved.exact_blocks is not None and not approximate:
+                return  # a row restored from a smaller form: a lossless store never has it
             self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id,
                             rows=saved.rows, start=saved.start,
                             exact_blocks=saved.exact_blocks)

@@ -232,7 +232,9 @@ class KVConnector:
 
     def restore_tiers(self, slot: int, saved: SavedPages, token_ids: Sequence[int]) -> int:
         """Start the empty `slot` with a saved tiered row (its compression kept); returns
-        the tokens it then holds (0 when its pages cannot be had: recomputed instead)."""
+        the tokens it then holds (0 when its pages cannot be had: recomputed instead). A row
+        stored in a smaller form (`saved.exact_blocks`: tokens dropped by the store) makes
+        the slot's row approximate (`approximate_row`)."""
         layout, high, low = self.restorable_tiers(saved, token_ids)
         arrays = saved.arrays
         pages = KVPages.from_arrays(self.cache.pool.kv_format, {
@@ -246,7 +248,16 @@ class KVConnector:
         jax.block_until_ready(self.cache.pool)
         if place_row._cache_size() == compiled:  # a compile is not a load rate
             self._learn_load(pages.nbytes, time.perf_counter() - t0)
+        if saved.exact_blocks is not None and saved.exact_blocks < saved.num_blocks:
+            self._pending[slot] = _Pending(approx_from=0)
         return tokens
+
+    def approximate_row(self, slot: int) -> bool:
+        """Whether `slot`'s tiered row was restored from a smaller stored form: it is kept
+        neither on the device nor in the store under its tokens' exact hashes (a lossy store
+        is handed it marked approximate)."""
+        p = self._pending.get(slot)
+        return p is not None and p.approx_from is not None
 
     def write(self, slots: Sequence[int]) -> None:
         """Write the queued restores of `slots` into the pool now, every layer at once
@@ -380,12 +391,14 @@ class KVConnector:
 
     def gather_tiers(self, slot: int) -> SavedPages:
         """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),
-        as device arrays being copied out of the pool (`rows` of them real)."""
+        as device arrays being copied out of the pool (`rows` of them real); marked
+        approximate (`exact_blocks` 0) when it was restored from a smaller form."""
         c = self.cache
         layout, pages, score, pos = c.tier_pages(slot)
         n = len(c.slot_tokens[slot]) // c.page_size
         return SavedPages(n, {**pages.arrays(), **layout, "tier_score": score, "tier_pos": pos},
                           block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed, n),
+                          exact_blocks=0 if self.approximate_row(slot) else None,
                           rows=int((layout["tier_head"] >= 0).sum()))
 
     def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,

@@ -15,7 +15,9 @@ family at the quality measured from the full KV (`jkv.store.adapt.Form`). Option
 second an entry of each method is converted back into a model-dtype pool at (the decode
 cost of the paper's estimator; `adapt_profile.py --decode` measures it), what the store
 assumes until it has measured its own. `Profile.default()`:
-the one shipped for the embedded model (SmolLM2-135M), used when none is given.
+the one shipped for the embedded model (SmolLM2-135M), used when none is given (for a
+token-tier engine's rows, whose methods are row forms `<way>@<keep>` with rates against the
+row as kept: `Profile.default(tiered=True)`, from `benchmarks/adapt_rows.py`).
 """
 
 from __future__ import annotations
@@ -104,10 +106,13 @@ class Profile:
         return cls.from_json(data)
 
     @classmethod
-    def default(cls) -> Profile:
+    def default(cls, tiered: bool = False) -> Profile:
         """The profile shipped with jkv: SmolLM2-135M's (the embedded model), measured by
-        `benchmarks/adapt_profile.py`; another model's qualities differ (measure its own)."""
-        text = resources.files("jkv.store").joinpath("profiles/smollm2-135m.json").read_text()
+        `benchmarks/adapt_profile.py`; another model's qualities differ (measure its own).
+        `tiered`: the one for a token-tier engine's stored rows, whose methods are row forms
+        (`benchmarks/adapt_rows.py`, under kv_policy leankv)."""
+        name = "smollm2-135m-rows.json" if tiered else "smollm2-135m.json"
+        text = resources.files("jkv.store").joinpath(f"profiles/{name}").read_text()
         return cls.from_json(json.loads(text))
 
     def to_json(self) -> dict:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Collection, Hashable, Sequence
 
 from jkv.kv_format import KV_FORMATS
+from jkv.row_form_names import WAYS, is_row_form
 from jkv.store.adapt import AdaptPlacement, Form, Tier
 from jkv.store.adapt import Move as AdaptMove
 from jkv.store.adapt_profile import Profile
@@ -34,19 +35,28 @@ class AdaptStorePlacement:
     pool in the model dtype: float32 pages are twice a profile's bf16 ones). half_life:
     seconds over which an entry's uses halve (`AdaptPlacement`; None: learned). backend:
     the JAX backend the store's conversions run on: the profile's decode rates for it are
-    assumed until the store measures its own (`set_decode_rates`).
+    assumed until the store measures its own (`set_decode_rates`). tiered: the entries are
+    tiered rows (a token-tier engine's): their forms are the profile's row forms
+    (`jkv.cache.row_forms`, rates against the row as the engine kept it), not KV formats.
     """
 
     policy = "adaptcache"
 
     def __init__(self, profile: Profile, alpha: float, quality_floor: float, dram_bytes: int,
                  disk_bytes: int, bf16_ratio: float = 1.0, half_life: float | None = None,
-                 backend: str = "cpu") -> None:
+                 backend: str = "cpu", tiered: bool = False) -> None:
         self.capacity = {"dram": dram_bytes, "disk": disk_bytes}
-        self.methods = tuple(m for m in profile.methods if m in KV_FORMATS)
-        if not self.methods:
-            raise ValueError(f"the profile names no KV format jkv can store (methods "
-                             f"{sorted(profile.methods)}; formats {sorted(KV_FORMATS)})")
+        if tiered:
+            self.methods = tuple(m for m in profile.methods if is_row_form(m))
+            if not self.methods:
+                raise ValueError(f"the profile names no row form (<way>@<keep>, way one of "
+                                 f"{list(WAYS)}) for a token-tier engine's rows (methods "
+                                 f"{sorted(profile.methods)})")
+        else:
+            self.methods = tuple(m for m in profile.methods if m in KV_FORMATS)
+            if not self.methods:
+                raise ValueError(f"the profile names no KV format jkv can store (methods "
+                                 f"{sorted(profile.methods)}; formats {sorted(KV_FORMATS)})")
         self.profile, self.bf16_ratio = profile, bf16_ratio
         self.adapt = AdaptPlacement(
             [Tier(name, cap, DEFAULT_READ_BPS[name]) for name, cap in self.capacity.items()],

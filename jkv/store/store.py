@@ -75,14 +75,15 @@ class KVStore(StoreLoads, StoreWrites):
     without it an entry of another format is a mismatch (a miss). bf16_ratio: an entry's
     bytes in bf16 over its bytes as stored (AdaptCache's profile rates are against bf16).
     backend: the JAX backend conversions run on (AdaptCache's profile decode rates are per
-    backend).
+    backend). tiered: the engine keeps token tiers (its entries are tiered rows, whose
+    smaller forms drop tokens: AdaptCache takes the profile's row forms).
     """
 
     def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
                  page_size: int, max_pending_bytes: int = 2 << 30,
                  aligned_reads: bool = False,
                  convert: Callable[[dict, str, str], dict] | None = None,
-                 bf16_ratio: float = 1.0, backend: str = "cpu") -> None:
+                 bf16_ratio: float = 1.0, backend: str = "cpu", tiered: bool = False) -> None:
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
@@ -99,14 +100,15 @@ class KVStore(StoreLoads, StoreWrites):
             raise ValueError("store_kv_format needs the engine's KV format conversion")
         disk_bytes = 0 if self.disk is None else config.disk_cache_bytes
         if config.eviction_policy == "adaptcache":
-            if convert is None or kv_format not in ("auto", "bf16"):
+            if convert is None or (not tiered and kv_format not in ("auto", "bf16")):
                 raise ValueError("eviction_policy adaptcache needs the engine's KV format "
-                                 "conversion and a pool in the model dtype (kv_format auto)")
+                                 "conversion and, without token tiers, a pool in the model "
+                                 "dtype (kv_format auto)")
             self.placement = AdaptStorePlacement(
-                Profile.default() if config.adapt_profile is None
+                Profile.default(tiered) if config.adapt_profile is None
                 else Profile.load(config.adapt_profile), config.adapt_alpha,
-                config.adapt_quality_floor, config.host_cache_bytes, disk_bytes, bf16_ratio,
-                config.adapt_half_life, backend)
+                config.adapt_quality_floor, config.host_cache_bytes, disk_bytes,
+                1.0 if tiered else bf16_ratio, config.adapt_half_life, backend, tiered)
         else:
             self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
                                        disk_bytes)

@@ -104,9 +104,9 @@ class StoreWrites:
         marked approximate from there."""
         approx = (None if exact_blocks is None or exact_blocks >= num_blocks
                   else max(exact_blocks, start))
-        if approx is not None and (not self.keeps_approximate or rows is not None):
+        if approx is not None and not self.keeps_approximate:
             raise ValueError("exact_blocks: approximate KV is saved only to a lossy store "
-                             "(store_kv_format or eviction_policy adaptcache), never a tiered row")
+                             "(store_kv_format or eviction_policy adaptcache)")
         if num_blocks <= start or self._closed or (start and rows is not None):
             return False
         hashes = list(hashes[:num_blocks])
@@ -310,7 +310,11 @@ class StoreWrites:
         if info.kv_format == kv_format:
             return None
         hashes = arrays.pop(HASHES)
-        out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key, hashes)
+        try:
+            out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key,
+                               hashes)
+        except ValueError:  # no such form from this one (a row form no smaller than it)
+            return None
         if len(out) >= len(data):
             return None  # forms only shrink
         with self._lock:
