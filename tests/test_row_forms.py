@@ -281,3 +281,29 @@ def test_a_row_recompressed_in_place_restores_to_the_tokens_its_form_keeps(tiny_
     assert tokens(eng.save_pages(slot).arrays, fmt).keys() == tokens(want, fmt).keys()
     eng.close(slot)
     store.close()
+
+
+def test_a_row_form_is_made_only_from_one_keeping_more_of_the_tokens():
+    """h2o@0.5 cannot become streaming@0.5 (both keep half the tokens: the newest half of
+    an h2o half is all of it), however much smaller the profile says that form is: the
+    policy takes a quarter for the h2o half instead."""
+    from jkv.store.adapt import AdaptPlacement, Tier
+    from jkv.store.adapt_profile import Profile
+
+    profile = Profile.from_json({
+        "model": "m", "metric": "top1_agreement", "kinds": ["chat"],
+        "methods": {"h2o@0.5": [{"rate": 0.6, "quality": {"chat": 0.95}, "family": "h"}],
+                    "streaming@0.5": [{"rate": 0.3, "quality": {"chat": 0.95}, "family": "s"}],
+                    "streaming@0.25": [{"rate": 0.25, "quality": {"chat": 0.5},
+                                        "family": "s"}]}})
+    forms = profile.forms(1000)
+    assert [f.share for f in forms] == [None, 0.5, 0.5, 0.25]
+    assert forms[0].reachable(forms[2]) and not forms[1].reachable(forms[2])
+    assert forms[1].reachable(forms[3]) and not forms[3].reachable(forms[1])
+    # room for a held h2o@0.5 (600) and a new row (1000, kept as it is put) if the first
+    # shrinks by 300 (streaming@0.5, were it reachable) or 350 (streaming@0.25)
+    p = AdaptPlacement([Tier("dram", 1300, 1e9)], alpha=100.0, half_life=600.0)
+    assert p.adopt("a", forms, "dram", 1000.0, 0.0, held=1)
+    p.put("b", forms, 1000.0, 0.0)
+    assert p.bytes_used("dram") == 1250
+    assert p.where("a")[1].method == "streaming@0.25" and p.where("b")[1].method == "full"

@@ -63,10 +63,19 @@ class Form:
     size: int
     quality: float
     family: str = ""
+    # the share of the entry's tokens the form keeps (a tiered row's form: tokens dropped,
+    # `row_form_names`), None for all of them: such a form is made only from one keeping
+    # a larger share (dropping more of what another way kept, never restoring any)
+    share: float | None = None
 
     @property
     def kin(self) -> str:
         return self.family or self.method
+
+    def reachable(self, smaller: Form) -> bool:
+        """Whether `smaller` can be made from this form."""
+        return smaller.share is None or smaller.share < (
+            1.0 if self.share is None else self.share)
 
 
 @dataclass(frozen=True)
@@ -315,7 +324,8 @@ class AdaptPlacement:
         out = []
         for j in range(e.form + 1, len(e.forms)):
             f = _form(e, j)
-            if f.size < size and f.quality >= self.quality_floor:
+            if (f.size < size and f.quality >= self.quality_floor
+                    and e.forms[e.form].reachable(f)):
                 out.append(((here - self._per_use(e, j, e.tier)) / (size - f.size), j, e.tier))
         if size > 0:
             down = e.tier + 1

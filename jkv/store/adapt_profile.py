@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from jkv.row_form_names import parse_row_form
 from jkv.store.adapt import Form
 
 
@@ -138,5 +139,7 @@ class Profile:
             for p in self.methods[method]:
                 q = (p.quality[kind] if kind is not None
                      else sum(p.quality.values()) / len(p.quality))
-                out.append(Form(method, p.rate, round(bf16_bytes * p.rate), q, p.family))
+                row = parse_row_form(method)  # a tiered row's: it keeps a share of tokens
+                out.append(Form(method, p.rate, round(bf16_bytes * p.rate), q, p.family,
+                                None if row is None else row[1]))
         return out

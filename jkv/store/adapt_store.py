@@ -154,7 +154,8 @@ class AdaptStorePlacement:
             forms = self.profile.forms(bf16, methods=self.methods)
             mine = next(f for f in forms if f.method == form)
             forms = [forms[0], dataclasses.replace(mine, size=size),
-                     *(f for f in forms[1:] if f.method != form and f.size < size)]
+                     *(f for f in forms[1:] if f.method != form and f.size < size
+                       and mine.reachable(f))]
             held = 1
         else:
             forms = [Form("stored", 1.0, size, 1.0)]

@@ -22,7 +22,7 @@ from jkv.store.adapt_store import AdaptStorePlacement
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
 from jkv.store.index import Entry, EntryIndex, meta_record
 from jkv.store.placement import Move, Placement
-from jkv.store.tiers import HostTier, PersistentTier
+from jkv.store.tiers import HostTier, PersistentTier, TierFull
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 
@@ -191,6 +191,12 @@ class StoreWrites:
                 return
             self._tier(moves[-1].dst).put(key, data,
                                           meta_record(self.model, entry.session, entry))
+        except TierFull:  # (the placement's count and the tier's disagree: not stored)
+            log.warning("KV entry %s did not fit the %s tier", key, moves[-1].dst)
+            with self._lock:
+                self.placement.drop(key)
+                self.stats.saves_dropped += 1
+            return
         except BaseException:
             with self._lock:
                 self.placement.drop(key)
@@ -230,11 +236,16 @@ class StoreWrites:
                 gone = m.session not in self.index  # went with an entry it continued
             if gone:
                 continue
-            if m.form is not None and self._recompress(m.session, m.src, m.form) is False:
+            done = None if m.form is None else self._recompress(m.session, m.src, m.form)
+            if done is False:
                 log.warning("could not recompress KV entry %s to %s", m.session, m.form)
                 self._delete(m.session)
                 ok = False
                 continue
+            if m.form is not None and done is None:  # its bytes stay: counted as they are
+                with self._lock:
+                    more = self.placement.resize(m.session, self._tier(m.src).size(m.session))
+                ok = self._apply(more) and ok
             if m.src == m.dst:
                 continue
             src, dst = self._tier(m.src), self._tier(m.dst)
