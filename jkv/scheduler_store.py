@@ -21,6 +21,7 @@ from jkv.engine import Engine, SavedPages
 from jkv.plan_records import Candidate
 from jkv.request import Request, SchedulerStats, Tracked
 from jkv.restore_planning import RestoreDecision, RestoreRates, plan_restore
+from jkv.row_form_names import is_row_form
 from jkv.step_costs import StepCosts
 from jkv.store.store import Hit, KVStore
 
@@ -121,7 +122,10 @@ class StoreSide:
                 if loaded is not None:
                     (arrays, hashes, exact), tier = loaded
                     hit = hit._replace(tier=tier)  # counted where it was read from
-                    restore = SavedPages(hit.blocks, arrays, hashes, exact_blocks=exact)
+                    # a tiered row stored in a smaller form goes on in it (as looked up)
+                    form = next((f for f, _ in hit.converted if is_row_form(f)), None)
+                    restore = SavedPages(hit.blocks, arrays, hashes, exact_blocks=exact,
+                                         form=form if eng.tiered and exact == 0 else None)
                     if st.rebase:
                         t = r.truncation
                         restore = eng.rebase(restore, r.tokens, t.keep, t.drop)
@@ -169,7 +173,7 @@ class StoreSide:
                 return  # a row restored from a smaller form: a lossless store never has it
             self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id,
                             rows=saved.rows, start=saved.start,
-                            exact_blocks=saved.exact_blocks)
+                            exact_blocks=saved.exact_blocks, form=saved.form)
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
 

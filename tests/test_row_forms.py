@@ -111,7 +111,8 @@ def test_a_dropped_row_keeps_what_its_way_chooses_bit_for_bit_and_restores(
         sum(np.asarray(x).nbytes for k, x in saved.arrays.items() if k not in TIER_ARRAYS)
 
     # restored like any tiered row: the slot holds exactly the dropped row
-    restored = SavedPages(saved.num_blocks, dropped, saved.hashes, exact_blocks=0)
+    restored = SavedPages(saved.num_blocks, dropped, saved.hashes, exact_blocks=0,
+                          form=f"{way}@0.5")
     slot, cached = eng.open(follow, restore=restored)
     assert cached == saved.num_blocks * PAGE
     c = eng.cache
@@ -119,7 +120,7 @@ def test_a_dropped_row_keeps_what_its_way_chooses_bit_for_bit_and_restores(
     assert got["high"].sum() + got["low"].sum() == len(want)
     assert eng.connector.approximate_row(slot)
     again = eng.save_pages(slot)
-    assert again.exact_blocks == 0  # handed to a store marked approximate
+    assert again.exact_blocks == 0 and again.form == f"{way}@0.5"  # marked, in its form
     assert tokens(again.arrays, pool_fmt).keys() == after.keys()
     eng.close(slot)
     assert not len(c.entries)  # an approximate row is not kept for exact-hash lookups
@@ -164,7 +165,8 @@ def test_an_adaptcache_store_behind_token_tiers_keeps_rows_in_smaller_forms(tiny
     """Four conversations' rows in a host tier that holds about two whole: AdaptCache keeps
     all four, some with tokens dropped (never in a KV format: a row's forms are row
     forms); their next turns restore them approximate, so those rows are not kept on the
-    device, and are saved back to the store marked approximate."""
+    device, and are saved back to the store marked approximate, in the form they came
+    from."""
     rng = np.random.default_rng()
     eng = tiered(tiny_params, "xla", 2.0, 1.0, kv_cache_bytes=16 << 20)
     firsts = [rng.integers(0, TINY.vocab_size, int(n)).tolist()
@@ -189,16 +191,27 @@ def test_an_adaptcache_store_behind_token_tiers_keeps_rows_in_smaller_forms(tiny
     assert forms - {None} and forms <= {None, "h2o@0.5", "streaming@0.25"}
     assert eng.cache.make_room(eng.cache.total_pages)  # only the store has them now
     turn2 = [request(r.prompt + r.output + [1, 2, 3], 4) for r in turn1]
+    saves, save = [], sched.store.save
+
+    def recorded(*args, **kw):
+        saves.append((kw.get("exact_blocks"), kw.get("form")))
+        return save(*args, **kw)
+
+    sched.store.save = recorded
     generate_all(sched, turn2)
     assert all(r.finish_reason == "length" for r in turn2)
     assert sched.store.snapshot()["converted_loads"] >= 1
     assert sched.snapshot()["prefix_hit_tokens"]["host"] > 0
     sched.store.flush()
-    # the rows restored from a smaller form went back marked approximate, not kept here
-    assert len(eng.cache.entries) < 4
-    approx = [e for e in sched.store.index.entries.values()
-              if e.approx_from is not None]
-    assert approx and all(e.approx_from == 0 for e in approx)
+    # the rows restored from a smaller form went back marked approximate, in that form (so
+    # they only shrink further), and were not kept here; the others were
+    converted = sched.store.snapshot()["converted_loads"]
+    assert len(eng.cache.entries) == 4 - converted and len(saves) == 4
+    approx = [form for exact, form in saves if exact is not None]
+    assert len(approx) == converted
+    assert all(form in ("h2o@0.5", "streaming@0.25") for form in approx)
+    for e in sched.store.index.entries.values():  # what the store kept of them
+        assert e.approx_from in (None, 0) and (e.approx_from is None or e.form is not None)
     check_pages(eng)
     sched.close()
 

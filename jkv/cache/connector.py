@@ -57,6 +57,9 @@ class SavedPages:
     # order, this many rows of them real, not blocks
     rows: int | None = None
     start: int = 0
+    # a tiered row restored from a smaller stored form (`row_forms`, with exact_blocks 0):
+    # that form's name, which a store keeps it under (only smaller forms after it)
+    form: str | None = None
 
     def fetch(self) -> SavedPages:
         """The same blocks as host arrays of exactly `num_blocks - start` rows (`rows` for a
@@ -65,7 +68,7 @@ class SavedPages:
         n = self.num_blocks - self.start if self.rows is None else self.rows
         return SavedPages(self.num_blocks, {f: np.asarray(x)[:n] for f, x in arrays.items()},
                           self.hashes[: self.num_blocks], self.exact_blocks, self.rows,
-                          self.start)
+                          self.start, self.form)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class _Pending:
     unwritten_from: int | None = None  # first block restored but not yet written
     approx_from: int | None = None  # first block moved by `rebase` (approximate KV)
     split: bool = False  # some blocks are recomputed meanwhile: its time is not a load rate
+    form: str | None = None  # a tiered row restored from this smaller stored form
 
     @property
     def nbytes(self) -> int:
@@ -249,13 +253,13 @@ class KVConnector:
         if place_row._cache_size() == compiled:  # a compile is not a load rate
             self._learn_load(pages.nbytes, time.perf_counter() - t0)
         if saved.exact_blocks is not None and saved.exact_blocks < saved.num_blocks:
-            self._pending[slot] = _Pending(approx_from=0)
+            self._pending[slot] = _Pending(approx_from=0, form=saved.form)
         return tokens
 
     def approximate_row(self, slot: int) -> bool:
-        """Whether `slot`'s tiered row was restored from a smaller stored form: it is kept
-        neither on the device nor in the store under its tokens' exact hashes (a lossy store
-        is handed it marked approximate)."""
+        """Whether `slot`'s tiered row was restored from a smaller stored form (or one saved
+        approximate): it is not kept on the device (exact-hash lookups), and only a lossy
+        store is handed it, marked approximate, in that form (`gather_tiers`)."""
         p = self._pending.get(slot)
         return p is not None and p.approx_from is not None
 
@@ -392,14 +396,17 @@ class KVConnector:
     def gather_tiers(self, slot: int) -> SavedPages:
         """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),
         as device arrays being copied out of the pool (`rows` of them real); marked
-        approximate (`exact_blocks` 0) when it was restored from a smaller form."""
+        approximate (`exact_blocks` 0) and named in its form when it was restored from a
+        smaller one."""
         c = self.cache
         layout, pages, score, pos = c.tier_pages(slot)
         n = len(c.slot_tokens[slot]) // c.page_size
+        approx = self.approximate_row(slot)
         return SavedPages(n, {**pages.arrays(), **layout, "tier_score": score, "tier_pos": pos},
                           block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed, n),
-                          exact_blocks=0 if self.approximate_row(slot) else None,
-                          rows=int((layout["tier_head"] >= 0).sum()))
+                          exact_blocks=0 if approx else None,
+                          rows=int((layout["tier_head"] >= 0).sum()),
+                          form=self._pending[slot].form if approx else None)
 
     def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
                drop: int) -> SavedPages:

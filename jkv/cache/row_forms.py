@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import jax.numpy as jnp
 import numpy as np
 
 from jkv.cache.tier_entries import TIER_ARRAYS, row_layout
@@ -103,25 +102,24 @@ def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: flo
     first_row = np.cumsum(pages_per) - pages_per
     dst_row, dst_off = first_row[group] + j // new_cap, j % new_cap
     src_row, src_off = rows[k_idx], offs[k_idx]
-    # metadata, then K/V: each tier's tokens through its view of the pages
+    # the token metadata to the same slots
     m = len(layout["tier_head"])
     out_score, out_pos = np.zeros((m, 2 * page), score.dtype), np.zeros((m, 2 * page), pos.dtype)
     out_score[dst_row, dst_off] = score[src_row, src_off]
     out_pos[dst_row, dst_off] = pos[src_row, src_off]
+    # on the host (numpy: a row's shapes vary, jnp would compile for each): each tier's
+    # tokens through its view of the pages, a reshape (a low page: 2 * page tokens)
     src_pages = KVPages.from_arrays(kv_format, {
-        k: jnp.asarray(x) for k, x in arrays.items() if k not in TIER_ARRAYS})
+        k: np.ascontiguousarray(x) for k, x in arrays.items() if k not in TIER_ARRAYS})
     dst_pages = KVPages.from_arrays(kv_format, {
-        k: jnp.zeros((m, *x.shape[1:]), x.dtype) for k, x in src_pages.arrays().items()})
+        k: np.zeros((m, *x.shape[1:]), x.dtype) for k, x in src_pages.arrays().items()})
     for tier in (0, 1):
         sel = t_low[k_idx] == tier
-        if not sel.any():
-            continue
-        fmt = kv_format if tier == 0 else kv_format.halved()
-        s, d = src_pages.as_format(fmt), dst_pages.as_format(fmt)
-        tokens = s.take_tokens(jnp.asarray(src_row[sel]), jnp.asarray(src_off[sel]))
-        d = d.put_tokens(jnp.asarray(dst_row[sel]), jnp.asarray(dst_off[sel]), tokens,
-                         jnp.ones(int(sel.sum()), bool))
-        dst_pages = d.as_format(kv_format)
+        if sel.any():
+            fmt = kv_format if tier == 0 else kv_format.halved()
+            src, dst = src_pages.as_format(fmt).arrays(), dst_pages.as_format(fmt).arrays()
+            for name, out in dst.items():  # (views of dst_pages' arrays)
+                out[dst_row[sel], dst_off[sel]] = src[name][src_row[sel], src_off[sel]]
     return {**{k: np.asarray(x) for k, x in dst_pages.arrays().items()}, **layout,
             "tier_score": out_score, "tier_pos": out_pos}
 

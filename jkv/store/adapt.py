@@ -191,12 +191,13 @@ class AdaptPlacement:
         return self.tiers[e.tier].name, _form(e, e.form)
 
     def put(self, key: Hashable, forms: Sequence[Form], recompute_s: float, now: float,
-            keep: Collection[Hashable] = ()) -> list[Move]:
-        """Save `key`'s entry (replacing an older one; its uses carry over) in the first of
-        `forms` (what the engine holds: any others are what it may be compressed to) in the
-        fastest tier, then fit every tier. `recompute_s`: the seconds a miss costs. Entries
-        in `keep` move only when the others cannot make the room. Returns the moves in
-        order, this entry's first."""
+            keep: Collection[Hashable] = (), held: int = 0) -> list[Move]:
+        """Save `key`'s entry (replacing an older one; its uses carry over) in `forms[held]`
+        (what the engine holds: the ones after it are what it may be compressed to; the full
+        form first when the engine holds a compressed one, a row restored from a smaller
+        form) in the fastest tier, then fit every tier. `recompute_s`: the seconds a miss
+        costs. Entries in `keep` move only when the others cannot make the room. Returns the
+        moves in order, this entry's first."""
         if not forms:
             raise ValueError("forms must hold at least the entry's own form")
         if recompute_s < 0:
@@ -204,8 +205,9 @@ class AdaptPlacement:
         for f in forms:
             if f.size < 0 or not 0.0 <= f.quality <= 1.0:
                 raise ValueError(f"form {f}: size must be >= 0 and quality in [0, 1]")
-        first = forms[0]
-        smaller = sorted((f for f in forms[1:] if f.size < first.size), key=lambda f: -f.size)
+        first = forms[held]
+        smaller = sorted((f for f in forms[held + 1:] if f.size < first.size),
+                         key=lambda f: -f.size)
         moves: list[Move] = []
         uses, src, old = 1.0, None, None
         if key in self._entries:
@@ -213,10 +215,10 @@ class AdaptPlacement:
             self._used[prev.tier] -= prev.forms[prev.form].size
             uses += self._decayed(prev, now)
             src, old = self.tiers[prev.tier].name, _form(prev, prev.form)
-        entry = _Entry((first, *smaller), 0, 0, 1.0, recompute_s, uses, now)
+        entry = _Entry((*forms[:held], first, *smaller), held, 0, 1.0, recompute_s, uses, now)
         self._entries[key] = entry
         self._used[0] += first.size
-        moves.append(Move(key, src, self.tiers[0].name, old, first))
+        moves.append(Move(key, src, self.tiers[0].name, old, _form(entry, held)))
         self._fit(now, set(keep), moves)
         return moves
 

@@ -111,7 +111,8 @@ class Profile:
         """The profile shipped with jkv: SmolLM2-135M's (the embedded model), measured by
         `benchmarks/adapt_profile.py`; another model's qualities differ (measure its own).
         `tiered`: the one for a token-tier engine's stored rows, whose methods are row forms
-        (`benchmarks/adapt_rows.py`, under kv_policy leankv)."""
+        (`benchmarks/adapt_rows.py`, measured under kv_policy leankv: for h2o and streaming
+        rows an estimate; measure theirs with `--policy`)."""
         name = "smollm2-135m-rows.json" if tiered else "smollm2-135m.json"
         text = resources.files("jkv.store").joinpath(f"profiles/{name}").read_text()
         return cls.from_json(json.loads(text))

@@ -113,15 +113,16 @@ class AdaptStorePlacement:
         return None if got is None else got[0]
 
     def put(self, key: Hashable, size: int, queue: Sequence[Hashable] = (),
-            keep: Collection[Hashable] = (), tokens: int = 0) -> list[Move]:
-        """Save `key`'s entry (`size` bytes, `tokens` tokens, in the pool's format); returns
+            keep: Collection[Hashable] = (), tokens: int = 0,
+            form: str | None = None) -> list[Move]:
+        """Save `key`'s entry (`size` bytes, `tokens` tokens, in the pool's format, or in
+        `form`, one of `methods`: a row restored from that form and saved back); returns
         the moves of the others, then this one's (its tier and the form it is written in;
         dst None: not stored)."""
-        forms = self.profile.forms(round(size * self.bf16_ratio), methods=self.methods,
-                                   full_bytes=size)
+        forms, held = self._forms(size, form)
         self.adapt.hint(set(queue))
         moves = self.adapt.put(key, forms, tokens * self.recompute_token_s, time.monotonic(),
-                               keep=keep)
+                               keep=keep, held=held)
         out = _in_order([m for m in moves if m.key != key])
         final = self.adapt.where(key)
         if final is None:
@@ -143,28 +144,31 @@ class AdaptStorePlacement:
         format `form` (None: the pool's); it keeps the profile's smaller forms to go to.
         An entry of a form the profile does not rate (another model's, say) is held as it
         is, at full quality, and can only move down or out."""
-        held = 0
-        if form is None:
-            forms = self.profile.forms(round(size * self.bf16_ratio), methods=self.methods,
-                                       full_bytes=size)
-        elif form in self.methods:
-            # the full form's bf16 bytes, from the held one's (a format: one rate); the
-            # full form stays first so a form of another method counts both qualities
-            bf16 = round(size / self.profile.methods[form][0].rate)
-            forms = self.profile.forms(bf16, methods=self.methods)
-            mine = next(f for f in forms if f.method == form)
-            forms = [forms[0], dataclasses.replace(mine, size=size),
-                     *(f for f in forms[1:] if f.method != form and f.size < size
-                       and mine.reachable(f))]
-            held = 1
-        else:
-            forms = [Form("stored", 1.0, size, 1.0)]
+        forms, held = self._forms(size, form)
         if not self.adapt.adopt(key, forms, tier, tokens * self.recompute_token_s,
                                 time.monotonic(), held=held):
             return False
         if tokens and not self.recompute_token_s:
             self._unpriced[key] = tokens
         return True
+
+    def _forms(self, size: int, form: str | None) -> tuple[list[Form], int]:
+        """The forms of an entry of `size` bytes held in `form` (None: the pool's), and
+        which of them it holds. A compressed one's full form stays first (its bf16 bytes
+        from the held form's rate) so a form of another method counts both qualities; one
+        the profile does not rate (`FOREIGN`: another model's) is held as it is, at full
+        quality: it can only move down or out."""
+        if form is None:
+            return self.profile.forms(round(size * self.bf16_ratio), methods=self.methods,
+                                      full_bytes=size), 0
+        if form not in self.methods:
+            return [Form("stored", 1.0, size, 1.0)], 0
+        bf16 = round(size / self.profile.methods[form][0].rate)
+        forms = self.profile.forms(bf16, methods=self.methods)
+        mine = next(f for f in forms if f.method == form)
+        return [forms[0], dataclasses.replace(mine, size=size),
+                *(f for f in forms[1:] if f.method != form and f.size < size
+                  and mine.reachable(f))], 1
 
     def resize(self, key: Hashable, size: int) -> list[Move]:
         return _in_order(self.adapt.resize(key, size, time.monotonic()))

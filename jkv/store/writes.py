@@ -92,7 +92,7 @@ class StoreWrites:
 
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
              session: str | None = None, rows: int | None = None, start: int = 0,
-             exact_blocks: int | None = None) -> bool:
+             exact_blocks: int | None = None, form: str | None = None) -> bool:
         """Queue blocks [start, num_blocks) of a request for the writer (`arrays`: host or
         device arrays with >= num_blocks - start rows, the first being block `start`, as
         `Engine.gather` returns them; a tiered row's arrays with >= `rows` rows; `hashes`:
@@ -101,12 +101,17 @@ class StoreWrites:
         when there is nothing new (no full block, or an entry already holds these blocks) or
         a tail has no such entry. `exact_blocks`: the blocks from this one on hold approximate
         KV (`keeps_approximate` stores only; ValueError otherwise): the entry is restored
-        marked approximate from there."""
+        marked approximate from there. `form`: a tiered row's arrays are in this smaller
+        form (a row restored from it, `SavedPages.form`; with `exact_blocks` 0): written so,
+        only smaller forms after it."""
         approx = (None if exact_blocks is None or exact_blocks >= num_blocks
                   else max(exact_blocks, start))
         if approx is not None and not self.keeps_approximate:
             raise ValueError("exact_blocks: approximate KV is saved only to a lossy store "
                              "(store_kv_format or eviction_policy adaptcache)")
+        if form is not None and (rows is None or approx != 0):
+            raise ValueError("form: only a tiered row restored from a smaller form "
+                             "(rows, exact_blocks 0) is saved in one")
         if num_blocks <= start or self._closed or (start and rows is not None):
             return False
         hashes = list(hashes[:num_blocks])
@@ -134,7 +139,7 @@ class StoreWrites:
         def job() -> None:
             try:
                 self._write(Entry(hashes[start:], session, parent, start, approx), arrays,
-                            rows)
+                            rows, form)
             finally:
                 done()
 
@@ -144,14 +149,15 @@ class StoreWrites:
         return True
 
     def _write(self, entry: Entry, arrays: Mapping[str, object],
-               rows: int | None = None) -> None:
+               rows: int | None = None, form: str | None = None) -> None:
         n = len(entry.hashes)
         whole, rows = rows is not None, n if rows is None else rows
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
         key = entry.hashes[-1].hex()
-        fmt = self.kv_format if self.form is None or whole else self.form  # (store_kv_format)
+        src = form or self.kv_format  # the form the arrays are in
+        fmt = src if self.form is None or whole else self.form  # (store_kv_format)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
-        data = self._encode(host, self.kv_format, fmt, n * self.page_size, key, digests)
+        data = self._encode(host, src, fmt, n * self.page_size, key, digests)
         with self._lock:
             if key in self.index or len(data) > max(self.placement.capacity.values()):
                 return  # already stored, or fits no tier (then the shorter runs stay)
@@ -172,16 +178,19 @@ class StoreWrites:
             if isinstance(self.placement, AdaptStorePlacement):
                 self.placement.set_read_rates(self.read_bytes_per_s)
                 self.placement.set_decode_rates(self.convert_bytes_per_s)
-            moves = self.placement.put(key, len(data), self._queue, keep,
-                                       tokens=n * self.page_size)
-        if not self._apply(moves[:-1]) or moves[-1].dst is None:
-            with self._lock:
-                self.placement.drop(key)  # no room was made (or fits nowhere): not stored
-            return
+                moves = self.placement.put(key, len(data), self._queue, keep,
+                                           tokens=n * self.page_size, form=form)
+            else:
+                moves = self.placement.put(key, len(data), self._queue, keep,
+                                           tokens=n * self.page_size)
         try:
-            if moves[-1].form is not None:  # written in the smaller form chosen for it
+            if not self._apply(moves[:-1]) or moves[-1].dst is None:
+                with self._lock:
+                    self.placement.drop(key)  # no room was made (or fits nowhere): not stored
+                return
+            if moves[-1].form not in (None, fmt):  # written in the smaller form chosen for it
                 fmt = moves[-1].form
-                data = self._encode(host, self.kv_format, fmt, n * self.page_size, key, digests)
+                data = self._encode(host, src, fmt, n * self.page_size, key, digests)
             entry.form = None if fmt == self.kv_format else fmt
             with self._lock:  # its bytes as encoded (a form's size was an estimate)
                 more = self.placement.resize(key, len(data))
@@ -223,6 +232,14 @@ class StoreWrites:
     def _tier(self, name: str) -> HostTier | PersistentTier:
         return self.host if name == "dram" else self.disk
 
+    def _stored_in(self, key: str, first: str) -> str | None:
+        """The tier holding `key`'s bytes (`first` looked in first); None when none does."""
+        for name in (first, "dram", "disk"):
+            tier = self._tier(name)
+            if tier is not None and key in tier:
+                return name
+        return None
+
     def _apply(self, moves: Sequence[Move]) -> bool:
         """Carry out placement moves of stored entries (in order: each makes the room the
         next needs). False if one failed (that entry is then deleted)."""
@@ -234,15 +251,21 @@ class StoreWrites:
                 continue
             with self._lock:
                 gone = m.session not in self.index  # went with an entry it continued
-            if gone:
+            # where its bytes are now: moves carried out in between (a resize's) may have
+            # moved it already
+            at = None if gone else self._stored_in(m.session, m.src)
+            if at is None:
                 continue
+            m = m._replace(src=at)
             done = None if m.form is None else self._recompress(m.session, m.src, m.form)
             if done is False:
                 log.warning("could not recompress KV entry %s to %s", m.session, m.form)
                 self._delete(m.session)
                 ok = False
                 continue
-            if m.form is not None and done is None:  # its bytes stay: counted as they are
+            if m.form is not None and done is None:
+                # its bytes stay: counted as they are (the placement keeps the form it
+                # chose, a smaller one: its quality then errs low)
                 with self._lock:
                     more = self.placement.resize(m.session, self._tier(m.src).size(m.session))
                 ok = self._apply(more) and ok
@@ -318,8 +341,8 @@ class StoreWrites:
             info, arrays = decode(data, model=self.model, page_size=self.page_size)
         except (CorruptEntry, EntryMismatch):
             return False  # (a read finds, counts and deletes it)
-        if info.kv_format == kv_format:
-            return None
+        if kv_format in (info.kv_format, self.kv_format):
+            return None  # already so; the pool's own form is never made (that is a load's)
         hashes = arrays.pop(HASHES)
         try:
             out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key,
