@@ -269,6 +269,11 @@ class StoreWrites:
                 with self._lock:
                     more = self.placement.resize(m.session, self._tier(m.src).size(m.session))
                 ok = self._apply(more) and ok
+            if m.form is not None:  # (the moves its resize carried out may have moved it)
+                at = self._stored_in(m.session, m.src)
+                if at is None:
+                    continue
+                m = m._replace(src=at)
             if m.src == m.dst:
                 continue
             src, dst = self._tier(m.src), self._tier(m.dst)
