@@ -175,14 +175,13 @@ class StoreWrites:
         with self._lock:  # the entries it continues are not given up to make its room
             keep = [] if entry.parent is None or entry.parent not in self.index else \
                 self.index.chain(entry.parent)
+            held = {}  # (only AdaptCache weighs the form a row is held in)
             if isinstance(self.placement, AdaptStorePlacement):
                 self.placement.set_read_rates(self.read_bytes_per_s)
                 self.placement.set_decode_rates(self.convert_bytes_per_s)
-                moves = self.placement.put(key, len(data), self._queue, keep,
-                                           tokens=n * self.page_size, form=form)
-            else:
-                moves = self.placement.put(key, len(data), self._queue, keep,
-                                           tokens=n * self.page_size)
+                held = {"form": form}
+            moves = self.placement.put(key, len(data), self._queue, keep,
+                                       tokens=n * self.page_size, **held)
         try:
             if not self._apply(moves[:-1]) or moves[-1].dst is None:
                 with self._lock:
