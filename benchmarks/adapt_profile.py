@@ -80,9 +80,9 @@ def measure_decode(methods: list[str], layers: int, kv_heads: int, head_dim: int
     from tqdm import tqdm
 
     from jkv.api import resolve_dtype
-    from jkv.cache.kv_forms import convert_pages
-    from jkv.kv_format import KVFormat
-    from jkv.pallas_kernels.kv_pages import KVPages
+    from jkv.kv.format import KVFormat
+    from jkv.kv.kv_forms import convert_pages
+    from jkv.kv.pages import KVPages
 
     dtype, pool = resolve_dtype("auto"), KVFormat.parse("auto")
     rng = np.random.default_rng(0)
@@ -137,7 +137,7 @@ def main() -> None:
     if args.decode:
         import jax
 
-        from jkv.kv_format import KV_FORMATS
+        from jkv.kv.format import KV_FORMATS
 
         rates = measure_decode([m for m in profile.methods
                                 if ALIASES.get(m, m) in KV_FORMATS], args.layers,

@@ -4,7 +4,7 @@
         [--update jkv/store/profiles/smollm2-135m-rows.json]
 
 A store behind a token-tier engine (kv_policy leankv, h2o, streaming) holds tiered rows, and
-AdaptCache's smaller forms of a row drop tokens (`jkv.cache.row_forms`: `streaming@<keep>`
+AdaptCache's smaller forms of a row drop tokens (`jkv.kv.row_forms`: `streaming@<keep>`
 keeps the sinks and the newest tokens, `h2o@<keep>` the sinks, the recent window and the
 most attended, by the attention scores the row stores). For each of the fidelity harness's
 documents (prose, code, chat; `kv_fidelity.documents`), SmolLM2 under `--policy` prefills all
@@ -36,15 +36,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kv_fidelity import CHUNK, PAGE, TAIL, documents  # noqa: E402
 from results_io import write_results  # noqa: E402
 
-from jkv.cache.connector import SavedPages  # noqa: E402
-from jkv.cache.tier_entries import TIER_ARRAYS  # noqa: E402
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
-from jkv.engine import Engine, Row  # noqa: E402
+from jkv.engine.connector import SavedPages  # noqa: E402
+from jkv.engine.engine import Engine, Row  # noqa: E402
+from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.kv.row_form_names import parse_row_form  # noqa: E402
+from jkv.kv.tier_entries import TIER_ARRAYS  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
-from jkv.row_form_names import parse_row_form  # noqa: E402
-from jkv.sampling import SamplingParams  # noqa: E402
 from jkv.store.adapt_profile import Profile  # noqa: E402
 
 FORMS = "streaming@0.75,streaming@0.5,streaming@0.25,h2o@0.75,h2o@0.5,h2o@0.25"

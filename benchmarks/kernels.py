@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jkv.config import KV_FORMATS, KVFormat
-from jkv.pallas_kernels.kv_pages import KVPages
+from jkv.kv.format import KV_FORMATS, KVFormat
+from jkv.kv.pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import (
     DEQUANT,
     paged_decode_attention,

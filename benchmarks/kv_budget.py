@@ -38,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import add_model_args, load_model, result_stem  # noqa: E402
 from results_io import write_results  # noqa: E402
 
-from jkv.cache.page_pool import page_bytes  # noqa: E402
-from jkv.config import CacheConfig, EngineConfig, KVFormat  # noqa: E402
-from jkv.engine import Engine  # noqa: E402
-from jkv.sampling import SamplingParams  # noqa: E402
-from jkv.scheduler import Request, Scheduler  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig  # noqa: E402
+from jkv.engine.engine import Engine  # noqa: E402
+from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.kv.format import KVFormat  # noqa: E402
+from jkv.kv.page_pool import page_bytes  # noqa: E402
+from jkv.sched.scheduler import Request, Scheduler  # noqa: E402
 
 PAGE = 16
 

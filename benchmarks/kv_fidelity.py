@@ -41,14 +41,15 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import svg_legend, write_results  # noqa: E402
 
-from jkv.cache.page_pool import page_bytes  # noqa: E402
-from jkv.config import CacheConfig, EngineConfig, KVFormat  # noqa: E402
-from jkv.engine import Engine  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig  # noqa: E402
+from jkv.engine.engine import Engine  # noqa: E402
+from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.kv.format import KVFormat  # noqa: E402
+from jkv.kv.page_pool import page_bytes  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
-from jkv.sampling import SamplingParams  # noqa: E402
-from jkv.scheduler import Request, Scheduler, generate_all  # noqa: E402
+from jkv.sched.scheduler import Request, Scheduler, generate_all  # noqa: E402
 
 TAIL, NEW_TOKENS, CHUNK, PAGE = 512, 64, 256, 16
 BLOCK, RESAMPLES = 32, 2000  # block bootstrap of the tails: neighbouring tokens correlate

@@ -28,18 +28,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jkv.buckets import bucket  # noqa: E402
-from jkv.cache import (  # noqa: E402
-    FillingPages,
-    KVPages,
-    LayerKV,
-    init_filling,
-    init_free,
-    init_tables,
-    page_bytes,
-    reserve,
-)
-from jkv.config import KV_FORMATS  # noqa: E402
+from jkv.attention.layer_kv import LayerKV  # noqa: E402
+from jkv.kv.allocator import init_free, init_tables, reserve  # noqa: E402
+from jkv.kv.buckets import bucket  # noqa: E402
+from jkv.kv.format import KV_FORMATS  # noqa: E402
+from jkv.kv.page_pool import FillingPages, init_filling, page_bytes  # noqa: E402
+from jkv.kv.pages import KVPages  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402

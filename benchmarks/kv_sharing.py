@@ -13,7 +13,7 @@ next turn continues from it. For each document of kv_fidelity.py (prose, code, a
   3. per setting, the layer pairs: `krul` (Algorithm 1: I-R layers at `gamma`, closest pairs
      first, until `ratio` of the layers share) and `deepest` (adjacent pairs from the last
      layer down, the same ratio: the fixed strategy);
-  4. the pairs' keys and values merged MiniCache-style (`jkv.cache.layer_sharing`: one SLERP
+  4. the pairs' keys and values merged MiniCache-style (`jkv.kv.layer_sharing`: one SLERP
      direction, a magnitude per layer, the `retain` farthest-apart vectors kept whole),
      expanded back and restored into a fresh slot; the rest of the document (the next turn)
      is prefilled with each position's logprob, then 64 tokens generated greedily.
@@ -43,8 +43,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kv_fidelity import documents  # noqa: E402
 from results_io import write_results  # noqa: E402
 
-from jkv.cache.connector import SavedPages  # noqa: E402
-from jkv.cache.layer_sharing import (  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig  # noqa: E402
+from jkv.engine.connector import SavedPages  # noqa: E402
+from jkv.engine.engine import Engine  # noqa: E402
+from jkv.engine.runner import Row  # noqa: E402
+from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.kv.format import KV_FORMATS  # noqa: E402
+from jkv.kv.layer_sharing import (  # noqa: E402
     deepest_pairs,
     edge_mass,
     expand,
@@ -52,15 +57,10 @@ from jkv.cache.layer_sharing import (  # noqa: E402
     merge_pair,
     select_pairs,
 )
-from jkv.config import CacheConfig, EngineConfig  # noqa: E402
-from jkv.engine import Engine  # noqa: E402
-from jkv.kv_format import KV_FORMATS  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.llama import mlp, positional_tables, project_qkv, rms_norm  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
-from jkv.runner import Row  # noqa: E402
-from jkv.sampling import SamplingParams  # noqa: E402
 
 PAGE, CHUNK, NEW_TOKENS = 16, 256, 64
 

@@ -9,7 +9,7 @@ to fetch offloaded layers back, side by side in one run on the same inputs.
 For each prompt length and each resident-layer count (`--resident`; the model's layer count
 is all resident) one engine prefills the prompt in `--prefill-chunk` chunks (offloaded runs
 also layer-major, as the scheduler feeds a long prompt admitted with layers on the host:
-each step a chunk's worth of layers over the whole prompt, `jkv.layer_major`), decodes
+each step a chunk's worth of layers over the whole prompt, `jkv.engine.layer_major`), decodes
 `--decode-steps` tokens with a batch of one, and (offloaded runs) fetches the layers back and
 decodes as many again. Each run is repeated (`--repeats`, after one untimed run that
 compiles); medians are reported, with each offloaded run's ratio to the resident one, and
@@ -40,9 +40,9 @@ import jax.numpy as jnp  # noqa: E402
 from bench_model import add_model_args, load_model, result_stem  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
-from jkv.engine import Engine, Row  # noqa: E402
-from jkv.layer_major import layers_for  # noqa: E402
-from jkv.sampling import SamplingParams  # noqa: E402
+from jkv.engine.engine import Engine, Row  # noqa: E402
+from jkv.engine.layer_major import layers_for  # noqa: E402
+from jkv.engine.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 

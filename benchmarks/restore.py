@@ -47,12 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jkv.config import PRESETS, CacheConfig, EngineConfig, KVFormat, StoreConfig  # noqa: E402
-from jkv.engine import Engine, Row, SavedPages  # noqa: E402
+from jkv.config import PRESETS, CacheConfig, EngineConfig, StoreConfig  # noqa: E402
+from jkv.engine.engine import Engine, Row, SavedPages  # noqa: E402
+from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.kv.format import KVFormat  # noqa: E402
 from jkv.models.loaders import random_params  # noqa: E402
 from jkv.models.params_cache import load_params  # noqa: E402
-from jkv.restore_planning import split_share  # noqa: E402
-from jkv.sampling import SamplingParams  # noqa: E402
+from jkv.sched.restore_planning import split_share  # noqa: E402
 from jkv.store.store import KVStore  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0)

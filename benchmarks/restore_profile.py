@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jkv.config import PRESETS, CacheConfig, EngineConfig, StoreConfig  # noqa: E402
-from jkv.engine import Engine  # noqa: E402
+from jkv.engine.engine import Engine  # noqa: E402
 from jkv.models.loaders import random_params  # noqa: E402
 from jkv.store.store import KVStore  # noqa: E402
 

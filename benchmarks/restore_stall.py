@@ -42,9 +42,9 @@ from bench_model import add_model_args, load_model, result_stem  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig  # noqa: E402
-from jkv.engine import Engine  # noqa: E402
-from jkv.sampling import SamplingParams  # noqa: E402
-from jkv.scheduler import Request, Scheduler, generate_all  # noqa: E402
+from jkv.engine.engine import Engine  # noqa: E402
+from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.sched.scheduler import Request, Scheduler, generate_all  # noqa: E402
 
 
 def make(cfg, params, args, store_dir: str, read_ahead: bool) -> Scheduler:

@@ -41,13 +41,13 @@ from serve import pct
 from serve_slo import make_requests
 from tqdm import tqdm
 
-import jkv.scheduler
-from jkv.buckets import decode_bucket
+import jkv.sched.scheduler
 from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from jkv.engine import Engine
+from jkv.engine.engine import Engine
+from jkv.engine.sampling import SamplingParams
+from jkv.kv.buckets import decode_bucket
 from jkv.models.loaders import random_params
-from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler
+from jkv.sched.scheduler import Request, Scheduler
 
 
 @dataclass(frozen=True)
@@ -297,8 +297,8 @@ def replay(engine: Engine, costs: Costs, setting: str, warm: list[dict],
     """One setting as serve_slo runs it on one server: the warm-up requests one at a time,
     then each rate's requests; the summary serve_slo prints, per rate."""
     clock = VirtualClock()
-    real_time = jkv.scheduler.time
-    jkv.scheduler.time = clock  # the scheduler's only clock
+    real_time = jkv.sched.scheduler.time
+    jkv.sched.scheduler.time = clock  # the scheduler's only clock
     model = Modeled(engine, costs, clock, args.jitter, args.jitter_seed)
     slo = setting == "offload + SLO"
     stalls = StallMeter(clock)
@@ -329,7 +329,7 @@ def replay(engine: Engine, costs: Costs, setting: str, warm: list[dict],
         if engine.cache.free_pages != engine.cache.total_pages:
             raise RuntimeError(f"{setting}: pages leaked")
     finally:
-        jkv.scheduler.time = real_time
+        jkv.sched.scheduler.time = real_time
         model.close()
     return out
 

@@ -53,8 +53,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax.numpy as jnp  # noqa: E402
 
-from jkv.cache.page_pool import page_bytes  # noqa: E402
-from jkv.config import PRESETS, KVFormat  # noqa: E402
+from jkv.config import PRESETS  # noqa: E402
+from jkv.kv.format import KVFormat  # noqa: E402
+from jkv.kv.page_pool import page_bytes  # noqa: E402
 from jkv.store import POLICIES, Placement  # noqa: E402
 from jkv.store.adapt_profile import Profile  # noqa: E402
 

@@ -47,9 +47,9 @@ from bench_model import add_model_args, load_model, result_stem  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
-from jkv.engine import Engine  # noqa: E402
-from jkv.sampling import SamplingParams  # noqa: E402
-from jkv.scheduler import Request, Scheduler  # noqa: E402
+from jkv.engine.engine import Engine  # noqa: E402
+from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.sched.scheduler import Request, Scheduler  # noqa: E402
 
 
 def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int,

@@ -27,9 +27,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import write_results  # noqa: E402
 
-from jkv.cache.xla_attention import xla_attention  # noqa: E402
-from jkv.config import KVFormat  # noqa: E402
-from jkv.pallas_kernels.kv_pages import KVPages  # noqa: E402
+from jkv.attention.xla import xla_attention  # noqa: E402
+from jkv.kv.format import KVFormat  # noqa: E402
+from jkv.kv.pages import KVPages  # noqa: E402
 
 HKV, G, D, PAGE = 3, 3, 64, 16
 

@@ -1,7 +1,7 @@
 """jkv: a JAX/Pallas LLM inference engine whose speciality is the KV cache."""
 
 from jkv.api import LLM, RequestOutput
-from jkv.sampling import SamplingParams
+from jkv.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -28,13 +28,13 @@ from jkv.config import (
     StoreConfig,
     split_options,
 )
-from jkv.engine import Engine
+from jkv.engine.engine import Engine
+from jkv.engine.sampling import SamplingParams
 from jkv.metrics import Metrics
 from jkv.models.loaders import default_model_path, random_params
 from jkv.models.params_cache import load_params
 from jkv.models.tokenizer import TextStream, eos_token_ids, load_tokenizer
-from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler, Truncation, generate_all
+from jkv.sched.scheduler import Request, Scheduler, Truncation, generate_all
 
 log = logging.getLogger(__name__)
 

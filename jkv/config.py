@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jkv.kv_format import KV_FORMATS, SCALE_DTYPE, KVFormat  # noqa: F401 (re-exported)
+from jkv.kv.format import KV_FORMATS, KVFormat
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,7 @@ class Metrics:
                 self._advance(counter, f"offload/{key}", offload[key])
 
     def observe_finished(self, request) -> None:
-        """Latency histograms for a finished request (a `jkv.scheduler.Request`)."""
+        """Latency histograms for a finished request (a `jkv.sched.scheduler.Request`)."""
         if request.first_token_time is None or request.finish_time is None:
             return
         self.ttft.observe(request.first_token_time - request.arrival)

@@ -63,7 +63,7 @@ def pytest_report_header(config):
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compilations_after_each_module():
-    """Engines of one model share compilations (`jkv.runner`); a module's are dropped after
+    """Engines of one model share compilations (`jkv.engine.runner`); a module's are dropped after
     it, so hundreds of test configurations never pile up loaded executables (each maps
     memory; the suite once crashed in an XLA compilation ~230 tests in)."""
     yield

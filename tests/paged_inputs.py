@@ -8,8 +8,8 @@ import functools
 
 import jax.numpy as jnp
 
-from jkv.config import KVFormat
-from jkv.pallas_kernels.kv_pages import KVPages
+from jkv.kv.format import KVFormat
+from jkv.kv.pages import KVPages
 
 
 def paged_attention_inputs(rng, plen, start, wlen, pos, *, t: int, gqa: int, d: int,

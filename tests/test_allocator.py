@@ -9,7 +9,7 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-import jkv.cache.allocator as alloc
+import jkv.kv.allocator as alloc
 
 PAGE, SLOTS, LAYERS, HEADS, WIDTH, POOL, ROWS = 4, 4, 2, 2, 4, 40, 3
 

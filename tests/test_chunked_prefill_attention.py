@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from paged_inputs import paged_attention_inputs
 
-from jkv.cache.xla_attention import xla_attention
-from jkv.config import KV_FORMATS, KVFormat
+from jkv.attention.xla import xla_attention
+from jkv.kv.format import KV_FORMATS, KVFormat
+from jkv.kv.pages import KVPages
 from jkv.pallas_kernels.chunked_prefill_attention import (
     chunked_prefill_attention,
     chunked_prefill_attention_reference,
 )
-from jkv.pallas_kernels.kv_pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import DEQUANT, dequantized_rows
 
 INTERPRET = jax.default_backend() == "cpu"

@@ -13,18 +13,17 @@ import jkv.api
 from jkv import LLM
 from jkv.config import (
     DEFAULT_MAX_MODEL_LEN,
-    KV_FORMATS,
     OPTIONS,
     USER_CONFIGS,
     CacheConfig,
     EngineConfig,
-    KVFormat,
     LoadConfig,
     SchedulerConfig,
     StoreConfig,
     split_options,
 )
-from jkv.server import build_parser
+from jkv.kv.format import KV_FORMATS, KVFormat
+from jkv.server.flags import build_parser
 
 USER_FIELDS = [(config, f) for config in USER_CONFIGS for f in dataclasses.fields(config)]
 

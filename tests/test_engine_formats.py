@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import KV_FORMATS, CacheConfig, EngineConfig, KVFormat, ModelConfig
-from jkv.engine import Engine
+from jkv.config import CacheConfig, EngineConfig, ModelConfig
+from jkv.engine.engine import Engine
+from jkv.engine.sampling import SamplingParams
+from jkv.kv.format import KV_FORMATS, KVFormat
 from jkv.models.loaders import random_params
-from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler, generate_all
+from jkv.sched.scheduler import Request, Scheduler, generate_all
 
 FORMATS = ["auto", "k4v2"]  # int8, int4, k8v4 (k8v8, k4v4): the same kernel paths, more bits
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,

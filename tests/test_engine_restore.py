@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import CacheConfig, EngineConfig, KVFormat, ModelConfig
-from jkv.engine import Engine, Row
+from jkv.config import CacheConfig, EngineConfig, ModelConfig
+from jkv.engine.engine import Engine, Row
+from jkv.engine.sampling import SamplingParams
+from jkv.kv.format import KVFormat
 from jkv.models.loaders import random_params
-from jkv.sampling import SamplingParams
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
@@ -110,7 +111,7 @@ def test_read_buffer_follows_the_papers_formula(params):
 
 
 def test_after_warmup_saving_and_restoring_compile_nothing(params):
-    from jkv.cache.transfer import gather_pages, scatter_pages, slot_page_ids
+    from jkv.kv.transfer import gather_pages, scatter_pages, slot_page_ids
 
     rng = np.random.default_rng()
     eng = engine(params, execution="layerwise", enable_prefix_caching=False)
@@ -130,7 +131,7 @@ def test_after_warmup_saving_and_restoring_compile_nothing(params):
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 45, 1000])
 def test_restores_are_written_in_power_of_two_runs_covering_every_block(n):
-    from jkv.block_runs import power_of_two_runs
+    from jkv.kv.block_runs import power_of_two_runs
 
     runs = power_of_two_runs(n)
     bounds = [0] + [b for _, b in runs]
@@ -151,7 +152,7 @@ def test_restores_are_written_in_power_of_two_runs_covering_every_block(n):
 
 
 def test_block_runs_slice_without_copying_inside_a_part():
-    from jkv.block_runs import BlockRuns
+    from jkv.kv.block_runs import BlockRuns
 
     rng = np.random.default_rng()
     parts = [rng.standard_normal((n, 3, 2)) for n in (4, 1, 6)]
@@ -170,7 +171,7 @@ def test_block_runs_slice_without_copying_inside_a_part():
 @pytest.mark.parametrize("n,first,layers,chunk", [(12, 0, 6, 1), (40, 3, 30, 2), (7, 2, 1, 1),
                                                   (100, 0, 32, 8)])
 def test_the_pyramid_recomputes_a_falling_prefix_of_about_its_share(n, first, layers, chunk):
-    from jkv.cache.connector import pyramid
+    from jkv.engine.connector import pyramid
 
     assert (pyramid(first, n, layers, 0.0, chunk) == first).all()  # load everything
     assert (pyramid(first, n, layers, 1.0, chunk) == n).all()  # recompute everything
@@ -195,7 +196,7 @@ def deep_params():
 @pytest.mark.parametrize("execution", ["scan", "layerwise"])
 def test_split_restore_gives_the_recomputed_tokens_and_never_reads_the_recomputed_pages(
         deep_params, execution):
-    from jkv.cache.connector import pyramid
+    from jkv.engine.connector import pyramid
 
     cfg = TINY.replace(num_layers=6)
     rng = np.random.default_rng()

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from test_engine_formats import TINY, greedy, make_engine
 
-from jkv.cache.page_pool import page_bytes
-from jkv.config import KV_FORMATS, CacheConfig, EngineConfig, KVFormat, SchedulerConfig
-from jkv.engine import Engine
+from jkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from jkv.engine.engine import Engine
+from jkv.engine.sampling import SamplingParams
+from jkv.kv.format import KV_FORMATS, KVFormat
+from jkv.kv.page_pool import page_bytes
 from jkv.models.loaders import random_params
-from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler
+from jkv.sched.scheduler import Request, Scheduler
 
 PAGE = 8
 
@@ -77,7 +78,7 @@ def test_pruning_baselines_keep_what_they_promise_and_backends_agree(tiny_params
     """StreamingLLM keeps exactly the sinks and the window; H2O the window and its share of
     heavy hitters (the most attended, as many as its ratio of the tokens); the
     pallas and xla paths give the same tokens."""
-    from jkv.runner import Row
+    from jkv.engine.runner import Row
 
     ps = prompts((37, 20))
     xla_engine = tiered(tiny_params, "xla", kv_policy=policy, **knobs)
@@ -248,7 +249,7 @@ def test_significance_is_the_attention_each_key_received(tiny_params, backend):
     a tier or in the filling page: against a dense forward (exact while every key is in the
     step's full-precision window, close once pages quantized to 8 bits are read: a query
     missed or counted twice would be off by several percent)."""
-    from jkv.runner import Row
+    from jkv.engine.runner import Row
 
     eng = tiered(tiny_params, backend, 0.0, 0.0, kv_format=KVFormat(8, 8, 32, token_keys=True))
     prompt = prompts((21,))[0]

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.cache.kv_cache import KVCacheManager
-from jkv.cache.page_pool import page_bytes
-from jkv.config import KVFormat
+from jkv.kv.format import KVFormat
+from jkv.kv.manager import KVCacheManager
+from jkv.kv.page_pool import page_bytes
 
 LAYERS, HEADS, DIM, PAGE, MAX_LEN, SEQS = 2, 2, 8, 4, 32, 3
 ONE_PAGE = page_bytes(KVFormat(), PAGE, DIM, jnp.float32)

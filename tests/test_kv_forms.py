@@ -1,4 +1,4 @@
-"""Stored pages moved between KV formats (`jkv.cache.kv_forms`): a recompressed entry and a
+"""Stored pages moved between KV formats (`jkv.kv.kv_forms`): a recompressed entry and a
 stored form restored into the pool's format."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.cache.kv_forms import convert_pages
-from jkv.cache.rotation import rotate
-from jkv.kv_format import KV_FORMATS
-from jkv.pallas_kernels.kv_pages import KVPages
+from jkv.kv.format import KV_FORMATS
+from jkv.kv.kv_forms import convert_pages
+from jkv.kv.pages import KVPages
+from jkv.kv.rotation import rotate
 
 LEAD, PAGE, D = (3, 2, 2), 16, 64  # (blocks, layers, KV heads), tokens a page, head_dim
 

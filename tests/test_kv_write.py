@@ -8,9 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.cache import KVPages, append_kv, init_free, init_tables, page_bytes, reserve
-from jkv.config import KV_FORMATS, KVFormat
-from jkv.pallas_kernels.kv_quant import unpack
+from jkv.attention.kv_write import append_kv
+from jkv.kv.allocator import init_free, init_tables, reserve
+from jkv.kv.format import KV_FORMATS, KVFormat
+from jkv.kv.page_pool import page_bytes
+from jkv.kv.pages import KVPages
+from jkv.kv.quant import unpack
 
 INTERPRET = jax.default_backend() == "cpu"
 

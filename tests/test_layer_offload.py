@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.cache.layer_offload import resident_layers
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
-from jkv.engine import Engine
+from jkv.engine.engine import Engine
+from jkv.engine.runner import Row
+from jkv.engine.sampling import SamplingParams
+from jkv.kv.layer_offload import resident_layers
 from jkv.models.loaders import random_params
-from jkv.runner import Row
-from jkv.sampling import SamplingParams
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
@@ -263,7 +263,7 @@ def test_offloaded_layers_keep_shared_blocks_save_and_restore_exactly(params):
 
 def test_warmup_compiles_what_offloading_runs(params):
     """After `warmup` an offloaded prefill, decode, offload and fetch compile nothing."""
-    from jkv.cache.layer_offload import bring_layer, copy_layer_out, drop_layers
+    from jkv.kv.layer_offload import bring_layer, copy_layer_out, drop_layers
 
     copies = (copy_layer_out, bring_layer, drop_layers)
     for f in copies:

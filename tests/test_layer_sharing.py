@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.cache.layer_sharing import (
+from jkv.kv.layer_sharing import (
     deepest_pairs,
     edge_mass,
     expand,

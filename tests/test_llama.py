@@ -12,8 +12,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jkv import LLM, SamplingParams  # noqa: E402
-from jkv.cache import KVPages, LayerKV, init_filling, init_free, init_tables, reserve  # noqa: E402
-from jkv.config import KVFormat  # noqa: E402
+from jkv.attention.layer_kv import LayerKV  # noqa: E402
+from jkv.kv.allocator import init_free, init_tables, reserve  # noqa: E402
+from jkv.kv.format import KVFormat  # noqa: E402
+from jkv.kv.page_pool import init_filling  # noqa: E402
+from jkv.kv.pages import KVPages  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 
@@ -142,7 +145,7 @@ def test_smollm2_with_most_layers_on_the_host_generates_the_same_tokens(smollm2)
     """LayerKV's offload on real weights: 10 of 30 layers resident from the prefill on (the
     other 20 go through the pool a layer at a time; the prompt fed chunk by chunk, or
     layer-major: 7 layers a step over all of it), then fetched back mid-decode."""
-    from jkv.runner import Row
+    from jkv.engine.runner import Row
 
     llm, _ = smollm2
     eng = llm.engine

@@ -72,7 +72,7 @@ def test_random_params_have_the_preset_shapes():
 
 
 def test_kv_format_names():
-    from jkv.config import KVFormat
+    from jkv.kv.format import KVFormat
 
     assert KVFormat.parse("k4v2") == KVFormat(4, 2)
     assert KVFormat.parse("int8").name == "int8" and KVFormat.parse("k8v4").name == "k8v4"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jkv.output_lengths import OutputLengths
+from jkv.sched.output_lengths import OutputLengths
 
 
 def test_output_lengths_estimate_low_from_the_session_then_recent_replies():

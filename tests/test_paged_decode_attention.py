@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import KV_FORMATS, KVFormat
-from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.kv_quant import quantize_keys, quantize_values
+from jkv.kv.format import KV_FORMATS, KVFormat
+from jkv.kv.pages import KVPages
+from jkv.kv.quant import quantize_keys, quantize_values
 from jkv.pallas_kernels.paged_decode_attention import (
     DEQUANT,
     dequantized_rows,
@@ -131,7 +131,7 @@ def test_quantization_error_per_format(k_bits, v_bits):
     """Reported, and ordered: fewer bits never reconstruct better."""
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(64, PAGE, 64)), jnp.float32)
-    from jkv.pallas_kernels.kv_quant import dequantize_keys, dequantize_values
+    from jkv.kv.quant import dequantize_keys, dequantize_values
 
     errs = {}
     for bits in (8, 4, 2):

@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jkv.cache.page_cost import PageCost
-from jkv.plan_checks import offload_beats_recompute
-from jkv.plan_records import Budget, Candidate
-from jkv.planning import (
+from jkv.kv.page_cost import PageCost
+from jkv.sched.plan_checks import offload_beats_recompute
+from jkv.sched.plan_records import Budget, Candidate
+from jkv.sched.planning import (
     min_resident,
     plan_step,
     prefill_fits,
@@ -20,7 +20,7 @@ from jkv.planning import (
     step_pages,
     steps_until_freed,
 )
-from jkv.restore_planning import (
+from jkv.sched.restore_planning import (
     PROBE_EVERY,
     RestoreDecision,
     RestoreRates,

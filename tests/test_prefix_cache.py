@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.cache.prefix_cache import PrefixCache, block_hashes
+from jkv.kv.prefix_cache import PrefixCache, block_hashes
 
 
 def test_block_hashes_are_chained_and_seeded():

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import KV_FORMATS, SCALE_DTYPE, KVFormat
-from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.kv_quant import as_stored, pack, unpack
+from jkv.kv.format import KV_FORMATS, SCALE_DTYPE, KVFormat
+from jkv.kv.pages import KVPages
+from jkv.kv.quant import as_stored, pack, unpack
 from jkv.pallas_kernels.quantize_write import quantize_write, quantize_write_reference
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -316,7 +316,7 @@ def test_two_bit_ranges_reconstruct_no_worse_than_min_max():
     """2-bit groups take the best of min..max and its narrowings: per group never a larger
     squared error than min..max (up to the float16 rounding of scales), and smaller on
     average for rotated, near-Gaussian values."""
-    from jkv.pallas_kernels.kv_quant import dequantize_values, quantize_codes, quantize_values
+    from jkv.kv.quant import dequantize_values, quantize_codes, quantize_values
 
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(64, 16, 64)) * rng.uniform(0.1, 10, (64, 1, 1)),

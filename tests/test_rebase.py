@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.config import CacheConfig, EngineConfig, KVFormat, ModelConfig
-from jkv.engine import Engine, Row
+from jkv.config import CacheConfig, EngineConfig, ModelConfig
+from jkv.engine.engine import Engine, Row
+from jkv.engine.sampling import SamplingParams
+from jkv.kv.format import KVFormat
+from jkv.kv.pages import KVPages
 from jkv.models.loaders import random_params
-from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.sampling import SamplingParams
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)

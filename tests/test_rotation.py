@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.cache.rotation import hadamard, rotate
-from jkv.pallas_kernels.kv_quant import dequantize_values, quantize_values
+from jkv.kv.quant import dequantize_values, quantize_values
+from jkv.kv.rotation import hadamard, rotate
 
 
 @pytest.mark.parametrize("d", [1, 64, 80, 96, 128])

@@ -15,14 +15,14 @@ from test_engine_formats import TINY
 from test_engine_tiers import PAGE, check_nothing_leaked, check_pages, prompts, tiered
 from test_tier_entries import request, row_contents
 
-from jkv.cache.connector import SavedPages
-from jkv.cache.row_forms import convert_row, drop_tokens
-from jkv.cache.tier_entries import TIER_ARRAYS
 from jkv.config import SchedulerConfig, StoreConfig
+from jkv.engine.connector import SavedPages
+from jkv.kv.pages import KVPages
+from jkv.kv.row_form_names import parse_row_form
+from jkv.kv.row_forms import convert_row, drop_tokens
+from jkv.kv.tier_entries import TIER_ARRAYS
 from jkv.models.loaders import random_params
-from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.row_form_names import parse_row_form
-from jkv.scheduler import Scheduler, generate_all
+from jkv.sched.scheduler import Scheduler, generate_all
 from jkv.store import KVStore
 
 SINKS, RECENT = 4, PAGE  # `tiered`'s: kv_sink_tokens default, kv_recent_window = PAGE

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.sampling import SamplingParams, sample, token_logprobs
+from jkv.engine.sampling import SamplingParams, sample, token_logprobs
 
 
 def _batch(logits, n, temperature=1.0, top_p=1.0, top_k=0, seed=None):

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.buckets import bucket, decode_bucket
 from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from jkv.engine import Engine
+from jkv.engine.engine import Engine
+from jkv.engine.sampling import SamplingParams
+from jkv.kv.buckets import bucket, decode_bucket
 from jkv.models.loaders import random_params
-from jkv.planning import plan_step
-from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler, generate_all
+from jkv.sched.planning import plan_step
+from jkv.sched.scheduler import Request, Scheduler, generate_all
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
@@ -244,16 +244,16 @@ def test_steady_workload_does_not_recompile(params):
 def test_a_step_that_compiled_teaches_the_cost_model_nothing(params, monkeypatch):
     import itertools
 
-    import jkv.scheduler
+    import jkv.sched.scheduler
 
     sched = Scheduler(engine(params))
     learned = []
     monkeypatch.setattr(sched.costs, "learn", lambda *a, **k: learned.append(a))
     counter = itertools.count()  # every step compiles
-    monkeypatch.setattr(jkv.scheduler, "compilations", lambda: next(counter))
+    monkeypatch.setattr(jkv.sched.scheduler, "compilations", lambda: next(counter))
     run(sched, prompts_of((12,), seed=1), n=4)
     assert learned == []
-    monkeypatch.setattr(jkv.scheduler, "compilations", lambda: 0)  # none does
+    monkeypatch.setattr(jkv.sched.scheduler, "compilations", lambda: 0)  # none does
     steps = sched.engine.stats.steps
     run(sched, prompts_of((12,), seed=2), n=4)
     assert len(learned) == sched.engine.stats.steps - steps > 0
@@ -358,7 +358,7 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
     """What `admission_keeps_slack` weighs reaches `plan_step`: the measured seconds an
     offloaded layer adds to a step (0 until measured), a step of each number of decodes,
     and each request's expected remaining tokens (decoding ones with their TPOT slack)."""
-    import jkv.scheduler as scheduler_module
+    import jkv.sched.scheduler as scheduler_module
 
     seen = []
 
@@ -424,8 +424,8 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
 def test_a_preempted_request_goes_back_ahead_of_later_arrivals(params, monkeypatch):
     """A request preempted part way through its reply keeps its place by TTFT deadline:
     behind later arrivals with targets it would wait for all of them, its stream stalled."""
-    import jkv.scheduler as scheduler_module
-    from jkv.plan_records import queue_order
+    import jkv.sched.scheduler as scheduler_module
+    from jkv.sched.plan_records import queue_order
 
     seen = []
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StoreConfig
-from jkv.engine import Engine
+from jkv.engine.engine import Engine
+from jkv.engine.sampling import SamplingParams
 from jkv.models.loaders import random_params
-from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler, generate_all
+from jkv.sched.scheduler import Request, Scheduler, generate_all
 from jkv.store.store import KVStore
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,

@@ -22,7 +22,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from jkv import LLM, SamplingParams  # noqa: E402
-from jkv.server import build_app, build_parser  # noqa: E402
+from jkv.server.app import build_app  # noqa: E402
+from jkv.server.flags import build_parser  # noqa: E402
 
 pytestmark = pytest.mark.smollm2
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jkv.buckets import bucket
-from jkv.step_costs import RIDGE, StepCosts, compilations, nonnegative_least_squares
+from jkv.kv.buckets import bucket
+from jkv.sched.step_costs import RIDGE, StepCosts, compilations, nonnegative_least_squares
 
 
 def costs() -> StepCosts:

@@ -307,7 +307,7 @@ def test_the_shipped_profile_is_the_embedded_models_and_a_store_uses_it_by_defau
     import numpy as np
 
     from jkv.config import StoreConfig
-    from jkv.kv_format import KV_FORMATS
+    from jkv.kv.format import KV_FORMATS
     from jkv.store.store import KVStore
 
     profile = Profile.default()

@@ -13,13 +13,14 @@ import pytest
 from test_engine_formats import TINY
 from test_engine_tiers import PAGE, check_nothing_leaked, check_pages, prompts, tiered
 
-from jkv.cache.connector import SavedPages
-from jkv.cache.page_pool import page_bytes
-from jkv.config import KV_FORMATS, StoreConfig
-from jkv.engine import Engine
+from jkv.config import StoreConfig
+from jkv.engine.connector import SavedPages
+from jkv.engine.engine import Engine
+from jkv.engine.sampling import SamplingParams
+from jkv.kv.format import KV_FORMATS
+from jkv.kv.page_pool import page_bytes
 from jkv.models.loaders import random_params
-from jkv.sampling import SamplingParams
-from jkv.scheduler import Request, Scheduler
+from jkv.sched.scheduler import Request, Scheduler
 from jkv.store import KVStore
 
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-import jkv.cache.allocator as alloc
-import jkv.cache.token_tiers as tt
+import jkv.kv.allocator as alloc
+import jkv.kv.token_tiers as tt
 
 PAGE, SLOTS, LAYERS, HEADS = 4, 2, 1, 2
 MAX_TOKENS = 96
@@ -310,8 +310,8 @@ def test_compaction_refuses_cleanly(why):
 def test_token_data_follows_its_metadata(name):
     """Two rounds of random fates: after each compaction every high token's pages hold its
     own codes bit for bit, every low token the requantization of its high codes."""
-    from jkv.config import KVFormat
-    from jkv.pallas_kernels.kv_pages import KVPages
+    from jkv.kv.format import KVFormat
+    from jkv.kv.pages import KVPages
 
     rng = np.random.default_rng()
     d, width = 64, 10

@@ -108,7 +108,7 @@ class _SlowTokenizer:
 @pytest.mark.parametrize("kind", ["stream", "cleanup", "windowed"])
 def test_streamed_text_equals_a_one_shot_decode(kind):
     from jkv.api import _Tracker
-    from jkv.sampling import SamplingParams
+    from jkv.engine.sampling import SamplingParams
 
     tok = load_tokenizer(None)
     if kind == "cleanup":

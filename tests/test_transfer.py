@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jkv.cache.transfer import flat_run, gather_pages, scatter_pages
-from jkv.config import KV_FORMATS
-from jkv.pallas_kernels.kv_pages import KVPages
+from jkv.kv.format import KV_FORMATS
+from jkv.kv.pages import KVPages
+from jkv.kv.transfer import flat_run, gather_pages, scatter_pages
 
 
 def random_like(rng, x):

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from paged_inputs import paged_attention_inputs
 
-from jkv.cache.xla_attention import xla_attention
-from jkv.config import KV_FORMATS
+from jkv.attention.xla import xla_attention
+from jkv.kv.format import KV_FORMATS
 from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attention_reference
 from jkv.pallas_kernels.paged_decode_attention import dequantized_rows
 
@@ -130,7 +130,8 @@ def test_bf16_inputs_compute_in_float32():
 def test_engine_path_calls_no_reference_and_loops_over_blocks():
     """The xla backend imports no `*_reference` function (they are test oracles), and its
     attention walks key blocks in loops instead of one softmax over the table's width."""
-    from jkv.cache import attention, kv_write
+    from jkv.attention import backend as attention
+    from jkv.attention import kv_write
 
     for module in (attention, kv_write):
         names = [n for n in vars(module) if n.endswith("_reference")]

@@ -1,4 +1,4 @@
-"""The interface between a model family and the engine's model runner (`jkv.runner`).
+"""The interface between a model family and the engine's model runner (`jkv.engine.runner`).
 
 A family (`jkv.models.llama.LLAMA`) is one module of pure functions over a params pytree
 whose per-layer weights are stacked under `params["layers"]`; the runner calls nothing else
@@ -12,18 +12,18 @@ from typing import NamedTuple
 
 
 class ModelFamily(NamedTuple):
-    """What the runner calls (cfg: `jkv.config.ModelConfig`; KV through `jkv.cache`).
+    """What the runner calls (cfg: `jkv.config.ModelConfig`; KV through `jkv.attention.layer_kv`).
 
     forward(params, cfg, tokens, positions, valid, kv, backend)
         -> (final-normed hidden [B, T, D], kv): every layer in one scan (kv: the rows'
-        `jkv.cache.layer_kv.LayerKV` with a layer axis after the batch axis).
+        `jkv.attention.layer_kv.LayerKV` with a layer axis after the batch axis).
     embed(params, tokens) -> x;  positional(cfg, positions) -> what every layer is given
     layer_weights(params, index) -> one layer's weights (index may be traced)
     layer(weights, cfg, x, kv, positions, valid, positional, backend) -> (x, kv): one
           layer over its `LayerKV`
     final_norm(params, cfg, x) -> x;  logits(params, h) -> [B, V] float32
     rotate_keys(cfg) -> f(k [B, T, H, D], positions [B, T]): keys re-rotated to positions
-        (`jkv.cache.rebase` moves saved KV with it)
+        (`jkv.kv.rebase` moves saved KV with it)
     """
 
     name: str

@@ -14,7 +14,7 @@ Params (per-layer weights stacked on a leading layer axis so the layers run as o
 The projections that read the same input are one matrix (`fuse_projections`): one matmul
 instead of three (or two) is faster on every backend, on CPU about twice.
 
-The forward reads and writes KV through `jkv.cache.layer_kv` (one `attend` per layer: append
+The forward reads and writes KV through `jkv.attention.layer_kv` (one `attend` per layer: append
 and attention, token tiers or not), nothing else about requests or pages.
 """
 
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.cache.layer_kv import LayerKV, attend, join_shared, split_shared
+from jkv.attention.layer_kv import LayerKV, attend, join_shared, split_shared
 from jkv.config import ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.rope import apply_rope, inv_frequencies, rope_tables, rotate
@@ -68,7 +68,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     Each row's valid tokens come first and continue its sequence: positions[b, t] =
     positions[b, 0] + t, positions[b, 0] being the tokens it already holds. `kv` holds every
     layer's KV of the rows (`LayerKV` with a layer axis after the batch axis): its page
-    tables must already cover every valid position (see `jkv.cache.reserve`). Padding tokens
+    tables must already cover every valid position (see `jkv.kv.allocator.reserve`). Padding tokens
     (`valid` False) are not kept. Returns (final-normed hidden states [B, T, D], kv after the
     step). jit with `cfg` and `attention_backend` static. The layers run as one scan; `layer`
     runs one of them, for callers that dispatch layer by layer.

@@ -2,7 +2,7 @@
 
 Rotations compose: `apply_rope` at position d of a key already rotated to p gives the key at
 p + d. That is how stored keys move when a conversation's oldest turns are dropped
-(`jkv.cache.rebase`).
+(`jkv.kv.rebase`).
 """
 
 from __future__ import annotations

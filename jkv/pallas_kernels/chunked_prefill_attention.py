@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jkv.pallas_kernels.kv_pages import KVPages
+from jkv.kv.pages import KVPages
 from jkv.pallas_kernels.paged_decode_attention import (
     MASK_VALUE,
     MIN_DOT,

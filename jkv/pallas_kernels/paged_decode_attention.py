@@ -23,8 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.kv_quant import codes_per_byte
+from jkv.kv.pages import KVPages
+from jkv.kv.quant import codes_per_byte
 from jkv.pallas_kernels.softmax_state import merge_softmax_states, normalize_softmax_state
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)

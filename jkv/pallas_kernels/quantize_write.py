@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jkv.pallas_kernels.kv_pages import KVPages
-from jkv.pallas_kernels.kv_quant import codes_per_byte, group_range, quantize_codes
+from jkv.kv.pages import KVPages
+from jkv.kv.quant import codes_per_byte, group_range, quantize_codes
 
 
 def _write_keys(src_ref, pid, out_ref, scale_ref, zero_ref, bits: int) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from jkv.row_form_names import parse_row_form
+from jkv.kv.row_form_names import parse_row_form
 from jkv.store.adapt import Form
 
 

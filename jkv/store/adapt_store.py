@@ -4,7 +4,7 @@
 `resize`) and carries out the moves; this gives it `jkv.store.adapt.AdaptPlacement`'s
 answers: a move may also name the KV format an entry is recompressed to (`Move.form`, the
 store's `recompress`). The forms an entry can take are the profile's quantized methods that
-are KV formats this jkv can write (`jkv.kv_format.KV_FORMATS`), sized from the entry's
+are KV formats this jkv can write (`jkv.kv.format.KV_FORMATS`), sized from the entry's
 bytes; the store's pool keeps KV in the model dtype (a profile's rates are against it).
 Recompute seconds per token, the tiers' read rates and each form's decode (conversion) rate
 come from the running store.
@@ -16,8 +16,8 @@ import dataclasses
 import time
 from collections.abc import Collection, Hashable, Sequence
 
-from jkv.kv_format import KV_FORMATS
-from jkv.row_form_names import WAYS, is_row_form
+from jkv.kv.format import KV_FORMATS
+from jkv.kv.row_form_names import WAYS, is_row_form
 from jkv.store.adapt import AdaptPlacement, Form, Tier
 from jkv.store.adapt import Move as AdaptMove
 from jkv.store.adapt_profile import Profile
@@ -37,7 +37,7 @@ class AdaptStorePlacement:
     the JAX backend the store's conversions run on: the profile's decode rates for it are
     assumed until the store measures its own (`set_decode_rates`). tiered: the entries are
     tiered rows (a token-tier engine's): their forms are the profile's row forms
-    (`jkv.cache.row_forms`, rates against the row as the engine kept it), not KV formats.
+    (`jkv.kv.row_forms`, rates against the row as the engine kept it), not KV formats.
     """
 
     policy = "adaptcache"

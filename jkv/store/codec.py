@@ -1,7 +1,7 @@
 """The bytes of one stored KV entry, and their validation.
 
 An entry is a run of full pages of one request (per layer, in its KV format, exactly as the
-pool holds them: keys rotated to positions 0..n-1, moved by `jkv.cache.rebase` when a
+pool holds them: keys rotated to positions 0..n-1, moved by `jkv.kv.rebase` when a
 truncated conversation reuses them at other positions) as named arrays, with a header saying
 what it is (model fingerprint, KV format, page size, token count) and a checksum over every
 byte.

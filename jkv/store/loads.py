@@ -16,8 +16,8 @@ from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from jkv.averages import moving_average
-from jkv.block_runs import BlockRuns
-from jkv.buckets import bucket
+from jkv.kv.block_runs import BlockRuns
+from jkv.kv.buckets import bucket
 from jkv.store.adapt_store import AdaptStorePlacement
 from jkv.store.codec import CorruptEntry, EntryMismatch, decode
 from jkv.store.index import EntryIndex, Hit

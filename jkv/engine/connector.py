@@ -1,0 +1,457 @@
+"""KV leaving the pool and coming back: what the store saves, restores and moves.
+
+`gather` copies a slot's full blocks out of the pool (dispatched, not awaited: the store's
+write-behind fetches them on another thread). `restore` gives a slot new pages for saved
+blocks and queues their contents: written at once, or with layer-wise execution layer by
+layer a read buffer of layers ahead of the layer computing (`stage`, CachedAttention 3.2.1).
+`rebase` moves saved blocks to other positions for a truncated conversation (3.4).
+
+A split restore (Krul 6.2) loads only part of each layer: `pyramid` says which blocks each
+layer loads, the rest being recomputed by the engine while the loads are in flight.
+
+Saved pages are written as they come from the store (views of the entry's bytes: no padded
+host copy), in runs of power-of-two lengths so that a few compiled shapes cover any restore.
+Each slot has at most one `_Pending` record: the saved pages not yet written, and the first
+block whose KV is not its tokens' own (restored but unwritten, or moved and so approximate).
+Such blocks are never shared under their tokens' hashes (`shareable_blocks`); a store that
+keeps approximate KV (a lossy one: `gather(approximate=True)`) is handed them marked so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jkv.averages import moving_average
+from jkv.kv.block_runs import BlockRuns, power_of_two_runs
+from jkv.kv.buckets import bucket
+from jkv.kv.manager import KVCacheManager
+from jkv.kv.pages import KVPages
+from jkv.kv.prefix_cache import block_hashes
+from jkv.kv.rebase import rebase_pages
+from jkv.kv.tier_entries import TIER_ARRAYS, place_row, row_layout, tier_counts
+from jkv.kv.transfer import flat_run, gather_pages, scatter_pages
+
+
+@dataclass
+class SavedPages:
+    """A sequence's first `num_blocks` full blocks in the pool's format: `arrays` as
+    `KVPages.arrays()` names them, each [>= num_blocks, layers, KV heads, page, ...], rows past
+    `num_blocks` padding (a tiered row's: its pages and layout, `rows`). Host arrays, or
+    device arrays still being gathered (`gather`). With `start` > 0 (a store save of the
+    blocks after those already stored, `gather(start=...)`) the arrays hold blocks [start,
+    num_blocks) from their first row, and `hashes` still start at block 0."""
+
+    num_blocks: int
+    arrays: dict[str, np.ndarray | jax.Array]
+    hashes: list[bytes]  # chained block hashes of its tokens (model, format, page size)
+    # blocks from this one on hold approximate KV (moved by `rebase`): usable by the prompt
+    # they were made for, never shared under their tokens' hashes
+    exact_blocks: int | None = None
+    # a tiered row (`gather_tiers`): the arrays are its pages in `tier_entries.row_layout`'s
+    # order, this many rows of them real, not blocks
+    rows: int | None = None
+    start: int = 0
+    # a tiered row restored from a smaller stored form (`row_forms`, with exact_blocks 0):
+    # that form's name, which a store keeps it under (only smaller forms after it)
+    form: str | None = None
+
+    def fetch(self) -> SavedPages:
+        """The same blocks as host arrays of exactly `num_blocks - start` rows (`rows` for a
+        tiered row; waits for the copy)."""
+        arrays = jax.device_get(self.arrays)
+        n = self.num_blocks - self.start if self.rows is None else self.rows
+        return SavedPages(self.num_blocks, {f: np.asarray(x)[:n] for f, x in arrays.items()},
+                          self.hashes[: self.num_blocks], self.exact_blocks, self.rows,
+                          self.start, self.form)
+
+
+@dataclass
+class _Pending:
+    """What a slot's KV still owes to saved pages."""
+
+    # unwritten pages in runs: (layer, page ids, their contents as host arrays), k a power
+    # of two: every layer's (layer None: ids [k, layers, KV heads], contents [k, layers, KV
+    # heads, ...]) or one layer's (ids [k, KV heads], contents [k, KV heads, ...])
+    runs: list[tuple[int | None, np.ndarray, KVPages]] | None = None
+    unwritten_from: int | None = None  # first block restored but not yet written
+    approx_from: int | None = None  # first block moved by `rebase` (approximate KV)
+    split: bool = False  # some blocks are recomputed meanwhile: its time is not a load rate
+    form: str | None = None  # a tiered row restored from this smaller stored form
+
+    @property
+    def nbytes(self) -> int:
+        return sum(pages.nbytes for _, _, pages in self.runs or ())
+
+    def layer_runs(self, index: int) -> list[tuple[np.ndarray, KVPages]]:
+        """Layer `index`'s runs: (ids [k, KV heads], contents [k, KV heads, ...])."""
+        return [(ids[:, index], pages.layer(index)) if layer is None else (ids, pages)
+                for layer, ids, pages in self.runs or () if layer in (None, index)]
+
+
+def pyramid(first: int, n: int, num_layers: int, recompute: float, chunk: int) -> np.ndarray:
+    """Krul's split of saved blocks [first, n) (6.2): layer l recomputes blocks [first, b_l)
+    and loads [b_l, n); returns b [layers]. The recomputed share falls linearly with depth
+    (the pyramid: the first layers load least, so their compute starts at once) and never
+    grows (eq. 4-5: a layer's recomputed tokens are a prefix of the layer below's, whose
+    hidden states it needs); about `recompute` of the (n - first) x layers block-layers are
+    recomputed, and b_l - first is a multiple of `chunk` blocks (or n - first)."""
+    if not 0.0 <= recompute <= 1.0:
+        raise ValueError(f"recompute must be in [0, 1], got {recompute}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1 block, got {chunk}")
+    depth = np.arange(num_layers) / max(num_layers - 1, 1)
+    if num_layers == 1:
+        share = np.full(1, recompute)
+    elif recompute <= 0.5:  # a triangle: 2r at the first layer down to 0 at the last
+        share = 2 * recompute * (1 - depth)
+    else:  # a trapezoid: everything at the first layer down to 2r - 1 at the last
+        share = 1 - 2 * (1 - recompute) * depth
+    grid = np.unique(np.r_[np.arange(0, n - first, chunk), n - first])
+    nearest = np.abs(grid[None, :] - share[:, None] * (n - first)).argmin(axis=1)
+    return first + grid[nearest].astype(np.int64)
+
+
+class KVConnector:
+    """Saves, restores and moves the KV of one `KVCacheManager`'s slots."""
+
+    def __init__(self, cache: KVCacheManager, *, num_layers: int, num_kv_heads: int,
+                 rotate: Callable, layerwise: bool) -> None:
+        """`rotate(keys [L, T, H, D], shift [L, T])`: the model's key rotation (`rebase`)."""
+        self.cache = cache
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.layerwise = layerwise
+        self._rotate = rotate
+        self._pending: dict[int, _Pending] = {}
+        self.load_bytes_per_s = 0.0  # measured restore rate (host arrays into the pool)
+
+    # ------------------------------------------------------------------ restores
+
+    def restorable(self, saved: SavedPages, token_ids: Sequence[int]) -> int:
+        """Blocks of `saved` that `token_ids` can take; ValueError if they are another
+        prompt's (or another model's, format's or page size's: the hashes are seeded) or
+        not in this pool's format, or blocks after the first (a tail, for the store)."""
+        if saved.start:
+            raise ValueError(f"saved pages from block {saved.start} on continue a stored run: "
+                             "restore them through the store, which reads the whole run")
+        ps = self.cache.page_size
+        n = min(saved.num_blocks, (len(token_ids) - 1) // ps)
+        if n and saved.hashes[n - 1] != block_hashes(token_ids, ps, self.cache.hash_seed,
+                                                     n)[n - 1]:
+            raise ValueError("the saved pages are not this prompt's (block hashes differ)")
+        self.cache.pool.check_saved(saved.arrays, (self.num_layers, self.num_kv_heads), n)
+        return n
+
+    def restore(self, slot: int, first: int, saved: SavedPages, token_ids: Sequence[int],
+                loaded_from: np.ndarray | None = None) -> int:
+        """Give `slot` (holding `first` blocks) new pages for saved blocks [first, n) (never
+        the prompt's last token: it is computed for its logits) and queue their contents
+        (`loaded_from` [layers]: layer l only blocks [loaded_from[l], n), the others being
+        recomputed: `pyramid`); returns the tokens the slot then holds (`first`'s when there
+        is no room: those blocks are recomputed instead). The queue is written by `write`
+        (`write_due`) or layer by layer in the slot's next step (`stage`)."""
+        n = self.restorable(saved, token_ids)
+        ids = self.cache.reserve_blocks(slot, first, n)
+        if ids is None:
+            return first * self.cache.page_size
+        ids, fmt = np.asarray(ids), self.cache.pool.kv_format
+        # host arrays, as warmup compiled the copies for (views: the store's are already,
+        # a chain of entries in its parts, written in runs that stay inside one)
+        arrays = {f: x if isinstance(x, BlockRuns) else np.asarray(x)
+                  for f, x in saved.arrays.items()}
+        cuts = next((x.bounds for x in arrays.values() if isinstance(x, BlockRuns)), [])
+
+        def pages(a: int, b: int, layer: int | None = None) -> KVPages:
+            at = slice(a, b) if layer is None else (slice(a, b), layer)
+            return KVPages.from_arrays(fmt, {f: x[at] for f, x in arrays.items()})
+
+        if loaded_from is None:
+            runs = [(None, ids[a:b], pages(first + a, first + b))
+                    for a, b in power_of_two_runs(n - first, cuts, first)]
+        else:
+            runs = [(layer, ids[lo - first + a:lo - first + b, layer],
+                     pages(lo + a, lo + b, layer))
+                    for layer in range(self.num_layers)
+                    for lo in [min(max(int(loaded_from[layer]), first), n)]
+                    for a, b in power_of_two_runs(n - lo, cuts, lo)]
+        approx = None
+        if saved.exact_blocks is not None and n > saved.exact_blocks:
+            approx = max(saved.exact_blocks, first)
+        self._pending[slot] = _Pending(runs, first, approx, split=loaded_from is not None)
+        return n * self.cache.page_size
+
+    def write_due(self, slot: int) -> None:
+        """Write `slot`'s queued restore now unless its next step stages it layer by layer
+        (layer-wise execution, once a load rate has been measured: the first restore is
+        written at once and timed)."""
+        if not self.layerwise or not self.load_bytes_per_s:
+            self.write([slot])
+
+    def restorable_tiers(self, saved: SavedPages, token_ids: Sequence[int]) -> tuple[
+            dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """A saved tiered row (`gather_tiers`) checked for `token_ids` and this pool: (its
+        layout, tier counts high, low [L, H]). ValueError if it is another prompt's, not a
+        whole tiered row, inconsistent, or wider than this pool's table."""
+        c, ps = self.cache, self.cache.page_size
+        n = saved.num_blocks
+        if not 1 <= n <= (len(token_ids) - 1) // ps:
+            raise ValueError(f"a saved tiered row of {n} blocks does not fit a prompt of "
+                             f"{len(token_ids)} tokens")
+        if saved.hashes[n - 1] != block_hashes(token_ids, ps, c.hash_seed, n)[n - 1]:
+            raise ValueError("the saved pages are not this prompt's (block hashes differ)")
+        arrays = saved.arrays
+        missing = [k for k in TIER_ARRAYS if k not in arrays]
+        if missing:
+            raise ValueError(f"the saved pages are not a tiered row (no {missing})")
+        layout = {k: np.asarray(arrays[k]) for k in TIER_ARRAYS[:4]}
+        rows = len(layout["tier_head"])
+        heads = self.num_layers * self.num_kv_heads
+        if any(x.shape != (rows,) for x in layout.values()) or not (
+                (layout["tier_head"] >= 0) & (layout["tier_head"] < heads)
+                & (layout["tier_tokens"] >= 0)).all():
+            raise ValueError("the saved tiered row's page layout is malformed")
+        high, low = tier_counts(layout, heads)
+        if (high + low > n * ps).any():  # bounds first: the layout is built from them
+            raise ValueError("the saved tiered row holds more tokens than its blocks")
+        if (-(-high // ps) + -(-low // (2 * ps)) > c.max_pages).any():
+            raise ValueError("the saved tiered row is wider than this pool's page tables")
+        want = row_layout(high, low, ps)
+        if any(not np.array_equal(layout[k], want[k]) for k in want):
+            raise ValueError("the saved tiered row's pages do not match its tier counts")
+        pages = {k: v for k, v in arrays.items() if k not in TIER_ARRAYS}
+        c.pool.check_saved(pages, (), rows)
+        if any(len(x) != rows for x in pages.values()):
+            raise ValueError(f"the saved tiered row's pages are not {rows} rows")
+        for k in ("tier_score", "tier_pos"):
+            if np.shape(arrays[k]) != (rows, 2 * ps):
+                raise ValueError(f"saved {k} is {list(np.shape(arrays[k]))}, expected "
+                                 f"[{rows}, {2 * ps}]")
+        shape = (self.num_layers, self.num_kv_heads)
+        return layout, high.reshape(shape), low.reshape(shape)
+
+    def restore_tiers(self, slot: int, saved: SavedPages, token_ids: Sequence[int]) -> int:
+        """Start the empty `slot` with a saved tiered row (its compression kept); returns
+        the tokens it then holds (0 when its pages cannot be had: recomputed instead). A row
+        stored in a smaller form (`saved.exact_blocks`: tokens dropped by the store) makes
+        the slot's row approximate (`approximate_row`)."""
+        layout, high, low = self.restorable_tiers(saved, token_ids)
+        arrays = saved.arrays
+        pages = KVPages.from_arrays(self.cache.pool.kv_format, {
+            k: np.asarray(v) for k, v in arrays.items() if k not in TIER_ARRAYS})
+        tokens = saved.num_blocks * self.cache.page_size
+        compiled = place_row._cache_size()
+        t0 = time.perf_counter()
+        if not self.cache.place_tiers(slot, layout, pages, np.asarray(arrays["tier_score"]),
+                                      np.asarray(arrays["tier_pos"]), high, low, tokens):
+            return 0
+        jax.block_until_ready(self.cache.pool)
+        if place_row._cache_size() == compiled:  # a compile is not a load rate
+            self._learn_load(pages.nbytes, time.perf_counter() - t0)
+        if saved.exact_blocks is not None and saved.exact_blocks < saved.num_blocks:
+            self._pending[slot] = _Pending(approx_from=0, form=saved.form)
+        return tokens
+
+    def approximate_row(self, slot: int) -> bool:
+        """Whether `slot`'s tiered row was restored from a smaller stored form (or one saved
+        approximate): it is not kept on the device (exact-hash lookups), and only a lossy
+        store is handed it, marked approximate, in that form (`gather_tiers`)."""
+        p = self._pending.get(slot)
+        return p is not None and p.approx_from is not None
+
+    def write(self, slots: Sequence[int]) -> None:
+        """Write the queued restores of `slots` into the pool now, every layer at once
+        (layer-wise execution otherwise writes them layer by layer in the slot's next step)."""
+        for slot in slots:
+            p = self._pending.get(slot)
+            if p is not None and p.runs is not None:
+                compiled = scatter_pages._cache_size()
+                t0 = time.perf_counter()
+                # every copy dispatched before any scatter: on a GPU they run beside the
+                # compute queued before them (a split restore's recomputed part)
+                runs = [(ids, jax.device_put(pages))
+                        for ids, pages in (flat_run(i, x) for _, i, x in p.runs)]
+                for ids, pages in runs:
+                    self.cache.pool = scatter_pages(self.cache.pool, ids, pages)
+                jax.block_until_ready(self.cache.pool)
+                # neither a compile nor waiting for recomputed blocks is a load rate
+                if scatter_pages._cache_size() == compiled and not p.split:
+                    self._learn_load(p.nbytes, time.perf_counter() - t0)
+                self.written([slot])
+
+    def write_all_but(self, slots: Sequence[int]) -> None:
+        """Write every queued restore except those of `slots` (a step's rows, which stage
+        theirs layer by layer)."""
+        self.write([s for s, p in self._pending.items() if p.runs is not None
+                    and s not in slots])
+
+    def written(self, slots: Sequence[int]) -> None:
+        """The restores of `slots` are in the pool: their blocks are the tokens' own again."""
+        for slot in slots:
+            p = self._pending.get(slot)
+            if p is not None:
+                p.runs = p.unwritten_from = None
+                if p.approx_from is None:
+                    del self._pending[slot]
+
+    def forget(self, slot: int) -> None:
+        """The slot closed: a restore never written is dropped."""
+        self._pending.pop(slot, None)
+
+    def shareable_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
+        """Chained hashes of `slot`'s shareable blocks (what `gather` saves)."""
+        c = self.cache
+        return block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed,
+                            self.shareable_blocks(slot, approximate))
+
+    def shareable_blocks(self, slot: int, approximate: bool = False) -> int:
+        """Full blocks of `slot` whose KV is exactly its tokens' (all but moved or converted
+        ones, and none past a restore that was never written); `approximate`: those too."""
+        n = len(self.cache.slot_tokens[slot]) // self.cache.page_size
+        p = self._pending.get(slot)
+        if p is None:
+            return n
+        stops = (p.unwritten_from,) if approximate else (p.unwritten_from, p.approx_from)
+        return min([n, *(x for x in stops if x is not None)])
+
+    def _learn_load(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            self.load_bytes_per_s = moving_average(self.load_bytes_per_s, nbytes / seconds)
+
+    def read_buffer_layers(self, load_bytes: int, new_tokens: int,
+                           prefill_token_seconds: float) -> int:
+        """Layers of restored KV to have in flight ahead of the layer computing
+        (CachedAttention 3.2.1): the buffer covers the gap between loading the history,
+        T_load * L_hist, and prefilling the new tokens, T_pref * L_new; at least one layer.
+        From measured rates; every layer until both have been measured."""
+        layers = self.num_layers
+        if not self.load_bytes_per_s or not prefill_token_seconds:
+            return layers
+        gap = load_bytes / self.load_bytes_per_s - prefill_token_seconds * new_tokens
+        buffer_bytes = self.load_bytes_per_s * max(gap, 0.0)  # S_buf = B (T_load L_hist - ...)
+        return min(layers, max(1, math.ceil(buffer_bytes / (load_bytes / layers))))
+
+    def stage(self, slots: Sequence[int], new_tokens: int, prefill_token_seconds: float
+              ) -> Callable[[int, KVPages, jax.Array], tuple[KVPages, jax.Array]] | None:
+        """A `before_layer` that writes the queued restores of `slots` into the pool layer by
+        layer: each layer's pages are copied to the device a few layers ahead (the read
+        buffer) while earlier layers compute, and scattered just before their layer. None
+        when none of `slots` has one."""
+        pending = [p for s in slots if (p := self._pending.get(s)) is not None
+                   and p.runs is not None]
+        if not pending:
+            return None
+        layers = self.num_layers
+        ahead = self.read_buffer_layers(sum(p.nbytes for p in pending), new_tokens,
+                                        prefill_token_seconds)
+        staged: dict[int, list] = {}
+
+        def stage(index: int) -> None:
+            staged[index] = [(ids, jax.device_put(pages)) for p in pending
+                             for ids, pages in (flat_run(*r) for r in p.layer_runs(index))]
+
+        for index in range(min(ahead, layers)):
+            stage(index)
+
+        def before_layer(index: int, pool: KVPages, table_pages: jax.Array
+                         ) -> tuple[KVPages, jax.Array]:
+            if index + ahead < layers:
+                stage(index + ahead)
+            for ids, pages in staged.pop(index, ()):
+                pool = scatter_pages(pool, ids, pages)
+            return pool, table_pages
+
+        return before_layer
+
+    # ------------------------------------------------------------------ saving, moving
+
+    def gather(self, slot: int, start: int = 0, approximate: bool = False) -> SavedPages:
+        """The full blocks `slot` holds from block `start` on (a store save of what it has
+        not saved yet), as device arrays being copied out of the pool: the copy is
+        dispatched, not awaited, and later steps may reuse the pages. `approximate`: with
+        the blocks whose KV is not their tokens' own (moved, converted, or computed over
+        such), from `exact_blocks` on; else only the blocks before them."""
+        self.write([slot])
+        n = self.shareable_blocks(slot, approximate)
+        p = self._pending.get(slot)
+        exact = None if p is None or p.approx_from is None or p.approx_from >= n else \
+            p.approx_from
+        start = min(start, n)
+        c = self.cache
+        arrays = gather_pages(c.pool, c.page_ids(slot, start, n)).arrays()
+        for layer, h in c.offloaded.get(slot, {}).items():  # those blocks are on the host
+            first, stop = max(h.first, start), min(h.first + h.blocks, n)
+            if stop > first:
+                host = h.host().arrays()
+                arrays = {f: x.at[first - start:stop - start, layer].set(
+                              host[f][first - h.first:stop - h.first])
+                          for f, x in arrays.items()}
+        return SavedPages(n, arrays, block_hashes(c.slot_tokens[slot], c.page_size,
+                                                  c.hash_seed), exact_blocks=exact, start=start)
+
+    def gather_tiers(self, slot: int) -> SavedPages:
+        """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),
+        as device arrays being copied out of the pool (`rows` of them real); marked
+        approximate (`exact_blocks` 0) and named in its form when it was restored from a
+        smaller one."""
+        c = self.cache
+        layout, pages, score, pos = c.tier_pages(slot)
+        n = len(c.slot_tokens[slot]) // c.page_size
+        approx = self.approximate_row(slot)
+        return SavedPages(n, {**pages.arrays(), **layout, "tier_score": score, "tier_pos": pos},
+                          block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed, n),
+                          exact_blocks=0 if approx else None,
+                          rows=int((layout["tier_head"] >= 0).sum()),
+                          form=self._pending[slot].form if approx else None)
+
+    def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
+               drop: int) -> SavedPages:
+        """Saved pages of a sequence U moved for the prompt `token_ids` = U[:keep] +
+        U[keep + drop:] (a conversation whose oldest turns after its first `keep` tokens
+        were dropped): the tokens after `keep` move `drop` positions earlier, their keys
+        re-rotated (CachedAttention 3.4). Returns the prompt's full blocks that the saved
+        tokens cover (never its last token), hashed as the prompt's own; no blocks if none.
+        Their KV is the KV those tokens had in U: attention saw the dropped turns."""
+        if keep < 0 or drop < 0:
+            raise ValueError(f"keep and drop must be >= 0, got {keep} and {drop}")
+        ps = self.cache.page_size
+        m = min((saved.num_blocks * ps - drop) // ps, (len(token_ids) - 1) // ps)
+        if m <= 0:
+            return SavedPages(0, {}, [])
+        t = np.arange(bucket(m) * ps)
+        moved = t >= keep
+        src = np.where(t < m * ps, t + drop * moved, 0).astype(np.int32)
+        shift = np.where(moved, -drop, 0).astype(np.int32)
+        rows = bucket(saved.num_blocks)
+        pages = {}
+        for f, x in saved.arrays.items():
+            padded = np.zeros((rows, *x.shape[1:]), x.dtype)
+            padded[: saved.num_blocks] = np.asarray(x)[: saved.num_blocks]
+            pages[f] = padded
+        out = rebase_pages(KVPages.from_arrays(self.cache.pool.kv_format, pages), src, shift,
+                           rotate=self._rotate)
+        return SavedPages(m, jax.device_get(out.arrays()),
+                          self.cache.prompt_hashes(token_ids)[:m],
+                          exact_blocks=min(m, keep // ps, m if saved.exact_blocks is None
+                                           else saved.exact_blocks))
+
+    def warmup(self) -> None:
+        """Compile the page copies a KV store uses (saving a slot's blocks, restoring them
+        at once or layer by layer) for every block count bucket, on null pages only."""
+        c = self.cache
+        count = 1
+        while True:
+            ids = c.page_ids(c.scratch, 0, 0, count=count)  # all null: nothing is written
+            pages = jax.device_get(gather_pages(c.pool, ids))
+            for run in (flat_run(np.zeros(ids.shape, np.int32), pages),
+                        # one layer's pages: layer-wise staging, and split restores
+                        flat_run(np.zeros(ids.shape[::2], np.int32), pages.layer(0))):
+                c.pool = scatter_pages(c.pool, run[0], jax.device_put(run[1]))
+            if count >= c.max_pages:
+                break
+            count *= 2
+        jax.block_until_ready(c.pool)

@@ -1,0 +1,515 @@
+"""One step of work on the device: sequences in slots, their pages, the prefix cache.
+
+The engine composes three parts and checks that what it is asked to do fits:
+- the KV cache manager (`jkv.kv.manager`): the pool, free list, page tables, filling
+  pages, device prefix cache, sequence slots and the page budget;
+- the connector (`jkv.engine.connector`): KV leaving the pool and coming back (gather,
+  restore with one pending record per slot, layer-by-layer staging, rebase, load rate);
+- the model runner (`jkv.engine.runner`): compiled shapes, warmup, the only caller of the model.
+
+A step feeds some slots a chunk of prompt and others one decoded token. `execution` says how
+restored KV reaches the pool: "scan" writes it all before the step, "layerwise" layer by layer
+while earlier layers compute. Which sequences run, and when one stops, is the scheduler's
+business (`jkv.sched.scheduler`).
+
+Full pages outlive their sequence when prefix caching is on: on `close` a sequence's full
+blocks go to the prefix cache, and `open` starts a new sequence from the longest cached run
+of its prompt's blocks, then from saved pages (`open(restore=)`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.config import CacheConfig, EngineConfig, ModelConfig
+from jkv.engine.connector import KVConnector, SavedPages, pyramid
+from jkv.engine.layer_major import LayerMajor
+from jkv.engine.runner import ModelRunner, Row
+from jkv.engine.sampling import SamplingParams
+from jkv.kv import tier_step
+from jkv.kv.format import KVFormat
+from jkv.kv.kv_forms import convert_pages
+from jkv.kv.layer_offload import LayerOffload, resident_layers
+from jkv.kv.manager import KVCacheManager, TierPolicy
+from jkv.kv.row_forms import convert_row
+from jkv.models.family import ModelFamily
+from jkv.models.llama import LLAMA, Params
+
+__all__ = ["Engine", "EngineStats", "Row", "Sampled", "SavedPages", "resolve_backend"]
+
+
+def resolve_backend(name: str) -> str:
+    """The attention backend `auto` means here: the Pallas kernels on a GPU, else xla."""
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return name
+
+
+class Sampled(NamedTuple):
+    """A row's new token, its log-probability and the most likely alternatives."""
+
+    token: int
+    logprob: float
+    top_ids: np.ndarray  # int32 [MAX_LOGPROBS], most likely first
+    top_logprobs: np.ndarray  # float32 [MAX_LOGPROBS]
+    # with Row.targets: per fed token (target logprob, top ids, top logprobs) [m], [m, K]
+    positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0  # steps with prefill rows
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0  # steps with decode rows only
+    steps: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which found on the device
+    restored_tokens: int = 0  # prompt tokens whose KV came from saved pages (`open(restore=)`)
+    # of which recomputed instead by split restores, per layer (half the layers: 0.5 each)
+    recomputed_tokens: float = 0.0
+    step_shapes: set = field(default_factory=set)  # (rows, tokens) buckets run
+
+    @property
+    def prefill_token_seconds(self) -> float:
+        """Measured seconds per prompt token (0.0 before any prefill)."""
+        return self.prefill_seconds / max(self.prefill_tokens, 1)
+
+
+class Engine:
+    """Runs steps over sequence slots; see `open`, `step` and `close`."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, *, cache: CacheConfig,
+                 config: EngineConfig, model_id: str = "",
+                 shape_step: int | None = None, family: ModelFamily = LLAMA) -> None:
+        """`config` is validated where it is made; its max_model_len None means the model's
+        limit (`EngineConfig.resolve_max_model_len`)."""
+        self.config, self.cfg, self.params = config, cfg, params
+        self.max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
+        self.max_num_seqs, self.prefill_chunk = config.max_num_seqs, config.prefill_chunk
+        self.page_size = cache.page_size
+        self.attention_backend = resolve_backend(config.attention_backend)
+        self.execution = config.execution
+        dtype = params["embed"].dtype
+        hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
+                     f"{jnp.dtype(dtype).name}|{cfg}"
+                     # k8v4t etc. were unrotated before: their stored entries must not match
+                     f"{'|rotated' if cache.kv_format.rotated else ''}"
+                     # a tiered row is not blocks: stored rows and blocks never match
+                     f"{f'|{cache.kv_policy}' if cache.tiered else ''}").encode()
+        # names the KV this engine writes (model, format, page size, shapes) in stored entries
+        self.fingerprint = hashlib.blake2b(hash_seed, digest_size=16).hexdigest()
+        self.kv_format = cache.kv_format.name
+        self.kv_dtype = dtype  # (a 16-bit side's)
+        self.kv_bf16_ratio = 2 / jnp.dtype(dtype).itemsize  # (bf16 bytes over a pool's)
+        self.cache = KVCacheManager(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            dtype=dtype, kv_format=cache.kv_format, page_size=cache.page_size,
+            kv_cache_bytes=cache.kv_cache_bytes, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
+            device_cache_bytes=config.device_cache_bytes, hash_seed=hash_seed,
+            tiers=TierPolicy(cache.kv_policy, cache.kv_recent_window, cache.kv_alpha_high,
+                             cache.kv_alpha_low, cache.kv_sink_tokens, cache.kv_heavy_ratio,
+                             cache.kv_placement_interval)
+            if cache.tiered else None)
+        self.tiered = cache.tiered
+        # LayerKV's layer-wise offload (block pages only: a tiered row is not blocks)
+        self.layers = None if cache.tiered else LayerOffload(self.cache)
+        self.connector = KVConnector(self.cache, num_layers=cfg.num_layers,
+                                     num_kv_heads=cfg.num_kv_heads,
+                                     rotate=family.rotate_keys(cfg),
+                                     layerwise=self.execution == "layerwise")
+        self.runner = ModelRunner(cfg, params, family, backend=self.attention_backend,
+                                  layer_by_layer=self.execution == "layerwise",
+                                  max_rows=self.max_num_seqs, scratch_slot=self.cache.scratch,
+                                  prefill_chunk=self.prefill_chunk,
+                                  # only tiers read it: untiered engines share compilations
+                                  max_tokens=self.max_model_len if self.tiered else None,
+                                  shape_step=shape_step)
+        # how much of a split restore's shorter part (recompute or load) hides behind the
+        # longer (`restore_planning.split_share`): on a GPU the copies run on their own
+        # engine beside the compute (1); on CPU both take the same cores (0: never split
+        # there, as benchmarks/restore.py's split rows show). A tiered row is restored whole.
+        self.split_overlap = 0.0 if self.tiered or jax.default_backend() == "cpu" else 1.0
+        # a CPU backend takes 64-byte aligned host arrays as they are (a restore's pages:
+        # no copy in the step), so a store for this engine hands them over aligned
+        self.aligned_host_arrays = jax.default_backend() == "cpu"
+        # prompts with layers on the host fed a layer at a time over all their tokens
+        self.layer_major = None if self.layers is None else LayerMajor(
+            self.cache, self.runner, self.layers, cfg.num_layers, self.prefill_chunk)
+        self._seed, self._requests_seen = config.seed, 0
+        self.stats = EngineStats()
+
+    @property
+    def num_compiles(self) -> int:
+        """Compiled variants of the step functions (a steady workload must not add any)."""
+        return self.runner.num_compiles + (tier_step.retier._cache_size() if self.tiered else 0)
+
+    def request_key(self, seed: int | None) -> np.ndarray:
+        """A request's PRNG key: from its seed, or the engine's seed and a request counter."""
+        if seed is None:
+            key = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._requests_seen)
+            self._requests_seen += 1
+            return np.asarray(key, np.uint32)
+        s = seed % (1 << 64)  # threefry's seeding of a 64-bit seed, done here for any int
+        return np.array([s >> 32, s & 0xFFFFFFFF], np.uint32)
+
+    # ------------------------------------------------------------------ sequences
+
+    def open(self, token_ids: Sequence[int], restore: SavedPages | None = None,
+             use_prefix_cache: bool = True, max_cached: int | None = None,
+             recompute: float = 0.0, resident: int | None = None) -> tuple[int, int]:
+        """Take a free slot for a sequence whose prompt is `token_ids`.
+
+        Returns (slot, cached): the first `cached` tokens are already held (prefix cache
+        hits unless `use_prefix_cache` is False, at most `max_cached` of them, then the blocks
+        of `restore` past them: saved pages of this prompt's first blocks, written into new
+        pages, or with token tiers a saved tiered row); feed the rest with `step`.
+        `recompute` in [0, 1]: about that share of the restored blocks' KV is recomputed
+        while the rest loads (Krul's split restore, `KVConnector.pyramid`; not for a tiered
+        row, which is restored whole). `resident`: only that many layers keep pages in the
+        pool, spread over the depth (`resident_layers`); the others are held on the host
+        from the start and their prefill goes through the pool a layer at a time
+        (LayerKV; `fetch_layers` brings them back).
+        """
+        if not 0.0 <= recompute <= 1.0:
+            raise ValueError(f"recompute must be in [0, 1], got {recompute}")
+        if resident is not None:
+            if self.layers is None:
+                raise ValueError("resident layers need block pages (not a token-tier policy)")
+            keep = resident_layers(self.cfg.num_layers, resident)  # ValueError if out of range
+        if not 1 <= len(token_ids) < self.max_model_len:
+            raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
+                             f"got {len(token_ids)}")
+        if restore is not None:  # raises before anything is taken
+            if self.tiered:
+                self.connector.restorable_tiers(restore, token_ids)
+            else:
+                restorable = self.connector.restorable(restore, token_ids)
+        slot, cached = self.cache.open(token_ids, use_prefix_cache, max_cached)
+        if self.cache.enable_prefix_caching:
+            self.stats.prefix_query_tokens += len(token_ids)
+        self.stats.prefix_hit_tokens += cached
+        if restore is not None:
+            if self.tiered:  # a saved tiered row starts an empty slot (not a kept one's)
+                held = cached or self.connector.restore_tiers(slot, restore, token_ids)
+            else:
+                held = self._restore(slot, cached // self.page_size, restorable, restore,
+                                     token_ids, recompute)
+            self.stats.restored_tokens += held - cached
+            self.cache.add_tokens(slot, token_ids[cached:held])
+            cached = held
+        if resident is not None and not keep.all():
+            self.offload_layers(slot, np.flatnonzero(~keep).tolist())
+        return slot, cached
+
+    def offload_layers(self, slot: int, layers: Sequence[int]) -> int:
+        """Move `layers` of the open sequence in `slot` to host memory (its pages in them
+        are freed; its steps bring each back for its layer's turn, `fetch_layers` for
+        good); returns the pages freed."""
+        if self.layers is None:
+            raise ValueError("layer offload needs block pages (not a token-tier policy)")
+        if not self.cache.is_open(slot):
+            raise ValueError(f"slot {slot} holds no open sequence")
+        self._not_mid_prompt(slot)
+        self.connector.write([slot])  # a queued restore goes into its pages first
+        return self.layers.offload(slot, layers)
+
+    def _not_mid_prompt(self, slot: int) -> None:
+        """ValueError while `slot`'s prompt is part way through its layers (layer-major):
+        its layers hold different tokens until the last one has run."""
+        if self.layer_major is not None and self.layer_major.next_layer(slot):
+            raise ValueError(f"slot {slot} is part way through a layer-major prefill")
+
+    def keep_resident(self, slot: int, keep: int) -> int:
+        """Offload layers of `slot` until `keep` stay in the pool, those kept spread over the
+        depth; returns how many were offloaded."""
+        layers = [x for x in range(self.cfg.num_layers) if x not in self.offloaded_layers(slot)]
+        kept = resident_layers(len(layers), min(keep, len(layers)))
+        out = [x for x, k in zip(layers, kept, strict=True) if not k]
+        self.offload_layers(slot, out)
+        return len(out)
+
+    def offloaded_layers(self, slot: int) -> list[int]:
+        """The layers of `slot` held in host memory."""
+        return [] if self.layers is None else self.layers.layers(slot)
+
+    def pages_to_fetch(self, slot: int) -> int:
+        """Pages `fetch_layers(slot)` takes."""
+        return 0 if self.layers is None else self.layers.pages_to_fetch(slot)
+
+    def fetch_layers(self, slot: int) -> None:
+        """Bring every offloaded layer of `slot` back into the pool (RuntimeError when
+        `pages_to_fetch` pages cannot be had)."""
+        if self.layers is not None:
+            self._not_mid_prompt(slot)
+            self.layers.fetch(slot)
+
+    def _restore(self, slot: int, first: int, n: int, saved: SavedPages,
+                 token_ids: Sequence[int], recompute: float) -> int:
+        """Saved blocks [first, n) into `slot`; with `recompute`, the pyramid's recomputed
+        blocks are dispatched before the loads' copies (on a GPU they overlap). Returns the
+        tokens the slot then holds."""
+        ps, layers = self.page_size, self.cfg.num_layers
+        loaded_from = None
+        if recompute:
+            if n > first:
+                chunk = max(1, self.prefill_chunk // (4 * ps))
+                loaded_from = pyramid(first, n, layers, recompute, chunk)
+                if (loaded_from == first).all():  # too small a share to split off
+                    loaded_from = None
+        held = self.connector.restore(slot, first, saved, token_ids, loaded_from)
+        if held > first * ps:
+            if loaded_from is not None:
+                self._recompute(slot, token_ids, first, loaded_from)
+            self.connector.write_due(slot)
+        return held
+
+    def _recompute(self, slot: int, token_ids: Sequence[int], first: int,
+                   loaded_from: np.ndarray) -> None:
+        """Dispatch a split restore's recomputed part: blocks [lo, hi) through the layers
+        that do not load them, in prompt order, each call ending at its depth."""
+        ps, c = self.page_size, self.cache
+        edges = sorted({first, *(int(b) for b in loaded_from)})
+        key, sampling = np.zeros(2, np.uint32), SamplingParams()
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            depth = int(np.sum(loaded_from >= hi))
+            for a in range(lo * ps, hi * ps, self.prefill_chunk):
+                row = Row(slot, token_ids[a:min(hi * ps, a + self.prefill_chunk)], sampling, key)
+                batch = self.runner.batch([row], [a])
+                self.stats.step_shapes.add(batch.shape)
+                c.pool, c.filling = self.runner.run_layers(c.pool, c.filling, c.tables.pages,
+                                                           batch, depth)
+            self.stats.recomputed_tokens += (hi - lo) * ps * depth / self.cfg.num_layers
+
+    def close(self, slot: int, finished: bool = True, keep: bool = True) -> None:
+        """End the sequence in `slot`: its full blocks go to the prefix cache (when on; with
+        token tiers its whole row is kept) and its other pages back to the pool. `finished`
+        False: preempted (what it held does not count in the statistics of finished
+        sequences). `keep` False: nothing of it is kept (its KV is suspect). A tiered row
+        restored from a smaller stored form is not kept (`KVConnector.approximate_row`)."""
+        keep = keep and not (self.tiered and self.connector.approximate_row(slot))
+        shareable = self.connector.shareable_blocks(slot) if keep else 0
+        self.connector.forget(slot)  # a restore never written: the request ended first
+        ahead = 0 if self.layer_major is None else self.layer_major.drop(slot)
+        self.cache.close(slot, shareable, finished, keep)
+        self.cache.free_pages += ahead  # (taken for a prompt not yet held: freed with it)
+
+    def gather(self, slot: int, start: int = 0, approximate: bool = False) -> SavedPages:
+        """The full blocks `slot` holds from block `start` on, being copied out of the pool
+        (`KVConnector.gather`: `approximate`, with its approximate blocks too; with token
+        tiers, its whole tiered row: `gather_tiers`)."""
+        if self.tiered:
+            return self.connector.gather_tiers(slot)
+        return self.connector.gather(slot, start, approximate)
+
+    def saved_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
+        """Block hashes of what `gather(slot, approximate=...)` saves (a tiered row: none, it
+        is saved whole)."""
+        return [] if self.tiered else self.connector.shareable_hashes(slot, approximate)
+
+    def save_pages(self, slot: int) -> SavedPages:
+        """The full blocks `slot` holds (a tiered row: its tiers' pages), copied to the host."""
+        return self.gather(slot).fetch()
+
+    def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
+               drop: int) -> SavedPages:
+        """Saved pages moved for a truncated prompt (`KVConnector.rebase`)."""
+        return self.connector.rebase(saved, token_ids, keep, drop)
+
+    def convert_stored(self, arrays: dict, src: str, dst: str) -> dict[str, np.ndarray]:
+        """A stored entry's pages in KV format `src` as pages of `dst` (a smaller form made
+        for AdaptCache, or one read back into the pool's: `kv_forms.convert_pages`,
+        approximate KV); ValueError for a format this jkv does not know or pages not of
+        it. Under token tiers a stored row's forms are the pool's format and row forms,
+        which drop tokens (`row_forms.convert_row`)."""
+        if self.tiered:
+            t, c = self.cache.tiers, self.cfg
+            return convert_row(arrays, src, dst, self.cache.pool.kv_format,
+                               heads=c.num_layers * c.num_kv_heads, page=self.page_size,
+                               sinks=t.sinks, recent=t.recent_window)
+        return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), self.kv_dtype)
+
+    def read_buffer_layers(self, load_bytes: int, new_tokens: int) -> int:
+        """Layers of restored KV a layer-wise step keeps in flight, from measured rates
+        (`KVConnector.read_buffer_layers`)."""
+        return self.connector.read_buffer_layers(load_bytes, new_tokens,
+                                                 self.stats.prefill_token_seconds)
+
+    # ------------------------------------------------------------------ steps
+
+    def _check_rows(self, prefill: Sequence[Row], decode: Sequence[Row]) -> dict[int, int]:
+        """ValueError unless the rows are a valid step; returns each slot's new length."""
+        for r in prefill:
+            if r.layers is not None:
+                if self.layer_major is None:
+                    raise ValueError("a layer-major prefill needs block pages (not a token-tier "
+                                     "policy)")
+                self.layer_major.check(r)
+            elif not 1 <= len(r.tokens) <= self.prefill_chunk:
+                raise ValueError(f"a prefill row feeds 1..{self.prefill_chunk} tokens, "
+                                 f"got {len(r.tokens)}")
+        for r in decode:
+            if len(r.tokens) != 1:
+                raise ValueError("a decode row feeds exactly one token")
+        lengths: dict[int, int] = {}
+        for r in list(prefill) + list(decode):
+            if r.slot in lengths:
+                raise ValueError("a slot appears twice in one step")
+            if not self.cache.is_open(r.slot):
+                raise ValueError(f"slot {r.slot} holds no open sequence")
+            lengths[r.slot] = len(self.cache.slot_tokens[r.slot]) + len(r.tokens)
+            if lengths[r.slot] > self.max_model_len:
+                raise ValueError(f"slot {r.slot} would hold {lengths[r.slot]} tokens; "
+                                 f"max_model_len is {self.max_model_len}")
+        return lengths
+
+    def step(self, prefill: Sequence[Row], decode: Sequence[Row]
+             ) -> tuple[list[Sampled | None], list[Sampled]]:
+        """Feed every row its tokens; returns what was sampled after each row's last token
+        (prefill rows, decode rows). A prefill row takes up to `prefill_chunk` tokens, a
+        decode row exactly one; a layer-major prefill row (`Row.layers`) its whole prompt
+        through those layers (None sampled before its last layer)."""
+        rows = list(prefill) + list(decode)
+        if not rows:
+            return [], []
+        lengths = self._check_rows(prefill, decode)
+        t0 = time.perf_counter()
+        self.connector.write_all_but(list(lengths))
+        layered = [r for r in prefill if r.layers is not None]
+        chunked = [r for r in prefill if r.layers is None]
+        held = {r.slot: len(self.cache.slot_tokens[r.slot]) for r in layered}
+        # a layer-major prompt's resident pages are all taken by its first step
+        ok = self.cache.grow({s: n for s, n in lengths.items()
+                              if s not in held or self.layer_major.next_layer(s) == 0},
+                             0 if self.layers is None else self.layers.step_pages(lengths))
+        groups = [[chunked[i] for i in g]
+                  for g in self.runner.prefill_groups([len(r.tokens) for r in chunked])]
+        groups += [list(decode)] if decode else []
+        outs = [self._call(g) for g in groups]
+        outs_layered = [self.layer_major.run(r, held[r.slot]) for r in layered]
+        ok, outs, outs_layered = jax.device_get((ok, outs, outs_layered))
+        if not ok:
+            raise RuntimeError("page reservation failed although the host count allowed it")
+        if self.layers is not None:
+            self.layers.settle()
+        if self.tiered:
+            self.cache.sync_tiers()
+        self.connector.written(list(lengths))  # layer-wise restores are in the pool now
+        done = [r for r, out in zip(layered, outs_layered, strict=True) if out is not None]
+        for r in chunked + list(decode) + done:
+            self.cache.add_tokens(r.slot, r.tokens)
+        seconds = time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.prefill_tokens += sum(len(r.tokens) for r in chunked + done)
+        self.stats.decode_tokens += len(decode)
+        if prefill:
+            self.stats.prefill_seconds += seconds
+        else:
+            self.stats.decode_seconds += seconds
+        sampled: dict[int, Sampled | None] = {}
+        for r, out in zip(layered, outs_layered, strict=True):
+            sampled[id(r)] = None if out is None else Sampled(
+                int(out[0][0]), float(out[1][0]), out[2][0], out[3][0])
+        for group, (tokens, logprob, top_ids, top_lp, *at) in zip(groups, outs, strict=True):
+            for i, r in enumerate(group):
+                m = len(r.tokens)
+                positions = (tuple(x[i, :m] for x in at)
+                             if at and r.targets is not None else None)
+                sampled[id(r)] = Sampled(int(tokens[i]), float(logprob[i]), top_ids[i],
+                                         top_lp[i], positions)
+        return [sampled[id(r)] for r in prefill], [sampled[id(r)] for r in decode]
+
+    def _call(self, rows: Sequence[Row], *, padded_rows: int | None = None,
+              padded_tokens: int | None = None, layered: bool = False) -> tuple:
+        """Dispatch one compiled call for `rows`, padded with scratch rows to the bucket
+        (or to the shape given, as `warmup` does with no rows at all); with token tiers,
+        then their placement (one token per row: the generation phase's)."""
+        c = self.cache
+        batch = self.runner.batch(rows, [len(c.slot_tokens[r.slot]) for r in rows],
+                                  padded_rows=padded_rows, padded_tokens=padded_tokens)
+        self.stats.step_shapes.add(batch.shape)
+        before_layer = self.connector.stage([r.slot for r in rows], int(batch.valid.sum()),
+                                            self.stats.prefill_token_seconds)
+        after_layer = None
+        if self.layers is not None and any(r.slot in c.offloaded for r in rows):
+            before_layer, after_layer = self._offload_hooks(rows, before_layer)
+        elif layered:  # layer by layer, as a step with offloaded layers runs (`warmup`)
+            def after_layer(index, pool, table_pages):
+                return pool, table_pages
+        tiers = (c.meta, c.counts) if self.tiered else None
+        out, c.pool, c.filling, meta = self.runner.run(c.pool, c.filling, c.tables.pages, batch,
+                                                       before_layer, tiers, after_layer)
+        if self.tiered:
+            c.meta = meta
+            b, t = batch.shape
+            c.retier([r.slot for r in rows], [len(r.tokens) for r in rows], b, t, t == 1)
+        return out
+
+    def _offload_hooks(self, rows: Sequence[Row], stage) -> tuple:
+        """Layer hooks for rows with offloaded layers (after `stage`, a restore's): each such
+        layer's pages brought in before it runs and sent out after (the pool as LayerKV's
+        send buffer), its host copy sent ahead once the layer before it is dispatched."""
+        c, moves, last = self.cache, self.layers, self.cfg.num_layers - 1
+        lengths = {r.slot: len(c.slot_tokens[r.slot]) + len(r.tokens) for r in rows
+                   if r.slot in c.offloaded}
+
+        def before(index: int, pool, table_pages):
+            if stage is not None:  # (writes into pages reserved at open: no reservation)
+                pool, table_pages = stage(index, pool, table_pages)
+            moved = False
+            for slot, n in lengths.items():
+                if index in c.offloaded[slot]:
+                    pool, moved = moves.bring(slot, index, n, pool), True
+            return pool, c.tables.pages if moved else table_pages
+
+        def after(index: int, pool, table_pages):
+            for slot, n in lengths.items():
+                if index in c.offloaded[slot]:
+                    moves.send(slot, index, n, pool)  # its pages dropped by the next bring
+                moves.prefetch(slot, index)  # the next offloaded layer, while this computes
+            moved = index == last and moves.flush()  # (no bring after the last layer)
+            return pool, c.tables.pages if moved else table_pages
+
+        return before, after
+
+    # ------------------------------------------------------------------ shapes
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, tokens) a step's calls can have (`ModelRunner.shapes`)."""
+        return self.runner.shapes()
+
+    def warmup(self, progress=None) -> int:
+        """Compile every step shape now, so serving never waits on a compilation (padding
+        rows only: what they write is never read), the store's block copies and the calls
+        that keep tiered sequences on the device (a tiered row's store copies compile on
+        first use).
+        `progress(done, total)` after each shape. Returns how many shapes were new."""
+        todo, new = self.shapes(), 0
+        # a step with offloaded layers goes layer by layer: compiled too where steps scan
+        layered = self.layers is not None and not self.runner.layer_by_layer
+        for i, (b, t) in enumerate(todo):
+            before = self.num_compiles
+            jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t))
+            if layered:
+                jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t,
+                                                 layered=True))
+            new += self.num_compiles > before
+            if progress is not None:
+                progress(i + 1, len(todo))
+        if self.tiered:
+            self.cache.warmup()
+            self.cache.sync_tiers()
+        if self.layers is not None:
+            self.layers.warmup()
+            self.layer_major.warmup()
+        self.connector.warmup()
+        return new

@@ -1,0 +1,56 @@
+"""Pages out of the pool and back: what the store saves and restores.
+
+`gather_pages` reads the pages `ids` (any shape, e.g. [blocks, layers, KV heads]) with their
+scales and zero points as they are stored, so a saved entry is bit-exact and a restore at the
+same positions is a copy; `scatter_pages` writes such pages into other page ids of a pool
+of the same format (host runs joined into one leading axis first: `flat_run`). Both are
+one jitted gather / scatter each (`KVPages.take`, `put`), no per-page Python.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.kv.pages import NULL_PAGE, KVPages
+
+
+@jax.jit
+def gather_pages(pool: KVPages, ids: jax.Array) -> KVPages:
+    """Pages `ids` of the pool, leading shape ids.shape (quantized sides bring their scales)."""
+    return pool.take(ids)
+
+
+def join_leading(pages: KVPages, lead: int) -> KVPages:
+    """Host pages with their `lead` leading axes joined into one (numpy views where
+    contiguous: a 64-byte aligned one then reaches a CPU backend uncopied). Pages reach a
+    scatter so: on CPU, XLA copies a whole argument it reshapes inside a jit before
+    scattering it (50 ms of a 4K-token restore's 105 on a 2-core machine)."""
+    return jax.tree.map(lambda x: np.reshape(x, (-1, *np.shape(x)[lead:])), pages)
+
+
+def flat_run(ids: np.ndarray, pages: KVPages) -> tuple[np.ndarray, KVPages]:
+    """A run of host pages (leading shape ids.shape) as `scatter_pages` is given them: ids
+    and pages with their leading axes joined (`join_leading`)."""
+    return np.reshape(ids, -1), join_leading(pages, np.ndim(ids))
+
+
+@partial(jax.jit, donate_argnums=0)  # the pool is updated in place, never copied
+def scatter_pages(pool: KVPages, ids: jax.Array, pages: KVPages) -> KVPages:
+    """Write `pages` (as `gather_pages` returns them, leading shape that of `ids`) into page
+    ids `ids`; ids equal to the null page are skipped."""
+    return pool.put(ids, pages)
+
+
+@partial(jax.jit, static_argnames="count")
+def slot_page_ids(pages: jax.Array, slot: jax.Array, first: jax.Array, stop: jax.Array,
+                  count: int) -> jax.Array:
+    """Page ids of table columns [first, first + count) of `slot` as [count, L, H] (pages:
+    the tables' [S, L, H, W]); columns at or past `stop` (or the table's end) read as the
+    null page. `count` is static: callers pad it to a few sizes."""
+    cols = first + jnp.arange(count)
+    ids = jnp.take(pages[slot], cols, axis=-1, mode="fill", fill_value=NULL_PAGE)
+    return jnp.moveaxis(jnp.where(cols < stop, ids, NULL_PAGE), -1, 0)

@@ -1,0 +1,473 @@
+"""The serving loop around the scheduling policy: `Scheduler` keeps the waiting and running
+requests, asks `jkv.sched.planning` what the next step does (`plan_step`) and
+`jkv.sched.restore_planning` whether a waiting request's store hit is restored (`plan_restore`),
+applies those decisions (engine slots, preemption, restores, statistics), runs the engine
+step and hands each new token to its request. The policies themselves are described in
+those two modules.
+
+`Request` is what a caller gives and reads; what the scheduler keeps about a request it holds
+is its own `Tracked` record (both in `jkv.sched.request`).
+
+With a KV store, what the scheduler does with it (lookups and restores of waiting requests,
+saves) is `jkv.sched.store_side.StoreSide`, a part of `Scheduler`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+
+from jkv.config import SchedulerConfig, StoreConfig
+from jkv.engine.engine import Engine, Row, Sampled
+from jkv.engine.layer_major import layers_for
+from jkv.sched.output_lengths import OutputLengths
+from jkv.sched.plan_records import Budget, Candidate, queue_order
+from jkv.sched.planning import min_resident, plan_step
+from jkv.sched.request import Request, SchedulerStats, Tracked, Truncation
+from jkv.sched.restore_planning import RestoreRates
+from jkv.sched.step_costs import StepCosts, compilations
+from jkv.sched.store_side import StoreSide
+from jkv.store.store import KVStore
+
+log = logging.getLogger(__name__)
+
+READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before returning
+FORECAST_STEPS = 4  # layer offload (LayerKV eq. 5): decodes' pages over this many steps
+
+
+class Scheduler(StoreSide):
+    """The serving loop's state. `add` and `abort` may be called from any thread; `step`
+    from one thread only."""
+
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None,
+                 store: KVStore | StoreConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        if isinstance(store, StoreConfig):  # a store for this engine's KV
+            store = KVStore(store, model=engine.fingerprint, kv_format=engine.kv_format,
+                            page_size=engine.page_size,
+                            aligned_reads=engine.aligned_host_arrays,
+                            convert=engine.convert_stored,
+                            bf16_ratio=engine.kv_bf16_ratio,
+                            backend=jax.default_backend(), tiered=engine.tiered)
+        self.store = store
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._incoming: list[Request] = []
+        self._state: dict[Request, Tracked] = {}  # every request it holds past `add`
+        self.costs = StepCosts(engine.runner.decode_rows_bucket)  # learned from each step
+        # the figures the last step's plan used, for `snapshot` (other threads read it)
+        self._step_costs = {"decode": 0.0, "decode_full": 0.0, "prefill_token": 0.0,
+                            "prefill_row": 0.0, "offload_layer": 0.0}
+        self._next_step_s = 0.0  # what the next step of the decoding requests will take
+        self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
+        # LayerKV's layer-wise offload, where the engine's pages are blocks
+        self.layer_offload = self.config.layer_offload and engine.layers is not None
+
+    def add(self, request: Request) -> None:
+        """Queue a request. A prompt that cannot fit the model's context is a ValueError."""
+        n, limit = len(request.prompt), self.engine.max_model_len
+        if n < 1:
+            raise ValueError("prompt is empty")
+        if n >= limit:
+            raise ValueError(f"prompt has {n} tokens; the context holds {limit} and at least "
+                             f"one token must be generated")
+        with self._wake:
+            self._incoming.append(request)
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Close the store (its queued saves are written); call after the loop stopped."""
+        if self.store is not None:
+            self.store.close()
+
+    def abort(self, request: Request) -> None:
+        """Stop a request at the next step; its pages are freed there."""
+        request.cancelled = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Get `serve` out of its idle wait (after `abort`, or to see its stop event)."""
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self.waiting) + len(self._incoming)
+
+    def serve(self, stop: threading.Event) -> None:
+        """Step while there is work, sleep while there is none, until `stop` is set. An
+        error in a step fails the requests in flight, not the loop."""
+        while not stop.is_set():
+            with self._wake:
+                if not (self._incoming or self.waiting or self.running):
+                    self._wake.wait(0.5)
+                    continue
+            try:
+                self.step()
+            except Exception:
+                log.exception("a scheduler step failed; failing the requests in flight")
+                self._fail_all("error")
+
+    def stop_all(self, reason: str = "abort") -> None:
+        """Finish every request now (shutdown); call from the loop's thread or after it."""
+        with self._lock:
+            self.waiting += self._incoming
+            self._incoming = []
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        for r in self.waiting + self.running:
+            if not r.finished:
+                try:
+                    self._finish(r, reason)
+                except Exception:  # the engine may be what failed: free what can be freed
+                    log.exception("could not finish request %s cleanly", r.request_id)
+                    r.finish_reason = reason
+        self.waiting, self.running = [], []
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self.waiting) + len(self.running) + len(self._incoming)
+
+    def snapshot(self) -> dict:
+        """The serving figures as plain numbers (`LLM.stats()`, `/metrics`)."""
+        eng, st = self.engine, self.engine.stats
+        finished = eng.cache.finished
+        with self._lock:
+            waiting = len(self.waiting) + len(self._incoming)
+        out = {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": waiting,
+            "kv_pages_used": eng.cache.pages_used,
+            "kv_pages_total": eng.cache.total_pages,
+            "kv_pages_cached": eng.cache.pages_cached,
+            "prefix_hit_tokens": {"device": st.prefix_hit_tokens, **self.stats.restored_tokens},
+            "prefix_query_tokens": st.prefix_query_tokens,
+            "recomputed_tokens": self.stats.recomputed_tokens,
+            "preemptions": self.stats.preemptions,
+            "compilations": eng.num_compiles,
+            "prompt_tokens_computed": st.prefill_tokens,
+            "generation_tokens": st.decode_tokens,
+            "steps": st.steps,
+            "requests_finished": self.stats.finished,
+            "requests_aborted": self.stats.aborted,
+            # requests that ended normally: those that missed a target, by kind, and those
+            # that kept every target they had (goodput; a request with none counts)
+            "slo_violations": dict(self.stats.slo_violations),
+            "requests_within_slo": self.stats.slo_met,
+            # what the pool held per token of context as each sequence ended (all layers and
+            # KV heads, scales included), averaged; tokens per tier, summed
+            "kv_bytes_per_token": finished.bytes_per_token / max(finished.sequences, 1),
+            "kv_tiers": dict(finished.tokens),
+            "kv_compactions_refused": eng.cache.tier_refusals,  # the pool was short
+            # restored prompt tokens: loaded, or recomputed by split restores (per layer)
+            "restore": {"tokens_loaded": st.restored_tokens - st.recomputed_tokens,
+                        "tokens_recomputed": st.recomputed_tokens,
+                        "recompute_ratio": st.recomputed_tokens / max(st.restored_tokens, 1)},
+            # what the SLO checks took a step to cost at the last step, as learned from the
+            # steps run (0 until measured): why an admission was held can be read off these
+            "step_costs": dict(self._step_costs),
+        }
+        if eng.layers is not None:  # LayerKV's layer-wise offload
+            out["layer_offload"] = {
+                "enabled": self.layer_offload,
+                "layers_offloaded": self.stats.layers_offloaded,
+                "fetches": self.stats.layer_fetches,
+                "admitted_offloaded": self.stats.admitted_offloaded,
+                "layer_major_prefills": self.stats.layer_major_prefills,
+                "admissions_held": self.stats.admissions_held,
+                "bytes_to_host": eng.layers.offloaded_bytes,
+                "bytes_from_host": eng.layers.fetched_bytes,
+                # (read from other threads: a request may have just finished, its state
+                # gone while the loop still lists it)
+                "requests_offloaded": sum(
+                    1 for r in list(self.running)
+                    if (t := self._state.get(r)) is not None and t.slot is not None
+                    and eng.offloaded_layers(t.slot))}
+        if self.store is not None:
+            out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses,
+                            "restores_declined": self.stats.restores_declined,
+                            "rebased_tokens": self.stats.rebased_tokens,
+                            "restores_abandoned": self.stats.restores_abandoned}
+        return out
+
+    # ------------------------------------------------------------------ one step
+
+    def _candidate(self, r: Request, held: int, pin_pages: int) -> Candidate:
+        # (a preempted request keeps its deadline, met long ago: it orders the queue, and
+        # without one it went behind every later arrival that had one and stalled its stream)
+        ttft = None if r.ttft_slo_ms is None else r.arrival + r.ttft_slo_ms / 1000
+        tpot = None if r.tpot_slo_ms is None else r.tpot_slo_ms / 1000
+        # (what admission weighs the cost of its steps over; not known before any reply)
+        remaining = (self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
+                     if self.lengths.recent else None)
+        running = self._state[r].slot is not None
+        return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held, running,
+                         r.priority, pin_pages, ttft, tpot, remaining=remaining,
+                         whole=not running and r.num_preemptions > 0)
+
+    def _running(self, r: Request, now: float) -> Candidate:
+        st, cache = self._state[r], self.engine.cache
+        c = self._candidate(r, st.num_computed, cache.pages_freed_by_close(st.slot))
+        if self.layer_offload:
+            resident = cache.resident(st.slot)
+            mid_prompt = st.layers_done is not None  # (its layers move only once it is done)
+            c = dataclasses.replace(
+                c, resident=None if resident == cache.num_layers else resident,
+                offload_pages=0 if mid_prompt else cache.pages_offloadable(st.slot),
+                fetch_pages=0 if mid_prompt else self.engine.pages_to_fetch(st.slot),
+                layer_major=st.layers_done)
+        if c.tpot_slo is not None and r.first_token_time is not None and self._next_step_s:
+            # LayerKV eq. 1: what its target allows over the whole output, less what it has
+            # used and what its remaining tokens' decode steps will take (each as long as a
+            # step of the requests decoding now, layers brought in included)
+            m = self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
+            slack = ((len(r.output) - 1 + m) * c.tpot_slo - (now - r.first_token_time)
+                     - m * self._next_step_s)
+            c = dataclasses.replace(c, tpot_slack=slack, remaining=m)
+        return c
+
+    def _finish(self, r: Request, reason: str) -> None:
+        st = self._state.pop(r, None)  # none yet for a request `stop_all` took from incoming
+        if st is not None and st.slot is not None:
+            if self.store is not None and reason != "error":
+                self._save(r, st.slot)
+            # after a failed step its KV is suspect: nothing of it is kept
+            self.engine.close(st.slot, keep=reason != "error")
+        r.finish_reason, r.finish_time = reason, time.monotonic()
+        self.stats.finished += 1
+        if reason in ("abort", "timeout", "error"):
+            self.stats.aborted += 1
+        else:
+            self._count_slo(r)
+            self.lengths.add(r.session_id, len(r.output))
+        if r.on_finish is not None:
+            r.on_finish(r)
+
+    def _count_slo(self, r: Request) -> None:
+        """A request that ended normally: did it keep its TTFT and TPOT targets?"""
+        missed = False
+        if r.ttft_slo_ms is not None and r.first_token_time is not None and (
+                r.first_token_time - r.arrival > r.ttft_slo_ms / 1000):
+            self.stats.slo_violations["ttft"] += 1
+            missed = True
+        if r.tpot_slo_ms is not None and len(r.output) > 1 and (
+                (r.finish_time - r.first_token_time) / (len(r.output) - 1)
+                > r.tpot_slo_ms / 1000):
+            self.stats.slo_violations["tpot"] += 1
+            missed = True
+        self.stats.slo_met += not missed
+
+    def _emit(self, r: Request, sampled: Sampled, now: float) -> None:
+        token = sampled.token
+        r.output.append(token)
+        if r.sampling.logprobs is not None:
+            n = r.sampling.logprobs
+            r.logprobs.append((sampled.logprob, sampled.top_ids[:n].tolist(),
+                               sampled.top_logprobs[:n].tolist()))
+        if r.first_token_time is None:
+            r.first_token_time = now
+        stop = r.on_token(r, token) if r.on_token is not None else False
+        if stop:
+            self._finish(r, "stop")
+        elif (len(r.output) >= r.sampling.max_tokens
+              or len(r.tokens) >= self.engine.max_model_len):
+            self._finish(r, "length")
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that finished in it."""
+        with self._lock:
+            new, self._incoming = self._incoming, []
+            self.waiting += new
+        for r in new:
+            self._state[r] = Tracked(self.engine.request_key(r.sampling.seed))
+        finished: list[Request] = []
+        now = time.monotonic()
+        for r in self.waiting + self.running:
+            if r.cancelled or (r.deadline is not None and now > r.deadline):
+                self._finish(r, "abort" if r.cancelled else "timeout")
+                finished.append(r)
+        self.waiting = [r for r in self.waiting if not r.finished]
+        self.running = [r for r in self.running if not r.finished]
+        if not self.waiting and not self.running:
+            return finished
+
+        eng = self.engine
+        by_id = {r.request_id: r for r in self.waiting + self.running}
+        decoding = [self._state[r].slot for r in self.running if r.output]
+        self._next_step_s = self.costs.step(
+            len(decoding), sum(len(eng.offloaded_layers(s)) for s in decoding))
+        token_s = self.costs.chunked_token_s(eng.prefill_chunk)  # a token fed in full chunks
+        if self.store is not None:
+            self.store.set_recompute_rate(token_s)
+        budget = Budget(
+            available_pages=eng.cache.available_pages, free_slots=eng.cache.num_free_slots,
+            max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,
+            chunk=eng.prefill_chunk, cost=eng.cache.cost,
+            now=now, decode_step_seconds=self._next_step_s,
+            prefill_token_seconds=token_s,
+            prefill_row_seconds=self.costs.prefill_row_s, layer_offload=self.layer_offload,
+            offload_layer_seconds=self.costs.offload_layer_s,
+            decode_step_by_rows=tuple(self.costs.decode(n)
+                                      for n in range(eng.runner.max_rows + 1)),
+            min_resident=min_resident(
+                eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
+                0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,
+                token_s),
+            forecast_steps=FORECAST_STEPS)
+        self._step_costs = {"decode": budget.decode_step_by_rows[1],
+                            "decode_full": budget.decode_step_by_rows[-1],
+                            "prefill_token": budget.prefill_token_seconds,
+                            "prefill_row": budget.prefill_row_seconds,
+                            "offload_layer": budget.offload_layer_seconds}
+        rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
+                             eng.connector.load_bytes_per_s, token_s, eng.split_overlap,
+                             {} if self.store is None else self.store.convert_bytes_per_s)
+        waiting, queued, decisions, cached = [], [], {}, {}
+        declined = self.stats.restores_declined
+        for r in self.waiting:
+            c, decisions[r.request_id], cached[r.request_id], ready = self._waiting(
+                r, rates, declined, now)
+            declined += decisions[r.request_id].newly_declined
+            queued.append(c)
+            if ready:  # a request still waiting for its read ahead is not admitted yet
+                waiting.append(c)
+        plan = plan_step([self._running(r, now) for r in self.running], waiting, budget)
+        for r in self.waiting:  # the restores planned: what admission loads, the hint, stats
+            st, d = self._state[r], decisions[r.request_id]
+            st.hit, st.rebase, st.probe, st.recompute = d.hit, d.rebase, d.probe, d.recompute
+            st.cached = cached[r.request_id]
+            if d.newly_declined:
+                st.declined = True
+                self.stats.restores_declined += 1
+        if self.store is not None:
+            order = [decisions[c.request_id].hit for c in sorted(queued, key=queue_order)]
+            self.store.hint([hit.key for hit in order if hit is not None])
+            self.store.drop_reads({hit for hit in order if hit is not None})
+
+        for rid in plan.held:
+            st = self._state[by_id[rid]]
+            self.stats.admissions_held += not st.held
+            st.held = True
+        for rid, keep in plan.offload.items():  # before preemptions reuse pages
+            self.stats.layers_offloaded += eng.keep_resident(self._state[by_id[rid]].slot, keep)
+        for rid in plan.preempt:
+            r = by_id[rid]
+            st = self._state[r]
+            st.computed_before = st.num_computed
+            if self.store is not None:  # what it holds, saved before its pages are reused
+                self._save(r, st.slot)
+            eng.close(st.slot, finished=False)
+            st.slot, st.num_computed, st.hashes, st.saved = None, 0, None, 0
+            st.read_since, st.abandoned, st.layers_done = None, False, None
+            r.num_preemptions += 1
+            self.stats.preemptions += 1
+            self.running.remove(r)
+            self.waiting.append(r)
+        for rid in plan.fetch:
+            eng.fetch_layers(self._state[by_id[rid]].slot)
+            self.stats.layer_fetches += 1
+        for rid in plan.admit:
+            r = by_id[rid]
+            st = self._state[r]
+            st.resident = plan.resident.get(rid)
+            st.layers_done = 0 if rid in plan.layer_major else None
+            self.stats.layer_major_prefills += st.layers_done is not None
+            st.num_computed = self._open(r)
+            if r.admit_time is None:
+                r.admit_time = now
+            self.stats.recomputed_tokens += max(0, st.computed_before - st.num_computed)
+            st.computed_before = 0
+            self.waiting.remove(r)
+            self.running.append(r)
+
+        prefill, decode, work = [], [], []  # work: each prefill row's tokens of compute
+        for rid, n in plan.prefill:
+            r = by_id[rid]
+            st = self._state[r]
+            work.append(n)
+            if st.layers_done is not None:  # its whole prompt through the layers n buys
+                rest, done = r.tokens[st.num_computed:], st.layers_done
+                k = layers_for(n, len(rest), eng.cfg.num_layers, done)
+                prefill.append((r, Row(st.slot, rest, r.sampling, st.key, len(r.output),
+                                       layers=(done, done + k))))
+                continue
+            chunk = r.tokens[st.num_computed: st.num_computed + n]
+            targets = None
+            if r.sampling.prompt_logprobs is not None:  # each position's next prompt token
+                after = r.prompt[st.num_computed + 1: st.num_computed + n + 1]
+                targets = list(after) + [-1] * (n - len(after))
+            prefill.append((r, Row(st.slot, chunk, r.sampling, st.key, len(r.output),
+                                   targets)))
+        for rid in plan.decode:
+            r = by_id[rid]
+            st = self._state[r]
+            decode.append((r, Row(st.slot, r.tokens[-1:], r.sampling, st.key, len(r.output))))
+        if not prefill and not decode:
+            if len(queued) > len(waiting):  # only reads ahead to wait for: no step to hold up
+                self.store.wait_reads(READ_POLL_S)
+            return finished
+        # (a layer-major prompt brings its layers once for all its tokens: not counted)
+        brings = sum(len(eng.offloaded_layers(row.slot)) for _, row in prefill + decode
+                     if row.layers is None)
+        compiled, t0 = compilations(), time.perf_counter()
+        out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])
+        if compilations() == compiled:  # (a step that compiled is no sample of its cost)
+            self.costs.learn(time.perf_counter() - t0, sum(work), len(decode), brings,
+                             sum(len(r.tokens) for r, _ in decode), len(prefill))
+        now = time.monotonic()
+        for (r, row), sampled in zip(prefill, out_p, strict=True):
+            st = self._state[r]
+            if row.layers is not None:
+                st.layers_done = None if sampled is not None else row.layers[1]
+                if sampled is None:
+                    continue
+            if sampled.positions is not None:
+                self._prompt_logprobs(r, st.num_computed, sampled.positions)
+            st.num_computed += len(row.tokens)
+            if st.num_computed == len(r.tokens):  # the chunk ended the pending tokens
+                self._emit(r, sampled, now)
+        for (r, _), sampled in zip(decode, out_d, strict=True):
+            self._state[r].num_computed += 1
+            self._emit(r, sampled, now)
+        if self.store is not None and decode:
+            self._save_decoding([r for r, _ in decode])
+        for r in self.running:
+            if r.finished:
+                finished.append(r)
+        self.running = [r for r in self.running if not r.finished]
+        return finished
+
+    @staticmethod
+    def _prompt_logprobs(r: Request, first: int, positions: tuple) -> None:
+        """Record what a chunk fed from position `first` gave for the prompt tokens after
+        each of its positions."""
+        k = r.sampling.prompt_logprobs
+        if not r.prompt_logprobs:
+            r.prompt_logprobs = [None] * len(r.prompt)
+        for i, (lp, ids, lps) in enumerate(zip(*positions, strict=True)):
+            p = first + i + 1
+            if p < len(r.prompt):
+                r.prompt_logprobs[p] = (float(lp), ids[:k].tolist(), lps[:k].tolist())
+
+
+def generate_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:
+    """Run `requests` to completion on this thread (the offline path)."""
+    for r in requests:
+        scheduler.add(r)
+    while scheduler.num_unfinished:
+        scheduler.step()
+
+
+__all__ = ["Request", "Scheduler", "SchedulerStats", "Truncation", "generate_all"]
