@@ -263,7 +263,7 @@ def test_offloaded_layers_keep_shared_blocks_save_and_restore_exactly(params):
 
 def test_warmup_compiles_what_offloading_runs(params):
     """After `warmup` an offloaded prefill, decode, offload and fetch compile nothing."""
-    from jkv.kv.layer_offload import bring_layer, copy_layer_out, drop_layers
+    from jkv.kv.layer_pages import bring_layer, copy_layer_out, drop_layers
 
     copies = (copy_layer_out, bring_layer, drop_layers)
     for f in copies:

@@ -276,7 +276,7 @@ class KVConnector:
                 runs = [(ids, jax.device_put(pages))
                         for ids, pages in (flat_run(i, x) for _, i, x in p.runs)]
                 for ids, pages in runs:
-                    self.cache.pool = scatter_pages(self.cache.pool, ids, pages)
+                    self.cache.write_pages(ids, pages)
                 jax.block_until_ready(self.cache.pool)
                 # neither a compile nor waiting for recomputed blocks is a load rate
                 if scatter_pages._cache_size() == compiled and not p.split:
@@ -450,7 +450,7 @@ class KVConnector:
             for run in (flat_run(np.zeros(ids.shape, np.int32), pages),
                         # one layer's pages: layer-wise staging, and split restores
                         flat_run(np.zeros(ids.shape[::2], np.int32), pages.layer(0))):
-                c.pool = scatter_pages(c.pool, run[0], jax.device_put(run[1]))
+                c.write_pages(run[0], jax.device_put(run[1]))
             if count >= c.max_pages:
                 break
             count *= 2

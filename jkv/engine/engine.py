@@ -286,8 +286,8 @@ class Engine:
                 row = Row(slot, token_ids[a:min(hi * ps, a + self.prefill_chunk)], sampling, key)
                 batch = self.runner.batch([row], [a])
                 self.stats.step_shapes.add(batch.shape)
-                c.pool, c.filling = self.runner.run_layers(c.pool, c.filling, c.tables.pages,
-                                                           batch, depth)
+                c.run_model(lambda pool, filling, pages, _, b=batch, d=depth:
+                            (None, *self.runner.run_layers(pool, filling, pages, b, d), None))
             self.stats.recomputed_tokens += (hi - lo) * ps * depth / self.cfg.num_layers
 
     def close(self, slot: int, finished: bool = True, keep: bool = True) -> None:
@@ -300,8 +300,7 @@ class Engine:
         shareable = self.connector.shareable_blocks(slot) if keep else 0
         self.connector.forget(slot)  # a restore never written: the request ended first
         ahead = 0 if self.layer_major is None else self.layer_major.drop(slot)
-        self.cache.close(slot, shareable, finished, keep)
-        self.cache.free_pages += ahead  # (taken for a prompt not yet held: freed with it)
+        self.cache.close(slot, shareable, finished, keep, ahead)
 
     def gather(self, slot: int, start: int = 0, approximate: bool = False) -> SavedPages:
         """The full blocks `slot` holds from block `start` on, being copied out of the pool
@@ -445,11 +444,9 @@ class Engine:
         elif layered:  # layer by layer, as a step with offloaded layers runs (`warmup`)
             def after_layer(index, pool, table_pages):
                 return pool, table_pages
-        tiers = (c.meta, c.counts) if self.tiered else None
-        out, c.pool, c.filling, meta = self.runner.run(c.pool, c.filling, c.tables.pages, batch,
-                                                       before_layer, tiers, after_layer)
+        out = c.run_model(lambda pool, filling, pages, tiers: self.runner.run(
+            pool, filling, pages, batch, before_layer, tiers, after_layer))
         if self.tiered:
-            c.meta = meta
             b, t = batch.shape
             c.retier([r.slot for r in rows], [len(r.tokens) for r in rows], b, t, t == 1)
         return out

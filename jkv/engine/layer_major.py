@@ -85,17 +85,22 @@ class LayerMajor:
                 self.cache.pages_to_grow(row.slot, len(row.tokens)))
         total = held + len(row.tokens)
         offloaded = c.offloaded.get(row.slot, {})
-        for index in range(first, last):
-            moved = index in offloaded
-            if moved:
-                c.pool = self.layers.bring(row.slot, index, total, c.pool)
-            weights = self.runner.layer_weights(index)  # once for all the prompt's calls
-            for call in p.calls:
-                call[1], c.pool, c.filling, _ = self.runner.layer(
-                    index, c.pool, c.filling, c.tables.pages, call[1], call[2],
-                    weights=weights)
-            if moved:
-                self.layers.send(row.slot, index, total, c.pool)
+
+        def through_layers(pool, filling, _pages, _tiers):
+            for index in range(first, last):
+                moved = index in offloaded
+                if moved:
+                    pool = self.layers.bring(row.slot, index, total, pool)
+                weights = self.runner.layer_weights(index)  # once for all the prompt's calls
+                for call in p.calls:
+                    call[1], pool, filling, _ = self.runner.layer(
+                        index, pool, filling, c.tables.pages, call[1], call[2],
+                        weights=weights)
+                if moved:
+                    self.layers.send(row.slot, index, total, pool)
+            return None, pool, filling, None
+
+        c.run_model(through_layers)
         p.next_layer = last
         if last < self.num_layers:
             return None
@@ -124,8 +129,9 @@ class LayerMajor:
             if rows == 1:
                 batch = self.runner.batch([], [], padded_rows=1, padded_tokens=tokens)
                 x, inputs = self.runner.embed(batch)
-                _, c.pool, c.filling, _ = self.runner.layer(
-                    0, c.pool, c.filling, c.tables.pages, x, inputs, weights=weights)
+                c.run_model(lambda pool, filling, pages, _, x=x, inputs=inputs:
+                            (None, *self.runner.layer(0, pool, filling, pages, x, inputs,
+                                                      weights=weights)[1:3], None))
 
     def drop(self, slot: int) -> int:
         """Forget `slot`'s prompt under way (its sequence is closing); returns the pages its

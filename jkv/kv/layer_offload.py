@@ -29,18 +29,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from jkv.averages import moving_average
-from jkv.kv.allocator import FreeList, PageTables, reserve, unref
 from jkv.kv.buckets import bucket
+from jkv.kv.layer_pages import copy_layer_out
 from jkv.kv.manager import KVCacheManager
-from jkv.kv.pages import NULL_PAGE, KVPages
+from jkv.kv.pages import KVPages
 from jkv.kv.transfer import join_leading
 
 
@@ -127,74 +125,6 @@ def _put(dest: np.ndarray, index: int, src: np.ndarray) -> np.ndarray:
     return dest
 
 
-def _row_ids(tables: PageTables, slot: jax.Array, layer: jax.Array, first: jax.Array,
-             count: int) -> jax.Array:
-    """Page ids of table columns [first, first + count) of (slot, layer) as [count, KV
-    heads]; columns past the row's pages read as the null page."""
-    cols = first + jnp.arange(count)
-    row = tables.pages[slot, layer]  # [H, W]
-    ids = jnp.take(row, cols, axis=-1, mode="fill", fill_value=NULL_PAGE)
-    return jnp.where(cols < tables.num_pages[slot, layer][:, None], ids, NULL_PAGE).T
-
-
-def _layer_mask(tables: PageTables, layers: jax.Array) -> jax.Array:
-    """bool [L] from one layer index or a bool mask."""
-    if layers.dtype == jnp.bool_:
-        return layers
-    return jnp.arange(tables.num_pages.shape[1]) == layers
-
-
-def _drop(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax.Array,
-          first: jax.Array) -> tuple[FreeList, PageTables]:
-    layers = _layer_mask(tables, layers)
-    row, held = tables.pages[slot], tables.num_pages[slot]  # [L, H, W], [L, H]
-    j = jnp.arange(row.shape[-1])
-    drop = layers[:, None, None] & (j >= first) & (j < held[..., None])
-    return unref(free, jnp.where(drop, row, NULL_PAGE)), tables.replace(
-        pages=tables.pages.at[slot].set(jnp.where(drop, NULL_PAGE, row)),
-        num_pages=tables.num_pages.at[slot].set(
-            jnp.where(layers[:, None], jnp.minimum(held, first), held)))
-
-
-@jax.jit
-def drop_layers(free: FreeList, tables: PageTables, slot: jax.Array, layers: jax.Array,
-                first: jax.Array) -> tuple[FreeList, PageTables]:
-    """Drop the entries of `slot`'s rows of `layers` (bool [L], or one layer index: -1 for
-    none) from column `first` on: their references go, pages no one else holds are freed;
-    the rows keep `first` pages."""
-    return _drop(free, tables, slot, layers, first)
-
-
-@partial(jax.jit, static_argnames="count")
-def copy_layer_out(pool: KVPages, tables: PageTables, slot: jax.Array, layer: jax.Array,
-                   start: jax.Array, count: int) -> KVPages:
-    """The pages of table columns [start, start + count) of (slot, layer): [count, KV heads,
-    ...] (columns past the row's pages: the null page's contents)."""
-    return pool.take(_row_ids(tables, slot, layer, start, count))
-
-
-@partial(jax.jit, donate_argnums=2)
-def bring_layer(free: FreeList, tables: PageTables, pool: KVPages, args: jax.Array,
-                pages: KVPages) -> tuple[FreeList, PageTables, KVPages, jax.Array]:
-    """Give (slot, layer) the pages to hold `tokens` tokens and write `pages` (its host
-    copy with blocks and KV heads on one axis, `join_leading`: [capacity * KV heads, ...],
-    the first `blocks` blocks real) into columns [first, first + blocks): one call per
-    layer. `args`: int32 [8], (slot, layer, tokens, first, blocks) and, first of all, a
-    layer sent out before it to drop as `drop_layers` does (its slot, layer (-1: none) and
-    first column): the step makes one call where it would make two, and copies its
-    arguments to the device once. Returns (free, tables, pool, ok) as `reserve` does."""
-    slot, layer, tokens, first, blocks = args[0], args[1], args[2], args[3], args[4]
-    free, tables = _drop(free, tables, args[5], args[6], args[7])
-    s, n_layers, heads = tables.num_pages.shape
-    mask = jnp.arange(n_layers) == layer
-    want = jnp.zeros((s, n_layers, heads), jnp.int32).at[slot].set(
-        jnp.where(mask[:, None], tokens, 0))
-    free, tables, ok = reserve(free, tables, jnp.zeros((s,), jnp.int32), want)
-    ids = _row_ids(tables, slot, layer, first, pages.k.shape[0] // heads)
-    ids = jnp.where((jnp.arange(ids.shape[0]) < blocks)[:, None], ids, NULL_PAGE)
-    return free, tables, pool.put(ids.reshape(-1), pages), ok
-
-
 class LayerOffload:
     """Moves layers of a `KVCacheManager`'s slots between its pool and the host."""
 
@@ -218,11 +148,6 @@ class LayerOffload:
         # brings found theirs so
         self._ahead: dict[tuple[int, int], KVPages] = {}
         self.prefetched = 0
-        # layers sent out whose pages are still to be dropped on the device (slot, layer,
-        # first column): the next bring drops one in its own call (`bring_layer`), `flush`
-        # the rest. The host count already has their pages; no reservation runs before
-        # they are dropped.
-        self._drops: list[tuple[int, int, int]] = []
         # host seconds spent in the step's hooks and after it (a copy that holds the caller
         # shows here; the device's own time does not)
         self.host_seconds = {"bring": 0.0, "send": 0.0, "settle": 0.0}
@@ -246,25 +171,17 @@ class LayerOffload:
         if not layers:
             return 0
         tokens = len(c.slot_tokens[slot])
-        first = len(c.shared_rows(slot))
-        held = c.offloaded.setdefault(slot, {})
+        hosts = {layer: HostLayer(len(c.shared_rows(slot))) for layer in layers}
         compiled, t0, before = (copy_layer_out._cache_size(), time.perf_counter(),
                                 self.offloaded_bytes)
-        for layer in layers:
-            held[layer] = HostLayer(first)
-            self._copy_out(c.pool, slot, layer, held[layer], tokens // c.page_size)
-        for layer in layers:  # on the host now: the copy timed (a compile is not a rate)
-            held[layer].settle()
+        for layer, h in hosts.items():
+            self._copy_out(c.pool, slot, layer, h, tokens // c.page_size)
+        for h in hosts.values():  # on the host now: the copy timed (a compile is not a rate)
+            h.settle()
         if copy_layer_out._cache_size() == compiled and self.offloaded_bytes > before:
             rate = (self.offloaded_bytes - before) / max(time.perf_counter() - t0, 1e-9)
             self.offload_bytes_per_s = moving_average(self.offload_bytes_per_s, rate)
-        mask = np.zeros(c.num_layers, bool)
-        mask[layers] = True
-        c.free, c.tables = drop_layers(c.free, c.tables, np.int32(slot), jnp.asarray(mask),
-                                       np.int32(first))
-        freed = c.layer_own_pages(slot, tokens) * len(layers)
-        c.free_pages += freed
-        return freed
+        return c.hold_on_host(slot, hosts)
 
     def pages_to_fetch(self, slot: int) -> int:
         """Pages `fetch(slot)` takes."""
@@ -281,8 +198,8 @@ class LayerOffload:
                                f"{c.available_pages} can be had")
         self.flush()
         for layer in self.layers(slot):
-            c.pool = self._copy_in(c.pool, slot, layer, len(c.slot_tokens[slot]))
-        c.offloaded.pop(slot, None)
+            self._copy_in(None, slot, layer, len(c.slot_tokens[slot]))
+        c.all_resident(slot)
         self._check()
 
     # ------------------------------------------------------------------ inside a step
@@ -315,21 +232,14 @@ class LayerOffload:
         call, or by `flush`."""
         t0 = time.perf_counter()
         c = self.cache
-        h = c.offloaded[slot][layer]
-        self._copy_out(pool, slot, layer, h, tokens // c.page_size)
-        self._drops.append((slot, layer, h.first))
-        c.free_pages += c.layer_own_pages(slot, tokens)
+        self._copy_out(pool, slot, layer, c.offloaded[slot][layer], tokens // c.page_size)
+        c.layer_sent(slot, layer, tokens)
         self.host_seconds["send"] += time.perf_counter() - t0
 
     def flush(self) -> bool:
         """Drop the pages of layers sent out and not yet dropped (before anything else
         reserves pages); whether there were any."""
-        c = self.cache
-        drops, self._drops = self._drops, []
-        for slot, layer, first in drops:
-            c.free, c.tables = drop_layers(c.free, c.tables, np.int32(slot), np.int32(layer),
-                                           np.int32(first))
-        return bool(drops)
+        return self.cache.drop_sent()
 
     def step_pages(self, lengths: dict[int, int]) -> int:
         """The most pages a step's `bring`s hold at once: one layer's of every row with that
@@ -361,18 +271,14 @@ class LayerOffload:
         """Compile the copies for every power-of-two block count a row can hold, on the
         scratch slot (nothing taken, nothing written), so an offload never compiles."""
         c = self.cache
-        self.flush()
         slot, zero = np.int32(c.scratch), np.int32(0)
-        nothing = np.array([c.scratch, 0, 0, 0, 0, 0, -1, 0], np.int32)
+        empty = []
         for count in sorted({bucket(n) for n in range(1, c.max_pages + 1)}):
             copy_layer_out(c.pool, c.tables, slot, zero, zero, count=count)
             pages = jax.tree.map(lambda x, n=count: np.zeros((n * len(x), *x.shape[1:]),
                                                              x.dtype), self._empty)
-            c.free, c.tables, c.pool, _ = bring_layer(c.free, c.tables, c.pool, nothing,
-                                                      jax.device_put(pages, self.device))
-        c.free, c.tables = drop_layers(c.free, c.tables, slot, zero, zero)
-        mask = np.zeros(c.num_layers, bool)
-        c.free, c.tables = drop_layers(c.free, c.tables, slot, jnp.asarray(mask), zero)
+            empty.append(jax.device_put(pages, self.device))
+        c.warmup_layer_moves(empty)
         jax.block_until_ready(c.pool)
 
     # ------------------------------------------------------------------ copies
@@ -407,25 +313,16 @@ class LayerOffload:
             return jax.device_put(h.staged, self.device)
         return jax.device_put(join_leading(h.pages, 2), self.device)
 
-    def _copy_in(self, pool: KVPages, slot: int, layer: int, tokens: int,
+    def _copy_in(self, pool: KVPages | None, slot: int, layer: int, tokens: int,
                  stage: bool = False, pages: KVPages | None = None) -> KVPages:
-        """Give (slot, layer) the pages to hold `tokens` tokens and write its host copy into
-        them (one call; `pages`: that copy already on its way, else sent now, `_on_device`);
-        returns the pool."""
-        c = self.cache
-        h = c.offloaded[slot][layer]
-        need = c.layer_own_pages(slot, tokens)
-        if not c.make_room(need):
-            raise RuntimeError(f"bringing back layer {layer} of slot {slot} needs {need} "
-                               f"pages and only {c.available_pages} can be had")
-        # one layer sent out earlier is dropped in this call, any others first
-        drop = self._drops.pop() if self._drops else (0, -1, 0)
-        self.flush()
+        """Have the manager give (slot, layer) the pages to hold `tokens` tokens and write
+        its host copy into them (one call, `KVCacheManager.bring_layer`; `pages`: that copy
+        already on its way, else sent now, `_on_device`); returns the pool (`pool` None:
+        the manager's own)."""
+        h = self.cache.offloaded[slot][layer]
         if pages is None:
             pages = self._on_device(h, stage)
-        args = np.array([slot, layer, tokens, h.first, h.blocks, *drop], np.int32)
-        c.free, c.tables, pool, ok = bring_layer(c.free, c.tables, pool, args, pages)
-        c.free_pages -= need
+        pool, ok = self.cache.bring_layer(slot, layer, tokens, h.blocks, pages, pool)
         self.fetched_bytes += h.nbytes
         self._unchecked.append(ok)
         return pool

@@ -13,7 +13,7 @@ the device: pages only become shared between a slot and the prefix cache (import
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -32,6 +32,7 @@ from jkv.kv.allocator import (
 )
 from jkv.kv.buckets import bucket
 from jkv.kv.format import KVFormat
+from jkv.kv.layer_pages import bring_layer, drop_layers
 from jkv.kv.page_cost import PageCost
 from jkv.kv.page_pool import init_filling, page_bytes
 from jkv.kv.pages import KVPages
@@ -48,7 +49,7 @@ from jkv.kv.tier_entries import (
     row_layout,
 )
 from jkv.kv.token_tiers import init_counts, init_meta
-from jkv.kv.transfer import slot_page_ids
+from jkv.kv.transfer import scatter_pages, slot_page_ids
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,47 @@ class FinishedKV:
         ("high", "low", "pruned", "window"), 0))
 
 
+class _State:
+    """What only the manager writes: the device KV state (pool, filling pages, free list,
+    page tables, prefix-cache blocks, token-tier metadata and counts, kept rows' tables) and
+    the host mirrors planning reads (free pages, tier counts, offloaded layers, tokens
+    held). Everything else reads it through the manager's read-only properties."""
+
+    meta = counts = entry_tables = entry_counts = None
+
+
+def _read_only(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self._s, name), doc=doc)
+
+
 class KVCacheManager:
-    """Pages, tables, slots and the device prefix cache of one engine."""
+    """Pages, tables, slots and the device prefix cache of one engine: the only writer of
+    device KV state. Other parts read it through the properties below and change it
+    through the methods (`grow`, `open`, `close`, `run_model`, `write_pages`, the layer
+    moves); assigning to a property raises AttributeError."""
+
+    pool = _read_only("pool", "The page pool (`KVPages`).")
+    filling = _read_only("filling", "The pages being filled, beside the pool.")
+    free = _read_only("free", "The device free list (`allocator.FreeList`).")
+    tables = _read_only("tables", "The slots' page tables (`allocator.PageTables`).")
+    blocks = _read_only("blocks", "Page ids of the prefix cache's blocks [rows, L, H].")
+    meta = _read_only("meta", "Token tiers: each page's token metadata (score, pos).")
+    counts = _read_only("counts", "Token tiers: each row's tier counts on the device.")
+    entry_tables = _read_only("entry_tables", "Token tiers: kept rows' page tables.")
+    entry_counts = _read_only("entry_counts", "Token tiers: kept rows' tier counts.")
+    free_pages = _read_only("free_pages", "Host mirror of the device's free page count.")
+    high = _read_only("high", "Host mirror of the high tiers' token counts [slots, L, H].")
+    low = _read_only("low", "Host mirror of the low tiers' token counts [slots, L, H].")
+    offloaded = _read_only("offloaded", "slot -> {layer: its host copy} (LayerKV).")
+    slot_tokens = _read_only("slot_tokens", "The token ids whose KV each slot holds.")
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype,
                  kv_format: KVFormat, page_size: int, kv_cache_bytes: int, max_model_len: int,
                  max_num_seqs: int, enable_prefix_caching: bool,
                  device_cache_bytes: int | None, hash_seed: bytes,
                  tiers: TierPolicy | None = None) -> None:
+        self._s = _State()
+        self._drops: list[tuple[int, int, int]] = []  # layers sent out, pages not yet dropped
         self.page_size, self.max_model_len = page_size, max_model_len
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.tiers = tiers
@@ -108,24 +142,24 @@ class KVCacheManager:
                 f"sequence of max_model_len={max_model_len} needs {one_seq}; raise "
                 f"kv_cache_bytes to at least {(one_seq + 1) * one_page} or lower max_model_len")
         self.total_pages = num_pages - 1  # page 0 is the null page
-        self.free_pages = self.total_pages  # host mirror of free.num_free
+        self._s.free_pages = self.total_pages  # host mirror of free.num_free
         slots = max_num_seqs + 1  # the last slot is scratch for padding rows
         self.max_num_seqs, self.scratch = max_num_seqs, max_num_seqs
         device = jax.devices()[0]
         # committed like the step's outputs, so the first call compiles what later ones reuse
-        self.pool = jax.device_put(KVPages.zeros(num_pages, page_size, head_dim, dtype,
+        self._s.pool = jax.device_put(KVPages.zeros(num_pages, page_size, head_dim, dtype,
                                                  kv_format), device)
-        self.filling = jax.device_put(init_filling(slots, num_layers, num_kv_heads, page_size,
+        self._s.filling = jax.device_put(init_filling(slots, num_layers, num_kv_heads, page_size,
                                                    head_dim, dtype, tiers is not None), device)
-        self.free = jax.device_put(init_free(num_pages, page_size), device)
-        self.tables = jax.device_put(init_tables(slots, num_layers, num_kv_heads,
+        self._s.free = jax.device_put(init_free(num_pages, page_size), device)
+        self._s.tables = jax.device_put(init_tables(slots, num_layers, num_kv_heads,
                                                  self.max_pages), device)
         shape = (slots, num_layers, num_kv_heads)
         if tiers is not None:
-            self.meta = jax.device_put(init_meta(num_pages, page_size), device)
-            self.counts = jax.device_put(init_counts(shape), device)
-        self.high = np.zeros(shape, np.int64)  # host mirror of the tier counts
-        self.low = np.zeros(shape, np.int64)
+            self._s.meta = jax.device_put(init_meta(num_pages, page_size), device)
+            self._s.counts = jax.device_put(init_counts(shape), device)
+        self._s.high = np.zeros(shape, np.int64)  # host mirror of the tier counts
+        self._s.low = np.zeros(shape, np.int64)
         self.tier_ok: list[jax.Array] = []  # retier results not yet read
         self.unplaced = np.zeros(max_num_seqs, np.int64)  # decode tokens retier has not seen
         self.tier_refusals = 0  # compactions the pool was too short for
@@ -145,18 +179,18 @@ class KVCacheManager:
         self.entries: TierEntries | None = None
         if enable_prefix_caching and tiers is not None:
             self.entries = TierEntries(max_num_seqs)
-            self.entry_tables, self.entry_counts = jax.device_put(init_entries(
+            self._s.entry_tables, self._s.entry_counts = jax.device_put(init_entries(
                 max_num_seqs, num_layers, num_kv_heads, self.max_pages), device)
-        self.blocks = jax.device_put(
+        self._s.blocks = jax.device_put(
             jnp.zeros((max(capacity, 1), num_layers, num_kv_heads), jnp.int32), device)
         self.hash_seed = hash_seed
 
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.slot_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
+        self._s.slot_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self._slot_rows: list[list[int]] = [[] for _ in range(max_num_seqs)]  # cache rows read
         # slot -> {layer: its `layer_offload.HostLayer`}: layers held on the host, which
         # hold no pages of their own (every page count below counts resident layers' only)
-        self.offloaded: dict[int, dict[int, object]] = {}
+        self._s.offloaded: dict[int, dict[int, object]] = {}
 
     # ------------------------------------------------------------------ the budget
 
@@ -267,18 +301,19 @@ class KVCacheManager:
         """Release a kept tiered sequence's pages (no table shares them)."""
         mask = np.zeros(self.entries.rows, bool)
         mask[row] = True
-        self.free, self.entry_tables = release(self.free, self.entry_tables, jnp.asarray(mask))
-        self.entry_tables, self.entry_counts = forget(self.entry_tables, self.entry_counts,
-                                                      np.int32(row))
-        self.free_pages += self.entries.remove(row).pages
+        st = self._s
+        st.free, st.entry_tables = release(self.free, self.entry_tables, jnp.asarray(mask))
+        st.entry_tables, st.entry_counts = forget(self.entry_tables, self.entry_counts,
+                                                  np.int32(row))
+        self._s.free_pages += self.entries.remove(row).pages
 
     def _drop_rows(self, rows: list[int]) -> None:
         """Evicted cache rows: their pages are referenced by no table (only unreferenced rows
         are evicted), so each frees a whole block."""
         if rows:
-            self.free, self.blocks = drop_blocks(self.free, self.blocks,
+            self._s.free, self._s.blocks = drop_blocks(self.free, self.blocks,
                                                  jnp.asarray(rows, jnp.int32))
-            self.free_pages += len(rows) * self.cost.heads
+            self._s.free_pages += len(rows) * self.cost.heads
 
     def _finished(self, slot: int) -> None:
         """What `slot` holds as it ends, into `finished`."""
@@ -325,7 +360,7 @@ class KVCacheManager:
             self.prefix.acquire(rows)
             padded = np.full(self.max_pages, -1, np.int32)
             padded[: len(rows)] = rows
-            self.free, self.tables = import_blocks(
+            self._s.free, self._s.tables = import_blocks(
                 self.free, self.tables, self.blocks, np.int32(slot), jnp.asarray(padded),
                 np.int32(len(rows)), np.int32(cached))
         self.slot_tokens[slot] = list(token_ids[:cached])
@@ -346,19 +381,19 @@ class KVCacheManager:
         others = self.available_pages - self.free_pages - entry.pages  # evictable besides it
         if (self.free_pages + others < entry.pages  # no copy: evict nothing, take it over
                 or not self.make_room(entry.pages, keep_entry=row)):
-            self.entry_tables, self.entry_counts, self.tables, self.counts = move_row(
+            self._s.entry_tables, self._s.entry_counts, self._s.tables, self._s.counts = move_row(
                 self.entry_tables, self.entry_counts, self.tables, self.counts,
                 np.int32(row), np.int32(slot), np.int32(entry.tokens))
             self.entries.remove(row)
             self.high[slot], self.low[slot] = entry.high, entry.low
             return entry.tokens
-        (self.pool, self.meta, self.free, self.tables, self.counts, ok) = adopt(
+        (self._s.pool, self._s.meta, self._s.free, self._s.tables, self._s.counts, ok) = adopt(
             self.pool, self.meta, self.free, self.tables, self.counts, self.entry_tables,
             self.entry_counts, np.int32(row), np.int32(slot))
         if not bool(ok):
             raise RuntimeError("copying a kept sequence failed although the host count "
                                "allowed it")
-        self.free_pages -= entry.pages
+        self._s.free_pages -= entry.pages
         self.high[slot], self.low[slot] = entry.high, entry.low
         return entry.tokens
 
@@ -394,14 +429,14 @@ class KVCacheManager:
 
         pages = KVPages.from_arrays(pages.kv_format, {k: pad(x) for k, x in
                                                       pages.arrays().items()})
-        (self.pool, self.meta, self.free, self.tables, self.counts, ok) = place_row(
+        (self._s.pool, self._s.meta, self._s.free, self._s.tables, self._s.counts, ok) = place_row(
             self.pool, self.meta, self.free, self.tables, self.counts, pages, pad(score),
             pad(pos), pad(layout["tier_head"], -1), pad(layout["tier_low"]),
             pad(layout["tier_index"]), jnp.asarray(high, jnp.int32), jnp.asarray(low, jnp.int32),
             np.int32(slot), np.int32(tokens))
         if not bool(ok):
             raise RuntimeError("placing restored tiers failed although the host count allowed it")
-        self.free_pages -= n
+        self._s.free_pages -= n
         self.high[slot], self.low[slot] = high, low
         return True
 
@@ -422,12 +457,12 @@ class KVCacheManager:
                 lengths[s] = n
             held = np.array([len(t) for t in self.slot_tokens] + [0])
             n_new = np.where(lengths > 0, (lengths // p - held // p) * p, 0)
-            self.free, self.tables, self.counts, ok = tier_step.grow(
+            self._s.free, self._s.tables, self._s.counts, ok = tier_step.grow(
                 self.free, self.tables, self.counts, jnp.asarray(n_new, jnp.int32))
-            self.high += n_new[:, None, None]
+            self._s.high += n_new[:, None, None]
         else:
-            self.free, self.tables, ok = self._reserve(new_lengths)
-        self.free_pages -= need
+            self._s.free, self._s.tables, ok = self._reserve(new_lengths)
+        self._s.free_pages -= need
         return ok
 
     def _reserve(self, new_lengths: dict[int, int]) -> tuple:
@@ -468,7 +503,8 @@ class KVCacheManager:
             held = len(self.slot_tokens[s])
             index[i], n_prev[i], n[i] = s, held - self.unplaced[s], held + a
             self.unplaced[s] = 0
-        (self.pool, self.meta, self.free, self.tables, self.counts, ok) = tier_step.retier(
+        st = self._s
+        (st.pool, st.meta, st.free, st.tables, st.counts, ok) = tier_step.retier(
             self.pool, self.meta, self.free, self.tables, self.counts, jnp.asarray(index),
             jnp.asarray(n_prev), jnp.asarray(n),
             jnp.asarray([t.alpha_high, t.alpha_low, t.sinks, t.heavy_ratio], jnp.float32),
@@ -483,18 +519,19 @@ class KVCacheManager:
         if self.entries is None or self.entries.spare_row() is None:
             return
         row, slot = np.int32(self.entries.spare_row()), np.int32(self.scratch)
-        (self.pool, self.meta, self.free, self.tables, self.counts, _) = adopt(
+        (self._s.pool, self._s.meta, self._s.free, self._s.tables, self._s.counts, _) = adopt(
             self.pool, self.meta, self.free, self.tables, self.counts, self.entry_tables,
             self.entry_counts, row, slot)
-        self.tables, self.counts, self.entry_tables, self.entry_counts = move_row(
+        self._s.tables, self._s.counts, self._s.entry_tables, self._s.entry_counts = move_row(
             self.tables, self.counts, self.entry_tables, self.entry_counts, slot, row,
             np.int32(0))  # there and back
-        self.entry_tables, self.entry_counts, self.tables, self.counts = move_row(
+        self._s.entry_tables, self._s.entry_counts, self._s.tables, self._s.counts = move_row(
             self.entry_tables, self.entry_counts, self.tables, self.counts, row, slot,
             np.int32(0))
-        self.free, self.entry_tables = release(self.free, self.entry_tables,
+        self._s.free, self._s.entry_tables = release(self.free, self.entry_tables,
                                                jnp.zeros(self.entries.rows, bool))
-        self.entry_tables, self.entry_counts = forget(self.entry_tables, self.entry_counts, row)
+        self._s.entry_tables, self._s.entry_counts = forget(self.entry_tables,
+                                                            self.entry_counts, row)
 
     def sync_tiers(self) -> None:
         """Read back what the step's `retier` calls did: tier counts and free pages."""
@@ -502,8 +539,8 @@ class KVCacheManager:
                                                   self.counts.low, self.free.num_free))
         self.tier_refusals += sum(not bool(ok) for ok in oks)
         self.tier_ok = []
-        self.high, self.low = high.astype(np.int64), low.astype(np.int64)
-        self.free_pages = int(num_free)
+        self._s.high, self._s.low = high.astype(np.int64), low.astype(np.int64)
+        self._s.free_pages = int(num_free)
 
     def _keep(self, slot: int) -> None:
         """Move the tiered sequence in `slot` (its full pages' tokens) to an entry row and
@@ -518,7 +555,7 @@ class KVCacheManager:
         if self.entries.spare_row() is None:
             self._drop_entry(self.entries.oldest())
         row = self.entries.spare_row()
-        self.tables, self.counts, self.entry_tables, self.entry_counts = move_row(
+        self._s.tables, self._s.counts, self._s.entry_tables, self._s.entry_counts = move_row(
             self.tables, self.counts, self.entry_tables, self.entry_counts, np.int32(slot),
             np.int32(row), np.int32(n))
         self.entries.add(row, Entry(key, n, self.pages_held(slot), self.high[slot].copy(),
@@ -540,10 +577,10 @@ class KVCacheManager:
         if not self.make_room(need):
             return None
         # (with any layer of any slot offloaded, only this slot's resident rows grow)
-        self.free, self.tables, ok = self._reserve({slot: n * self.page_size})
+        self._s.free, self._s.tables, ok = self._reserve({slot: n * self.page_size})
         if not bool(ok):
             raise RuntimeError("page reservation failed although the host count allowed it")
-        self.free_pages -= need
+        self._s.free_pages -= need
         return self.page_ids(slot, first, n)
 
     def page_ids(self, slot: int, first: int, stop: int, count: int | None = None) -> jax.Array:
@@ -559,13 +596,16 @@ class KVCacheManager:
         self.slot_tokens[slot].extend(int(t) for t in token_ids)
 
     def close(self, slot: int, shareable: int, finished: bool = True,
-              keep: bool = True) -> None:
+              keep: bool = True, ahead: int = 0) -> None:
         """End the sequence in `slot`: its first `shareable` full blocks (those whose KV is
         exactly its tokens') go to the prefix cache when that is on, and the table's
         references are dropped, freeing pages no cache row holds. With token tiers and
         prefix caching on, the sequence's full pages are kept whole instead (an entry of
         `tier_entries`, evictable). `finished` (not preempted): what it held counts in
-        `finished`. `keep` False: nothing is kept (no block exported, no row kept)."""
+        `finished`. `keep` False: nothing is kept (no block exported, no row kept).
+        `ahead`: pages its resident layers took for a prompt they do not hold yet (a
+        layer-major prefill under way), freed with it."""
+        self._s.free_pages += ahead
         tokens, shared = self.slot_tokens[slot], self._slot_rows[slot]
         shareable = shareable if keep else 0
         if slot in self.offloaded:  # its offloaded layers' blocks are not in the pool
@@ -596,20 +636,110 @@ class KVCacheManager:
                 dest = np.full(self.max_pages, -1, np.int32)
                 for row, i in new_rows.items():
                     dest[i] = row
-                self.free, self.blocks = export_blocks(self.free, self.tables, self.blocks,
+                self._s.free, self._s.blocks = export_blocks(self.free, self.tables, self.blocks,
                                                        np.int32(slot), jnp.asarray(dest))
         # pages of shared rows evicted above were counted free when they were dropped
         kept = len(shared) + len(new_rows)
         mask = np.zeros(self.max_num_seqs + 1, bool)
         mask[slot] = True
-        self.free, self.tables = release(self.free, self.tables, jnp.asarray(mask))
+        self._s.free, self._s.tables = release(self.free, self.tables, jnp.asarray(mask))
         if self.tiers is not None:
-            self.counts = tier_step.clear(self.counts, jnp.asarray(mask))
-            self.free_pages += self.pages_held(slot)
+            self._s.counts = tier_step.clear(self.counts, jnp.asarray(mask))
+            self._s.free_pages += self.pages_held(slot)
             self.high[slot], self.low[slot] = 0, 0
             self.unplaced[slot] = 0
         else:
             held = -(-len(tokens) // self.page_size)
-            self.free_pages += (held - kept) * self.num_kv_heads * resident
+            self._s.free_pages += (held - kept) * self.num_kv_heads * resident
         self.slot_tokens[slot], self._slot_rows[slot] = [], []
         self._free_slots.append(slot)
+
+    # ------------------------------------------------------------------ writes by the model
+
+    def run_model(self, call: Callable) -> object:
+        """Run a model call over the pool: `call(pool, filling, table_pages, tiers)` (tiers:
+        (meta, counts) under token tiers, else None) returns (out, pool, filling, meta); the
+        pool, filling pages and token metadata it returns become the manager's (the model
+        writes a step's KV into pages the manager gave out). Returns out."""
+        tiers = None if self.tiers is None else (self.meta, self.counts)
+        out, self._s.pool, self._s.filling, meta = call(self.pool, self.filling,
+                                                        self.tables.pages, tiers)
+        if self.tiers is not None:
+            self._s.meta = meta
+        return out
+
+    def write_pages(self, ids: jax.Array, pages: KVPages) -> None:
+        """Write `pages` into the pool at page ids `ids` (a restore's loaded blocks, into
+        pages `reserve_blocks` gave out)."""
+        self._s.pool = scatter_pages(self.pool, ids, pages)
+
+    # ------------------------------------------------------------------ layers on the host
+
+    def hold_on_host(self, slot: int, hosts: dict[int, object]) -> int:
+        """`slot`'s layers `hosts` (layer -> its host copy, holding the blocks past those
+        shared with the prefix cache) leave the pool: their own pages are dropped from the
+        table and freed. Returns the pages freed."""
+        first = len(self._slot_rows[slot])
+        self.offloaded.setdefault(slot, {}).update(hosts)
+        mask = np.zeros(self.num_layers, bool)
+        mask[list(hosts)] = True
+        self._s.free, self._s.tables = drop_layers(self.free, self.tables, np.int32(slot),
+                                                   jnp.asarray(mask), np.int32(first))
+        freed = self.layer_own_pages(slot) * len(hosts)
+        self._s.free_pages += freed
+        return freed
+
+    def layer_sent(self, slot: int, layer: int, tokens: int) -> None:
+        """Layer `layer` of `slot` (holding `tokens` tokens) was copied out inside a step:
+        its own pages count free now and are dropped by the next `bring_layer` call, or by
+        `drop_sent` (nothing reserves pages before either)."""
+        self._drops.append((slot, layer, len(self._slot_rows[slot])))
+        self._s.free_pages += self.layer_own_pages(slot, tokens)
+
+    def drop_sent(self) -> bool:
+        """Drop the pages of layers sent out and not yet dropped; whether there were any."""
+        drops, self._drops = self._drops, []
+        for slot, layer, first in drops:
+            self._s.free, self._s.tables = drop_layers(self.free, self.tables, np.int32(slot),
+                                                       np.int32(layer), np.int32(first))
+        return bool(drops)
+
+    def bring_layer(self, slot: int, layer: int, tokens: int, blocks: int, pages: KVPages,
+                    pool: KVPages | None = None) -> tuple[KVPages, jax.Array]:
+        """Give offloaded (slot, layer) the pages to hold `tokens` tokens and write its host
+        copy's `blocks` blocks (`pages`, on their way to the device) into them, dropping a
+        layer sent out before in the same call. `pool`: a step's pool (returned, the step
+        keeps it); None: the manager's own, written back. Returns (pool, the device's ok
+        flag); RuntimeError when the pages cannot be had."""
+        need = self.layer_own_pages(slot, tokens)
+        if not self.make_room(need):
+            raise RuntimeError(f"bringing back layer {layer} of slot {slot} needs {need} "
+                               f"pages and only {self.available_pages} can be had")
+        drop = self._drops.pop() if self._drops else (0, -1, 0)
+        self.drop_sent()
+        first = len(self._slot_rows[slot])
+        args = np.array([slot, layer, tokens, first, blocks, *drop], np.int32)
+        own = pool is None
+        self._s.free, self._s.tables, pool, ok = bring_layer(
+            self.free, self.tables, self.pool if own else pool, args, pages)
+        self._s.free_pages -= need
+        if own:
+            self._s.pool = pool
+        return pool, ok
+
+    def all_resident(self, slot: int) -> None:
+        """Every layer of `slot` is back in the pool (`bring_layer` brought each)."""
+        self.offloaded.pop(slot, None)
+
+    def warmup_layer_moves(self, empty: list[KVPages]) -> None:
+        """Compile `bring_layer` for each host copy's shape in `empty` and both forms of
+        `drop_layers`, on the scratch slot (nothing taken, nothing written)."""
+        self.drop_sent()
+        slot, zero = np.int32(self.scratch), np.int32(0)
+        nothing = np.array([self.scratch, 0, 0, 0, 0, 0, -1, 0], np.int32)
+        for pages in empty:
+            self._s.free, self._s.tables, self._s.pool, _ = bring_layer(
+                self.free, self.tables, self.pool, nothing, pages)
+        self._s.free, self._s.tables = drop_layers(self.free, self.tables, slot, zero, zero)
+        mask = jnp.zeros(self.num_layers, bool)
+        self._s.free, self._s.tables = drop_layers(self.free, self.tables, slot, mask, zero)
