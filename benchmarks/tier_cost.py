@@ -71,7 +71,7 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
         config=EngineConfig(max_model_len=max_len, max_num_seqs=batch, prefill_chunk=256,
                             attention_backend=backend, enable_prefix_caching=False))
     cache = engine.cache
-    interval = cache.tiers.interval if engine.tiered else 1
+    interval = cache.layout.policy.interval if engine.tiered else 1
     steps, calls, current = [], {"retier": [], "grow": []}, {"retier": 0.0, "grow": 0.0}
 
     def timed(name, f):
@@ -79,15 +79,15 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
             jax.block_until_ready(cache.pool)  # what ran before is not counted
             t0 = time.perf_counter()
             out = f(*a, **k)
-            jax.block_until_ready((cache.pool, cache.tables, getattr(cache, "counts", None),
-                                   out))
+            jax.block_until_ready((cache.pool, cache.tables,
+                                   getattr(cache.layout, "counts", None), out))
             current[name] += time.perf_counter() - t0
             return out
         return call
 
     cache.grow = timed("grow", cache.grow)
     if engine.tiered:
-        cache.retier = timed("retier", cache.retier)
+        cache.layout.after_call = timed("retier", cache.layout.after_call)
     engine_step = engine.step
     tracing = {"want": trace is not None and engine.tiered, "left": 0}
 

@@ -95,7 +95,8 @@ def test_pruning_baselines_keep_what_they_promise_and_backends_agree(tiny_params
     eng.step([], [Row(slot, [last.token], greedy_params, key, 1)])
     n = 46
     c = eng.cache
-    meta, pages, high = jax.device_get((c.meta, c.tables.pages[slot], c.counts.high[slot]))
+    t = c.layout
+    meta, pages, high = jax.device_get((t.meta, c.tables.pages[slot], t.counts.high[slot]))
     for layer, head in np.ndindex(high.shape):
         held = [(meta.pos[pages[layer, head, j // PAGE], j % PAGE],
                  meta.score[pages[layer, head, j // PAGE], j % PAGE])
@@ -114,27 +115,28 @@ def test_pruning_baselines_keep_what_they_promise_and_backends_agree(tiny_params
 def check_pages(engine: Engine) -> None:
     """The host's page counts equal the device's; every row holds the pages its tiers fill."""
     c = engine.cache
-    free, tables, high, low = jax.device_get((c.free, c.tables, c.counts.high, c.counts.low))
+    t = c.layout
+    free, tables, high, low = jax.device_get((c.free, c.tables, t.counts.high, t.counts.low))
     assert int(free.num_free) == c.free_pages
-    np.testing.assert_array_equal(high, c.high)
-    np.testing.assert_array_equal(low, c.low)
+    np.testing.assert_array_equal(high, c.layout.high)
+    np.testing.assert_array_equal(low, c.layout.low)
     np.testing.assert_array_equal(tables.num_pages, -(-high // PAGE))
     np.testing.assert_array_equal(tables.low_pages, -(-low // (2 * PAGE)))
     held = sum(c.pages_held(s) for s in range(c.max_num_seqs) if c.is_open(s))
     kept = 0
-    if c.entries is not None:  # kept sequences: their rows hold the pages their tiers fill
-        entries, e_high, e_low = jax.device_get((c.entry_tables, c.entry_counts.high,
-                                                 c.entry_counts.low))
+    if c.layout.entries is not None:  # kept sequences: their rows hold the pages their tiers fill
+        entries, e_high, e_low = jax.device_get((c.layout.entry_tables, c.layout.entry_counts.high,
+                                                 c.layout.entry_counts.low))
         np.testing.assert_array_equal(entries.num_pages, -(-e_high // PAGE))
         np.testing.assert_array_equal(entries.low_pages, -(-e_low // (2 * PAGE)))
-        for row in range(c.entries.rows):
-            if row in c.entries:
-                e = c.entries.get(row)
+        for row in range(c.layout.entries.rows):
+            if row in c.layout.entries:
+                e = c.layout.entries.get(row)
                 np.testing.assert_array_equal(e_high[row], e.high)
                 np.testing.assert_array_equal(e_low[row], e.low)
             else:
                 assert not e_high[row].any() and not e_low[row].any()
-        kept = c.entries.pages
+        kept = c.layout.entries.pages
     assert held + kept == c.pages_used
 
 
@@ -230,7 +232,8 @@ def engine_significance(engine: Engine, slot: int, n: int) -> np.ndarray:
     """The summed attention the engine holds for each of the slot's n tokens (tier slots
     through TokenMeta, the filling page beside it): [L, Hkv, n]."""
     c = engine.cache
-    meta, pages, high, score = jax.device_get((c.meta, c.tables.pages[slot], c.counts.high[slot],
+    t = c.layout
+    meta, pages, high, score = jax.device_get((t.meta, c.tables.pages[slot], t.counts.high[slot],
                                                c.filling.score[slot]))
     out = np.full(high.shape + (n,), np.nan)
     for layer, head in np.ndindex(high.shape):

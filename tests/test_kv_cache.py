@@ -31,8 +31,8 @@ def check(m: KVCacheManager) -> None:
     assert int(free.num_free) == m.free_pages, "the host count differs from the device's"
     pages, counts = np.asarray(tables.pages), np.asarray(tables.num_pages)
     owned = pages[np.arange(pages.shape[-1]) < counts[..., None]]
-    rows = [r for r in range(m.prefix.capacity) if m.prefix.holds(r)]
-    cached = np.asarray(m.blocks)[rows].reshape(-1)
+    rows = [r for r in range(m.layout.prefix.capacity) if m.layout.prefix.holds(r)]
+    cached = np.asarray(m.layout.blocks)[rows].reshape(-1)
     n = m.total_pages + 1
     want = np.bincount(np.concatenate([owned, cached]), minlength=n)
     want[0] = 0
@@ -125,4 +125,4 @@ def test_a_close_may_evict_the_blocks_its_own_sequence_read():
     m.add_tokens(b, longer[PAGE:])
     m.close(b, 3)
     check(m)
-    assert len(m.prefix) == 1 and m.available_pages == m.total_pages
+    assert len(m.layout.prefix) == 1 and m.available_pages == m.total_pages

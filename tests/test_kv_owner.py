@@ -1,7 +1,7 @@
-"""One owner of device KV state: the KV cache manager alone changes the pool, the free list,
-the page tables, the tier counts and their host mirrors. Outside it they are read-only (an
-assignment raises), and no module outside it reaches for its private state or mutates the
-containers its properties hand out."""
+"""One owner of device KV state: the KV cache manager, with the layout it composes, alone
+changes the pool, the free list, the page tables, the tier counts and their host mirrors.
+Outside them they are read-only (an assignment raises), and no module outside them reaches
+for their private state or mutates the containers their properties hand out."""
 
 import ast
 import pathlib
@@ -10,13 +10,17 @@ import jax.numpy as jnp
 import pytest
 
 from jkv.kv.format import KVFormat
-from jkv.kv.manager import KVCacheManager, TierPolicy
+from jkv.kv.manager import KVCacheManager
 from jkv.kv.page_pool import page_bytes
+from jkv.kv.tiered_rows import TierPolicy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jkv"
-OWNER = ROOT / "kv" / "manager.py"
-STATE = ("pool", "filling", "free", "tables", "blocks", "meta", "counts", "entry_tables",
-         "entry_counts", "free_pages", "high", "low", "offloaded", "slot_tokens")
+OWNERS = {ROOT / "kv" / name for name in ("manager.py", "block_pages.py", "tiered_rows.py")}
+MANAGER_STATE = ("pool", "filling", "free", "tables", "free_pages", "offloaded", "slot_tokens")
+LAYOUT_STATE = {"blocks": ("blocks",),
+                "tiered": ("meta", "counts", "entry_tables", "entry_counts", "high", "low")}
+STATE = MANAGER_STATE + sum(LAYOUT_STATE.values(), ())
+PRIVATE = ("_s", "_t", "_blocks", "_drops", "KVState")
 # containers a property hands out: mutating one is a write too
 CONTAINERS = ("offloaded", "slot_tokens", "high", "low")
 MUTATORS = {"append", "extend", "pop", "popitem", "setdefault", "update", "clear", "insert",
@@ -32,15 +36,16 @@ def manager(tiers: TierPolicy | None = None) -> KVCacheManager:
 
 
 @pytest.mark.parametrize("tiers", [None, TierPolicy("leankv", 8, 1.0, 0.1)])
-@pytest.mark.parametrize("name", STATE)
-def test_an_outside_assignment_to_the_managers_state_raises(name, tiers):
+def test_an_outside_assignment_to_the_managers_state_raises(tiers):
     m = manager(tiers)
-    value = getattr(m, name)
-    with pytest.raises(AttributeError):
-        setattr(m, name, value)
-    if name == "free_pages":
+    owners = [(m, name) for name in MANAGER_STATE]
+    owners += [(m.layout, name) for name in LAYOUT_STATE[m.layout.name]]
+    for owner, name in owners:
+        value = getattr(owner, name)
         with pytest.raises(AttributeError):
-            m.free_pages += 1
+            setattr(owner, name, value)
+    with pytest.raises(AttributeError):
+        m.free_pages += 1
 
 
 def _root_name(node: ast.AST) -> ast.AST:
@@ -58,13 +63,16 @@ def _holds_container(node: ast.AST) -> bool:
 
 
 def outside_writes(source: str) -> list[str]:
-    """Writes in `source` that only the manager may make: any use of its private state
-    (`._s`, `._drops`), and assignments into or mutating calls on the containers its
-    properties hand out."""
+    """Writes in `source` that only the manager and its layout may make: any use of their
+    private state (`._s`, `._t`, `KVState`...), and assignments into or mutating calls on
+    the containers their properties hand out."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr in ("_s", "_drops"):
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE:
             found.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Name | ast.alias) and getattr(
+                node, "id", getattr(node, "name", None)) in PRIVATE:
+            found.append(f"line {node.lineno}: {PRIVATE}")
         targets = (node.targets if isinstance(node, ast.Assign) else
                    [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
         for t in targets:
@@ -82,7 +90,8 @@ def outside_writes(source: str) -> list[str]:
 
 def test_no_module_but_the_manager_writes_its_state():
     bad = {str(f.relative_to(ROOT.parent)): w for f in sorted(ROOT.rglob("*.py"))
-           if f != OWNER and (w := outside_writes(f.read_text()))}
+           if f not in OWNERS and f.name != "kv_state.py"
+           and (w := outside_writes(f.read_text()))}
     assert not bad, f"device KV state written outside the manager: {bad}"
 
 
@@ -94,6 +103,9 @@ def test_no_module_but_the_manager_writes_its_state():
     "c.slot_tokens[slot].append(token)",
     "self.cache.high[slot] = 0",
     "self.cache._s.pool = pool",
+    "c.layout._t.meta = meta",
+    "c.layout.meta = meta",
+    "from jkv.kv.kv_state import KVState",
 ])
 def test_the_check_finds_a_planted_outside_write(planted):
     assert outside_writes(f"def f(self, c):\n    {planted}\n")

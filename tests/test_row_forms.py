@@ -116,14 +116,14 @@ def test_a_dropped_row_keeps_what_its_way_chooses_bit_for_bit_and_restores(
     slot, cached = eng.open(follow, restore=restored)
     assert cached == saved.num_blocks * PAGE
     c = eng.cache
-    got = row_contents(eng, c.tables, c.counts, slot)
+    got = row_contents(eng, c.tables, c.layout.counts, slot)
     assert got["high"].sum() + got["low"].sum() == len(want)
     assert eng.connector.approximate_row(slot)
     again = eng.save_pages(slot)
     assert again.exact_blocks == 0 and again.form == f"{way}@0.5"  # marked, in its form
     assert tokens(again.arrays, pool_fmt).keys() == after.keys()
     eng.close(slot)
-    assert not len(c.entries)  # an approximate row is not kept for exact-hash lookups
+    assert not len(c.layout.entries)  # an approximate row is not kept for exact-hash lookups
     check_pages(eng)
     check_nothing_leaked(eng)
 
@@ -206,7 +206,7 @@ def test_an_adaptcache_store_behind_token_tiers_keeps_rows_in_smaller_forms(tiny
     # the rows restored from a smaller form went back marked approximate, in that form (so
     # they only shrink further), and were not kept here; the others were
     converted = sched.store.snapshot()["converted_loads"]
-    assert len(eng.cache.entries) == 4 - converted and len(saves) == 4
+    assert len(eng.cache.layout.entries) == 4 - converted and len(saves) == 4
     approx = [form for exact, form in saves if exact is not None]
     assert len(approx) == converted
     assert all(form in ("h2o@0.5", "streaming@0.25") for form in approx)

@@ -84,7 +84,7 @@ def test_a_follow_up_turn_reuses_the_history_and_gives_the_same_tokens(params):
 def test_device_cache_bytes_bounds_the_cached_blocks(params):
     eng = engine(params, device_cache_bytes=3 * 4 * PAGE_BYTES)  # three blocks
     run(Scheduler(eng), prompts_of((40, 40)))
-    assert len(eng.cache.prefix) == 3 and eng.cache.pages_used == 3 * eng.cache.block_pages
+    assert len(eng.cache.layout.prefix) == 3 and eng.cache.pages_used == 3 * eng.cache.block_pages
 
 
 @pytest.mark.parametrize("layer_offload", [False, True])

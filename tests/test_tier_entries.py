@@ -57,7 +57,8 @@ def row_contents(engine: Engine, tables, counts, row: int) -> dict[str, np.ndarr
     ids = np.concatenate([np.concatenate([p[:n], p[w - m:]]) for p, n, m in zip(
         pages.reshape(-1, w), high.reshape(-1), low.reshape(-1), strict=True)])
     out = {name: np.asarray(a)[ids] for name, a in c.pool.arrays().items()}
-    out["score"], out["pos"] = np.asarray(c.meta.score)[ids], np.asarray(c.meta.pos)[ids]
+    meta = c.layout.meta
+    out["score"], out["pos"] = np.asarray(meta.score)[ids], np.asarray(meta.pos)[ids]
     out["high"], out["low"] = np.asarray(counts.high[row]), np.asarray(counts.low[row])
     assert len(set(ids.tolist())) == len(ids) and (ids > 0).all()
     return out
@@ -77,22 +78,22 @@ def test_a_follow_up_opens_with_a_copy_of_the_kept_sequence(tiny_params):
     eng, follow_up = kept_conversation(tiny_params)
     c = eng.cache
     # 37 + 19 tokens fed: the full pages' 56 are kept, with demoted and pruned tokens
-    assert len(c.entries) == 1 and c.entries.pages > 0
-    row, blocks = c.entries.lookup(c.prompt_hashes(follow_up))
+    assert len(c.layout.entries) == 1 and c.layout.entries.pages > 0
+    row, blocks = c.layout.entries.lookup(c.prompt_hashes(follow_up))
     assert blocks * PAGE == 56
-    kept = row_contents(eng, c.entry_tables, c.entry_counts, row)
+    kept = row_contents(eng, c.layout.entry_tables, c.layout.entry_counts, row)
     assert kept["low"].sum() > 0 and kept["high"].sum() + kept["low"].sum() < 56 * 4
     free = c.free_pages
     slots = []
     for _ in range(2):  # two requests from one kept sequence: the same copy each
         slot, cached = eng.open(follow_up)
         assert cached == 56
-        got = row_contents(eng, c.tables, c.counts, slot)
+        got = row_contents(eng, c.tables, c.layout.counts, slot)
         for name, want in kept.items():
             np.testing.assert_array_equal(got[name], want, err_msg=name)
         check_pages(eng)
         slots.append(slot)
-    assert c.free_pages == free - 2 * c.entries.get(row).pages
+    assert c.free_pages == free - 2 * c.layout.entries.get(row).pages
     assert eng.stats.prefix_hit_tokens == 2 * 56
     # a prompt that does not extend the kept tokens finds nothing, nor one that may take
     # fewer tokens from the device than the entry holds (what the scheduler planned)
@@ -103,11 +104,11 @@ def test_a_follow_up_opens_with_a_copy_of_the_kept_sequence(tiny_params):
     # a sequence whose KV is suspect (a failed step) is not kept
     slot, _ = eng.open(follow_up)
     eng.close(slot, keep=False)
-    assert len(c.entries) == 1 and c.free_pages == free - 2 * c.entries.get(row).pages
+    assert len(c.layout.entries) == 1 and c.free_pages == free - 2 * c.layout.entries.get(row).pages
     for slot in slots:
         eng.close(slot)
         check_pages(eng)
-    assert len(c.entries) == 1  # the same tokens are kept once
+    assert len(c.layout.entries) == 1  # the same tokens are kept once
     check_nothing_leaked(eng)
 
 
@@ -137,13 +138,13 @@ def test_a_pool_too_short_for_a_copy_takes_the_kept_sequence_over(tiny_params):
     [p] = prompts((90,))
     first = request(p, 20)
     run(eng, [first])
-    assert c.entries.pages == 13 * heads  # 109 tokens fed, every one kept high
+    assert c.layout.entries.pages == 13 * heads  # 109 tokens fed, every one kept high
     follow_up = p + first.output + [9] * 4
     second = request(follow_up, 8)
     run(eng, [second])
     assert eng.stats.prefix_hit_tokens == 13 * PAGE
     assert len(second.output) == 8
-    assert len(c.entries) == 1  # the follow-up's own pages; the first entry was taken over
+    assert len(c.layout.entries) == 1  # the follow-up's own pages; the first entry was taken over
     check_nothing_leaked(eng)
 
 
@@ -151,11 +152,11 @@ def test_a_saved_tiered_row_restores_bit_for_bit_through_the_store(tiny_params):
     eng, follow_up = kept_conversation(tiny_params)
     c = eng.cache
     slot, cached = eng.open(follow_up)  # a copy of the kept row
-    want = row_contents(eng, c.tables, c.counts, slot)
+    want = row_contents(eng, c.tables, c.layout.counts, slot)
     saved = eng.save_pages(slot)
     assert saved.rows == c.pages_held(slot) and saved.num_blocks == 7
     eng.close(slot)
-    assert c.make_room(c.total_pages) and not len(c.entries)  # nothing kept on the device
+    assert c.make_room(c.total_pages) and not len(c.layout.entries)  # nothing kept on the device
 
     store = KVStore(StoreConfig(host_cache_bytes=64 << 20), model=eng.fingerprint,
                     kv_format=eng.kv_format, page_size=PAGE)
@@ -177,7 +178,7 @@ def test_a_saved_tiered_row_restores_bit_for_bit_through_the_store(tiny_params):
 
     slot, cached = eng.open(follow_up, restore=restored)
     assert cached == 56 and eng.stats.restored_tokens == 56
-    got = row_contents(eng, c.tables, c.counts, slot)
+    got = row_contents(eng, c.tables, c.layout.counts, slot)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     check_pages(eng)

@@ -246,7 +246,7 @@ class KVConnector:
         tokens = saved.num_blocks * self.cache.page_size
         compiled = place_row._cache_size()
         t0 = time.perf_counter()
-        if not self.cache.place_tiers(slot, layout, pages, np.asarray(arrays["tier_score"]),
+        if not self.cache.layout.place_tiers(slot, layout, pages, np.asarray(arrays["tier_score"]),
                                       np.asarray(arrays["tier_pos"]), high, low, tokens):
             return 0
         jax.block_until_ready(self.cache.pool)
@@ -399,7 +399,7 @@ class KVConnector:
         approximate (`exact_blocks` 0) and named in its form when it was restored from a
         smaller one."""
         c = self.cache
-        layout, pages, score, pos = c.tier_pages(slot)
+        layout, pages, score, pos = c.layout.tier_pages(slot)
         n = len(c.slot_tokens[slot]) // c.page_size
         approx = self.approximate_row(slot)
         return SavedPages(n, {**pages.arrays(), **layout, "tier_score": score, "tier_pos": pos},

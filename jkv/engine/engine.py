@@ -38,8 +38,9 @@ from jkv.kv import tier_step
 from jkv.kv.format import KVFormat
 from jkv.kv.kv_forms import convert_pages
 from jkv.kv.layer_offload import LayerOffload, resident_layers
-from jkv.kv.manager import KVCacheManager, TierPolicy
+from jkv.kv.manager import KVCacheManager
 from jkv.kv.row_forms import convert_row
+from jkv.kv.tiered_rows import TierPolicy
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
 
@@ -331,7 +332,7 @@ class Engine:
         it. Under token tiers a stored row's forms are the pool's format and row forms,
         which drop tokens (`row_forms.convert_row`)."""
         if self.tiered:
-            t, c = self.cache.tiers, self.cfg
+            t, c = self.cache.layout.policy, self.cfg
             return convert_row(arrays, src, dst, self.cache.pool.kv_format,
                                heads=c.num_layers * c.num_kv_heads, page=self.page_size,
                                sinks=t.sinks, recent=t.recent_window)
@@ -400,8 +401,7 @@ class Engine:
             raise RuntimeError("page reservation failed although the host count allowed it")
         if self.layers is not None:
             self.layers.settle()
-        if self.tiered:
-            self.cache.sync_tiers()
+        self.cache.layout.after_step()
         self.connector.written(list(lengths))  # layer-wise restores are in the pool now
         done = [r for r, out in zip(layered, outs_layered, strict=True) if out is not None]
         for r in chunked + list(decode) + done:
@@ -446,9 +446,8 @@ class Engine:
                 return pool, table_pages
         out = c.run_model(lambda pool, filling, pages, tiers: self.runner.run(
             pool, filling, pages, batch, before_layer, tiers, after_layer))
-        if self.tiered:
-            b, t = batch.shape
-            c.retier([r.slot for r in rows], [len(r.tokens) for r in rows], b, t, t == 1)
+        b, t = batch.shape
+        c.layout.after_call([r.slot for r in rows], [len(r.tokens) for r in rows], b, t, t == 1)
         return out
 
     def _offload_hooks(self, rows: Sequence[Row], stage) -> tuple:
@@ -502,9 +501,7 @@ class Engine:
             new += self.num_compiles > before
             if progress is not None:
                 progress(i + 1, len(todo))
-        if self.tiered:
-            self.cache.warmup()
-            self.cache.sync_tiers()
+        self.cache.warmup()
         if self.layers is not None:
             self.layers.warmup()
             self.layer_major.warmup()

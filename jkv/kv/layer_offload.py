@@ -129,7 +129,7 @@ class LayerOffload:
     """Moves layers of a `KVCacheManager`'s slots between its pool and the host."""
 
     def __init__(self, cache: KVCacheManager) -> None:
-        if cache.tiers is not None:
+        if not cache.layout.offloads_layers:
             raise ValueError("layer offload needs block pages: a token-tier policy's rows "
                              "are not blocks")
         self.cache = cache
@@ -181,7 +181,7 @@ class LayerOffload:
         if copy_layer_out._cache_size() == compiled and self.offloaded_bytes > before:
             rate = (self.offloaded_bytes - before) / max(time.perf_counter() - t0, 1e-9)
             self.offload_bytes_per_s = moving_average(self.offload_bytes_per_s, rate)
-        return c.hold_on_host(slot, hosts)
+        return c.layout.hold_on_host(slot, hosts)
 
     def pages_to_fetch(self, slot: int) -> int:
         """Pages `fetch(slot)` takes."""
@@ -233,13 +233,13 @@ class LayerOffload:
         t0 = time.perf_counter()
         c = self.cache
         self._copy_out(pool, slot, layer, c.offloaded[slot][layer], tokens // c.page_size)
-        c.layer_sent(slot, layer, tokens)
+        c.layout.layer_sent(slot, layer, tokens)
         self.host_seconds["send"] += time.perf_counter() - t0
 
     def flush(self) -> bool:
         """Drop the pages of layers sent out and not yet dropped (before anything else
         reserves pages); whether there were any."""
-        return self.cache.drop_sent()
+        return self.cache.layout.drop_sent()
 
     def step_pages(self, lengths: dict[int, int]) -> int:
         """The most pages a step's `bring`s hold at once: one layer's of every row with that
@@ -278,7 +278,7 @@ class LayerOffload:
             pages = jax.tree.map(lambda x, n=count: np.zeros((n * len(x), *x.shape[1:]),
                                                              x.dtype), self._empty)
             empty.append(jax.device_put(pages, self.device))
-        c.warmup_layer_moves(empty)
+        c.layout.warmup_layer_moves(empty, c.scratch)
         jax.block_until_ready(c.pool)
 
     # ------------------------------------------------------------------ copies
@@ -316,13 +316,13 @@ class LayerOffload:
     def _copy_in(self, pool: KVPages | None, slot: int, layer: int, tokens: int,
                  stage: bool = False, pages: KVPages | None = None) -> KVPages:
         """Have the manager give (slot, layer) the pages to hold `tokens` tokens and write
-        its host copy into them (one call, `KVCacheManager.bring_layer`; `pages`: that copy
+        its host copy into them (one call, `BlockPages.bring_layer`; `pages`: that copy
         already on its way, else sent now, `_on_device`); returns the pool (`pool` None:
         the manager's own)."""
         h = self.cache.offloaded[slot][layer]
         if pages is None:
             pages = self._on_device(h, stage)
-        pool, ok = self.cache.bring_layer(slot, layer, tokens, h.blocks, pages, pool)
+        pool, ok = self.cache.layout.bring_layer(slot, layer, tokens, h.blocks, pages, pool)
         self.fetched_bytes += h.nbytes
         self._unchecked.append(ok)
         return pool

@@ -170,7 +170,7 @@ class Scheduler(StoreSide):
             # KV heads, scales included), averaged; tokens per tier, summed
             "kv_bytes_per_token": finished.bytes_per_token / max(finished.sequences, 1),
             "kv_tiers": dict(finished.tokens),
-            "kv_compactions_refused": eng.cache.tier_refusals,  # the pool was short
+            "kv_compactions_refused": eng.cache.layout.tier_refusals,  # the pool was short
             # restored prompt tokens: loaded, or recomputed by split restores (per layer)
             "restore": {"tokens_loaded": st.restored_tokens - st.recomputed_tokens,
                         "tokens_recomputed": st.recomputed_tokens,

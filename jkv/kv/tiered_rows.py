@@ -1,0 +1,360 @@
+"""The tiered-rows layout (LeanKV, and StreamingLLM and H2O on the same machinery): each
+(layer, KV head) of a sequence keeps its own tokens in a high tier from the left of its row
+and a low tier (the same bytes read at half the bits) from the right, pages taken as they
+fill; tokens leaving the recent window are placed (high, low or pruned) by `TierPolicy`.
+
+A tiered row holds no block's every token, so it is not shared by blocks: with prefix caching
+on, an ended sequence is kept whole (`tier_entries`) and a prompt extending exactly its tokens
+opens with a copy of it. The store keeps it whole too (`tier_pages`, `place_tiers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.kv import tier_step
+from jkv.kv.allocator import release
+from jkv.kv.buckets import bucket
+from jkv.kv.kv_state import KVState, read_only
+from jkv.kv.page_cost import PageCost
+from jkv.kv.pages import KVPages
+from jkv.kv.prefix_cache import block_hashes
+from jkv.kv.tier_entries import (
+    Entry,
+    TierEntries,
+    adopt,
+    forget,
+    gather_row,
+    init_entries,
+    move_row,
+    place_row,
+    row_layout,
+)
+from jkv.kv.token_tiers import init_counts, init_meta
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """How a token leaving the newest `recent_window` is placed: `name` leankv (high while
+    its mean attention is at least alpha_high / n, low while at least alpha_low / n, else
+    pruned), streaming (kept if among the first `sinks`) or h2o (kept while among the
+    `heavy_ratio * n` most attended); decode steps place their tokens every `interval`
+    steps."""
+
+    name: str
+    recent_window: int
+    alpha_high: float = 0.0
+    alpha_low: float = 0.0
+    sinks: int = 0
+    heavy_ratio: float = 0.0
+    interval: int = 1
+
+
+class _TierState:
+    """The tiers' device arrays and their host mirrors (written here only)."""
+
+    meta = counts = entry_tables = entry_counts = high = low = None
+
+
+class TieredRows:
+    """Per-head tiered rows over a `KVState`, and the ended rows kept whole on the device."""
+
+    name = "tiered"
+    pages_on_fill = True  # the page being filled stays beside the pool
+    filling_scores = True
+    offloads_layers = False
+
+    @staticmethod
+    def table_width(pages: int) -> int:
+        """Page-table width for rows of at most `pages` pages: room for both sides' partly
+        filled pages, a multiple of 32 (a tiered step's work grows with the width)."""
+        return -(-(pages + 2) // 32) * 32
+
+    meta = read_only("_t", "meta", "Each page's token metadata (score, pos).")
+    counts = read_only("_t", "counts", "Each row's tier counts on the device.")
+    entry_tables = read_only("_t", "entry_tables", "Kept rows' page tables.")
+    entry_counts = read_only("_t", "entry_counts", "Kept rows' tier counts.")
+    high = read_only("_t", "high", "Host mirror of the high tiers' tokens [slots, L, H].")
+    low = read_only("_t", "low", "Host mirror of the low tiers' tokens [slots, L, H].")
+
+    def __init__(self, kv: KVState, *, policy: TierPolicy, cost: PageCost, page_size: int,
+                 max_pages: int, total_pages: int, one_page: int, enable_prefix_caching: bool,
+                 device_cache_bytes: int | None, hash_seed: bytes, max_num_seqs: int,
+                 max_model_len: int, device: jax.Device) -> None:
+        self.kv, self.policy, self.cost, self.page_size = kv, policy, cost, page_size
+        self.num_layers, self.num_kv_heads = cost.layers, cost.heads // cost.layers
+        self.hash_seed, self.max_model_len = hash_seed, max_model_len
+        self.max_num_seqs, self.scratch = max_num_seqs, max_num_seqs
+        num_pages = total_pages + 1
+        shape = (max_num_seqs + 1, self.num_layers, self.num_kv_heads)
+        t = self._t = _TierState()
+        t.meta = jax.device_put(init_meta(num_pages, page_size), device)
+        t.counts = jax.device_put(init_counts(shape), device)
+        t.high = np.zeros(shape, np.int64)
+        t.low = np.zeros(shape, np.int64)
+        self.tier_ok: list[jax.Array] = []  # retier results not yet read
+        self.unplaced = np.zeros(max_num_seqs, np.int64)  # decode tokens retier has not seen
+        self.tier_refusals = 0  # compactions the pool was too short for
+        self.max_entry_pages = (total_pages if device_cache_bytes is None
+                                else device_cache_bytes // one_page)
+        self.entries: TierEntries | None = None
+        if enable_prefix_caching:
+            self.entries = TierEntries(max_num_seqs)
+            t.entry_tables, t.entry_counts = jax.device_put(init_entries(
+                max_num_seqs, self.num_layers, self.num_kv_heads, max_pages), device)
+
+    # ------------------------------------------------------------------ the budget
+
+    @property
+    def evictable_pages(self) -> int:
+        """Pages of the rows kept whole (every one can be evicted)."""
+        return 0 if self.entries is None else self.entries.pages
+
+    cached_pages = evictable_pages
+
+    def shared_rows(self, slot: int) -> list[int]:
+        return []
+
+    def pages_held(self, slot: int) -> int:
+        p, t = self.page_size, self._t
+        return int((-(-t.high[slot] // p)).sum() + (-(-t.low[slot] // (2 * p))).sum())
+
+    def pages_freed_by_close(self, slot: int) -> int:
+        return self.pages_held(slot)
+
+    def tier_tokens(self, slot: int, tokens: int) -> dict[str, int]:
+        """Tokens `slot` keeps per tier, summed over (layer, KV head)."""
+        return {"high": int(self._t.high[slot].sum()), "low": int(self._t.low[slot].sum())}
+
+    def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
+        """(tokens of the longest kept row ending at one of `hashes`, pages a copy of it
+        takes)."""
+        found = None if self.entries is None else self.entries.lookup(hashes)
+        if found is None:
+            return 0, 0
+        row, blocks = found
+        return blocks * self.page_size, self.entries.get(row).pages
+
+    def make_room(self, pages: int, keep_entry: int | None = None) -> bool:
+        """Evict kept rows (least recently used first; never row `keep_entry`) until `pages`
+        pages are free; False if that cannot be done."""
+        while self.kv.free_pages < pages and self.entries is not None:
+            row = self.entries.oldest(keep=keep_entry)
+            if row is None:
+                break
+            self._drop_entry(row)
+        return self.kv.free_pages >= pages
+
+    def _drop_entry(self, row: int) -> None:
+        """Release a kept row's pages (no table shares them)."""
+        kv, t = self.kv, self._t
+        mask = np.zeros(self.entries.rows, bool)
+        mask[row] = True
+        kv.free, t.entry_tables = release(kv.free, t.entry_tables, jnp.asarray(mask))
+        t.entry_tables, t.entry_counts = forget(t.entry_tables, t.entry_counts, np.int32(row))
+        kv.free_pages += self.entries.remove(row).pages
+
+    # ------------------------------------------------------------------ sequences
+
+    def open(self, slot: int, hashes: Sequence[bytes]) -> int:
+        """Start the empty `slot` from the longest kept row ending at one of `hashes` (a
+        prompt's block hashes), if one is kept: a copy of it, or when its pages cannot be
+        had besides it, the row itself (it is no longer kept). Returns the tokens held."""
+        found = None if self.entries is None else self.entries.lookup(hashes)
+        if found is None:
+            return 0
+        kv, t = self.kv, self._t
+        row, _ = found
+        entry = self.entries.get(row)
+        self.entries.touch(row)
+        others = self.evictable_pages - entry.pages  # evictable besides it
+        if (kv.free_pages + others < entry.pages  # no copy: evict nothing, take it over
+                or not self.make_room(entry.pages, keep_entry=row)):
+            t.entry_tables, t.entry_counts, kv.tables, t.counts = move_row(
+                t.entry_tables, t.entry_counts, kv.tables, t.counts, np.int32(row),
+                np.int32(slot), np.int32(entry.tokens))
+            self.entries.remove(row)
+        else:
+            (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = adopt(
+                kv.pool, t.meta, kv.free, kv.tables, t.counts, t.entry_tables,
+                t.entry_counts, np.int32(row), np.int32(slot))
+            if not bool(ok):
+                raise RuntimeError("copying a kept sequence failed although the host count "
+                                   "allowed it")
+            kv.free_pages -= entry.pages
+        t.high[slot], t.low[slot] = entry.high, entry.low
+        return entry.tokens
+
+    def grow(self, new_lengths: dict[int, int], need: int) -> jax.Array:
+        """The tokens of pages the step fills join the high tiers (`need` pages, made room
+        for); returns the device's ok flag."""
+        kv, t, p = self.kv, self._t, self.page_size
+        lengths = np.zeros(self.max_num_seqs + 1, np.int32)
+        for s, n in new_lengths.items():
+            lengths[s] = n
+        held = np.array([len(x) for x in kv.slot_tokens] + [0])
+        n_new = np.where(lengths > 0, (lengths // p - held // p) * p, 0)
+        kv.free, kv.tables, t.counts, ok = tier_step.grow(kv.free, kv.tables, t.counts,
+                                                          jnp.asarray(n_new, jnp.int32))
+        t.high += n_new[:, None, None]
+        kv.free_pages -= need
+        return ok
+
+    def close(self, slot: int, shareable: int, keep: bool) -> None:
+        """End the sequence in `slot`: with prefix caching on and `keep`, its full pages'
+        row is kept whole (evictable); else its pages are released."""
+        kv, t = self.kv, self._t
+        if self.entries is not None and keep and len(kv.slot_tokens[slot]) >= self.page_size:
+            self._keep(slot)
+        else:
+            mask = np.zeros(self.max_num_seqs + 1, bool)
+            mask[slot] = True
+            kv.free, kv.tables = release(kv.free, kv.tables, jnp.asarray(mask))
+            t.counts = tier_step.clear(t.counts, jnp.asarray(mask))
+            kv.free_pages += self.pages_held(slot)
+        t.high[slot], t.low[slot] = 0, 0
+        self.unplaced[slot] = 0
+
+    def _keep(self, slot: int) -> None:
+        """Move the row in `slot` (its full pages' tokens) to an entry row. An entry of the
+        same tokens is dropped first, and the least recently used one when no row is
+        spare; then the oldest while the kept pages exceed the device cache's budget."""
+        kv, t = self.kv, self._t
+        n = len(kv.slot_tokens[slot]) // self.page_size * self.page_size
+        key = block_hashes(kv.slot_tokens[slot], self.page_size, self.hash_seed)[-1]
+        same = self.entries.row_of(key)
+        if same is not None:  # the same tokens kept before: the newer compression replaces it
+            self._drop_entry(same)
+        if self.entries.spare_row() is None:
+            self._drop_entry(self.entries.oldest())
+        row = self.entries.spare_row()
+        kv.tables, t.counts, t.entry_tables, t.entry_counts = move_row(
+            kv.tables, t.counts, t.entry_tables, t.entry_counts, np.int32(slot),
+            np.int32(row), np.int32(n))
+        self.entries.add(row, Entry(key, n, self.pages_held(slot), t.high[slot].copy(),
+                                    t.low[slot].copy()))
+        while self.entries.pages > self.max_entry_pages:
+            self._drop_entry(self.entries.oldest())
+
+    # ------------------------------------------------------------------ the store's form
+
+    def tier_pages(self, slot: int) -> tuple[dict[str, np.ndarray], KVPages, jax.Array,
+                                             jax.Array]:
+        """The pages `slot`'s tiers hold, as the store keeps a tiered row: (the layout,
+        `tier_entries.row_layout`, padded to a bucket of pages with head -1; the pages and
+        their token metadata score, pos, device arrays being gathered)."""
+        kv, t = self.kv, self._t
+        layout = row_layout(t.high[slot], t.low[slot], self.page_size)
+        n = len(layout["tier_head"])
+        rows = bucket(max(n, 1))
+        padded = {k: np.pad(x, (0, rows - n), constant_values=-1 if k == "tier_head" else 0)
+                  for k, x in layout.items()}
+        pages, score, pos = gather_row(kv.pool, t.meta, kv.tables, np.int32(slot),
+                                       *(jnp.asarray(padded[k]) for k in
+                                         ("tier_head", "tier_low", "tier_index")))
+        return padded, pages, score, pos
+
+    def place_tiers(self, slot: int, layout: dict[str, np.ndarray], pages: KVPages,
+                    score: np.ndarray, pos: np.ndarray, high: np.ndarray, low: np.ndarray,
+                    tokens: int) -> bool:
+        """Start the empty `slot` with saved tiered pages (`tier_pages`' form, checked by the
+        caller; high, low [L, H]) holding its first `tokens` tokens; False when the pages
+        cannot be had (nothing changes)."""
+        n = len(layout["tier_head"])
+        if not self.make_room(n):
+            return False
+        rows = bucket(max(n, 1))
+
+        def pad(x: np.ndarray, fill: int = 0) -> jax.Array:
+            return jnp.asarray(np.pad(x, [(0, rows - n)] + [(0, 0)] * (x.ndim - 1),
+                                      constant_values=fill))
+
+        pages = KVPages.from_arrays(pages.kv_format, {k: pad(x) for k, x in
+                                                      pages.arrays().items()})
+        kv, t = self.kv, self._t
+        (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = place_row(
+            kv.pool, t.meta, kv.free, kv.tables, t.counts, pages, pad(score), pad(pos),
+            pad(layout["tier_head"], -1), pad(layout["tier_low"]), pad(layout["tier_index"]),
+            jnp.asarray(high, jnp.int32), jnp.asarray(low, jnp.int32), np.int32(slot),
+            np.int32(tokens))
+        if not bool(ok):
+            raise RuntimeError("placing restored tiers failed although the host count allowed it")
+        kv.free_pages -= n
+        t.high[slot], t.low[slot] = high, low
+        return True
+
+    # ------------------------------------------------------------------ the model's calls
+
+    def model_tiers(self) -> tuple:
+        """What a model call reads and writes of the tiers: (meta, counts)."""
+        return self._t.meta, self._t.counts
+
+    def took_meta(self, meta: object) -> None:
+        """A model call's token metadata (the step's significance added)."""
+        self._t.meta = meta
+
+    def after_call(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
+                   generation: bool) -> None:
+        """Algorithm 1 and compaction (`tier_step.retier`) for `slots`, which hold the tokens
+        of `slot_tokens` and the `added` ones a call just fed; dispatched, not awaited
+        (`after_step` reads what it did). `rows` and `tokens` are the call's padded shape.
+
+        Decode calls (`generation`) are placed together, once a slot has `interval` tokens
+        not yet placed: the pass over every held token's attention is what placement costs,
+        whether one token leaves the window or `interval` do. Tokens a sequence ends with
+        unplaced stay in the high tier. With no slots (warmup) the call runs, to compile."""
+        p = self.policy
+        if generation and slots:
+            pending = self.unplaced[list(slots)] + 1
+            if pending.max() < p.interval:
+                self.unplaced[list(slots)] = pending
+                return
+        n_prev, n = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        index = np.full(rows, self.scratch, np.int32)
+        for i, (s, a) in enumerate(zip(slots, added, strict=True)):
+            held = len(self.kv.slot_tokens[s])
+            index[i], n_prev[i], n[i] = s, held - self.unplaced[s], held + a
+            self.unplaced[s] = 0
+        kv, t = self.kv, self._t
+        (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = tier_step.retier(
+            kv.pool, t.meta, kv.free, kv.tables, t.counts, jnp.asarray(index),
+            jnp.asarray(n_prev), jnp.asarray(n),
+            jnp.asarray([p.alpha_high, p.alpha_low, p.sinks, p.heavy_ratio], jnp.float32),
+            policy=p.name, recent=p.recent_window,
+            max_moves=p.interval if generation else tokens + p.interval - 1,
+            generation=generation, max_tokens=self.max_model_len)
+        self.tier_ok.append(ok)
+
+    def after_step(self) -> None:
+        """Read back what the step's placements did: tier counts and free pages."""
+        kv, t = self.kv, self._t
+        oks, high, low, num_free = jax.device_get((self.tier_ok, t.counts.high,
+                                                  t.counts.low, kv.free.num_free))
+        self.tier_refusals += sum(not bool(ok) for ok in oks)
+        self.tier_ok = []
+        t.high, t.low = high.astype(np.int64), low.astype(np.int64)
+        kv.free_pages = int(num_free)
+
+    def warmup(self) -> None:
+        """Compile the calls that keep, copy and drop tiered sequences, on empty rows (the
+        scratch slot and a spare entry row): nothing changes. Then read back the counts."""
+        if self.entries is not None and self.entries.spare_row() is not None:
+            kv, t = self.kv, self._t
+            row, slot = np.int32(self.entries.spare_row()), np.int32(self.scratch)
+            (kv.pool, t.meta, kv.free, kv.tables, t.counts, _) = adopt(
+                kv.pool, t.meta, kv.free, kv.tables, t.counts, t.entry_tables,
+                t.entry_counts, row, slot)
+            kv.tables, t.counts, t.entry_tables, t.entry_counts = move_row(
+                kv.tables, t.counts, t.entry_tables, t.entry_counts, slot, row,
+                np.int32(0))  # there and back
+            t.entry_tables, t.entry_counts, kv.tables, t.counts = move_row(
+                t.entry_tables, t.entry_counts, kv.tables, t.counts, row, slot, np.int32(0))
+            kv.free, t.entry_tables = release(kv.free, t.entry_tables,
+                                              jnp.zeros(self.entries.rows, bool))
+            t.entry_tables, t.entry_counts = forget(t.entry_tables, t.entry_counts, row)
+        self.after_step()
