@@ -56,7 +56,7 @@ def prefill_layer_major(eng: Engine, prompt: list[int], resident: int, chunk: in
     done = 0
     while done < num_layers:
         k = layers_for(chunk, len(prompt) - pos, num_layers, done)
-        (s,), _ = eng.step([Row(slot, prompt[pos:], GREEDY, key, layers=(done, done + k))], [])
+        (s,), _ = eng.step([Row(slot, prompt[pos:], GREEDY, key, layer_span=(done, done + k))], [])
         done += k
     seconds = time.perf_counter() - t0  # (the first token read back: the work is done)
     eng.close(slot, keep=False)

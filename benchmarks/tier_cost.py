@@ -71,7 +71,8 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
         config=EngineConfig(max_model_len=max_len, max_num_seqs=batch, prefill_chunk=256,
                             attention_backend=backend, enable_prefix_caching=False))
     cache = engine.cache
-    interval = cache.layout.policy.interval if engine.tiered else 1
+    policy = getattr(cache.layout, "policy", None)  # token tiers' placement, if any
+    interval = 1 if policy is None else policy.interval
     steps, calls, current = [], {"retier": [], "grow": []}, {"retier": 0.0, "grow": 0.0}
 
     def timed(name, f):
@@ -86,10 +87,10 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
         return call
 
     cache.grow = timed("grow", cache.grow)
-    if engine.tiered:
+    if policy is not None:
         cache.layout.after_call = timed("retier", cache.layout.after_call)
     engine_step = engine.step
-    tracing = {"want": trace is not None and engine.tiered, "left": 0}
+    tracing = {"want": trace is not None and policy is not None, "left": 0}
 
     def step(prefill, decode):
         current.update(retier=0.0, grow=0.0)
@@ -137,7 +138,7 @@ def measure(model: tuple, policy: str, batch: int, context: int, new_tokens: int
     out = {"decode_step_ms": statistics.mean(steps) * 1e3, "steps": n,
            "median_step_ms": statistics.median(steps) * 1e3,
            "grow_ms": statistics.mean(grow) * 1e3}
-    if engine.tiered:
+    if policy is not None:
         out |= {"retier_ms": statistics.mean(retier) * 1e3,
                 "tiering_ms": (statistics.mean(retier) + statistics.mean(grow)) * 1e3,
                 "placement_interval": interval, "placement_ms": max(retier) * 1e3,

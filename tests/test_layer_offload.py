@@ -55,7 +55,7 @@ def run(eng: Engine, prompt: list[int], decode: int = 10, events=None, layer_maj
         if not layer_major:
             break
         last = min(first + layer_major, TINY.num_layers)
-        (s,), _ = eng.step([Row(slot, prompt[pos:], SAMPLING, key, layers=(first, last))], [])
+        (s,), _ = eng.step([Row(slot, prompt[pos:], SAMPLING, key, layer_span=(first, last))], [])
         assert (s is None) == (last < TINY.num_layers)
         counts_agree(eng)
     pos = len(prompt) if layer_major else pos
@@ -135,15 +135,15 @@ def test_a_layer_major_prefill_samples_what_resident_layers_do_and_brings_nothin
     for resident in (0, 2):  # closed (preempted) part way through its layers
         e = engine(params, enable_prefix_caching=False)
         slot, _ = e.open(prompt, resident=resident)
-        (s,), _ = e.step([Row(slot, prompt, SAMPLING, e.request_key(0), layers=(0, 2))], [])
+        (s,), _ = e.step([Row(slot, prompt, SAMPLING, e.request_key(0), layer_span=(0, 2))], [])
         assert s is None
         counts_agree(e)
         with pytest.raises(ValueError, match="none"):
-            e.step([Row(slot, [], SAMPLING, e.request_key(0), layers=(2, 3))], [])
+            e.step([Row(slot, [], SAMPLING, e.request_key(0), layer_span=(2, 3))], [])
         with pytest.raises(ValueError, match="continues at layer 2"):
-            e.step([Row(slot, prompt, SAMPLING, e.request_key(0), layers=(1, 3))], [])
+            e.step([Row(slot, prompt, SAMPLING, e.request_key(0), layer_span=(1, 3))], [])
         with pytest.raises(ValueError, match="tokens it started with"):
-            e.step([Row(slot, prompt[1:], SAMPLING, e.request_key(0), layers=(2, 3))], [])
+            e.step([Row(slot, prompt[1:], SAMPLING, e.request_key(0), layer_span=(2, 3))], [])
         with pytest.raises(ValueError, match="part way through"):
             e.fetch_layers(slot)
         with pytest.raises(ValueError, match="part way through"):
@@ -419,7 +419,7 @@ def test_page_counts_and_samples_hold_through_random_schedules(params, schedule,
                 if s["major"] and (prefilling or s["first"]):  # its prompt, layer-major
                     last = min(s["done"] + s["major"], TINY.num_layers)
                     b = None if "b" in s["first"] else Row(
-                        s["b"], s["todo"][s["start"]:], SAMPLING, key, layers=(s["done"], last))
+                        s["b"], s["todo"][s["start"]:], SAMPLING, key, layer_span=(s["done"], last))
                     a = a if prefilling else None
                 rows.append((s, a, b))
             # a layer-major prompt's chunks go alone in the plain engine: the one-row calls

@@ -157,7 +157,7 @@ def test_smollm2_with_most_layers_on_the_host_generates_the_same_tokens(smollm2)
         key = eng.request_key(0)
         for first in range(0, 30, 7) if layer_major else ():
             (s,), _ = eng.step([Row(slot, ids[pos:], greedy, key,
-                                    layers=(first, min(first + 7, 30)))], [])
+                                    layer_span=(first, min(first + 7, 30)))], [])
         pos = len(ids) if layer_major else pos
         while pos < len(ids):
             (s,), _ = eng.step([Row(slot, ids[pos:pos + 64], greedy, key)], [])

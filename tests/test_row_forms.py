@@ -243,8 +243,8 @@ def test_a_token_tier_store_takes_the_shipped_rows_profile_and_no_kv_formats(tmp
 
     cfg = StoreConfig(host_cache_bytes=1 << 20, eviction_policy="adaptcache")
     kw = dict(model="m", kv_format="k8v4t", page_size=PAGE, convert=lambda a, s, d: a)
-    store = KVStore(cfg, tiered=True, **kw)  # a leankv pool's format is no obstacle
-    shipped = Profile.default(tiered=True)
+    store = KVStore(cfg, whole_rows=True, **kw)  # a leankv pool's format is no obstacle
+    shipped = Profile.default(whole_rows=True)
     assert store.placement.methods == tuple(shipped.methods)
     assert all(parse_row_form(m) for m in shipped.methods) and shipped.model == "smollm2-135m"
     store.close()
@@ -256,7 +256,7 @@ def test_a_token_tier_store_takes_the_shipped_rows_profile_and_no_kv_formats(tmp
         "methods": {"k4v2t": [{"rate": 0.22, "quality": {"chat": 0.9}}]}}))
     with pytest.raises(ValueError, match="no row form"):
         KVStore(StoreConfig(host_cache_bytes=1 << 20, eviction_policy="adaptcache",
-                            adapt_profile=str(formats)), tiered=True, **kw)
+                            adapt_profile=str(formats)), whole_rows=True, **kw)
     rows = tmp_path / "rows_only.json"
     rows.write_text(json.dumps({
         "model": "m", "metric": "top1_agreement", "kinds": ["chat"],
@@ -272,7 +272,7 @@ def test_a_row_recompressed_in_place_restores_to_the_tokens_its_form_keeps(tiny_
     kw = dict(heads=HEADS, page=PAGE, sinks=SINKS, recent=RECENT)
     store = KVStore(StoreConfig(host_cache_bytes=1 << 24, store_kv_format="k4v2t"),
                     model=eng.fingerprint, kv_format=eng.kv_format, page_size=PAGE,
-                    convert=eng.convert_stored, tiered=True)
+                    convert=eng.convert_stored, whole_rows=True)
     assert store.save(saved.num_blocks, saved.arrays, saved.hashes, rows=saved.rows)
     store.flush()  # (a row is written whole, in the pool's format, whatever store_kv_format)
     key = saved.hashes[-1].hex()

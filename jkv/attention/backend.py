@@ -21,7 +21,7 @@ from jkv.pallas_kernels.chunked_prefill_attention import chunked_prefill_attenti
 from jkv.pallas_kernels.paged_decode_attention import paged_decode_attention
 from jkv.pallas_kernels.softmax_state import merge_softmax_states, normalize_softmax_state
 
-PAGES_PER_BLOCK = 4  # page-table widths are powers of two >= 4, tiered ones multiples of 32
+PAGES_PER_BLOCK = 4  # page-table widths are powers of two >= 4, token tiers' multiples of 32
 
 
 def decode_splits(batch: int, kv_heads: int, width: int, programs: int = 264) -> int:

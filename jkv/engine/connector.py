@@ -11,7 +11,7 @@ layer loads, the rest being recomputed by the engine while the loads are in flig
 
 Saved pages are written as they come from the store (views of the entry's bytes: no padded
 host copy), in runs of power-of-two lengths so that a few compiled shapes cover any restore.
-Each slot has at most one `_Pending` record: the saved pages not yet written, and the first
+Each slot has at most one `PendingRestore` record: the saved pages not yet written, and the first
 block whose KV is not its tokens' own (restored but unwritten, or moved and so approximate).
 Such blocks are never shared under their tokens' hashes (`shareable_blocks`); a store that
 keeps approximate KV (a lossy one: `gather(approximate=True)`) is handed them marked so.
@@ -30,11 +30,12 @@ import numpy as np
 from jkv.averages import moving_average
 from jkv.kv.block_runs import BlockRuns, power_of_two_runs
 from jkv.kv.buckets import bucket
+from jkv.kv.format import KVFormat
+from jkv.kv.kv_forms import convert_pages
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
 from jkv.kv.rebase import rebase_pages
-from jkv.kv.tier_entries import TIER_ARRAYS, place_row, row_layout, tier_counts
 from jkv.kv.transfer import flat_run, gather_pages, scatter_pages
 
 
@@ -42,7 +43,7 @@ from jkv.kv.transfer import flat_run, gather_pages, scatter_pages
 class SavedPages:
     """A sequence's first `num_blocks` full blocks in the pool's format: `arrays` as
     `KVPages.arrays()` names them, each [>= num_blocks, layers, KV heads, page, ...], rows past
-    `num_blocks` padding (a tiered row's: its pages and layout, `rows`). Host arrays, or
+    `num_blocks` padding (a whole row's: its pages and layout, `rows`). Host arrays, or
     device arrays still being gathered (`gather`). With `start` > 0 (a store save of the
     blocks after those already stored, `gather(start=...)`) the arrays hold blocks [start,
     num_blocks) from their first row, and `hashes` still start at block 0."""
@@ -53,17 +54,17 @@ class SavedPages:
     # blocks from this one on hold approximate KV (moved by `rebase`): usable by the prompt
     # they were made for, never shared under their tokens' hashes
     exact_blocks: int | None = None
-    # a tiered row (`gather_tiers`): the arrays are its pages in `tier_entries.row_layout`'s
+    # a whole row (`RowConnector.gather`): the arrays are its pages in `tier_entries.row_layout`'s
     # order, this many rows of them real, not blocks
     rows: int | None = None
     start: int = 0
-    # a tiered row restored from a smaller stored form (`row_forms`, with exact_blocks 0):
+    # a row restored from a smaller stored form (`row_forms`, with exact_blocks 0):
     # that form's name, which a store keeps it under (only smaller forms after it)
     form: str | None = None
 
     def fetch(self) -> SavedPages:
         """The same blocks as host arrays of exactly `num_blocks - start` rows (`rows` for a
-        tiered row; waits for the copy)."""
+        whole row; waits for the copy)."""
         arrays = jax.device_get(self.arrays)
         n = self.num_blocks - self.start if self.rows is None else self.rows
         return SavedPages(self.num_blocks, {f: np.asarray(x)[:n] for f, x in arrays.items()},
@@ -72,7 +73,7 @@ class SavedPages:
 
 
 @dataclass
-class _Pending:
+class PendingRestore:
     """What a slot's KV still owes to saved pages."""
 
     # unwritten pages in runs: (layer, page ids, their contents as host arrays), k a power
@@ -82,7 +83,7 @@ class _Pending:
     unwritten_from: int | None = None  # first block restored but not yet written
     approx_from: int | None = None  # first block moved by `rebase` (approximate KV)
     split: bool = False  # some blocks are recomputed meanwhile: its time is not a load rate
-    form: str | None = None  # a tiered row restored from this smaller stored form
+    form: str | None = None  # a row restored from this smaller stored form
 
     @property
     def nbytes(self) -> int:
@@ -118,7 +119,11 @@ def pyramid(first: int, n: int, num_layers: int, recompute: float, chunk: int) -
 
 
 class KVConnector:
-    """Saves, restores and moves the KV of one `KVCacheManager`'s slots."""
+    """Saves, restores and moves the KV of one `KVCacheManager`'s slots, block pages by
+    default (a token-tier engine's rows: `row_connector.RowConnector`)."""
+
+    stored_whole = False  # entries are runs of blocks: found and saved in part (tails)
+    splits_restores = True  # Krul's split: some blocks recomputed while the rest load
 
     def __init__(self, cache: KVCacheManager, *, num_layers: int, num_kv_heads: int,
                  rotate: Callable, layerwise: bool) -> None:
@@ -127,7 +132,7 @@ class KVConnector:
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.layerwise = layerwise
         self._rotate = rotate
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingRestore] = {}
         self.load_bytes_per_s = 0.0  # measured restore rate (host arrays into the pool)
 
     # ------------------------------------------------------------------ restores
@@ -182,8 +187,29 @@ class KVConnector:
         approx = None
         if saved.exact_blocks is not None and n > saved.exact_blocks:
             approx = max(saved.exact_blocks, first)
-        self._pending[slot] = _Pending(runs, first, approx, split=loaded_from is not None)
+        self._pending[slot] = PendingRestore(runs, first, approx, split=loaded_from is not None)
         return n * self.cache.page_size
+
+    def split(self, first: int, n: int, recompute: float, chunk: int) -> np.ndarray | None:
+        """Krul's split of restored blocks [first, n) with about `recompute` of them
+        recomputed (`pyramid`, in steps of `chunk` blocks); None when there is nothing to
+        split off."""
+        if not recompute or n <= first or not self.splits_restores:
+            return None
+        loaded_from = pyramid(first, n, self.num_layers, recompute, chunk)
+        return None if (loaded_from == first).all() else loaded_from
+
+    def keepable(self, slot: int) -> bool:
+        """Whether what `slot` holds may be kept on the device when it closes."""
+        return True
+
+    def saved_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
+        """Block hashes of what `gather(slot, approximate=...)` saves."""
+        return self.shareable_hashes(slot, approximate)
+
+    def convert_stored(self, arrays: dict, src: str, dst: str, dtype) -> dict[str, np.ndarray]:
+        """A stored entry's pages in KV format `src` as pages of `dst` (`kv_forms`)."""
+        return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), dtype)
 
     def write_due(self, slot: int) -> None:
         """Write `slot`'s queued restore now unless its next step stages it layer by layer
@@ -191,77 +217,6 @@ class KVConnector:
         written at once and timed)."""
         if not self.layerwise or not self.load_bytes_per_s:
             self.write([slot])
-
-    def restorable_tiers(self, saved: SavedPages, token_ids: Sequence[int]) -> tuple[
-            dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        """A saved tiered row (`gather_tiers`) checked for `token_ids` and this pool: (its
-        layout, tier counts high, low [L, H]). ValueError if it is another prompt's, not a
-        whole tiered row, inconsistent, or wider than this pool's table."""
-        c, ps = self.cache, self.cache.page_size
-        n = saved.num_blocks
-        if not 1 <= n <= (len(token_ids) - 1) // ps:
-            raise ValueError(f"a saved tiered row of {n} blocks does not fit a prompt of "
-                             f"{len(token_ids)} tokens")
-        if saved.hashes[n - 1] != block_hashes(token_ids, ps, c.hash_seed, n)[n - 1]:
-            raise ValueError("the saved pages are not this prompt's (block hashes differ)")
-        arrays = saved.arrays
-        missing = [k for k in TIER_ARRAYS if k not in arrays]
-        if missing:
-            raise ValueError(f"the saved pages are not a tiered row (no {missing})")
-        layout = {k: np.asarray(arrays[k]) for k in TIER_ARRAYS[:4]}
-        rows = len(layout["tier_head"])
-        heads = self.num_layers * self.num_kv_heads
-        if any(x.shape != (rows,) for x in layout.values()) or not (
-                (layout["tier_head"] >= 0) & (layout["tier_head"] < heads)
-                & (layout["tier_tokens"] >= 0)).all():
-            raise ValueError("the saved tiered row's page layout is malformed")
-        high, low = tier_counts(layout, heads)
-        if (high + low > n * ps).any():  # bounds first: the layout is built from them
-            raise ValueError("the saved tiered row holds more tokens than its blocks")
-        if (-(-high // ps) + -(-low // (2 * ps)) > c.max_pages).any():
-            raise ValueError("the saved tiered row is wider than this pool's page tables")
-        want = row_layout(high, low, ps)
-        if any(not np.array_equal(layout[k], want[k]) for k in want):
-            raise ValueError("the saved tiered row's pages do not match its tier counts")
-        pages = {k: v for k, v in arrays.items() if k not in TIER_ARRAYS}
-        c.pool.check_saved(pages, (), rows)
-        if any(len(x) != rows for x in pages.values()):
-            raise ValueError(f"the saved tiered row's pages are not {rows} rows")
-        for k in ("tier_score", "tier_pos"):
-            if np.shape(arrays[k]) != (rows, 2 * ps):
-                raise ValueError(f"saved {k} is {list(np.shape(arrays[k]))}, expected "
-                                 f"[{rows}, {2 * ps}]")
-        shape = (self.num_layers, self.num_kv_heads)
-        return layout, high.reshape(shape), low.reshape(shape)
-
-    def restore_tiers(self, slot: int, saved: SavedPages, token_ids: Sequence[int]) -> int:
-        """Start the empty `slot` with a saved tiered row (its compression kept); returns
-        the tokens it then holds (0 when its pages cannot be had: recomputed instead). A row
-        stored in a smaller form (`saved.exact_blocks`: tokens dropped by the store) makes
-        the slot's row approximate (`approximate_row`)."""
-        layout, high, low = self.restorable_tiers(saved, token_ids)
-        arrays = saved.arrays
-        pages = KVPages.from_arrays(self.cache.pool.kv_format, {
-            k: np.asarray(v) for k, v in arrays.items() if k not in TIER_ARRAYS})
-        tokens = saved.num_blocks * self.cache.page_size
-        compiled = place_row._cache_size()
-        t0 = time.perf_counter()
-        if not self.cache.layout.place_tiers(slot, layout, pages, np.asarray(arrays["tier_score"]),
-                                      np.asarray(arrays["tier_pos"]), high, low, tokens):
-            return 0
-        jax.block_until_ready(self.cache.pool)
-        if place_row._cache_size() == compiled:  # a compile is not a load rate
-            self._learn_load(pages.nbytes, time.perf_counter() - t0)
-        if saved.exact_blocks is not None and saved.exact_blocks < saved.num_blocks:
-            self._pending[slot] = _Pending(approx_from=0, form=saved.form)
-        return tokens
-
-    def approximate_row(self, slot: int) -> bool:
-        """Whether `slot`'s tiered row was restored from a smaller stored form (or one saved
-        approximate): it is not kept on the device (exact-hash lookups), and only a lossy
-        store is handed it, marked approximate, in that form (`gather_tiers`)."""
-        p = self._pending.get(slot)
-        return p is not None and p.approx_from is not None
 
     def write(self, slots: Sequence[int]) -> None:
         """Write the queued restores of `slots` into the pool now, every layer at once
@@ -392,21 +347,6 @@ class KVConnector:
                           for f, x in arrays.items()}
         return SavedPages(n, arrays, block_hashes(c.slot_tokens[slot], c.page_size,
                                                   c.hash_seed), exact_blocks=exact, start=start)
-
-    def gather_tiers(self, slot: int) -> SavedPages:
-        """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),
-        as device arrays being copied out of the pool (`rows` of them real); marked
-        approximate (`exact_blocks` 0) and named in its form when it was restored from a
-        smaller one."""
-        c = self.cache
-        layout, pages, score, pos = c.layout.tier_pages(slot)
-        n = len(c.slot_tokens[slot]) // c.page_size
-        approx = self.approximate_row(slot)
-        return SavedPages(n, {**pages.arrays(), **layout, "tier_score": score, "tier_pos": pos},
-                          block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed, n),
-                          exact_blocks=0 if approx else None,
-                          rows=int((layout["tier_head"] >= 0).sum()),
-                          form=self._pending[slot].form if approx else None)
 
     def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
                drop: int) -> SavedPages:

@@ -30,19 +30,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
-from jkv.engine.connector import KVConnector, SavedPages, pyramid
+from jkv.engine.connector import KVConnector, SavedPages
 from jkv.engine.layer_major import LayerMajor
+from jkv.engine.row_connector import RowConnector
 from jkv.engine.runner import ModelRunner, Row
 from jkv.engine.sampling import SamplingParams
-from jkv.kv import tier_step
-from jkv.kv.format import KVFormat
-from jkv.kv.kv_forms import convert_pages
 from jkv.kv.layer_offload import LayerOffload, resident_layers
 from jkv.kv.manager import KVCacheManager
-from jkv.kv.row_forms import convert_row
 from jkv.kv.tiered_rows import TierPolicy
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
+
+# the connector of each layout (`Layout.name`)
+CONNECTORS = {"blocks": KVConnector, "tiered": RowConnector}
 
 __all__ = ["Engine", "EngineStats", "Row", "Sampled", "SavedPages", "resolve_backend"]
 
@@ -103,11 +103,7 @@ class Engine:
         hash_seed = (f"{model_id}|{cache.kv_format.name}|{cache.page_size}|"
                      f"{jnp.dtype(dtype).name}|{cfg}"
                      # k8v4t etc. were unrotated before: their stored entries must not match
-                     f"{'|rotated' if cache.kv_format.rotated else ''}"
-                     # a tiered row is not blocks: stored rows and blocks never match
-                     f"{f'|{cache.kv_policy}' if cache.tiered else ''}").encode()
-        # names the KV this engine writes (model, format, page size, shapes) in stored entries
-        self.fingerprint = hashlib.blake2b(hash_seed, digest_size=16).hexdigest()
+                     f"{'|rotated' if cache.kv_format.rotated else ''}").encode()
         self.kv_format = cache.kv_format.name
         self.kv_dtype = dtype  # (a 16-bit side's)
         self.kv_bf16_ratio = 2 / jnp.dtype(dtype).itemsize  # (bf16 bytes over a pool's)
@@ -117,42 +113,42 @@ class Engine:
             kv_cache_bytes=cache.kv_cache_bytes, max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             device_cache_bytes=config.device_cache_bytes, hash_seed=hash_seed,
-            tiers=TierPolicy(cache.kv_policy, cache.kv_recent_window, cache.kv_alpha_high,
-                             cache.kv_alpha_low, cache.kv_sink_tokens, cache.kv_heavy_ratio,
-                             cache.kv_placement_interval)
-            if cache.tiered else None)
-        self.tiered = cache.tiered
-        # LayerKV's layer-wise offload (block pages only: a tiered row is not blocks)
-        self.layers = None if cache.tiered else LayerOffload(self.cache)
-        self.connector = KVConnector(self.cache, num_layers=cfg.num_layers,
-                                     num_kv_heads=cfg.num_kv_heads,
-                                     rotate=family.rotate_keys(cfg),
-                                     layerwise=self.execution == "layerwise")
+            tiers=TierPolicy.of(cache))
+        layout = self.cache.layout
+        # names the KV this engine writes (model, format, page size, shapes, layout) in
+        # stored entries
+        self.fingerprint = hashlib.blake2b(self.cache.hash_seed, digest_size=16).hexdigest()
+        # LayerKV's layer-wise offload (where the layout can hold a layer on the host)
+        self.layers = LayerOffload(self.cache)
+        self.connector = CONNECTORS[layout.name](
+            self.cache, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+            rotate=family.rotate_keys(cfg), layerwise=self.execution == "layerwise")
         self.runner = ModelRunner(cfg, params, family, backend=self.attention_backend,
                                   layer_by_layer=self.execution == "layerwise",
                                   max_rows=self.max_num_seqs, scratch_slot=self.cache.scratch,
                                   prefill_chunk=self.prefill_chunk,
-                                  # only tiers read it: untiered engines share compilations
-                                  max_tokens=self.max_model_len if self.tiered else None,
-                                  shape_step=shape_step)
+                                  # only significance reads it: others share compilations
+                                  max_tokens=self.max_model_len if layout.filling_scores
+                                  else None, shape_step=shape_step)
         # how much of a split restore's shorter part (recompute or load) hides behind the
         # longer (`restore_planning.split_share`): on a GPU the copies run on their own
         # engine beside the compute (1); on CPU both take the same cores (0: never split
-        # there, as benchmarks/restore.py's split rows show). A tiered row is restored whole.
-        self.split_overlap = 0.0 if self.tiered or jax.default_backend() == "cpu" else 1.0
+        # there, as benchmarks/restore.py's split rows show); 0 where restores are whole.
+        cpu = jax.default_backend() == "cpu"
+        self.split_overlap = 0.0 if cpu or not self.connector.splits_restores else 1.0
         # a CPU backend takes 64-byte aligned host arrays as they are (a restore's pages:
         # no copy in the step), so a store for this engine hands them over aligned
         self.aligned_host_arrays = jax.default_backend() == "cpu"
         # prompts with layers on the host fed a layer at a time over all their tokens
-        self.layer_major = None if self.layers is None else LayerMajor(
-            self.cache, self.runner, self.layers, cfg.num_layers, self.prefill_chunk)
+        self.layer_major = LayerMajor(self.cache, self.runner, self.layers, cfg.num_layers,
+                                      self.prefill_chunk)
         self._seed, self._requests_seen = config.seed, 0
         self.stats = EngineStats()
 
     @property
     def num_compiles(self) -> int:
         """Compiled variants of the step functions (a steady workload must not add any)."""
-        return self.runner.num_compiles + (tier_step.retier._cache_size() if self.tiered else 0)
+        return self.runner.num_compiles + self.cache.layout.num_compiles
 
     def request_key(self, seed: int | None) -> np.ndarray:
         """A request's PRNG key: from its seed, or the engine's seed and a request counter."""
@@ -173,9 +169,9 @@ class Engine:
         Returns (slot, cached): the first `cached` tokens are already held (prefix cache
         hits unless `use_prefix_cache` is False, at most `max_cached` of them, then the blocks
         of `restore` past them: saved pages of this prompt's first blocks, written into new
-        pages, or with token tiers a saved tiered row); feed the rest with `step`.
+        pages, or a saved whole row: the connector's); feed the rest with `step`.
         `recompute` in [0, 1]: about that share of the restored blocks' KV is recomputed
-        while the rest loads (Krul's split restore, `KVConnector.pyramid`; not for a tiered
+        while the rest loads (Krul's split restore, `KVConnector.pyramid`; not for a whole
         row, which is restored whole). `resident`: only that many layers keep pages in the
         pool, spread over the depth (`resident_layers`); the others are held on the host
         from the start and their prefill goes through the pool a layer at a time
@@ -184,27 +180,21 @@ class Engine:
         if not 0.0 <= recompute <= 1.0:
             raise ValueError(f"recompute must be in [0, 1], got {recompute}")
         if resident is not None:
-            if self.layers is None:
+            if not self.layers.enabled:
                 raise ValueError("resident layers need block pages (not a token-tier policy)")
             keep = resident_layers(self.cfg.num_layers, resident)  # ValueError if out of range
         if not 1 <= len(token_ids) < self.max_model_len:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
                              f"got {len(token_ids)}")
         if restore is not None:  # raises before anything is taken
-            if self.tiered:
-                self.connector.restorable_tiers(restore, token_ids)
-            else:
-                restorable = self.connector.restorable(restore, token_ids)
+            restorable = self.connector.restorable(restore, token_ids)
         slot, cached = self.cache.open(token_ids, use_prefix_cache, max_cached)
         if self.cache.enable_prefix_caching:
             self.stats.prefix_query_tokens += len(token_ids)
         self.stats.prefix_hit_tokens += cached
         if restore is not None:
-            if self.tiered:  # a saved tiered row starts an empty slot (not a kept one's)
-                held = cached or self.connector.restore_tiers(slot, restore, token_ids)
-            else:
-                held = self._restore(slot, cached // self.page_size, restorable, restore,
-                                     token_ids, recompute)
+            held = self._restore(slot, cached // self.page_size, restorable, restore,
+                                 token_ids, recompute)
             self.stats.restored_tokens += held - cached
             self.cache.add_tokens(slot, token_ids[cached:held])
             cached = held
@@ -216,7 +206,7 @@ class Engine:
         """Move `layers` of the open sequence in `slot` to host memory (its pages in them
         are freed; its steps bring each back for its layer's turn, `fetch_layers` for
         good); returns the pages freed."""
-        if self.layers is None:
+        if not self.layers.enabled:
             raise ValueError("layer offload needs block pages (not a token-tier policy)")
         if not self.cache.is_open(slot):
             raise ValueError(f"slot {slot} holds no open sequence")
@@ -227,7 +217,7 @@ class Engine:
     def _not_mid_prompt(self, slot: int) -> None:
         """ValueError while `slot`'s prompt is part way through its layers (layer-major):
         its layers hold different tokens until the last one has run."""
-        if self.layer_major is not None and self.layer_major.next_layer(slot):
+        if self.layer_major.next_layer(slot):
             raise ValueError(f"slot {slot} is part way through a layer-major prefill")
 
     def keep_resident(self, slot: int, keep: int) -> int:
@@ -241,32 +231,29 @@ class Engine:
 
     def offloaded_layers(self, slot: int) -> list[int]:
         """The layers of `slot` held in host memory."""
-        return [] if self.layers is None else self.layers.layers(slot)
+        return self.layers.layers(slot)
 
     def pages_to_fetch(self, slot: int) -> int:
         """Pages `fetch_layers(slot)` takes."""
-        return 0 if self.layers is None else self.layers.pages_to_fetch(slot)
+        return self.layers.pages_to_fetch(slot)
 
     def fetch_layers(self, slot: int) -> None:
         """Bring every offloaded layer of `slot` back into the pool (RuntimeError when
         `pages_to_fetch` pages cannot be had)."""
-        if self.layers is not None:
-            self._not_mid_prompt(slot)
-            self.layers.fetch(slot)
+        self._not_mid_prompt(slot)
+        self.layers.fetch(slot)
 
-    def _restore(self, slot: int, first: int, n: int, saved: SavedPages,
+    def _restore(self, slot: int, first: int, n: object, saved: SavedPages,
                  token_ids: Sequence[int], recompute: float) -> int:
-        """Saved blocks [first, n) into `slot`; with `recompute`, the pyramid's recomputed
-        blocks are dispatched before the loads' copies (on a GPU they overlap). Returns the
-        tokens the slot then holds."""
-        ps, layers = self.page_size, self.cfg.num_layers
+        """Saved KV into `slot`, which holds `first` blocks (`n`: what the connector's
+        `restorable` said of it); with `recompute`, the pyramid's recomputed blocks are
+        dispatched before the loads' copies (on a GPU they overlap). Returns the tokens the
+        slot then holds."""
+        ps = self.page_size
         loaded_from = None
         if recompute:
-            if n > first:
-                chunk = max(1, self.prefill_chunk // (4 * ps))
-                loaded_from = pyramid(first, n, layers, recompute, chunk)
-                if (loaded_from == first).all():  # too small a share to split off
-                    loaded_from = None
+            chunk = max(1, self.prefill_chunk // (4 * ps))
+            loaded_from = self.connector.split(first, n, recompute, chunk)
         held = self.connector.restore(slot, first, saved, token_ids, loaded_from)
         if held > first * ps:
             if loaded_from is not None:
@@ -292,32 +279,30 @@ class Engine:
             self.stats.recomputed_tokens += (hi - lo) * ps * depth / self.cfg.num_layers
 
     def close(self, slot: int, finished: bool = True, keep: bool = True) -> None:
-        """End the sequence in `slot`: its full blocks go to the prefix cache (when on; with
-        token tiers its whole row is kept) and its other pages back to the pool. `finished`
-        False: preempted (what it held does not count in the statistics of finished
-        sequences). `keep` False: nothing of it is kept (its KV is suspect). A tiered row
-        restored from a smaller stored form is not kept (`KVConnector.approximate_row`)."""
-        keep = keep and not (self.tiered and self.connector.approximate_row(slot))
+        """End the sequence in `slot`: what its layout keeps (full blocks in the prefix
+        cache, a whole row) is kept when prefix caching is on, its other pages go back to
+        the pool. `finished` False: preempted (what it held does not count in the
+        statistics of finished sequences). `keep` False: nothing of it is kept (its KV is
+        suspect), nor is what the connector says may not be (`KVConnector.keepable`: a row
+        restored from a smaller stored form)."""
+        keep = keep and self.connector.keepable(slot)
         shareable = self.connector.shareable_blocks(slot) if keep else 0
         self.connector.forget(slot)  # a restore never written: the request ended first
-        ahead = 0 if self.layer_major is None else self.layer_major.drop(slot)
+        ahead = self.layer_major.drop(slot)
         self.cache.close(slot, shareable, finished, keep, ahead)
 
     def gather(self, slot: int, start: int = 0, approximate: bool = False) -> SavedPages:
         """The full blocks `slot` holds from block `start` on, being copied out of the pool
-        (`KVConnector.gather`: `approximate`, with its approximate blocks too; with token
-        tiers, its whole tiered row: `gather_tiers`)."""
-        if self.tiered:
-            return self.connector.gather_tiers(slot)
+        (`KVConnector.gather`: `approximate`, with its approximate blocks too; a whole row
+        where the layout keeps rows: `RowConnector.gather`)."""
         return self.connector.gather(slot, start, approximate)
 
     def saved_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
-        """Block hashes of what `gather(slot, approximate=...)` saves (a tiered row: none, it
-        is saved whole)."""
-        return [] if self.tiered else self.connector.shareable_hashes(slot, approximate)
+        """Block hashes of what `gather(slot, approximate=...)` saves (a whole row: none)."""
+        return self.connector.saved_hashes(slot, approximate)
 
     def save_pages(self, slot: int) -> SavedPages:
-        """The full blocks `slot` holds (a tiered row: its tiers' pages), copied to the host."""
+        """The full blocks `slot` holds (a whole row: its tiers' pages), copied to the host."""
         return self.gather(slot).fetch()
 
     def rebase(self, saved: SavedPages, token_ids: Sequence[int], keep: int,
@@ -329,14 +314,9 @@ class Engine:
         """A stored entry's pages in KV format `src` as pages of `dst` (a smaller form made
         for AdaptCache, or one read back into the pool's: `kv_forms.convert_pages`,
         approximate KV); ValueError for a format this jkv does not know or pages not of
-        it. Under token tiers a stored row's forms are the pool's format and row forms,
-        which drop tokens (`row_forms.convert_row`)."""
-        if self.tiered:
-            t, c = self.cache.layout.policy, self.cfg
-            return convert_row(arrays, src, dst, self.cache.pool.kv_format,
-                               heads=c.num_layers * c.num_kv_heads, page=self.page_size,
-                               sinks=t.sinks, recent=t.recent_window)
-        return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), self.kv_dtype)
+        it. A stored whole row's forms are the pool's format and row forms, which drop
+        tokens (`RowConnector.convert_stored`)."""
+        return self.connector.convert_stored(arrays, src, dst, self.kv_dtype)
 
     def read_buffer_layers(self, load_bytes: int, new_tokens: int) -> int:
         """Layers of restored KV a layer-wise step keeps in flight, from measured rates
@@ -349,8 +329,8 @@ class Engine:
     def _check_rows(self, prefill: Sequence[Row], decode: Sequence[Row]) -> dict[int, int]:
         """ValueError unless the rows are a valid step; returns each slot's new length."""
         for r in prefill:
-            if r.layers is not None:
-                if self.layer_major is None:
+            if r.layer_span is not None:
+                if not self.layers.enabled:
                     raise ValueError("a layer-major prefill needs block pages (not a token-tier "
                                      "policy)")
                 self.layer_major.check(r)
@@ -376,7 +356,7 @@ class Engine:
              ) -> tuple[list[Sampled | None], list[Sampled]]:
         """Feed every row its tokens; returns what was sampled after each row's last token
         (prefill rows, decode rows). A prefill row takes up to `prefill_chunk` tokens, a
-        decode row exactly one; a layer-major prefill row (`Row.layers`) its whole prompt
+        decode row exactly one; a layer-major prefill row (`Row.layer_span`) its whole prompt
         through those layers (None sampled before its last layer)."""
         rows = list(prefill) + list(decode)
         if not rows:
@@ -384,13 +364,13 @@ class Engine:
         lengths = self._check_rows(prefill, decode)
         t0 = time.perf_counter()
         self.connector.write_all_but(list(lengths))
-        layered = [r for r in prefill if r.layers is not None]
-        chunked = [r for r in prefill if r.layers is None]
+        layered = [r for r in prefill if r.layer_span is not None]
+        chunked = [r for r in prefill if r.layer_span is None]
         held = {r.slot: len(self.cache.slot_tokens[r.slot]) for r in layered}
         # a layer-major prompt's resident pages are all taken by its first step
         ok = self.cache.grow({s: n for s, n in lengths.items()
                               if s not in held or self.layer_major.next_layer(s) == 0},
-                             0 if self.layers is None else self.layers.step_pages(lengths))
+                             self.layers.step_pages(lengths))
         groups = [[chunked[i] for i in g]
                   for g in self.runner.prefill_groups([len(r.tokens) for r in chunked])]
         groups += [list(decode)] if decode else []
@@ -399,8 +379,7 @@ class Engine:
         ok, outs, outs_layered = jax.device_get((ok, outs, outs_layered))
         if not ok:
             raise RuntimeError("page reservation failed although the host count allowed it")
-        if self.layers is not None:
-            self.layers.settle()
+        self.layers.settle()
         self.cache.layout.after_step()
         self.connector.written(list(lengths))  # layer-wise restores are in the pool now
         done = [r for r, out in zip(layered, outs_layered, strict=True) if out is not None]
@@ -439,7 +418,7 @@ class Engine:
         before_layer = self.connector.stage([r.slot for r in rows], int(batch.valid.sum()),
                                             self.stats.prefill_token_seconds)
         after_layer = None
-        if self.layers is not None and any(r.slot in c.offloaded for r in rows):
+        if any(r.slot in c.offloaded for r in rows):
             before_layer, after_layer = self._offload_hooks(rows, before_layer)
         elif layered:  # layer by layer, as a step with offloaded layers runs (`warmup`)
             def after_layer(index, pool, table_pages):
@@ -485,13 +464,12 @@ class Engine:
 
     def warmup(self, progress=None) -> int:
         """Compile every step shape now, so serving never waits on a compilation (padding
-        rows only: what they write is never read), the store's block copies and the calls
-        that keep tiered sequences on the device (a tiered row's store copies compile on
-        first use).
+        rows only: what they write is never read), the store's block copies and the
+        layout's own calls (a whole row's store copies compile on first use).
         `progress(done, total)` after each shape. Returns how many shapes were new."""
         todo, new = self.shapes(), 0
         # a step with offloaded layers goes layer by layer: compiled too where steps scan
-        layered = self.layers is not None and not self.runner.layer_by_layer
+        layered = self.layers.enabled and not self.runner.layer_by_layer
         for i, (b, t) in enumerate(todo):
             before = self.num_compiles
             jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t))
@@ -502,8 +480,7 @@ class Engine:
             if progress is not None:
                 progress(i + 1, len(todo))
         self.cache.warmup()
-        if self.layers is not None:
-            self.layers.warmup()
-            self.layer_major.warmup()
+        self.layers.warmup()
+        self.layer_major.warmup()
         self.connector.warmup()
         return new

@@ -6,7 +6,7 @@ each layer's KV leaves while the next one computes).
 Fed chunk by chunk through every layer instead, each chunk would bring back every offloaded
 layer's earlier chunks: the prompt's KV crosses the bus about chunks / 2 times (an 8K prompt
 in 512-token chunks: 8 times; on the H200 its prefill with no layer resident took 6.6x the
-resident one). A step runs a range of layers (`Row.layers`) over the whole prompt, in calls
+resident one). A step runs a range of layers (`Row.layer_span`) over the whole prompt, in calls
 of at most `prefill_chunk` tokens (the compiled prefill shapes); the calls' hidden states
 wait on the device between steps (the prompt's tokens x the hidden size: about a layer's KV
 of it), and the step with the last layer samples the first token. The scheduler gives a
@@ -56,12 +56,12 @@ class LayerMajor:
 
     def check(self, row: Row) -> None:
         """ValueError unless `row` continues its slot's prompt where it stopped."""
-        first, last = row.layers
+        first, last = row.layer_span
         if not row.tokens:
             raise ValueError("a layer-major prefill row feeds 1 token at least, got none")
         if not 0 <= first < last <= self.num_layers:
-            raise ValueError(f"Row.layers must be 0 <= first < last <= {self.num_layers}, "
-                             f"got {row.layers}")
+            raise ValueError(f"Row.layer_span must be 0 <= first < last <= {self.num_layers}, "
+                             f"got {row.layer_span}")
         p = self._pending.get(row.slot)
         if first != (0 if p is None else p.next_layer):
             raise ValueError(f"slot {row.slot}'s layer-major prefill continues at layer "
@@ -73,11 +73,11 @@ class LayerMajor:
             raise ValueError("a layer-major prefill gives no prompt logprobs")
 
     def run(self, row: Row, held: int) -> tuple | None:
-        """Dispatch layers `row.layers` of `row`'s prompt (the slot holds `held` tokens before
+        """Dispatch layers `row.layer_span` of `row`'s prompt (the slot holds `held` tokens before
         it); after the model's last layer, the sampled token as `ModelRunner.head` gives it,
         else None. Offloaded layers are brought in (their pages for the whole prompt) before
         they run and sent out after."""
-        c, first, last = self.cache, *row.layers
+        c, first, last = self.cache, *row.layer_span
         p = self._pending.get(row.slot)
         if p is None:  # (the step has just given its resident layers the prompt's pages)
             p = self._pending[row.slot] = _Pending(
@@ -123,7 +123,7 @@ class LayerMajor:
         weights are not views: a GPU), on the scratch slot, so no prompt compiles."""
         c = self.cache
         weights = self.runner.layer_weights(0)
-        if weights is None:
+        if weights is None or not self.layers.enabled:
             return
         for rows, tokens in self.runner.shapes():
             if rows == 1:

@@ -85,7 +85,7 @@ class Row:
     targets: Sequence[int] | None = None
     # a prefill fed layer-major (`jkv.engine.layer_major`): this step runs layers [first, last) over
     # all of `tokens`, and samples after the model's last layer only
-    layers: tuple[int, int] | None = None
+    layer_span: tuple[int, int] | None = None
 
 
 

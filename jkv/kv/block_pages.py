@@ -73,6 +73,13 @@ class BlockPages:
     def cached_pages(self) -> int:
         return len(self.prefix) * self.cost.heads
 
+    num_compiles = 0  # no calls of its own in a step
+
+    @staticmethod
+    def seed_tag(policy: None) -> bytes:
+        """Block hashes' seed as it is."""
+        return b""
+
     def shared_rows(self, slot: int) -> list[int]:
         return self._slot_rows[slot]
 

@@ -126,13 +126,13 @@ def _put(dest: np.ndarray, index: int, src: np.ndarray) -> np.ndarray:
 
 
 class LayerOffload:
-    """Moves layers of a `KVCacheManager`'s slots between its pool and the host."""
+    """Moves layers of a `KVCacheManager`'s slots between its pool and the host, where its
+    layout can hold a layer on the host (`enabled`; elsewhere no slot ever has a layer
+    there, and `offload` is a ValueError)."""
 
     def __init__(self, cache: KVCacheManager) -> None:
-        if not cache.layout.offloads_layers:
-            raise ValueError("layer offload needs block pages: a token-tier policy's rows "
-                             "are not blocks")
         self.cache = cache
+        self.enabled = cache.layout.offloads_layers
         self.offloaded_bytes = 0  # copied to the host, over the engine's life
         self.fetched_bytes = 0  # copied back into the pool
         self.offload_bytes_per_s = 0.0  # measured copy rate out of the pool (LayerKV eq. 4)
@@ -163,6 +163,9 @@ class LayerOffload:
         pages; returns the pages freed. The slot must not be mid-restore (the connector
         writes its queue first)."""
         c = self.cache
+        if not self.enabled:
+            raise ValueError(f"layer offload needs block pages, not the {c.layout.name} "
+                             "layout of a token-tier policy")
         self.flush()
         layers = [int(x) for x in layers if int(x) not in c.offloaded.get(slot, {})]
         bad = [x for x in layers if not 0 <= x < c.num_layers]
@@ -239,7 +242,7 @@ class LayerOffload:
     def flush(self) -> bool:
         """Drop the pages of layers sent out and not yet dropped (before anything else
         reserves pages); whether there were any."""
-        return self.cache.layout.drop_sent()
+        return self.enabled and self.cache.layout.drop_sent()
 
     def step_pages(self, lengths: dict[int, int]) -> int:
         """The most pages a step's `bring`s hold at once: one layer's of every row with that
@@ -271,6 +274,8 @@ class LayerOffload:
         """Compile the copies for every power-of-two block count a row can hold, on the
         scratch slot (nothing taken, nothing written), so an offload never compiles."""
         c = self.cache
+        if not self.enabled:
+            return
         slot, zero = np.int32(c.scratch), np.int32(0)
         empty = []
         for count in sorted({bucket(n) for n in range(1, c.max_pages + 1)}):

@@ -21,10 +21,15 @@ class Layout(Protocol):
     filling_scores: bool  # the filling pages carry each token's significance
     offloads_layers: bool  # one layer of a sequence can live on the host (LayerKV)
     tier_refusals: int  # placements the pool was too short for
+    num_compiles: int  # compiled variants of the layout's own step calls
 
     @staticmethod
     def table_width(pages: int) -> int:
         """Page-table width for rows of at most `pages` pages."""
+
+    @staticmethod
+    def seed_tag(policy: object) -> bytes:
+        """Added to the block hashes' seed (entries of two layouts never match)."""
 
     @property
     def evictable_pages(self) -> int:

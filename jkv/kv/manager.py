@@ -10,7 +10,7 @@ tokens take; neither computes page counts another way.
 
 A host count of free pages mirrors the device free list so that planning never waits for
 the device: pages change hands only here and in the layout, so which pages a release frees
-is known exactly (a tiered step's placements are read back once per step).
+is known exactly (token tiers' placements are read back once per step).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class KVCacheManager:
         self.total_pages = num_pages - 1  # page 0 is the null page
         slots = max_num_seqs + 1  # the last slot is scratch for padding rows
         self.max_num_seqs, self.scratch = max_num_seqs, max_num_seqs
-        self.enable_prefix_caching, self.hash_seed = enable_prefix_caching, hash_seed
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed = hash_seed + kind.seed_tag(tiers)
         device = jax.devices()[0]
         s = self._s = KVState()
         s.free_pages = self.total_pages  # host mirror of free.num_free
@@ -120,7 +121,7 @@ class KVCacheManager:
     @property
     def available_pages(self) -> int:
         """Pages a new allocation can have: free ones plus those the layout keeps for reuse
-        and can evict (unreferenced cached blocks, kept tiered rows)."""
+        and can evict (unreferenced cached blocks, kept rows)."""
         return self.free_pages + self.layout.evictable_pages
 
     @property
@@ -130,7 +131,7 @@ class KVCacheManager:
 
     @property
     def pages_cached(self) -> int:
-        """Pages kept for reuse: the prefix cache's blocks or the kept tiered rows."""
+        """Pages kept for reuse: the prefix cache's blocks or the kept rows."""
         return self.layout.cached_pages
 
     def resident(self, slot: int) -> int:
@@ -253,7 +254,7 @@ class KVCacheManager:
     def close(self, slot: int, shareable: int, finished: bool = True,
               keep: bool = True, ahead: int = 0) -> None:
         """End the sequence in `slot`: what the layout keeps of it (its first `shareable`
-        full blocks, whose KV is exactly its tokens', in the prefix cache; a tiered row
+        full blocks, whose KV is exactly its tokens', in the prefix cache; a row of tiers
         whole) is kept when prefix caching is on, and its other pages are freed.
         `finished` (not preempted): what it held counts in `finished`. `keep` False:
         nothing is kept. `ahead`: pages its resident layers took for a prompt they do not

@@ -33,8 +33,9 @@ def page_bytes(kv_format: KVFormat, page_size: int, head_dim: int, dtype) -> int
 
 
 def init_filling(max_seqs: int, num_layers: int, num_kv_heads: int, page_size: int,
-                 head_dim: int, dtype=jnp.bfloat16, tiered: bool = False) -> FillingPages:
-    """Empty filling pages for `max_seqs` sequence slots (with scores when `tiered`)."""
+                 head_dim: int, dtype=jnp.bfloat16, scores: bool = False) -> FillingPages:
+    """Empty filling pages for `max_seqs` sequence slots (with each token's significance
+    when `scores`: token tiers read it)."""
     shape = (max_seqs, num_layers, num_kv_heads, page_size, head_dim)
-    score = jnp.zeros(shape[:-1], jnp.float32) if tiered else None
+    score = jnp.zeros(shape[:-1], jnp.float32) if scores else None
     return FillingPages(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), score=score)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,9 @@ from jkv.kv.tier_entries import (
 )
 from jkv.kv.token_tiers import init_counts, init_meta
 
+if TYPE_CHECKING:
+    from jkv.config import CacheConfig
+
 
 @dataclass(frozen=True)
 class TierPolicy:
@@ -53,6 +57,15 @@ class TierPolicy:
     sinks: int = 0
     heavy_ratio: float = 0.0
     interval: int = 1
+
+    @staticmethod
+    def of(cache: CacheConfig) -> TierPolicy | None:
+        """The token policy `cache` asks for (None: block pages, kv_policy "none")."""
+        if not cache.tiered:
+            return None
+        return TierPolicy(cache.kv_policy, cache.kv_recent_window, cache.kv_alpha_high,
+                          cache.kv_alpha_low, cache.kv_sink_tokens, cache.kv_heavy_ratio,
+                          cache.kv_placement_interval)
 
 
 class _TierState:
@@ -116,6 +129,16 @@ class TieredRows:
         return 0 if self.entries is None else self.entries.pages
 
     cached_pages = evictable_pages
+
+    @staticmethod
+    def seed_tag(policy: TierPolicy) -> bytes:
+        """Added to block hashes' seed: stored rows and blocks never match."""
+        return f"|{policy.name}".encode()
+
+    @property
+    def num_compiles(self) -> int:
+        """Compiled variants of the placement call."""
+        return tier_step.retier._cache_size()
 
     def shared_rows(self, slot: int) -> list[int]:
         return []

@@ -48,7 +48,7 @@ class Candidate:
 class Budget:
     """What one step may use, and the cost model the TPOT cap estimates step time with."""
 
-    available_pages: int  # free pages plus unreferenced cached blocks and kept tiered rows
+    available_pages: int  # free pages plus unreferenced cached blocks and kept whole rows
     free_slots: int
     max_tokens: int  # tokens per step, decode and prefill together
     chunk: int  # most tokens one request feeds in one step

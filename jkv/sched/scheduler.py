@@ -54,7 +54,7 @@ class Scheduler(StoreSide):
                             aligned_reads=engine.aligned_host_arrays,
                             convert=engine.convert_stored,
                             bf16_ratio=engine.kv_bf16_ratio,
-                            backend=jax.default_backend(), tiered=engine.tiered)
+                            backend=jax.default_backend(), whole_rows=engine.connector.stored_whole)
         self.store = store
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -70,7 +70,7 @@ class Scheduler(StoreSide):
         self._next_step_s = 0.0  # what the next step of the decoding requests will take
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
         # LayerKV's layer-wise offload, where the engine's pages are blocks
-        self.layer_offload = self.config.layer_offload and engine.layers is not None
+        self.layer_offload = self.config.layer_offload and engine.layers.enabled
 
     def add(self, request: Request) -> None:
         """Queue a request. A prompt that cannot fit the model's context is a ValueError."""
@@ -179,7 +179,7 @@ class Scheduler(StoreSide):
             # steps run (0 until measured): why an admission was held can be read off these
             "step_costs": dict(self._step_costs),
         }
-        if eng.layers is not None:  # LayerKV's layer-wise offload
+        if eng.layers.enabled:  # LayerKV's layer-wise offload
             out["layer_offload"] = {
                 "enabled": self.layer_offload,
                 "layers_offloaded": self.stats.layers_offloaded,
@@ -323,7 +323,7 @@ class Scheduler(StoreSide):
                                       for n in range(eng.runner.max_rows + 1)),
             min_resident=min_resident(
                 eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
-                0.0 if eng.layers is None else eng.layers.offload_bytes_per_s,
+                eng.layers.offload_bytes_per_s,
                 token_s),
             forecast_steps=FORECAST_STEPS)
         self._step_costs = {"decode": budget.decode_step_by_rows[1],
@@ -401,7 +401,7 @@ class Scheduler(StoreSide):
                 rest, done = r.tokens[st.num_computed:], st.layers_done
                 k = layers_for(n, len(rest), eng.cfg.num_layers, done)
                 prefill.append((r, Row(st.slot, rest, r.sampling, st.key, len(r.output),
-                                       layers=(done, done + k))))
+                                       layer_span=(done, done + k))))
                 continue
             chunk = r.tokens[st.num_computed: st.num_computed + n]
             targets = None
@@ -420,7 +420,7 @@ class Scheduler(StoreSide):
             return finished
         # (a layer-major prompt brings its layers once for all its tokens: not counted)
         brings = sum(len(eng.offloaded_layers(row.slot)) for _, row in prefill + decode
-                     if row.layers is None)
+                     if row.layer_span is None)
         compiled, t0 = compilations(), time.perf_counter()
         out_p, out_d = eng.step([row for _, row in prefill], [row for _, row in decode])
         if compilations() == compiled:  # (a step that compiled is no sample of its cost)
@@ -429,8 +429,8 @@ class Scheduler(StoreSide):
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]
-            if row.layers is not None:
-                st.layers_done = None if sampled is not None else row.layers[1]
+            if row.layer_span is not None:
+                st.layers_done = None if sampled is not None else row.layer_span[1]
                 if sampled is None:
                     continue
             if sampled.positions is not None:

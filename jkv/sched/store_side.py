@@ -45,7 +45,7 @@ class StoreSide:
                  ) -> tuple[Candidate, RestoreDecision, int, bool]:
         """`r` as the policy sees it, with the restore planned for it (not yet applied), the
         tokens found on the device, and whether it may be admitted now: its prompt is looked
-        up in the device prefix cache (kept tiered sequences under token tiers), then in the
+        up on the device (the prefix cache's blocks, or kept whole rows), then in the
         store, whose entry is read ahead (`KVStore.read_ahead`) while it waits."""
         eng, st = self.engine, self._state[r]
         if r.sampling.prompt_logprobs is not None:  # every prompt token is computed
@@ -54,18 +54,13 @@ class StoreSide:
             st.hashes = eng.cache.prompt_hashes(r.tokens)
         cached, pinned = eng.cache.lookup(st.hashes)
         decision = RestoreDecision(cached)
-        if st.abandoned:
-            pass
-        elif self.store is not None and eng.tiered and not cached:
-            # a tiered row restores whole into an empty slot, never moved (no rebase)
+        # a whole row restores whole into an empty slot, never moved (no rebase)
+        whole = eng.connector.stored_whole
+        if self.store is not None and not st.abandoned and not (whole and cached):
             decision = plan_restore(
-                0, self.store.lookup(st.hashes, whole=True), None, rates,
-                cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
-                probe=st.probe, declined_count=declined)
-        elif self.store is not None and not eng.tiered:
-            decision = plan_restore(
-                cached, self.store.lookup(st.hashes), self._truncated_hit(r), rates,
-                cost=eng.cache.cost, planning=self.config.restore_planning, declined=st.declined,
+                cached, self.store.lookup(st.hashes, whole=whole),
+                None if whole else self._truncated_hit(r), rates, cost=eng.cache.cost,
+                planning=self.config.restore_planning, declined=st.declined,
                 probe=st.probe, declined_count=declined)
         ready = (decision.hit is None or not self.config.store_read_ahead
                  or self.store.read_ahead(decision.hit))
@@ -81,7 +76,7 @@ class StoreSide:
                 self.stats.restores_abandoned += 1
                 decision = RestoreDecision(cached)
         c = self._candidate(r, decision.held, pinned + decision.extra_pages)
-        if self.layer_offload and eng.layer_major is not None:  # (fed so if admitted offloaded)
+        if self.layer_offload:  # (fed so if admitted offloaded)
             c = dataclasses.replace(c, layer_major=0)
         return (c, decision,
                 cached, ready)
@@ -122,10 +117,10 @@ class StoreSide:
                 if loaded is not None:
                     (arrays, hashes, exact), tier = loaded
                     hit = hit._replace(tier=tier)  # counted where it was read from
-                    # a tiered row stored in a smaller form goes on in it (as looked up)
+                    # a row stored in a smaller form goes on in it (as looked up)
                     form = next((f for f, _ in hit.converted if is_row_form(f)), None)
                     restore = SavedPages(hit.blocks, arrays, hashes, exact_blocks=exact,
-                                         form=form if eng.tiered and exact == 0 else None)
+                                         form=form if exact == 0 else None)
                     if st.rebase:
                         t = r.truncation
                         restore = eng.rebase(restore, r.tokens, t.keep, t.drop)
@@ -166,8 +161,8 @@ class StoreSide:
             approximate = self.store.keeps_approximate
             hashes = self.engine.saved_hashes(slot, approximate)
             start = self.store.tail_start(hashes)
-            if not self.engine.tiered and start == len(hashes):
-                return  # nothing new (a tiered row is saved whole)
+            if not self.engine.connector.stored_whole and start == len(hashes):
+                return  # nothing new (a whole row is saved whole)
             saved = self.engine.gather(slot, start, approximate)
             if saved.rows is not None and saved.exact_blocks is not None and not approximate:
                 return  # a row restored from a smaller form: a lossless store never has it
@@ -182,7 +177,7 @@ class StoreSide:
         since their last save queue the new ones (CachedAttention: saving as KV is made,
         not all at the finish)."""
         every = self.store.config.save_interval_blocks
-        if not every or self.engine.tiered:
+        if not every or self.engine.connector.stored_whole:
             return
         page = self.engine.cache.page_size
         for r in decoded:

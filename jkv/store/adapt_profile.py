@@ -17,7 +17,7 @@ cost of the paper's estimator; `adapt_profile.py --decode` measures it), what th
 assumes until it has measured its own. `Profile.default()`:
 the one shipped for the embedded model (SmolLM2-135M), used when none is given (for a
 token-tier engine's rows, whose methods are row forms `<way>@<keep>` with rates against the
-row as kept: `Profile.default(tiered=True)`, from `benchmarks/adapt_rows.py`).
+row as kept: `Profile.default(whole_rows=True)`, from `benchmarks/adapt_rows.py`).
 """
 
 from __future__ import annotations
@@ -107,13 +107,13 @@ class Profile:
         return cls.from_json(data)
 
     @classmethod
-    def default(cls, tiered: bool = False) -> Profile:
+    def default(cls, whole_rows: bool = False) -> Profile:
         """The profile shipped with jkv: SmolLM2-135M's (the embedded model), measured by
         `benchmarks/adapt_profile.py`; another model's qualities differ (measure its own).
-        `tiered`: the one for a token-tier engine's stored rows, whose methods are row forms
+        `whole_rows`: the one for a token-tier engine's stored rows, whose methods are row forms
         (`benchmarks/adapt_rows.py`, measured under kv_policy leankv: for h2o and streaming
         rows an estimate; measure theirs with `--policy`)."""
-        name = "smollm2-135m-rows.json" if tiered else "smollm2-135m.json"
+        name = "smollm2-135m-rows.json" if whole_rows else "smollm2-135m.json"
         text = resources.files("jkv.store").joinpath(f"profiles/{name}").read_text()
         return cls.from_json(json.loads(text))
 
@@ -140,7 +140,7 @@ class Profile:
             for p in self.methods[method]:
                 q = (p.quality[kind] if kind is not None
                      else sum(p.quality.values()) / len(p.quality))
-                row = parse_row_form(method)  # a tiered row's: it keeps a share of tokens
+                row = parse_row_form(method)  # a whole row's: it keeps a share of tokens
                 out.append(Form(method, p.rate, round(bf16_bytes * p.rate), q, p.family,
                                 None if row is None else row[1]))
         return out

@@ -35,8 +35,8 @@ class AdaptStorePlacement:
     pool in the model dtype: float32 pages are twice a profile's bf16 ones). half_life:
     seconds over which an entry's uses halve (`AdaptPlacement`; None: learned). backend:
     the JAX backend the store's conversions run on: the profile's decode rates for it are
-    assumed until the store measures its own (`set_decode_rates`). tiered: the entries are
-    tiered rows (a token-tier engine's): their forms are the profile's row forms
+    assumed until the store measures its own (`set_decode_rates`). whole_rows: the entries are
+    whole rows (a token-tier engine's): their forms are the profile's row forms
     (`jkv.kv.row_forms`, rates against the row as the engine kept it), not KV formats.
     """
 
@@ -44,9 +44,9 @@ class AdaptStorePlacement:
 
     def __init__(self, profile: Profile, alpha: float, quality_floor: float, dram_bytes: int,
                  disk_bytes: int, bf16_ratio: float = 1.0, half_life: float | None = None,
-                 backend: str = "cpu", tiered: bool = False) -> None:
+                 backend: str = "cpu", whole_rows: bool = False) -> None:
         self.capacity = {"dram": dram_bytes, "disk": disk_bytes}
-        if tiered:
+        if whole_rows:
             self.methods = tuple(m for m in profile.methods if is_row_form(m))
             if not self.methods:
                 raise ValueError(f"the profile names no row form (<way>@<keep>, way one of "
@@ -87,6 +87,17 @@ class AdaptStorePlacement:
         return self.adapt.keys(tier)
 
     # ------------------------------------------------------------------ updates
+
+    lossy = True  # entries may be recompressed into smaller forms
+    weighs_recompute = True  # a miss costs its recompute
+
+    def observe(self, read_bps: dict[str, float], decode_bps: dict[str, float]) -> None:
+        """The store's measured read and conversion rates."""
+        self.set_read_rates(read_bps)
+        self.set_decode_rates(decode_bps)
+
+    def stats(self) -> dict:
+        return {"adapt_half_life_s": self.adapt.half_life}
 
     def set_read_rates(self, rates: dict[str, float]) -> None:
         """The store's measured read rates ("host"/"disk", bytes per second; 0: unknown)."""

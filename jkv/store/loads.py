@@ -109,7 +109,7 @@ class StoreLoads:
         exact = None if exact is None or exact >= n else exact
         if len(parts) == 1:
             arrays, hashes = parts[0]
-            if n == len(hashes):  # the whole entry (a tiered row's arrays are not blocks)
+            if n == len(hashes):  # the whole entry (a whole row's arrays are not blocks)
                 return Loaded(dict(arrays), list(hashes), exact)
             return Loaded({f: x[:n] for f, x in arrays.items()}, hashes[:n], exact)
         hashes = [h for _, hs in parts for h in hs][:n]

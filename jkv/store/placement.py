@@ -48,7 +48,25 @@ class _Item:
 
 
 class Placement:
-    """Sizes of the sessions held in DRAM and on disk, and the policy that moves them."""
+    """Sizes of the sessions held in DRAM and on disk, and the policy that moves them.
+
+    The store drives any placement through this interface; one that weighs more than
+    sizes (AdaptCache's, `adapt_store.AdaptStorePlacement`) says so here (`lossy`,
+    `weighs_recompute`) and takes the store's measures (`observe`, `set_recompute_rate`)."""
+
+    lossy = False  # entries keep the form they were saved in
+    weighs_recompute = False  # what a miss costs is no part of its choices
+    recompute_token_s = 0.0
+
+    def observe(self, read_bps: dict[str, float], decode_bps: dict[str, float]) -> None:
+        """The store's measured read and conversion rates (unused by size-only policies)."""
+
+    def set_recompute_rate(self, token_s: float) -> None:
+        """Seconds a recomputed token costs (unused by size-only policies)."""
+
+    def stats(self) -> dict:
+        """What the placement adds to the store's statistics."""
+        return {}
 
     def __init__(self, policy: str, dram_bytes: int, disk_bytes: int) -> None:
         if policy not in POLICIES:
@@ -111,11 +129,13 @@ class Placement:
         return tier
 
     def put(self, session: Hashable, size: int, queue: Sequence[Hashable] = (),
-            keep: Collection[Hashable] = (), tokens: int = 0) -> list[Move]:
+            keep: Collection[Hashable] = (), tokens: int = 0,
+            form: str | None = None) -> list[Move]:
         """Save `session`'s KV (now `size` bytes) to DRAM, replacing any older copy, making
         room by the policy without giving up `keep` (items it needs, e.g. the entries a
         tail continues); `queue` is the scheduler's hint. Returns the moves, this one last
-        (its dst None when the item fits in neither tier). (`tokens`: AdaptCache's.)"""
+        (its dst None when the item fits in neither tier). (`tokens`, `form`: the entry's
+        tokens and the smaller form it is held in, AdaptCache's.)"""
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         old = self.where(session)

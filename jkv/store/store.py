@@ -7,7 +7,7 @@ ends at block s-1, so a request saved as its blocks fill, or whose history was r
 writes only its new blocks (`index`: chains of entries). Every block hash of every entry is
 indexed, so a later prompt that shares any leading run of blocks with an entry (the next
 turn of a chat, a regenerated answer) finds it, read along its chain; a new root entry that
-extends an older one nothing continues (the next turn's save) replaces it. A tiered row
+extends an older one nothing continues (the next turn's save) replaces it. A whole row
 (token tiers: its pages are not blocks) is found only whole (`lookup(whole=True)`) and
 replaces nothing. Which tier holds an entry, and what a full tier gives up, is
 `Placement`'s decision (LRU, FIFO or scheduler-aware, with the waiting queue as its hint).
@@ -75,7 +75,7 @@ class KVStore(StoreLoads, StoreWrites):
     without it an entry of another format is a mismatch (a miss). bf16_ratio: an entry's
     bytes in bf16 over its bytes as stored (AdaptCache's profile rates are against bf16).
     backend: the JAX backend conversions run on (AdaptCache's profile decode rates are per
-    backend). tiered: the engine keeps token tiers (its entries are tiered rows, whose
+    backend). whole_rows: the engine keeps token tiers (its entries are whole rows, whose
     smaller forms drop tokens: AdaptCache takes the profile's row forms).
     """
 
@@ -83,7 +83,7 @@ class KVStore(StoreLoads, StoreWrites):
                  page_size: int, max_pending_bytes: int = 2 << 30,
                  aligned_reads: bool = False,
                  convert: Callable[[dict, str, str], dict] | None = None,
-                 bf16_ratio: float = 1.0, backend: str = "cpu", tiered: bool = False) -> None:
+                 bf16_ratio: float = 1.0, backend: str = "cpu", whole_rows: bool = False) -> None:
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
@@ -100,15 +100,16 @@ class KVStore(StoreLoads, StoreWrites):
             raise ValueError("store_kv_format needs the engine's KV format conversion")
         disk_bytes = 0 if self.disk is None else config.disk_cache_bytes
         if config.eviction_policy == "adaptcache":
-            if convert is None or (not tiered and kv_format not in ("auto", "bf16")):
+            if convert is None or (not whole_rows and kv_format not in ("auto", "bf16")):
                 raise ValueError("eviction_policy adaptcache needs the engine's KV format "
                                  "conversion and, without token tiers, a pool in the model "
                                  "dtype (kv_format auto)")
             self.placement = AdaptStorePlacement(
-                Profile.default(tiered) if config.adapt_profile is None
+                Profile.default(whole_rows) if config.adapt_profile is None
                 else Profile.load(config.adapt_profile), config.adapt_alpha,
                 config.adapt_quality_floor, config.host_cache_bytes, disk_bytes,
-                1.0 if tiered else bf16_ratio, config.adapt_half_life, backend, tiered)
+                1.0 if whole_rows else bf16_ratio, config.adapt_half_life, backend,
+                whole_rows)
         else:
             self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
                                        disk_bytes)
@@ -167,7 +168,7 @@ class KVStore(StoreLoads, StoreWrites):
     def lookup(self, hashes: Sequence[bytes], whole: bool = False) -> Hit | None:
         """The longest run of `hashes` (a prompt's block hashes) that an entry (with its
         chain) holds, from the host tier when two entries hold it; None when none does.
-        `whole`: only an entry's whole run (a tiered row is not usable in part)."""
+        `whole`: only an entry's whole run (a whole row is not usable in part)."""
         with self._lock:
             lo = self.index.whole_run(hashes) if whole else self.index.run(hashes)
             pending = self._pending_run(hashes, whole)
@@ -261,8 +262,7 @@ class KVStore(StoreLoads, StoreWrites):
     def set_recompute_rate(self, token_s: float) -> None:
         """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
         for AdaptCache's placement."""
-        if (isinstance(self.placement, AdaptStorePlacement)
-                and token_s != self.placement.recompute_token_s):
+        if self.placement.weighs_recompute and token_s != self.placement.recompute_token_s:
             with self._lock:
                 self.placement.set_recompute_rate(token_s)
 
@@ -351,5 +351,4 @@ class KVStore(StoreLoads, StoreWrites):
                 "disk_resets": st.disk_resets, "converted_loads": st.converted_loads,
                 "read_bytes_per_s": dict(self.read_bytes_per_s),
                 "convert_bytes_per_s": dict(self.convert_bytes_per_s),
-                **({"adapt_half_life_s": self.placement.adapt.half_life}
-                   if isinstance(self.placement, AdaptStorePlacement) else {})}
+                **self.placement.stats()}

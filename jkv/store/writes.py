@@ -88,20 +88,20 @@ class StoreWrites:
     def keeps_approximate(self) -> bool:
         """Whether this store keeps approximate KV (a lossy store: entries in smaller forms,
         `store_kv_format` or AdaptCache's); only such a store is saved approximate blocks."""
-        return self.form is not None or isinstance(self.placement, AdaptStorePlacement)
+        return self.form is not None or self.placement.lossy
 
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
              session: str | None = None, rows: int | None = None, start: int = 0,
              exact_blocks: int | None = None, form: str | None = None) -> bool:
         """Queue blocks [start, num_blocks) of a request for the writer (`arrays`: host or
         device arrays with >= num_blocks - start rows, the first being block `start`, as
-        `Engine.gather` returns them; a tiered row's arrays with >= `rows` rows; `hashes`:
+        `Engine.gather` returns them; a whole row's arrays with >= `rows` rows; `hashes`:
         the run's hashes from block 0). A tail (`start` > 0) continues the entry ending at
         block start - 1 (written or queued: `tail_start` says which). False (nothing queued)
         when there is nothing new (no full block, or an entry already holds these blocks) or
         a tail has no such entry. `exact_blocks`: the blocks from this one on hold approximate
         KV (`keeps_approximate` stores only; ValueError otherwise): the entry is restored
-        marked approximate from there. `form`: a tiered row's arrays are in this smaller
+        marked approximate from there. `form`: a whole row's arrays are in this smaller
         form (a row restored from it, `SavedPages.form`; with `exact_blocks` 0): written so,
         only smaller forms after it."""
         approx = (None if exact_blocks is None or exact_blocks >= num_blocks
@@ -110,7 +110,7 @@ class StoreWrites:
             raise ValueError("exact_blocks: approximate KV is saved only to a lossy store "
                              "(store_kv_format or eviction_policy adaptcache)")
         if form is not None and (rows is None or approx != 0):
-            raise ValueError("form: only a tiered row restored from a smaller form "
+            raise ValueError("form: only a whole row restored from a smaller form "
                              "(rows, exact_blocks 0) is saved in one")
         if num_blocks <= start or self._closed or (start and rows is not None):
             return False
@@ -119,7 +119,7 @@ class StoreWrites:
         parent = hashes[start - 1].hex() if start else None
         nbytes = sum(getattr(x, "nbytes", 0) for x in arrays.values())
         with self._lock:
-            # a longer run of blocks serves this one; a tiered row (`rows`) only its own
+            # a longer run of blocks serves this one; a whole row (`rows`) only its own
             held = (key in self.index if rows is not None
                     else bool(self.index.holders(hashes[-1])))
             if held or key in self._pending or (parent is not None
@@ -165,7 +165,7 @@ class StoreWrites:
                 self.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
                 return
             # a longer run of blocks replaces shorter ones nothing continues (a tail's
-            # ancestors stay); tiered rows are used whole only
+            # ancestors stay); whole rows are used whole only
             older = [] if whole or entry.parent is not None else [
                 h.hex() for h in entry.hashes[:-1]
                 if h.hex() in self.index and not self.index.has_children(h.hex())]
@@ -175,13 +175,9 @@ class StoreWrites:
         with self._lock:  # the entries it continues are not given up to make its room
             keep = [] if entry.parent is None or entry.parent not in self.index else \
                 self.index.chain(entry.parent)
-            held = {}  # (only AdaptCache weighs the form a row is held in)
-            if isinstance(self.placement, AdaptStorePlacement):
-                self.placement.set_read_rates(self.read_bytes_per_s)
-                self.placement.set_decode_rates(self.convert_bytes_per_s)
-                held = {"form": form}
+            self.placement.observe(self.read_bytes_per_s, self.convert_bytes_per_s)
             moves = self.placement.put(key, len(data), self._queue, keep,
-                                       tokens=n * self.page_size, **held)
+                                       tokens=n * self.page_size, form=form)
         try:
             if not self._apply(moves[:-1]) or moves[-1].dst is None:
                 with self._lock:
