@@ -194,7 +194,7 @@ class KVConnector:
         """Krul's split of restored blocks [first, n) with about `recompute` of them
         recomputed (`pyramid`, in steps of `chunk` blocks); None when there is nothing to
         split off."""
-        if not recompute or n <= first or not self.splits_restores:
+        if not self.splits_restores or not recompute or n <= first:
             return None
         loaded_from = pyramid(first, n, self.num_layers, recompute, chunk)
         return None if (loaded_from == first).all() else loaded_from
