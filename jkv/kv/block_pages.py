@@ -26,6 +26,12 @@ from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import PrefixCache, block_hashes
 
 
+def own_layer_pages(tokens: int, page_size: int, shared_blocks: int, kv_heads: int) -> int:
+    """Pages one layer of a sequence holding `tokens` tokens has past the `shared_blocks`
+    blocks it shares with the prefix cache."""
+    return (-(-tokens // page_size) - shared_blocks) * kv_heads
+
+
 class BlockPages:
     """Block pages and the device prefix cache of their full blocks, over a `KVState`."""
 
@@ -90,7 +96,8 @@ class BlockPages:
         """Pages one layer of `slot` holds past the blocks it shares with the prefix cache,
         when it holds `tokens` tokens (default: those it holds)."""
         tokens = len(self.kv.slot_tokens[slot]) if tokens is None else tokens
-        return (-(-tokens // self.page_size) - len(self._slot_rows[slot])) * self.num_kv_heads
+        return own_layer_pages(tokens, self.page_size, len(self._slot_rows[slot]),
+                               self.num_kv_heads)
 
     def pages_held(self, slot: int) -> int:
         blocks = -(-len(self.kv.slot_tokens[slot]) // self.page_size)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jkv.kv.allocator import init_free, init_tables
-from jkv.kv.block_pages import BlockPages
+from jkv.kv.block_pages import BlockPages, own_layer_pages
 from jkv.kv.buckets import bucket
 from jkv.kv.format import KVFormat
 from jkv.kv.kv_state import KVState, read_only
@@ -151,7 +151,8 @@ class KVCacheManager:
         """Pages one layer of `slot` holds past the blocks it shares with the prefix cache,
         when it holds `tokens` tokens (default: those it holds)."""
         tokens = len(self.slot_tokens[slot]) if tokens is None else tokens
-        return (-(-tokens // self.page_size) - len(self.shared_rows(slot))) * self.num_kv_heads
+        return own_layer_pages(tokens, self.page_size, len(self.shared_rows(slot)),
+                               self.num_kv_heads)
 
     def pages_offloadable(self, slot: int) -> int:
         """Pages offloading every resident layer of `slot` frees (its own, not shared)."""
