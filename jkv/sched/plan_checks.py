@@ -167,6 +167,22 @@ def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
     return (len(decodes) + 1) * layers * s * new.remaining <= min(ends)
 
 
-__all__ = ["added_step_seconds", "admission_keeps_slack", "admitting_runs_less_late",
-           "keeps_ttft", "offload_beats_preempting", "offload_beats_recompute",
-           "offload_beats_waiting", "own_target_overrun"]
+
+def steps_until_freed(pages: int, running: Sequence[Candidate]) -> int | None:
+    """The steps until the running requests expected to finish first (by their output
+    estimates) have freed `pages` pages: how long layers moved to the host to admit a request
+    stay there before the pool takes them back. None: not expected within the estimates."""
+    if pages <= 0:
+        return 0
+    freed = 0
+    for c in sorted((c for c in running if c.remaining is not None and c.pending == 1),
+                    key=lambda c: c.remaining):
+        freed += c.pin_pages
+        if freed >= pages:
+            return c.remaining
+    return None
+
+
+__all__ = ["added_step_seconds", "admission_keeps_slack", "admitting_runs_less_late", "keeps_ttft",
+           "offload_beats_preempting", "offload_beats_recompute", "offload_beats_waiting",
+           "own_target_overrun", "steps_until_freed"]

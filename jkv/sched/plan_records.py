@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from jkv.kv.page_cost import PageCost
 
@@ -101,4 +102,14 @@ def queue_order(c: Candidate) -> tuple:
     return (c.priority, deadline, c.arrival, c.request_id)
 
 
-__all__ = ["Budget", "Candidate", "Plan", "queue_order"]
+
+class Room(NamedTuple):
+    """Layers of decoding requests moved to the host to admit one more (`_room`)."""
+
+    running: list[Candidate]  # the running requests after the moves
+    freed: int  # pages the moves free
+    moved: int  # layers moved
+    keeps: dict[str, int]  # each moved request's layers kept
+
+
+__all__ = ["Budget", "Candidate", "Plan", "Room", "queue_order"]

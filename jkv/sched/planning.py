@@ -88,8 +88,9 @@ from jkv.sched.plan_checks import (
     offload_beats_preempting,
     offload_beats_waiting,
     own_target_overrun,
+    steps_until_freed,
 )
-from jkv.sched.plan_records import Budget, Candidate, Plan, queue_order
+from jkv.sched.plan_records import Budget, Candidate, Plan, Room, queue_order
 
 
 def step_pages(cost: PageCost, resident: int | None, held: int, n: int) -> int:
@@ -317,14 +318,14 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
                              + ahead - avail, budget, set(plan.fetch))
             plan.resident[c.request_id] = resident
             pages = step_pages(cost, resident, c.held, span) + c.pin_pages
-        if pages > avail + (room[1] if room else 0):
+        if pages > avail + (room.freed if room else 0):
             plan.resident.pop(c.request_id, None)
             break  # head of line waits for pages; later requests do not overtake it
         offloaded = cost.layers - plan.resident.get(c.request_id, cost.layers)
-        moved = room[2] if room else 0
+        moved = room.moved if room else 0
         # layers on the host come back once decodes finish (eq. 5's releases): until then
         on_host = (cost.grow(c.held, c.pending) // cost.layers * offloaded
-                   + (room[1] if room else 0))
+                   + (room.freed if room else 0))
         until = steps_until_freed(on_host, keep)
         bring = (offloaded + moved) * budget.offload_layer_seconds
         extra = later + added_step_seconds(budget, rows, 0)
@@ -341,9 +342,9 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
             plan.held.append(c.request_id)
             break  # it waits (for decodes to finish or gain slack); no one overtakes it
         if room:
-            keep[:] = room[0]
-            avail += room[1]
-            plan.offload.update(room[3])
+            keep[:] = room.running
+            avail += room.freed
+            plan.offload.update(room.keeps)
         plan.prefill.append((c.request_id, n))
         plan.admit.append(c.request_id)
         if offloaded and span > n:
@@ -354,21 +355,6 @@ def plan_step(running: Sequence[Candidate], waiting: Sequence[Candidate],
         rows += 1
         later = extra + bring  # (for those admitted after it, for as long as they decode)
     return plan
-
-
-def steps_until_freed(pages: int, running: Sequence[Candidate]) -> int | None:
-    """The steps until the running requests expected to finish first (by their output
-    estimates) have freed `pages` pages: how long layers moved to the host to admit a request
-    stay there before the pool takes them back. None: not expected within the estimates."""
-    if pages <= 0:
-        return 0
-    freed = 0
-    for c in sorted((c for c in running if c.remaining is not None and c.pending == 1),
-                    key=lambda c: c.remaining):
-        freed += c.pin_pages
-        if freed >= pages:
-            return c.remaining
-    return None
 
 
 def _forecast(cost: PageCost, running: Sequence[Candidate], horizon: int) -> int:
@@ -391,7 +377,7 @@ def _forecast(cost: PageCost, running: Sequence[Candidate], horizon: int) -> int
 
 
 def _room(keep: list[Candidate], need: int, budget: Budget, fetched: set[str]
-          ) -> tuple[list[Candidate], int, int, dict[str, int]] | None:
+          ) -> Room | None:
     """LayerKV eq. 5 for an admission: the decoding requests' resident layers that move to
     the host, the newest first (not those fetched this step), to free `need` pages beyond
     what their next step takes. Returns the running requests after, the pages freed, the
@@ -413,7 +399,7 @@ def _room(keep: list[Candidate], need: int, budget: Budget, fetched: set[str]
         keep, freed, moved = trial, freed + gain, moved + k
         keeps[c.request_id] = r - k
         if freed >= need:
-            return keep, freed, moved, keeps
+            return Room(keep, freed, moved, keeps)
     return None
 
 

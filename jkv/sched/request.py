@@ -72,6 +72,17 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add_prompt_logprobs(self, first: int, positions: tuple) -> None:
+        """Record what a chunk fed from position `first` gave for the prompt tokens after
+        each of its positions."""
+        k = self.sampling.prompt_logprobs
+        if not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * len(self.prompt)
+        for i, (lp, ids, lps) in enumerate(zip(*positions, strict=True)):
+            p = first + i + 1
+            if p < len(self.prompt):
+                self.prompt_logprobs[p] = (float(lp), ids[:k].tolist(), lps[:k].tolist())
+
 
 @dataclass(eq=False)
 class Tracked:
@@ -97,6 +108,23 @@ class Tracked:
     layers_done: int | None = None  # its prompt fed layer-major: the layers run (None: not)
     saved: int = 0  # blocks of its run last queued for the store (decode saves by interval)
 
+    def plan_restore(self, decision: object, cached: int) -> None:
+        """This step's plan for its admission: the store hit it restores (`decision`, a
+        `RestoreDecision`) and the tokens found on the device."""
+        self.hit, self.rebase, self.probe = decision.hit, decision.rebase, decision.probe
+        self.recompute, self.cached = decision.recompute, cached
+
+    def admitted(self) -> None:
+        """Its admission's plan carried out."""
+        self.hit, self.rebase, self.recompute, self.resident = None, 0, 0.0, None
+
+    def preempted(self) -> None:
+        """Its run ended without finishing: what its slot held is gone (recomputed or
+        restored when it is admitted again)."""
+        self.computed_before = self.num_computed
+        self.slot, self.num_computed, self.hashes, self.saved = None, 0, None, 0
+        self.read_since, self.abandoned, self.layers_done = None, False, None
+
 
 @dataclass
 class SchedulerStats:
@@ -119,3 +147,17 @@ class SchedulerStats:
     # that ended normally meeting every target they had (goodput)
     slo_violations: dict = field(default_factory=lambda: {"ttft": 0, "tpot": 0})
     slo_met: int = 0
+
+    def count_slo(self, r: Request) -> None:
+        """A request that ended normally: did it keep its TTFT and TPOT targets?"""
+        missed = False
+        if r.ttft_slo_ms is not None and r.first_token_time is not None and (
+                r.first_token_time - r.arrival > r.ttft_slo_ms / 1000):
+            self.slo_violations["ttft"] += 1
+            missed = True
+        if r.tpot_slo_ms is not None and len(r.output) > 1 and (
+                (r.finish_time - r.first_token_time) / (len(r.output) - 1)
+                > r.tpot_slo_ms / 1000):
+            self.slo_violations["tpot"] += 1
+            missed = True
+        self.slo_met += not missed

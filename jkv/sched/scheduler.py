@@ -1,15 +1,17 @@
-"""The serving loop around the scheduling policy: `Scheduler` keeps the waiting and running
-requests, asks `jkv.sched.planning` what the next step does (`plan_step`) and
-`jkv.sched.restore_planning` whether a waiting request's store hit is restored (`plan_restore`),
-applies those decisions (engine slots, preemption, restores, statistics), runs the engine
-step and hands each new token to its request. The policies themselves are described in
-those two modules.
+"""The serving loop around the scheduling policy. `Scheduler` keeps the waiting and running
+requests; each `step` runs in three phases:
+
+- schedule: a snapshot of the engine's capacity and the learned costs (`Budget`), each
+  waiting request's lookup and restore decision (`plan_restore`), and `plan_step`, pure
+  functions of plain numbers described in `jkv.sched.planning` and
+  `jkv.sched.restore_planning`; then the plan's moves carried out (slots, preemption,
+  layers to and from the host);
+- execute: the engine's step over the plan's rows;
+- update: each request from its row's output (tokens, finishes, saves).
 
 `Request` is what a caller gives and reads; what the scheduler keeps about a request it holds
-is its own `Tracked` record (both in `jkv.sched.request`).
-
-With a KV store, what the scheduler does with it (lookups and restores of waiting requests,
-saves) is `jkv.sched.store_side.StoreSide`, a part of `Scheduler`.
+is its own `Tracked` record (both in `jkv.sched.request`), reset in one place when a run ends.
+Lookups, restores and saves go through `jkv.sched.store_side.StoreSide`, a part it composes.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine.engine import Engine, Row, Sampled
 from jkv.engine.layer_major import layers_for
 from jkv.sched.output_lengths import OutputLengths
-from jkv.sched.plan_records import Budget, Candidate, queue_order
+from jkv.sched.plan_records import Budget, Candidate, Plan, queue_order
 from jkv.sched.planning import min_resident, plan_step
 from jkv.sched.request import Request, SchedulerStats, Tracked, Truncation
 from jkv.sched.restore_planning import RestoreRates
+from jkv.sched.snapshot import snapshot
 from jkv.sched.step_costs import StepCosts, compilations
 from jkv.sched.store_side import StoreSide
 from jkv.store.store import KVStore
@@ -40,7 +43,7 @@ READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before retu
 FORECAST_STEPS = 4  # layer offload (LayerKV eq. 5): decodes' pages over this many steps
 
 
-class Scheduler(StoreSide):
+class Scheduler:
     """The serving loop's state. `add` and `abort` may be called from any thread; `step`
     from one thread only."""
 
@@ -54,8 +57,8 @@ class Scheduler(StoreSide):
                             aligned_reads=engine.aligned_host_arrays,
                             convert=engine.convert_stored,
                             bf16_ratio=engine.kv_bf16_ratio,
-                            backend=jax.default_backend(), whole_rows=engine.connector.stored_whole)
-        self.store = store
+                            backend=jax.default_backend(),
+                            whole_rows=engine.connector.stored_whole)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -65,12 +68,23 @@ class Scheduler(StoreSide):
         self._state: dict[Request, Tracked] = {}  # every request it holds past `add`
         self.costs = StepCosts(engine.runner.decode_rows_bucket)  # learned from each step
         # the figures the last step's plan used, for `snapshot` (other threads read it)
-        self._step_costs = {"decode": 0.0, "decode_full": 0.0, "prefill_token": 0.0,
+        self.step_costs = {"decode": 0.0, "decode_full": 0.0, "prefill_token": 0.0,
                             "prefill_row": 0.0, "offload_layer": 0.0}
         self._next_step_s = 0.0  # what the next step of the decoding requests will take
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
         # LayerKV's layer-wise offload, where the engine's pages are blocks
         self.layer_offload = self.config.layer_offload and engine.layers.enabled
+        self.side = StoreSide(engine, self.config, store, self.stats, self.costs, self._state,
+                              self.candidate, self.layer_offload)
+
+    @property
+    def store(self) -> KVStore | None:
+        """The KV store its requests are looked up in and saved to (None: none)."""
+        return self.side.store
+
+    @store.setter
+    def store(self, store: KVStore | None) -> None:
+        self.side.store = store
 
     def add(self, request: Request) -> None:
         """Queue a request. A prompt that cannot fit the model's context is a ValueError."""
@@ -142,69 +156,19 @@ class Scheduler(StoreSide):
 
     def snapshot(self) -> dict:
         """The serving figures as plain numbers (`LLM.stats()`, `/metrics`)."""
-        eng, st = self.engine, self.engine.stats
-        finished = eng.cache.finished
-        with self._lock:
-            waiting = len(self.waiting) + len(self._incoming)
-        out = {
-            "num_requests_running": len(self.running),
-            "num_requests_waiting": waiting,
-            "kv_pages_used": eng.cache.pages_used,
-            "kv_pages_total": eng.cache.total_pages,
-            "kv_pages_cached": eng.cache.pages_cached,
-            "prefix_hit_tokens": {"device": st.prefix_hit_tokens, **self.stats.restored_tokens},
-            "prefix_query_tokens": st.prefix_query_tokens,
-            "recomputed_tokens": self.stats.recomputed_tokens,
-            "preemptions": self.stats.preemptions,
-            "compilations": eng.num_compiles,
-            "prompt_tokens_computed": st.prefill_tokens,
-            "generation_tokens": st.decode_tokens,
-            "steps": st.steps,
-            "requests_finished": self.stats.finished,
-            "requests_aborted": self.stats.aborted,
-            # requests that ended normally: those that missed a target, by kind, and those
-            # that kept every target they had (goodput; a request with none counts)
-            "slo_violations": dict(self.stats.slo_violations),
-            "requests_within_slo": self.stats.slo_met,
-            # what the pool held per token of context as each sequence ended (all layers and
-            # KV heads, scales included), averaged; tokens per tier, summed
-            "kv_bytes_per_token": finished.bytes_per_token / max(finished.sequences, 1),
-            "kv_tiers": dict(finished.tokens),
-            "kv_compactions_refused": eng.cache.layout.tier_refusals,  # the pool was short
-            # restored prompt tokens: loaded, or recomputed by split restores (per layer)
-            "restore": {"tokens_loaded": st.restored_tokens - st.recomputed_tokens,
-                        "tokens_recomputed": st.recomputed_tokens,
-                        "recompute_ratio": st.recomputed_tokens / max(st.restored_tokens, 1)},
-            # what the SLO checks took a step to cost at the last step, as learned from the
-            # steps run (0 until measured): why an admission was held can be read off these
-            "step_costs": dict(self._step_costs),
-        }
-        if eng.layers.enabled:  # LayerKV's layer-wise offload
-            out["layer_offload"] = {
-                "enabled": self.layer_offload,
-                "layers_offloaded": self.stats.layers_offloaded,
-                "fetches": self.stats.layer_fetches,
-                "admitted_offloaded": self.stats.admitted_offloaded,
-                "layer_major_prefills": self.stats.layer_major_prefills,
-                "admissions_held": self.stats.admissions_held,
-                "bytes_to_host": eng.layers.offloaded_bytes,
-                "bytes_from_host": eng.layers.fetched_bytes,
-                # (read from other threads: a request may have just finished, its state
-                # gone while the loop still lists it)
-                "requests_offloaded": sum(
-                    1 for r in list(self.running)
-                    if (t := self._state.get(r)) is not None and t.slot is not None
-                    and eng.offloaded_layers(t.slot))}
-        if self.store is not None:
-            out["store"] = {**self.store.snapshot(), "misses": self.stats.store_misses,
-                            "restores_declined": self.stats.restores_declined,
-                            "rebased_tokens": self.stats.rebased_tokens,
-                            "restores_abandoned": self.stats.restores_abandoned}
-        return out
+        return snapshot(self)
+
+    def requests_offloaded(self) -> int:
+        """Running requests with layers on the host (read from other threads: a request may
+        have just finished, its state gone while the loop still lists it)."""
+        return sum(1 for r in list(self.running)
+                   if (t := self._state.get(r)) is not None and t.slot is not None
+                   and self.engine.offloaded_layers(t.slot))
 
     # ------------------------------------------------------------------ one step
 
-    def _candidate(self, r: Request, held: int, pin_pages: int) -> Candidate:
+    def candidate(self, r: Request, held: int, pin_pages: int) -> Candidate:
+        """`r` as planning sees it, holding `held` tokens and pinning `pin_pages` pages."""
         # (a preempted request keeps its deadline, met long ago: it orders the queue, and
         # without one it went behind every later arrival that had one and stalled its stream)
         ttft = None if r.ttft_slo_ms is None else r.arrival + r.ttft_slo_ms / 1000
@@ -219,7 +183,7 @@ class Scheduler(StoreSide):
 
     def _running(self, r: Request, now: float) -> Candidate:
         st, cache = self._state[r], self.engine.cache
-        c = self._candidate(r, st.num_computed, cache.pages_freed_by_close(st.slot))
+        c = self.candidate(r, st.num_computed, cache.pages_freed_by_close(st.slot))
         if self.layer_offload:
             resident = cache.resident(st.slot)
             mid_prompt = st.layers_done is not None  # (its layers move only once it is done)
@@ -242,7 +206,7 @@ class Scheduler(StoreSide):
         st = self._state.pop(r, None)  # none yet for a request `stop_all` took from incoming
         if st is not None and st.slot is not None:
             if self.store is not None and reason != "error":
-                self._save(r, st.slot)
+                self.side.save(r, st.slot)
             # after a failed step its KV is suspect: nothing of it is kept
             self.engine.close(st.slot, keep=reason != "error")
         r.finish_reason, r.finish_time = reason, time.monotonic()
@@ -250,24 +214,10 @@ class Scheduler(StoreSide):
         if reason in ("abort", "timeout", "error"):
             self.stats.aborted += 1
         else:
-            self._count_slo(r)
+            self.stats.count_slo(r)
             self.lengths.add(r.session_id, len(r.output))
         if r.on_finish is not None:
             r.on_finish(r)
-
-    def _count_slo(self, r: Request) -> None:
-        """A request that ended normally: did it keep its TTFT and TPOT targets?"""
-        missed = False
-        if r.ttft_slo_ms is not None and r.first_token_time is not None and (
-                r.first_token_time - r.arrival > r.ttft_slo_ms / 1000):
-            self.stats.slo_violations["ttft"] += 1
-            missed = True
-        if r.tpot_slo_ms is not None and len(r.output) > 1 and (
-                (r.finish_time - r.first_token_time) / (len(r.output) - 1)
-                > r.tpot_slo_ms / 1000):
-            self.stats.slo_violations["tpot"] += 1
-            missed = True
-        self.stats.slo_met += not missed
 
     def _emit(self, r: Request, sampled: Sampled, now: float) -> None:
         token = sampled.token
@@ -286,7 +236,30 @@ class Scheduler(StoreSide):
             self._finish(r, "length")
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step in three phases: schedule (pure planning over a snapshot of the
+        engine's capacity and the learned costs), execute (the engine's step over the rows
+        the plan gives), update (each request from its output). Returns the requests that
+        finished in it."""
+        finished = self._intake()
+        if not self.waiting and not self.running:
+            return finished
+        now = time.monotonic()
+        by_id = {r.request_id: r for r in self.waiting + self.running}
+        plan, queued, ready = self._schedule(now)
+        self._apply(plan, by_id, now)
+        prefill, decode, work = self._rows(plan, by_id)
+        if not prefill and not decode:
+            if queued > ready:  # only reads ahead to wait for: no step to hold up
+                self.store.wait_reads(READ_POLL_S)
+            return finished
+        out_p, out_d = self._execute(prefill, decode, work)
+        self._update(prefill, decode, out_p, out_d)
+        finished += [r for r in self.running if r.finished]
+        self.running = [r for r in self.running if not r.finished]
+        return finished
+
+    def _intake(self) -> list[Request]:
+        """New requests join the queue; cancelled and timed-out ones end (returned)."""
         with self._lock:
             new, self._incoming = self._incoming, []
             self.waiting += new
@@ -300,15 +273,15 @@ class Scheduler(StoreSide):
                 finished.append(r)
         self.waiting = [r for r in self.waiting if not r.finished]
         self.running = [r for r in self.running if not r.finished]
-        if not self.waiting and not self.running:
-            return finished
+        return finished
 
+    def _budget(self, now: float, token_s: float) -> Budget:
+        """What this step may use, as the engine's capacity and the learned costs give it
+        now (the figures also kept for the stats)."""
         eng = self.engine
-        by_id = {r.request_id: r for r in self.waiting + self.running}
         decoding = [self._state[r].slot for r in self.running if r.output]
         self._next_step_s = self.costs.step(
             len(decoding), sum(len(eng.offloaded_layers(s)) for s in decoding))
-        token_s = self.costs.chunked_token_s(eng.prefill_chunk)  # a token fed in full chunks
         if self.store is not None:
             self.store.set_recompute_rate(token_s)
         budget = Budget(
@@ -323,21 +296,29 @@ class Scheduler(StoreSide):
                                       for n in range(eng.runner.max_rows + 1)),
             min_resident=min_resident(
                 eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
-                eng.layers.offload_bytes_per_s,
-                token_s),
+                eng.layers.offload_bytes_per_s, token_s),
             forecast_steps=FORECAST_STEPS)
-        self._step_costs = {"decode": budget.decode_step_by_rows[1],
+        self.step_costs = {"decode": budget.decode_step_by_rows[1],
                             "decode_full": budget.decode_step_by_rows[-1],
                             "prefill_token": budget.prefill_token_seconds,
                             "prefill_row": budget.prefill_row_seconds,
                             "offload_layer": budget.offload_layer_seconds}
+        return budget
+
+    def _schedule(self, now: float) -> tuple[Plan, int, int]:
+        """The step's plan (`plan_step`), each waiting request's restore planned with it and
+        recorded, and the store's hints; returns (the plan, requests waiting, those of them
+        ready to be admitted: not waiting for a read ahead)."""
+        eng = self.engine
+        token_s = self.costs.chunked_token_s(eng.prefill_chunk)  # a token fed in full chunks
+        budget = self._budget(now, token_s)
         rates = RestoreRates({} if self.store is None else self.store.read_bytes_per_s,
                              eng.connector.load_bytes_per_s, token_s, eng.split_overlap,
                              {} if self.store is None else self.store.convert_bytes_per_s)
         waiting, queued, decisions, cached = [], [], {}, {}
         declined = self.stats.restores_declined
         for r in self.waiting:
-            c, decisions[r.request_id], cached[r.request_id], ready = self._waiting(
+            c, decisions[r.request_id], cached[r.request_id], ready = self.side.waiting(
                 r, rates, declined, now)
             declined += decisions[r.request_id].newly_declined
             queued.append(c)
@@ -346,8 +327,7 @@ class Scheduler(StoreSide):
         plan = plan_step([self._running(r, now) for r in self.running], waiting, budget)
         for r in self.waiting:  # the restores planned: what admission loads, the hint, stats
             st, d = self._state[r], decisions[r.request_id]
-            st.hit, st.rebase, st.probe, st.recompute = d.hit, d.rebase, d.probe, d.recompute
-            st.cached = cached[r.request_id]
+            st.plan_restore(d, cached[r.request_id])
             if d.newly_declined:
                 st.declined = True
                 self.stats.restores_declined += 1
@@ -355,7 +335,12 @@ class Scheduler(StoreSide):
             order = [decisions[c.request_id].hit for c in sorted(queued, key=queue_order)]
             self.store.hint([hit.key for hit in order if hit is not None])
             self.store.drop_reads({hit for hit in order if hit is not None})
+        return plan, len(queued), len(waiting)
 
+    def _apply(self, plan: Plan, by_id: dict[str, Request], now: float) -> None:
+        """Carry out the plan's moves before the step: admissions held back, layers to the
+        host, preemptions, layers back, admissions."""
+        eng = self.engine
         for rid in plan.held:
             st = self._state[by_id[rid]]
             self.stats.admissions_held += not st.held
@@ -363,43 +348,48 @@ class Scheduler(StoreSide):
         for rid, keep in plan.offload.items():  # before preemptions reuse pages
             self.stats.layers_offloaded += eng.keep_resident(self._state[by_id[rid]].slot, keep)
         for rid in plan.preempt:
-            r = by_id[rid]
-            st = self._state[r]
-            st.computed_before = st.num_computed
-            if self.store is not None:  # what it holds, saved before its pages are reused
-                self._save(r, st.slot)
-            eng.close(st.slot, finished=False)
-            st.slot, st.num_computed, st.hashes, st.saved = None, 0, None, 0
-            st.read_since, st.abandoned, st.layers_done = None, False, None
-            r.num_preemptions += 1
-            self.stats.preemptions += 1
-            self.running.remove(r)
-            self.waiting.append(r)
+            self._preempt(by_id[rid])
         for rid in plan.fetch:
             eng.fetch_layers(self._state[by_id[rid]].slot)
             self.stats.layer_fetches += 1
         for rid in plan.admit:
-            r = by_id[rid]
-            st = self._state[r]
-            st.resident = plan.resident.get(rid)
-            st.layers_done = 0 if rid in plan.layer_major else None
-            self.stats.layer_major_prefills += st.layers_done is not None
-            st.num_computed = self._open(r)
-            if r.admit_time is None:
-                r.admit_time = now
-            self.stats.recomputed_tokens += max(0, st.computed_before - st.num_computed)
-            st.computed_before = 0
-            self.waiting.remove(r)
-            self.running.append(r)
+            self._admit(by_id[rid], plan, now)
 
-        prefill, decode, work = [], [], []  # work: each prefill row's tokens of compute
+    def _preempt(self, r: Request) -> None:
+        st = self._state[r]
+        if self.store is not None:  # what it holds, saved before its pages are reused
+            self.side.save(r, st.slot)
+        self.engine.close(st.slot, finished=False)
+        st.preempted()
+        r.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.running.remove(r)
+        self.waiting.append(r)
+
+    def _admit(self, r: Request, plan: Plan, now: float) -> None:
+        st = self._state[r]
+        st.resident = plan.resident.get(r.request_id)
+        st.layers_done = 0 if r.request_id in plan.layer_major else None
+        self.stats.layer_major_prefills += st.layers_done is not None
+        st.num_computed = self.side.open(r)
+        if r.admit_time is None:
+            r.admit_time = now
+        self.stats.recomputed_tokens += max(0, st.computed_before - st.num_computed)
+        st.computed_before = 0
+        self.waiting.remove(r)
+        self.running.append(r)
+
+    def _rows(self, plan: Plan, by_id: dict[str, Request]) -> tuple[list, list, list[int]]:
+        """The step's rows: (prefill (request, Row) pairs, decode pairs, each prefill row's
+        tokens of compute)."""
+        prefill, decode, work = [], [], []
         for rid, n in plan.prefill:
             r = by_id[rid]
             st = self._state[r]
             work.append(n)
             if st.layers_done is not None:  # its whole prompt through the layers n buys
                 rest, done = r.tokens[st.num_computed:], st.layers_done
-                k = layers_for(n, len(rest), eng.cfg.num_layers, done)
+                k = layers_for(n, len(rest), self.engine.cfg.num_layers, done)
                 prefill.append((r, Row(st.slot, rest, r.sampling, st.key, len(r.output),
                                        layer_span=(done, done + k))))
                 continue
@@ -414,10 +404,11 @@ class Scheduler(StoreSide):
             r = by_id[rid]
             st = self._state[r]
             decode.append((r, Row(st.slot, r.tokens[-1:], r.sampling, st.key, len(r.output))))
-        if not prefill and not decode:
-            if len(queued) > len(waiting):  # only reads ahead to wait for: no step to hold up
-                self.store.wait_reads(READ_POLL_S)
-            return finished
+        return prefill, decode, work
+
+    def _execute(self, prefill: list, decode: list, work: list[int]) -> tuple[list, list]:
+        """The engine's step over the rows; its time learned unless it compiled."""
+        eng = self.engine
         # (a layer-major prompt brings its layers once for all its tokens: not counted)
         brings = sum(len(eng.offloaded_layers(row.slot)) for _, row in prefill + decode
                      if row.layer_span is None)
@@ -426,6 +417,11 @@ class Scheduler(StoreSide):
         if compilations() == compiled:  # (a step that compiled is no sample of its cost)
             self.costs.learn(time.perf_counter() - t0, sum(work), len(decode), brings,
                              sum(len(r.tokens) for r, _ in decode), len(prefill))
+        return out_p, out_d
+
+    def _update(self, prefill: list, decode: list, out_p: list, out_d: list) -> None:
+        """Each request from what its row gave: tokens computed, the token sampled (and its
+        finish), prompt logprobs; decoding requests' saves."""
         now = time.monotonic()
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]
@@ -434,7 +430,7 @@ class Scheduler(StoreSide):
                 if sampled is None:
                     continue
             if sampled.positions is not None:
-                self._prompt_logprobs(r, st.num_computed, sampled.positions)
+                r.add_prompt_logprobs(st.num_computed, sampled.positions)
             st.num_computed += len(row.tokens)
             if st.num_computed == len(r.tokens):  # the chunk ended the pending tokens
                 self._emit(r, sampled, now)
@@ -442,24 +438,7 @@ class Scheduler(StoreSide):
             self._state[r].num_computed += 1
             self._emit(r, sampled, now)
         if self.store is not None and decode:
-            self._save_decoding([r for r, _ in decode])
-        for r in self.running:
-            if r.finished:
-                finished.append(r)
-        self.running = [r for r in self.running if not r.finished]
-        return finished
-
-    @staticmethod
-    def _prompt_logprobs(r: Request, first: int, positions: tuple) -> None:
-        """Record what a chunk fed from position `first` gave for the prompt tokens after
-        each of its positions."""
-        k = r.sampling.prompt_logprobs
-        if not r.prompt_logprobs:
-            r.prompt_logprobs = [None] * len(r.prompt)
-        for i, (lp, ids, lps) in enumerate(zip(*positions, strict=True)):
-            p = first + i + 1
-            if p < len(r.prompt):
-                r.prompt_logprobs[p] = (float(lp), ids[:k].tolist(), lps[:k].tolist())
+            self.side.save_decoding([r for r, _ in decode])
 
 
 def generate_all(scheduler: Scheduler, requests: Sequence[Request]) -> None:

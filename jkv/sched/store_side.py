@@ -1,4 +1,5 @@
-"""The scheduler's side of the KV store (`StoreSide`, a part of `jkv.sched.scheduler.Scheduler`).
+"""The scheduler's side of the KV store (`StoreSide`, a part `jkv.sched.scheduler.Scheduler`
+composes).
 
 A waiting request's prompt is also looked up in the store; blocks found there past the
 device prefix cache's hit count as held (their pages as pages admission takes) and are
@@ -29,19 +30,19 @@ log = logging.getLogger("jkv.sched.scheduler")
 
 
 class StoreSide:
-    """Store lookups, restores and saves of the scheduler's requests; the scheduler provides
-    the attributes below."""
+    """Lookups, restores and saves of the scheduler's requests, over the scheduler's own
+    records (`state`, `stats`, shared with it) and `candidate`, which makes a request's
+    `Candidate` (request, tokens held, pages pinned)."""
 
-    engine: Engine
-    config: SchedulerConfig
-    store: KVStore | None
-    stats: SchedulerStats
-    costs: StepCosts
-    layer_offload: bool
-    _state: dict[Request, Tracked]
-    _candidate: Callable[[Request, int, int], Candidate]
+    def __init__(self, engine: Engine, config: SchedulerConfig, store: KVStore | None,
+                 stats: SchedulerStats, costs: StepCosts, state: dict[Request, Tracked],
+                 candidate: Callable[[Request, int, int], Candidate],
+                 layer_offload: bool) -> None:
+        self.engine, self.config, self.store, self.stats = engine, config, store, stats
+        self.costs, self._state, self._candidate = costs, state, candidate
+        self.layer_offload = layer_offload
 
-    def _waiting(self, r: Request, rates: RestoreRates, declined: int, now: float
+    def waiting(self, r: Request, rates: RestoreRates, declined: int, now: float
                  ) -> tuple[Candidate, RestoreDecision, int, bool]:
         """`r` as the policy sees it, with the restore planned for it (not yet applied), the
         tokens found on the device, and whether it may be admitted now: its prompt is looked
@@ -102,7 +103,7 @@ class StoreSide:
         blocks = min((hit.blocks * ps - t.drop) // ps, (len(r.tokens) - 1) // ps)
         return (hit, blocks) if blocks * ps > t.keep else None
 
-    def _open(self, r: Request) -> int:
+    def open(self, r: Request) -> int:
         """Give `r` a slot; its held prefix comes from the device prefix cache and, for a
         store hit, from the store (a hit that cannot be loaded is recomputed)."""
         eng, st = self.engine, self._state[r]
@@ -149,10 +150,10 @@ class StoreSide:
             self.stats.restored_tokens[hit.tier] += restored
             if st.rebase:
                 self.stats.rebased_tokens += restored
-        st.hit, st.rebase, st.recompute, st.resident = None, 0, 0.0, None
+        st.admitted()
         return cached
 
-    def _save(self, r: Request, slot: int) -> None:
+    def save(self, r: Request, slot: int) -> None:
         """Hand `r`'s full blocks to the store's write-behind, only those after the run the
         store already has or has queued (never fails the request). A lossy store (one that
         keeps smaller forms) is handed the approximate blocks too, marked: a conversation
@@ -172,7 +173,7 @@ class StoreSide:
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
 
-    def _save_decoding(self, decoded: Sequence[Request]) -> None:
+    def save_decoding(self, decoded: Sequence[Request]) -> None:
         """Requests still decoding whose blocks have grown by the store's save interval
         since their last save queue the new ones (CachedAttention: saving as KV is made,
         not all at the finish)."""
@@ -187,5 +188,5 @@ class StoreSide:
                 # tried again only after another interval, whatever this save covered (a
                 # restored history's moved blocks are saved to a lossy store only; a failure
                 # is logged)
-                self._save(r, st.slot)
+                self.save(r, st.slot)
                 st.saved = full
