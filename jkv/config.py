@@ -313,7 +313,7 @@ class CacheConfig:
                                  f"leankv's high tier: {e} (use k8v4t, or k4v8t)") from None
 
     @property
-    def tiered(self) -> bool:
+    def token_tiers(self) -> bool:
         """Whether pages hold token tiers (a token's place decided as it leaves the recent
         window: leankv, streaming, h2o) rather than every token of the sequence in order."""
         return self.kv_policy in ("leankv", "streaming", "h2o")

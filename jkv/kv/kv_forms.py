@@ -26,7 +26,7 @@ def convert_pages(arrays: Mapping[str, np.ndarray | jax.Array], src: KVFormat,
                   dst: KVFormat, dtype) -> dict[str, np.ndarray]:
     """Named page arrays [..., page, D] of format `src` as those of `dst` (16-bit sides in
     `dtype`), on the host. The same format: the arrays as they are. ValueError when they are
-    not pages of `src` (a tiered row's entry, say)."""
+    not pages of `src` (a whole row's entry, say)."""
     if src == dst:
         return {name: np.asarray(x) for name, x in arrays.items()}
     try:

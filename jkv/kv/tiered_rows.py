@@ -61,7 +61,7 @@ class TierPolicy:
     @staticmethod
     def of(cache: CacheConfig) -> TierPolicy | None:
         """The token policy `cache` asks for (None: block pages, kv_policy "none")."""
-        if not cache.tiered:
+        if not cache.token_tiers:
             return None
         return TierPolicy(cache.kv_policy, cache.kv_recent_window, cache.kv_alpha_high,
                           cache.kv_alpha_low, cache.kv_sink_tokens, cache.kv_heavy_ratio,
