@@ -205,8 +205,8 @@ class Modeled:
             brings += [c] * len(eng.offloaded_layers(r.slot))
         for r in prefill:
             c, n = self._tokens(r.slot), len(r.tokens)
-            if r.layers is not None:  # layer-major: its layers over all its tokens
-                k = r.layers[1] - r.layers[0]
+            if r.layer_span is not None:  # layer-major: its layers over all its tokens
+                k = r.layer_span[1] - r.layer_span[0]
                 rows.append((n, c, k / layers))
                 calls += k * math.ceil(n / eng.prefill_chunk)
             else:

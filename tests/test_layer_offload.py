@@ -450,7 +450,7 @@ def test_page_counts_and_samples_hold_through_random_schedules(params, schedule,
                         s["out"].append(x.token)
                     continue
                 if b is not None:
-                    s["done"] = b.layers[1]
+                    s["done"] = b.layer_span[1]
                     if y is not None:
                         s["first"]["b"] = y
                 if len(s["first"]) == 2:  # both have fed the whole prompt
