@@ -5,6 +5,8 @@ its arrangement of pages: what it keeps for reuse after a sequence ends (cached 
 rows), how a sequence starts from that, grows and ends, how many pages it holds, and what a
 model call reads and leaves behind. The manager holds what all layouts share (pool, free
 list, tables, slots) and asks its layout for the rest, so no caller tests which layout it has.
+A layout may offer more that only its own connector calls (`BlockPages.reserve_blocks` and
+its layer moves, `TieredRows.tier_pages` and `place_tiers`).
 """
 
 from __future__ import annotations
