@@ -270,13 +270,13 @@ def test_a_preempted_request_saves_what_it_holds_and_resumes_from_the_store(para
     generate_all(without, alone)
     eng = small()
     store = kv_store(eng, host_cache_bytes=1 << 24)
-    write = store._write
+    write = store.writer._write
 
     def slow_write(*args, **kw):  # a busy writer: readmitted before its save is written
         time.sleep(0.3)
         return write(*args, **kw)
 
-    monkeypatch.setattr(store, "_write", slow_write)
+    monkeypatch.setattr(store.writer, "_write", slow_write)
     sched = Scheduler(eng, SchedulerConfig(restore_planning=False, layer_offload=False),
                       store=store)
     reqs = [request(p, n=20) for p in prompts]

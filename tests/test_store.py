@@ -528,7 +528,7 @@ def test_a_tail_keeps_its_chain_and_one_whose_parent_went_is_a_miss():
     release = threading.Event()
     s._submit(release.wait)  # the writer is busy
     assert s.save(8, {f: a[4:] for f, a in dz.items()}, hz, start=4)
-    s._delete(hz[3].hex())  # its parent goes (an eviction) while the tail waits
+    s.writer.delete(hz[3].hex())  # its parent goes (an eviction) while the tail waits
     assert s.lookup(hz) is None and s.tail_start(hz) == 0
     dropped = s.stats.saves_dropped
     release.set()

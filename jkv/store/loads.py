@@ -1,4 +1,4 @@
-"""The KV store's read side (`StoreLoads`, a part of `jkv.store.store.KVStore`).
+"""The KV store's read side (`StoreReader`, a part `jkv.store.store.KVStore` composes).
 
 `load` reads an entry and the chain it continues (read, checksum, checks against the index
 record), converting an entry stored in another KV form into the pool's (approximate KV,
@@ -10,7 +10,6 @@ without waiting. A corrupt or foreign entry is a miss, counted and deleted.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Collection
 from typing import NamedTuple
@@ -18,13 +17,11 @@ from typing import NamedTuple
 from jkv.averages import moving_average
 from jkv.kv.block_runs import BlockRuns
 from jkv.kv.buckets import bucket
-from jkv.store.adapt_store import AdaptStorePlacement
 from jkv.store.codec import CorruptEntry, EntryMismatch, decode
-from jkv.store.index import EntryIndex, Hit
-from jkv.store.placement import Placement
+from jkv.store.index import Hit
+from jkv.store.parts import StoreParts
 from jkv.store.reads import ReadAhead
-from jkv.store.tiers import HostTier, PersistentTier
-from jkv.store.writes import HASHES, PendingSave, StoreStats, log
+from jkv.store.writes import HASHES, log
 
 
 class Loaded(NamedTuple):
@@ -50,28 +47,20 @@ class _Part(NamedTuple):
     convert_s: float
 
 
-class StoreLoads:
-    """Loading entries and handing reads ahead over; `KVStore` provides the attributes below
-    (its docstring says what they are)."""
+class StoreReader:
+    """Loading entries and handing reads ahead over, over the store's shared `StoreParts`;
+    `submit` queues a job for the store's writer thread, `delete` drops an entry (a corrupt
+    one, on the writer)."""
 
-    model: str
-    kv_format: str
-    page_size: int
-    aligned_reads: bool
-    convert: Callable[[dict, str, str], dict] | None
-    host: HostTier
-    disk: PersistentTier | None
-    placement: Placement | AdaptStorePlacement
-    index: EntryIndex
-    stats: StoreStats
-    read_bytes_per_s: dict[str, float]
-    convert_bytes_per_s: dict[str, float]
-    _converted_shapes: set[tuple[str, int]]
-    _reads: ReadAhead
-    _lock: threading.Lock
-    _pending: dict[str, PendingSave]
-    _submit: Callable[[Callable[[], None]], bool]
-    _delete: Callable[[str], None]
+    def __init__(self, parts: StoreParts, submit: Callable[[Callable[[], None]], bool],
+                 delete: Callable[[str], None]) -> None:
+        self.p, self._submit, self._delete = parts, submit, delete
+        self._converted_shapes: set[tuple[str, int]] = set()
+        self._reads = ReadAhead(self.load, parts.max_pending_bytes)
+
+    def close(self) -> None:
+        """Stop the reader thread."""
+        self._reads.close()
 
     def load(self, hit: Hit) -> Loaded | None:
         """The first `hit.blocks` blocks of entry `hit.key` and its chain: arrays [blocks,
@@ -79,13 +68,13 @@ class StoreLoads:
         or a whole entry's arrays as saved, and their block hashes, validated (`Loaded`);
         None on a miss (gone, or corrupt: then counted and deleted). An entry still being
         saved is read once written."""
-        with self._lock:
-            pending = self._pending.get(hit.key)
+        with self.p.lock:
+            pending = self.p.pending.get(hit.key)
         if pending is not None:
             pending.written.wait()  # the writer writes in order: its parents are written
         t0 = time.perf_counter()
-        with self._lock:
-            chain = self.index.chain(hit.key) if hit.key in self.index else None
+        with self.p.lock:
+            chain = self.p.index.chain(hit.key) if hit.key in self.p.index else None
         if chain is None:
             return None
         parts, nbytes, exact, convert_s = [], 0, None, 0.0
@@ -98,13 +87,13 @@ class StoreLoads:
             parts.append((part.arrays, part.hashes))
             nbytes += part.nbytes
             convert_s += part.convert_s
-        with self._lock:
+        with self.p.lock:
             for key in chain:  # (the reuse gap AdaptCache learns from is the hit's own)
-                self.placement.access(key, own=key == chain[-1])
-        self.stats.loads += 1
+                self.p.placement.access(key, own=key == chain[-1])
+        self.p.stats.loads += 1
         # the tier's rate: reading, checksumming and checking (conversions are per form)
         rate = nbytes / max(time.perf_counter() - t0 - convert_s, 1e-9)
-        self.read_bytes_per_s[hit.tier] = moving_average(self.read_bytes_per_s[hit.tier], rate)
+        self.p.read_bytes_per_s[hit.tier] = moving_average(self.p.read_bytes_per_s[hit.tier], rate)
         n = hit.blocks
         exact = None if exact is None or exact >= n else exact
         if len(parts) == 1:
@@ -120,46 +109,46 @@ class StoreLoads:
     def _load_one(self, key: str, tier: str) -> _Part | None:
         """One entry, validated against its index record (`_Part`); None on a miss (a
         corrupt entry and what continues it: counted, deleted)."""
-        tiers = (self.host, self.disk) if tier == "host" else (self.disk, self.host)
+        tiers = (self.p.host, self.p.disk) if tier == "host" else (self.p.disk, self.p.host)
         data = None
         for t in tiers:  # the entry may be moving between tiers right now
             if t is not None and (data := t.get(key)) is not None:
                 break
         if data is None:
             return None
-        with self._lock:
-            entry = self.index.get(key)
+        with self.p.lock:
+            entry = self.p.index.get(key)
         try:
             if entry is None:
                 return None
-            info, arrays = decode(data, model=self.model,
-                                  kv_format=None if self.convert else self.kv_format,
-                                  page_size=self.page_size, align=self.aligned_reads)
+            info, arrays = decode(data, model=self.p.model,
+                                  kv_format=None if self.p.convert else self.p.kv_format,
+                                  page_size=self.p.page_size, align=self.p.aligned_reads)
             stored = arrays.pop(HASHES, None)
             if stored is None or [r.tobytes() for r in stored] != entry.hashes:
                 raise CorruptEntry("the entry's block hashes differ from its index record")
-            exact = info.kv_format == self.kv_format
+            exact = info.kv_format == self.p.kv_format
             convert_s = 0.0
             if not exact:
                 t0 = time.perf_counter()
                 try:
-                    arrays = self.convert(arrays, info.kv_format, self.kv_format)
+                    arrays = self.p.convert(arrays, info.kv_format, self.p.kv_format)
                 except ValueError as e:
                     raise EntryMismatch(f"a {info.kv_format} entry: {e}") from None
                 convert_s = time.perf_counter() - t0
                 self._measure_conversion(info.kv_format, len(data), len(entry.hashes),
                                          convert_s)
-                self.stats.converted_loads += 1
+                self.p.stats.converted_loads += 1
         except (CorruptEntry, EntryMismatch) as e:
             log.warning("stored KV entry %s is unusable (%s); recomputing", key, e)
-            self.stats.corrupt_entries += 1
-            with self._lock:
-                removed = self.index.remove(key)  # no second lookup finds them
+            self.p.stats.corrupt_entries += 1
+            with self.p.lock:
+                removed = self.p.index.remove(key)  # no second lookup finds them
             for k in removed:  # the writer deletes them
                 self._submit(lambda k=k: self._delete(k))
             return None
         if not exact and entry.form is None:  # (a record written before forms were kept;
-            with self._lock:                  # a recorded one is the writer's to change)
+            with self.p.lock:                  # a recorded one is the writer's to change)
                 entry.form = info.kv_format
         return _Part(arrays, entry.hashes, len(data),
                      entry.approx_from if exact else entry.start, convert_s)
@@ -170,11 +159,11 @@ class StoreLoads:
         padded block count (`buckets.bucket`, as the conversion pads) is left out: it
         compiled."""
         shape = (kv_format, bucket(blocks))
-        with self._lock:
+        with self.p.lock:
             if shape not in self._converted_shapes:
                 self._converted_shapes.add(shape)
                 return
-            rates = self.convert_bytes_per_s
+            rates = self.p.convert_bytes_per_s
             rates[kv_format] = moving_average(rates.get(kv_format, 0.0),
                                               nbytes / max(seconds, 1e-9))
 
@@ -191,7 +180,7 @@ class StoreLoads:
         try:
             read = self._reads.take(hit)
         except Exception:  # a failing tier: a miss, counted
-            self.stats.read_failures += 1
+            self.p.stats.read_failures += 1
             return None
         return None if read is None or read[0] is None else read
 
@@ -206,4 +195,4 @@ class StoreLoads:
         self._reads.drop(keep)
 
 
-__all__ = ["Loaded", "StoreLoads"]
+__all__ = ["Loaded", "StoreReader"]

@@ -13,8 +13,9 @@ replaces nothing. Which tier holds an entry, and what a full tier gives up, is
 `Placement`'s decision (LRU, FIFO or scheduler-aware, with the waiting queue as its hint).
 
 The index, lookups, hints and the writer thread are here; loading entries and handing
-reads ahead over are `StoreLoads` (`loads.py`); saving, writing, moving and recompressing
-entries are `StoreWrites` (`writes.py`). Threads: `lookup` runs on the
+reads ahead over are `StoreReader` (`loads.py`); saving, writing, moving and recompressing
+entries are `StoreWriter` (`writes.py`); both are given the state they share
+(`parts.StoreParts`) explicitly. Threads: `lookup` runs on the
 scheduler's thread (the index only); `read_ahead` loads an entry
 (read, checksum, decode) on the store's reader thread while the request waits in the queue,
 and `take` hands the result over at admission without waiting, so a slow or failing tier
@@ -35,18 +36,18 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from jkv.config import StoreConfig
 from jkv.store.adapt_profile import Profile
 from jkv.store.adapt_store import FOREIGN, AdaptStorePlacement
-from jkv.store.index import EntryIndex, Hit, parse_meta
-from jkv.store.loads import StoreLoads
+from jkv.store.index import Hit, parse_meta
+from jkv.store.loads import Loaded, StoreReader
+from jkv.store.parts import StoreParts, StoreStats
 from jkv.store.placement import Placement
 from jkv.store.priority import lower_thread_priority
-from jkv.store.reads import ReadAhead
 from jkv.store.tiers import HostTier, PersistentTier
-from jkv.store.writes import PendingSave, StoreStats, StoreWrites
+from jkv.store.writes import StoreWriter
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def _converted(parts: Sequence[tuple[int, str | None]]) -> tuple[tuple[str, int]
     return tuple((form, size) for size, form in parts if form is not None)
 
 
-class KVStore(StoreLoads, StoreWrites):
+class KVStore:
     """Host and persistent tiers behind one index; see the module docstring.
 
     model: the fingerprint of the KV written (`Engine.fingerprint`: model, format, page size);
@@ -87,49 +88,43 @@ class KVStore(StoreLoads, StoreWrites):
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
-        self.config = config
-        self.model, self.kv_format, self.page_size = model, kv_format, page_size
-        self.aligned_reads = aligned_reads  # loaded arrays 64-byte aligned (`codec.aligned`)
-        self.convert = convert
-        self.host = HostTier(config.host_cache_bytes)
-        self.disk = (None if config.persistent is None or not config.disk_cache_bytes
-                     else PersistentTier(config.persistent, config.disk_cache_bytes))
-        self.form = (None if config.store_kv_format in (None, kv_format)
-                     else config.store_kv_format)  # the format entries are written in
-        if self.form is not None and convert is None:
+        host = HostTier(config.host_cache_bytes)
+        disk = (None if config.persistent is None or not config.disk_cache_bytes
+                else PersistentTier(config.persistent, config.disk_cache_bytes))
+        form = (None if config.store_kv_format in (None, kv_format)
+                else config.store_kv_format)  # the format entries are written in
+        if form is not None and convert is None:
             raise ValueError("store_kv_format needs the engine's KV format conversion")
-        disk_bytes = 0 if self.disk is None else config.disk_cache_bytes
+        disk_bytes = 0 if disk is None else config.disk_cache_bytes
         if config.eviction_policy == "adaptcache":
             if convert is None or (not whole_rows and kv_format not in ("auto", "bf16")):
                 raise ValueError("eviction_policy adaptcache needs the engine's KV format "
                                  "conversion and, without token tiers, a pool in the model "
                                  "dtype (kv_format auto)")
-            self.placement = AdaptStorePlacement(
+            placement = AdaptStorePlacement(
                 Profile.default(whole_rows) if config.adapt_profile is None
                 else Profile.load(config.adapt_profile), config.adapt_alpha,
                 config.adapt_quality_floor, config.host_cache_bytes, disk_bytes,
                 1.0 if whole_rows else bf16_ratio, config.adapt_half_life, backend,
                 whole_rows)
         else:
-            self.placement = Placement(config.eviction_policy, config.host_cache_bytes,
-                                       disk_bytes)
-        self.stats = StoreStats(disk_resets=int(self.disk is not None and self.disk.damaged))
-        # measured rate of `load` (read, checksum, checks) per tier, and of converting an
-        # entry of each stored KV format into the pool's (stored bytes per second), for
-        # restore planning and AdaptCache's load term
-        self.read_bytes_per_s = {"host": 0.0, "disk": 0.0}
-        self.convert_bytes_per_s: dict[str, float] = {}
-        self._converted_shapes: set[tuple[str, int]] = set()
-        self._lock = threading.Lock()
-        self.index = EntryIndex()
-        self._queue: list[str] = []  # entry keys of the waiting requests, in run order
+            placement = Placement(config.eviction_policy, config.host_cache_bytes, disk_bytes)
+        self.p = p = StoreParts(
+            config, model, kv_format, page_size, form, convert, aligned_reads, host, disk,
+            placement, StoreStats(disk_resets=int(disk is not None and disk.damaged)),
+            max_pending_bytes)
+        # the parts' objects under their own names (never reassigned)
+        self.config, self.model, self.kv_format, self.page_size = config, model, kv_format, \
+            page_size
+        self.host, self.disk, self.form, self.placement = host, disk, form, placement
+        self.stats, self.index = p.stats, p.index
+        self.read_bytes_per_s, self.convert_bytes_per_s = (p.read_bytes_per_s,
+                                                           p.convert_bytes_per_s)
         self._jobs: queue.Queue = queue.Queue()
-        self._closed = False
-        self.max_pending_bytes = max_pending_bytes
-        self._pending: dict[str, PendingSave] = {}  # entry key -> its save not yet written
-        if self.disk is not None:
+        self.writer = StoreWriter(p, self._submit, self._reachable, self.flush)
+        self.reader = StoreReader(p, self._submit, self.writer.delete)
+        if disk is not None:
             self._adopt_disk()
-        self._reads = ReadAhead(self.load, max_pending_bytes)
         self._writer = threading.Thread(target=self._work, name="jkv-store-writer",
                                         daemon=True)
         self._writer.start()
@@ -169,12 +164,12 @@ class KVStore(StoreLoads, StoreWrites):
         """The longest run of `hashes` (a prompt's block hashes) that an entry (with its
         chain) holds, from the host tier when two entries hold it; None when none does.
         `whole`: only an entry's whole run (a whole row is not usable in part)."""
-        with self._lock:
+        with self.p.lock:
             lo = self.index.whole_run(hashes) if whole else self.index.run(hashes)
             pending = self._pending_run(hashes, whole)
             if pending is not None and pending[1] > lo:  # its reads wait for the write
                 key, n = pending
-                p = self._pending[key]
+                p = self.p.pending[key]
                 parts = self._chain_parts(key)
                 before = sum(size for size, _ in parts[:-1])
                 return Hit(key, n, self._pending_tier(key), before + p.nbytes,
@@ -206,10 +201,10 @@ class KVStore(StoreLoads, StoreWrites):
     def _pending_tier(self, key: str) -> str:
         """The tier a queued save's chain is read from (under the lock): the host's unless
         an entry it continues is on disk."""
-        parent = self._pending[key].parent
+        parent = self.p.pending[key].parent
         if parent is None:
             return "host"
-        if parent in self._pending:
+        if parent in self.p.pending:
             return self._pending_tier(parent)
         return "host" if self._chain_tier(parent) == "dram" else "disk"
 
@@ -217,8 +212,8 @@ class KVStore(StoreLoads, StoreWrites):
         """(stored bytes, KV format: None for the pool's) of each entry of `key`'s chain,
         root first (under the lock; a save not yet written counts its bytes, in the pool's
         format: its form is chosen as it is written)."""
-        if key in self._pending:
-            p = self._pending[key]
+        if key in self.p.pending:
+            p = self.p.pending[key]
             return ([] if p.parent is None else self._chain_parts(p.parent)) + [(p.nbytes, None)]
         return [(self.placement.size(k) or 0, self.index.entries[k].form)
                 for k in self.index.chain(key)]
@@ -226,15 +221,15 @@ class KVStore(StoreLoads, StoreWrites):
     def tail_start(self, hashes: Sequence[bytes]) -> int:
         """The most leading blocks of `hashes` that an entry (written or queued) ends with:
         a save of this run need only write the blocks after them (`save(start=...)`)."""
-        with self._lock:
+        with self.p.lock:
             return next((i + 1 for i in range(len(hashes) - 1, -1, -1)
                          if self._reachable(hashes[i].hex())), 0)
 
     def _reachable(self, key: str) -> bool:
         """Whether `key` is written or queued with every entry it continues (under the
         lock): a queued tail whose parent went (evicted, dropped) is of no use."""
-        while key in self._pending:
-            key = self._pending[key].parent
+        while key in self.p.pending:
+            key = self.p.pending[key].parent
             if key is None:
                 return True
         return key in self.index
@@ -242,7 +237,7 @@ class KVStore(StoreLoads, StoreWrites):
     def _pending_run(self, hashes: Sequence[bytes], whole: bool) -> tuple[str, int] | None:
         """The longest run of `hashes` that a save not yet written holds (under the lock)."""
         best = None
-        for key, p in self._pending.items():
+        for key, p in self.p.pending.items():
             if not self._reachable(key):
                 continue
             s = p.start
@@ -263,32 +258,32 @@ class KVStore(StoreLoads, StoreWrites):
         """Seconds a recomputed token costs (the scheduler's measure): what a miss costs,
         for AdaptCache's placement."""
         if self.placement.weighs_recompute and token_s != self.placement.recompute_token_s:
-            with self._lock:
+            with self.p.lock:
                 self.placement.set_recompute_rate(token_s)
 
     def hint(self, waiting: Sequence[str]) -> None:
         """The scheduler's queue: entry keys of the waiting requests in the order they will
         run. Eviction keeps them; the scheduler-aware policy prefetches them disk -> host."""
-        with self._lock:  # a tail's chain is needed whole
+        with self.p.lock:  # a tail's chain is needed whole
             waiting = [k for key in waiting
                        for k in (self.index.chain(key) if key in self.index else [key])]
-            if waiting == self._queue:
+            if waiting == self.p.queue:
                 return
-            self._queue = waiting
+            self.p.queue = waiting
         if self.config.eviction_policy == "scheduler" and self.disk is not None:
             self._submit(self._prefetch)
 
     def _prefetch(self) -> None:
-        with self._lock:
-            moves = self.placement.prefetch(self._queue)
-        self._apply(moves)
+        with self.p.lock:
+            moves = self.placement.prefetch(self.p.queue)
+        self.writer.apply(moves)
 
     # ------------------------------------------------------------------ the writer
 
     def _submit(self, job: Callable[[], None]) -> bool:
         """Queue a job for the writer; False once the store is closed."""
-        with self._lock:
-            if self._closed:
+        with self.p.lock:
+            if self.p.closed:
                 return False
             self._jobs.put(job)
             return True
@@ -314,29 +309,69 @@ class KVStore(StoreLoads, StoreWrites):
     def close(self) -> None:
         """Finish queued writes, move what the host tier holds to the persistent tier (most
         recently used first, as capacity allows), and stop the writer."""
-        with self._lock:
-            if self._closed:
+        with self.p.lock:
+            if self.p.closed:
                 return
-            self._closed = True
+            self.p.closed = True
             if self.disk is not None:
                 self._jobs.put(self._spill_all)
             self._jobs.put(None)
-        self._reads.close()
+        self.reader.close()
         self._writer.join()
 
     def _spill_all(self) -> None:
-        with self._lock:
+        with self.p.lock:
             keys = self.placement.by_recency("dram")
         for key in keys:
-            with self._lock:
-                moves = self.placement.spill(key, self._queue)
-            self._apply(moves)
+            with self.p.lock:
+                moves = self.placement.spill(key, self.p.queue)
+            self.writer.apply(moves)
+
+    # ------------------------------------------------------------------ its parts' own
+
+    def load(self, hit: Hit) -> Loaded | None:
+        """`StoreReader.load`."""
+        return self.reader.load(hit)
+
+    def read_ahead(self, hit: Hit) -> bool:
+        """`StoreReader.read_ahead`."""
+        return self.reader.read_ahead(hit)
+
+    def take(self, hit: Hit) -> tuple[Loaded, str] | None:
+        """`StoreReader.take`."""
+        return self.reader.take(hit)
+
+    def wait_reads(self, timeout: float) -> None:
+        self.reader.wait_reads(timeout)
+
+    def drop_reads(self, keep: Collection[Hit]) -> None:
+        self.reader.drop_reads(keep)
+
+    @property
+    def keeps_approximate(self) -> bool:
+        """`StoreWriter.keeps_approximate`."""
+        return self.writer.keeps_approximate
+
+    def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
+             session: str | None = None, rows: int | None = None, start: int = 0,
+             exact_blocks: int | None = None, form: str | None = None) -> bool:
+        """`StoreWriter.save`."""
+        return self.writer.save(num_blocks, arrays, hashes, session, rows, start,
+                                exact_blocks, form)
+
+    def clear(self) -> None:
+        """`StoreWriter.clear`."""
+        self.writer.clear()
+
+    def recompress(self, key: str, kv_format: str) -> bool:
+        """`StoreWriter.recompress`."""
+        return self.writer.recompress(key, kv_format)
 
     # ------------------------------------------------------------------ figures
 
     def snapshot(self) -> dict:
         """Entries and bytes per tier and the event counters (`LLM.stats()["store"]`)."""
-        with self._lock:
+        with self.p.lock:
             entries = {TIER_NAMES[t]: len(self.placement.sessions(t)) for t in TIER_NAMES}
             used = {TIER_NAMES[t]: self.placement.bytes_used(t) for t in TIER_NAMES}
         st = self.stats

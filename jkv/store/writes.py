@@ -1,8 +1,8 @@
-"""The KV store's write side (`StoreWrites`, a part of `jkv.store.store.KVStore`).
+"""The KV store's write side (`StoreWriter`, a part `jkv.store.store.KVStore` composes).
 
 `save` queues a request's new blocks for the writer thread; `_write` encodes an entry (in the
 store's form, or the one AdaptCache chose for it), has the placement make room and puts it in
-its tier; `_apply` carries out placement moves (evictions, moves between tiers, recompressions
+its tier; `apply` carries out placement moves (evictions, moves between tiers, recompressions
 in place); `recompress` rewrites an entry in a smaller KV form atomically (the tier's put
 replaces the old bytes only once the new ones are whole). A lossy store (entries in smaller
 forms) is also saved approximate blocks, marked in their entry (`Entry.approx_from`).
@@ -17,11 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jkv.config import StoreConfig
-from jkv.store.adapt_store import AdaptStorePlacement
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
-from jkv.store.index import Entry, EntryIndex, meta_record
-from jkv.store.placement import Move, Placement
+from jkv.store.index import Entry, meta_record
+from jkv.store.parts import PendingSave, StoreParts
+from jkv.store.placement import Move
 from jkv.store.tiers import HostTier, PersistentTier, TierFull
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
@@ -29,66 +28,21 @@ log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 HASHES = "block_hashes"  # the entry array holding its chained block hashes
 
 
-@dataclasses.dataclass
-class PendingSave:
-    """A save queued for the writer: found by `lookup` before it is written (a preempted
-    request readmitted at once), its reads waiting for `written`."""
+class StoreWriter:
+    """Saving, writing, moving, deleting and recompressing entries, over the store's shared
+    `StoreParts`; `submit` queues a job for the store's writer thread, `reachable` says
+    whether an entry (written or queued) has every entry it continues, `flush` waits for
+    the queued jobs."""
 
-    nbytes: int
-    hashes: list[bytes]  # its own blocks'
-    whole: bool
-    written: threading.Event
-    start: int = 0  # a tail's first block
-    parent: str | None = None  # a tail's parent: the entry (written or queued) ending before
-
-
-@dataclasses.dataclass
-class StoreStats:
-    saves: int = 0  # entries written
-    saves_dropped: int = 0  # saves refused because the writer was too far behind
-    save_failures: int = 0  # saves that raised (logged; the request was not affected)
-    loads: int = 0  # entries read for a restore
-    read_failures: int = 0  # reads that raised (a failing tier): misses, recomputed
-    corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
-    converted_loads: int = 0  # entries read in another KV form, converted (approximate)
-    evictions: int = 0  # entries dropped from the store to make room
-    offloads: int = 0  # entries moved host -> disk
-    prefetches: int = 0  # entries moved disk -> host ahead of their request
-    superseded: int = 0  # entries replaced by a longer one of the same prefix
-    disk_resets: int = 0  # persistent tiers found damaged at open, dropped and started empty
-
-
-class StoreWrites:
-    """Saving, writing, moving, deleting and recompressing entries; `KVStore` provides the
-    attributes below (its docstring says what they are)."""
-
-    config: StoreConfig
-    model: str
-    kv_format: str
-    page_size: int
-    form: str | None
-    convert: Callable[[dict, str, str], dict] | None
-    host: HostTier
-    disk: PersistentTier | None
-    placement: Placement | AdaptStorePlacement
-    index: EntryIndex
-    stats: StoreStats
-    read_bytes_per_s: dict[str, float]
-    convert_bytes_per_s: dict[str, float]
-    max_pending_bytes: int
-    _lock: threading.Lock
-    _queue: list[str]
-    _closed: bool
-    _pending: dict[str, PendingSave]
-    _submit: Callable[[Callable[[], None]], bool]
-    _reachable: Callable[[str], bool]
-    flush: Callable[[], None]
+    def __init__(self, parts: StoreParts, submit: Callable[[Callable[[], None]], bool],
+                 reachable: Callable[[str], bool], flush: Callable[[], None]) -> None:
+        self.p, self._submit, self._reachable, self.flush = parts, submit, reachable, flush
 
     @property
     def keeps_approximate(self) -> bool:
         """Whether this store keeps approximate KV (a lossy store: entries in smaller forms,
         `store_kv_format` or AdaptCache's); only such a store is saved approximate blocks."""
-        return self.form is not None or self.placement.lossy
+        return self.p.form is not None or self.p.placement.lossy
 
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
              session: str | None = None, rows: int | None = None, start: int = 0,
@@ -112,28 +66,28 @@ class StoreWrites:
         if form is not None and (rows is None or approx != 0):
             raise ValueError("form: only a whole row restored from a smaller form "
                              "(rows, exact_blocks 0) is saved in one")
-        if num_blocks <= start or self._closed or (start and rows is not None):
+        if num_blocks <= start or self.p.closed or (start and rows is not None):
             return False
         hashes = list(hashes[:num_blocks])
         key = hashes[-1].hex()
         parent = hashes[start - 1].hex() if start else None
         nbytes = sum(getattr(x, "nbytes", 0) for x in arrays.values())
-        with self._lock:
+        with self.p.lock:
             # a longer run of blocks serves this one; a whole row (`rows`) only its own
-            held = (key in self.index if rows is not None
-                    else bool(self.index.holders(hashes[-1])))
-            if held or key in self._pending or (parent is not None
+            held = (key in self.p.index if rows is not None
+                    else bool(self.p.index.holders(hashes[-1])))
+            if held or key in self.p.pending or (parent is not None
                                                 and not self._reachable(parent)):
                 return False
-            if sum(p.nbytes for p in self._pending.values()) + nbytes > self.max_pending_bytes:
-                self.stats.saves_dropped += 1
+            if sum(p.nbytes for p in self.p.pending.values()) + nbytes > self.p.max_pending_bytes:
+                self.p.stats.saves_dropped += 1
                 return False
-            pending = self._pending[key] = PendingSave(nbytes, hashes[start:], rows is not None,
+            pending = self.p.pending[key] = PendingSave(nbytes, hashes[start:], rows is not None,
                                                     threading.Event(), start, parent)
 
         def done() -> None:
-            with self._lock:
-                self._pending.pop(key, None)
+            with self.p.lock:
+                self.p.pending.pop(key, None)
             pending.written.set()
 
         def job() -> None:
@@ -154,78 +108,78 @@ class StoreWrites:
         whole, rows = rows is not None, n if rows is None else rows
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
         key = entry.hashes[-1].hex()
-        src = form or self.kv_format  # the form the arrays are in
-        fmt = src if self.form is None or whole else self.form  # (store_kv_format)
+        src = form or self.p.kv_format  # the form the arrays are in
+        fmt = src if self.p.form is None or whole else self.p.form  # (store_kv_format)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
-        data = self._encode(host, src, fmt, n * self.page_size, key, digests)
-        with self._lock:
-            if key in self.index or len(data) > max(self.placement.capacity.values()):
+        data = self._encode(host, src, fmt, n * self.p.page_size, key, digests)
+        with self.p.lock:
+            if key in self.p.index or len(data) > max(self.p.placement.capacity.values()):
                 return  # already stored, or fits no tier (then the shorter runs stay)
-            if entry.parent is not None and entry.parent not in self.index:
-                self.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
+            if entry.parent is not None and entry.parent not in self.p.index:
+                self.p.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
                 return
             # a longer run of blocks replaces shorter ones nothing continues (a tail's
             # ancestors stay); whole rows are used whole only
             older = [] if whole or entry.parent is not None else [
                 h.hex() for h in entry.hashes[:-1]
-                if h.hex() in self.index and not self.index.has_children(h.hex())]
+                if h.hex() in self.p.index and not self.p.index.has_children(h.hex())]
         for old in older:  # a longer run of the same prefix replaces them
-            self._delete(old)
-            self.stats.superseded += 1
-        with self._lock:  # the entries it continues are not given up to make its room
-            keep = [] if entry.parent is None or entry.parent not in self.index else \
-                self.index.chain(entry.parent)
-            self.placement.observe(self.read_bytes_per_s, self.convert_bytes_per_s)
-            moves = self.placement.put(key, len(data), self._queue, keep,
-                                       tokens=n * self.page_size, form=form)
+            self.delete(old)
+            self.p.stats.superseded += 1
+        with self.p.lock:  # the entries it continues are not given up to make its room
+            keep = [] if entry.parent is None or entry.parent not in self.p.index else \
+                self.p.index.chain(entry.parent)
+            self.p.placement.observe(self.p.read_bytes_per_s, self.p.convert_bytes_per_s)
+            moves = self.p.placement.put(key, len(data), self.p.queue, keep,
+                                       tokens=n * self.p.page_size, form=form)
         try:
-            if not self._apply(moves[:-1]) or moves[-1].dst is None:
-                with self._lock:
-                    self.placement.drop(key)  # no room was made (or fits nowhere): not stored
+            if not self.apply(moves[:-1]) or moves[-1].dst is None:
+                with self.p.lock:
+                    self.p.placement.drop(key)  # no room was made (or fits nowhere): not stored
                 return
             if moves[-1].form not in (None, fmt):  # written in the smaller form chosen for it
                 fmt = moves[-1].form
-                data = self._encode(host, src, fmt, n * self.page_size, key, digests)
-            entry.form = None if fmt == self.kv_format else fmt
-            with self._lock:  # its bytes as encoded (a form's size was an estimate)
-                more = self.placement.resize(key, len(data))
-            if not self._apply(more) or self.placement.where(key) != moves[-1].dst:
-                with self._lock:
-                    self.placement.drop(key)  # the room was not made after all
+                data = self._encode(host, src, fmt, n * self.p.page_size, key, digests)
+            entry.form = None if fmt == self.p.kv_format else fmt
+            with self.p.lock:  # its bytes as encoded (a form's size was an estimate)
+                more = self.p.placement.resize(key, len(data))
+            if not self.apply(more) or self.p.placement.where(key) != moves[-1].dst:
+                with self.p.lock:
+                    self.p.placement.drop(key)  # the room was not made after all
                 return
             self._tier(moves[-1].dst).put(key, data,
-                                          meta_record(self.model, entry.session, entry))
+                                          meta_record(self.p.model, entry.session, entry))
         except TierFull:  # (the placement's count and the tier's disagree: not stored)
             log.warning("KV entry %s did not fit the %s tier", key, moves[-1].dst)
-            with self._lock:
-                self.placement.drop(key)
-                self.stats.saves_dropped += 1
+            with self.p.lock:
+                self.p.placement.drop(key)
+                self.p.stats.saves_dropped += 1
             return
         except BaseException:
-            with self._lock:
-                self.placement.drop(key)
+            with self.p.lock:
+                self.p.placement.drop(key)
             raise
-        with self._lock:
-            orphan = entry.parent is not None and entry.parent not in self.index
+        with self.p.lock:
+            orphan = entry.parent is not None and entry.parent not in self.p.index
             if not orphan:
-                self.index.add(key, entry)
+                self.p.index.add(key, entry)
         if orphan:  # the room made for it evicted its parent
-            self.stats.saves_dropped += 1
-            self._delete(key)
+            self.p.stats.saves_dropped += 1
+            self.delete(key)
             return
-        self.stats.saves += 1
+        self.p.stats.saves += 1
 
     def _encode(self, arrays: Mapping[str, np.ndarray], src: str, fmt: str, num_tokens: int,
                 key: str, hashes: np.ndarray) -> memoryview:
         """An entry's bytes in KV format `fmt`, its pages converted from `src` where that
         differs (a smaller form), with its block hashes."""
         if fmt != src:
-            arrays = self.convert(arrays, src, fmt)
-        info = EntryInfo(self.model, fmt, self.page_size, num_tokens, key)
+            arrays = self.p.convert(arrays, src, fmt)
+        info = EntryInfo(self.p.model, fmt, self.p.page_size, num_tokens, key)
         return encode_aligned(info, {**arrays, HASHES: hashes})
 
     def _tier(self, name: str) -> HostTier | PersistentTier:
-        return self.host if name == "dram" else self.disk
+        return self.p.host if name == "dram" else self.p.disk
 
     def _stored_in(self, key: str, first: str) -> str | None:
         """The tier holding `key`'s bytes (`first` looked in first); None when none does."""
@@ -235,17 +189,17 @@ class StoreWrites:
                 return name
         return None
 
-    def _apply(self, moves: Sequence[Move]) -> bool:
+    def apply(self, moves: Sequence[Move]) -> bool:
         """Carry out placement moves of stored entries (in order: each makes the room the
         next needs). False if one failed (that entry is then deleted)."""
         ok = True
         for m in moves:
             if m.dst is None:
-                self._delete(m.session)
-                self.stats.evictions += 1
+                self.delete(m.session)
+                self.p.stats.evictions += 1
                 continue
-            with self._lock:
-                gone = m.session not in self.index  # went with an entry it continued
+            with self.p.lock:
+                gone = m.session not in self.p.index  # went with an entry it continued
             # where its bytes are now: moves carried out in between (a resize's) may have
             # moved it already
             at = None if gone else self._stored_in(m.session, m.src)
@@ -255,15 +209,15 @@ class StoreWrites:
             done = None if m.form is None else self._recompress(m.session, m.src, m.form)
             if done is False:
                 log.warning("could not recompress KV entry %s to %s", m.session, m.form)
-                self._delete(m.session)
+                self.delete(m.session)
                 ok = False
                 continue
             if m.form is not None and done is None:
                 # its bytes stay: counted as they are (the placement keeps the form it
                 # chose, a smaller one: its quality then errs low)
-                with self._lock:
-                    more = self.placement.resize(m.session, self._tier(m.src).size(m.session))
-                ok = self._apply(more) and ok
+                with self.p.lock:
+                    more = self.p.placement.resize(m.session, self._tier(m.src).size(m.session))
+                ok = self.apply(more) and ok
             if m.form is not None:  # (the moves its resize carried out may have moved it)
                 at = self._stored_in(m.session, m.src)
                 if at is None:
@@ -280,25 +234,25 @@ class StoreWrites:
             except Exception as e:  # an I/O error of the tier as much as TierFull
                 log.warning("could not move KV entry %s %s -> %s: %s", m.session, m.src,
                             m.dst, e)
-                self._delete(m.session)
+                self.delete(m.session)
                 ok = False
                 continue
             src.delete(m.session)
             if m.dst == "disk":
-                self.stats.offloads += 1
+                self.p.stats.offloads += 1
             else:
-                self.stats.prefetches += 1
+                self.p.stats.prefetches += 1
         return ok
 
-    def _delete(self, key: str) -> None:
+    def delete(self, key: str) -> None:
         """Forget an entry and every entry that continues it, and delete their bytes from
         every tier."""
-        with self._lock:
-            keys = self.index.remove(key) or [key]
+        with self.p.lock:
+            keys = self.p.index.remove(key) or [key]
             for k in keys:
-                self.placement.drop(k)
+                self.p.placement.drop(k)
         for k in keys:
-            for tier in (self.host, self.disk):
+            for tier in (self.p.host, self.p.disk):
                 if tier is not None and k in tier:
                     tier.delete(k)
 
@@ -306,10 +260,10 @@ class StoreWrites:
         """Delete every entry of this store's KV (other fingerprints' are left alone)."""
 
         def clear_all() -> None:
-            with self._lock:
-                keys = list(self.index.entries)
+            with self.p.lock:
+                keys = list(self.p.index.entries)
             for key in keys:
-                self._delete(key)
+                self.delete(key)
 
         self._submit(clear_all)
         self.flush()
@@ -322,11 +276,11 @@ class StoreWrites:
         the entry is gone, still being saved, unreadable, already in that form, would not
         get smaller, or its tier failed. Runs where moves run (the writer thread), or with
         the store idle."""
-        with self._lock:
-            if (self.convert is None or key not in self.index or key in self._pending
-                    or self.placement.where(key) is None):
+        with self.p.lock:
+            if (self.p.convert is None or key not in self.p.index or key in self.p.pending
+                    or self.p.placement.where(key) is None):
                 return False
-            tier = self.placement.where(key)
+            tier = self.p.placement.where(key)
         return self._recompress(key, tier, kv_format) is True
 
     def _recompress(self, key: str, tier: str, kv_format: str) -> bool | None:
@@ -335,13 +289,13 @@ class StoreWrites:
         the tier's error; the old bytes stay)."""
         t = self._tier(tier)
         data, meta = t.get(key), t.meta(key)
-        if data is None or self.convert is None:
+        if data is None or self.p.convert is None:
             return False
         try:
-            info, arrays = decode(data, model=self.model, page_size=self.page_size)
+            info, arrays = decode(data, model=self.p.model, page_size=self.p.page_size)
         except (CorruptEntry, EntryMismatch):
             return False  # (a read finds, counts and deletes it)
-        if kv_format in (info.kv_format, self.kv_format):
+        if kv_format in (info.kv_format, self.p.kv_format):
             return None  # already so; the pool's own form is never made (that is a load's)
         hashes = arrays.pop(HASHES)
         try:
@@ -351,19 +305,19 @@ class StoreWrites:
             return None
         if len(out) >= len(data):
             return None  # forms only shrink
-        with self._lock:
-            entry = self.index.get(key)
+        with self.p.lock:
+            entry = self.p.index.get(key)
         if entry is not None:  # its record names the form the bytes are in
-            meta = meta_record(self.model, entry.session,
+            meta = meta_record(self.p.model, entry.session,
                                dataclasses.replace(entry, form=kv_format))
         try:
             t.put(key, out, meta or b"")
         except Exception as e:  # an I/O error: the old bytes stay
             log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
             return False
-        with self._lock:
+        with self.p.lock:
             if entry is not None:
-                entry.form = None if kv_format == self.kv_format else kv_format
-            more = self.placement.resize(key, len(out))
-        self._apply(more)
+                entry.form = None if kv_format == self.p.kv_format else kv_format
+            more = self.p.placement.resize(key, len(out))
+        self.apply(more)
         return True

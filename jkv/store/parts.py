@@ -1,0 +1,75 @@
+"""What the KV store's parts share: `StoreParts` (the tiers, index, placement, counters,
+rates, the lock and the saves not yet written), handed explicitly to the reader
+(`loads.StoreReader`) and the writer (`writes.StoreWriter`) that `store.KVStore` composes;
+and the records they exchange."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+
+from jkv.config import StoreConfig
+from jkv.store.adapt_store import AdaptStorePlacement
+from jkv.store.index import EntryIndex
+from jkv.store.placement import Placement
+from jkv.store.tiers import HostTier, PersistentTier
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """A save queued for the writer: found by `lookup` before it is written (a preempted
+    request readmitted at once), its reads waiting for `written`."""
+
+    nbytes: int
+    hashes: list[bytes]  # its own blocks'
+    whole: bool
+    written: threading.Event
+    start: int = 0  # a tail's first block
+    parent: str | None = None  # a tail's parent: the entry (written or queued) ending before
+
+
+@dataclasses.dataclass
+class StoreStats:
+    saves: int = 0  # entries written
+    saves_dropped: int = 0  # saves refused because the writer was too far behind
+    save_failures: int = 0  # saves that raised (logged; the request was not affected)
+    loads: int = 0  # entries read for a restore
+    read_failures: int = 0  # reads that raised (a failing tier): misses, recomputed
+    corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
+    converted_loads: int = 0  # entries read in another KV form, converted (approximate)
+    evictions: int = 0  # entries dropped from the store to make room
+    offloads: int = 0  # entries moved host -> disk
+    prefetches: int = 0  # entries moved disk -> host ahead of their request
+    superseded: int = 0  # entries replaced by a longer one of the same prefix
+    disk_resets: int = 0  # persistent tiers found damaged at open, dropped and started empty
+
+
+@dataclasses.dataclass(eq=False)
+class StoreParts:
+    """The store's shared state (see `KVStore` for what each setting means). The lock guards
+    the index, the placement, `pending` and `queue`."""
+
+    config: StoreConfig
+    model: str
+    kv_format: str
+    page_size: int
+    form: str | None  # the KV format entries are written in (None: the pool's)
+    convert: Callable[[dict, str, str], dict] | None
+    aligned_reads: bool
+    host: HostTier
+    disk: PersistentTier | None
+    placement: Placement | AdaptStorePlacement
+    stats: StoreStats
+    max_pending_bytes: int
+    index: EntryIndex = dataclasses.field(default_factory=EntryIndex)
+    # measured rate of `load` (read, checksum, checks) per tier, and of converting an
+    # entry of each stored KV format into the pool's (stored bytes per second), for
+    # restore planning and AdaptCache's load term
+    read_bytes_per_s: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"host": 0.0, "disk": 0.0})
+    convert_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    pending: dict[str, PendingSave] = dataclasses.field(default_factory=dict)  # by entry key
+    queue: list[str] = dataclasses.field(default_factory=list)  # waiting requests' entries
+    closed: bool = False
