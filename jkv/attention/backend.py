@@ -24,6 +24,13 @@ from jkv.pallas_kernels.softmax_state import merge_softmax_states, normalize_sof
 PAGES_PER_BLOCK = 4  # page-table widths are powers of two >= 4, token tiers' multiples of 32
 
 
+def resolve_backend(name: str) -> str:
+    """The attention backend `auto` means here: the Pallas kernels on a GPU, else xla."""
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return name
+
+
 def decode_splits(batch: int, kv_heads: int, width: int, programs: int = 264) -> int:
     """Split-K factor: enough programs to fill a GPU (about two per SM), powers of two."""
     splits = 1

@@ -1,20 +1,14 @@
 """One step of work on the device: sequences in slots, their pages, the prefix cache.
 
-The engine composes three parts and checks that what it is asked to do fits:
-- the KV cache manager (`jkv.kv.manager`): the pool, free list, page tables, filling
-  pages, device prefix cache, sequence slots and the page budget;
-- the connector (`jkv.engine.connector`): KV leaving the pool and coming back (gather,
-  restore with one pending record per slot, layer-by-layer staging, rebase, load rate);
-- the model runner (`jkv.engine.runner`): compiled shapes, warmup, the only caller of the model.
-
-A step feeds some slots a chunk of prompt and others one decoded token. `execution` says how
-restored KV reaches the pool: "scan" writes it all before the step, "layerwise" layer by layer
-while earlier layers compute. Which sequences run, and when one stops, is the scheduler's
+The engine composes five parts and checks that what it is asked to do fits: the KV cache
+manager (`jkv.kv.manager`: pool, tables, slots, budget, and the layout that keeps pages for
+reuse), the connector of that layout (`connector`, `row_connector`: KV leaving the pool for
+the store and coming back), LayerKV's layer offload (`jkv.kv.layer_offload`) and layer-major
+prefill (`layer_major`), and the model runner (`runner`: compiled shapes, the only caller of
+the model). A step feeds some slots a chunk of prompt and others one decoded token;
+`execution` says how restored KV reaches the pool ("scan": before the step, "layerwise":
+layer by layer while earlier layers compute). Which sequences run is the scheduler's
 business (`jkv.sched.scheduler`).
-
-Full pages outlive their sequence when prefix caching is on: on `close` a sequence's full
-blocks go to the prefix cache, and `open` starts a new sequence from the longest cached run
-of its prompt's blocks, then from saved pages (`open(restore=)`).
 """
 
 from __future__ import annotations
@@ -22,16 +16,16 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.attention.backend import resolve_backend
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
 from jkv.engine.connector import KVConnector, SavedPages
 from jkv.engine.layer_major import LayerMajor
+from jkv.engine.records import EngineStats, Sampled, sampled_rows
 from jkv.engine.row_connector import RowConnector
 from jkv.engine.runner import ModelRunner, Row
 from jkv.engine.sampling import SamplingParams
@@ -44,45 +38,7 @@ from jkv.models.llama import LLAMA, Params
 # the connector of each layout (`Layout.name`)
 CONNECTORS = {"blocks": KVConnector, "tiered": RowConnector}
 
-__all__ = ["Engine", "EngineStats", "Row", "Sampled", "SavedPages", "resolve_backend"]
-
-
-def resolve_backend(name: str) -> str:
-    """The attention backend `auto` means here: the Pallas kernels on a GPU, else xla."""
-    if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return name
-
-
-class Sampled(NamedTuple):
-    """A row's new token, its log-probability and the most likely alternatives."""
-
-    token: int
-    logprob: float
-    top_ids: np.ndarray  # int32 [MAX_LOGPROBS], most likely first
-    top_logprobs: np.ndarray  # float32 [MAX_LOGPROBS]
-    # with Row.targets: per fed token (target logprob, top ids, top logprobs) [m], [m, K]
-    positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-
-
-@dataclass
-class EngineStats:
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0  # steps with prefill rows
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0  # steps with decode rows only
-    steps: int = 0
-    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # of which found on the device
-    restored_tokens: int = 0  # prompt tokens whose KV came from saved pages (`open(restore=)`)
-    # of which recomputed instead by split restores, per layer (half the layers: 0.5 each)
-    recomputed_tokens: float = 0.0
-    step_shapes: set = field(default_factory=set)  # (rows, tokens) buckets run
-
-    @property
-    def prefill_token_seconds(self) -> float:
-        """Measured seconds per prompt token (0.0 before any prefill)."""
-        return self.prefill_seconds / max(self.prefill_tokens, 1)
+__all__ = ["Engine", "EngineStats", "Row", "Sampled", "SavedPages"]
 
 
 class Engine:
@@ -393,17 +349,7 @@ class Engine:
             self.stats.prefill_seconds += seconds
         else:
             self.stats.decode_seconds += seconds
-        sampled: dict[int, Sampled | None] = {}
-        for r, out in zip(layered, outs_layered, strict=True):
-            sampled[id(r)] = None if out is None else Sampled(
-                int(out[0][0]), float(out[1][0]), out[2][0], out[3][0])
-        for group, (tokens, logprob, top_ids, top_lp, *at) in zip(groups, outs, strict=True):
-            for i, r in enumerate(group):
-                m = len(r.tokens)
-                positions = (tuple(x[i, :m] for x in at)
-                             if at and r.targets is not None else None)
-                sampled[id(r)] = Sampled(int(tokens[i]), float(logprob[i]), top_ids[i],
-                                         top_lp[i], positions)
+        sampled = sampled_rows(groups, outs, layered, outs_layered)
         return [sampled[id(r)] for r in prefill], [sampled[id(r)] for r in decode]
 
     def _call(self, rows: Sequence[Row], *, padded_rows: int | None = None,
@@ -419,7 +365,9 @@ class Engine:
                                             self.stats.prefill_token_seconds)
         after_layer = None
         if any(r.slot in c.offloaded for r in rows):
-            before_layer, after_layer = self._offload_hooks(rows, before_layer)
+            lengths = {r.slot: len(c.slot_tokens[r.slot]) + len(r.tokens) for r in rows
+                       if r.slot in c.offloaded}
+            before_layer, after_layer = self.layers.step_hooks(lengths, before_layer)
         elif layered:  # layer by layer, as a step with offloaded layers runs (`warmup`)
             def after_layer(index, pool, table_pages):
                 return pool, table_pages
@@ -428,33 +376,6 @@ class Engine:
         b, t = batch.shape
         c.layout.after_call([r.slot for r in rows], [len(r.tokens) for r in rows], b, t, t == 1)
         return out
-
-    def _offload_hooks(self, rows: Sequence[Row], stage) -> tuple:
-        """Layer hooks for rows with offloaded layers (after `stage`, a restore's): each such
-        layer's pages brought in before it runs and sent out after (the pool as LayerKV's
-        send buffer), its host copy sent ahead once the layer before it is dispatched."""
-        c, moves, last = self.cache, self.layers, self.cfg.num_layers - 1
-        lengths = {r.slot: len(c.slot_tokens[r.slot]) + len(r.tokens) for r in rows
-                   if r.slot in c.offloaded}
-
-        def before(index: int, pool, table_pages):
-            if stage is not None:  # (writes into pages reserved at open: no reservation)
-                pool, table_pages = stage(index, pool, table_pages)
-            moved = False
-            for slot, n in lengths.items():
-                if index in c.offloaded[slot]:
-                    pool, moved = moves.bring(slot, index, n, pool), True
-            return pool, c.tables.pages if moved else table_pages
-
-        def after(index: int, pool, table_pages):
-            for slot, n in lengths.items():
-                if index in c.offloaded[slot]:
-                    moves.send(slot, index, n, pool)  # its pages dropped by the next bring
-                moves.prefetch(slot, index)  # the next offloaded layer, while this computes
-            moved = index == last and moves.flush()  # (no bring after the last layer)
-            return pool, c.tables.pages if moved else table_pages
-
-        return before, after
 
     # ------------------------------------------------------------------ shapes
 

@@ -27,7 +27,7 @@ H200: 6.5 GB/s against 52.5 GB/s).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -238,6 +238,32 @@ class LayerOffload:
         self._copy_out(pool, slot, layer, c.offloaded[slot][layer], tokens // c.page_size)
         c.layout.layer_sent(slot, layer, tokens)
         self.host_seconds["send"] += time.perf_counter() - t0
+
+    def step_hooks(self, lengths: dict[int, int], stage: Callable | None) -> tuple:
+        """Layer hooks for a step's rows with offloaded layers (`lengths`: their slots and
+        lengths after the step), after `stage` (a restore's): each such layer's pages brought
+        in before it runs and sent out after (the pool as LayerKV's send buffer), its host
+        copy sent ahead once the layer before it is dispatched."""
+        c, last = self.cache, self.cache.num_layers - 1
+
+        def before(index: int, pool, table_pages):
+            if stage is not None:  # (writes into pages reserved at open: no reservation)
+                pool, table_pages = stage(index, pool, table_pages)
+            moved = False
+            for slot, n in lengths.items():
+                if index in c.offloaded[slot]:
+                    pool, moved = self.bring(slot, index, n, pool), True
+            return pool, c.tables.pages if moved else table_pages
+
+        def after(index: int, pool, table_pages):
+            for slot, n in lengths.items():
+                if index in c.offloaded[slot]:
+                    self.send(slot, index, n, pool)  # its pages dropped by the next bring
+                self.prefetch(slot, index)  # the next offloaded layer, while this computes
+            moved = index == last and self.flush()  # (no bring after the last layer)
+            return pool, c.tables.pages if moved else table_pages
+
+        return before, after
 
     def flush(self) -> bool:
         """Drop the pages of layers sent out and not yet dropped (before anything else

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import jax
 
 from jkv.config import SchedulerConfig, StoreConfig
-from jkv.engine.engine import Engine, Row, Sampled
+from jkv.engine.engine import Engine, Row
 from jkv.engine.layer_major import layers_for
+from jkv.engine.records import Sampled
 from jkv.sched.output_lengths import OutputLengths
 from jkv.sched.plan_records import Budget, Candidate, Plan, queue_order
 from jkv.sched.planning import min_resident, plan_step
