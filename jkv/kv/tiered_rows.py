@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,18 @@ from jkv.kv.tier_entries import (
 )
 from jkv.kv.token_tiers import init_counts, init_meta
 
-if TYPE_CHECKING:
-    from jkv.config import CacheConfig
+
+class TierSettings(Protocol):
+    """The settings a token policy is made from (`jkv.config.CacheConfig`'s)."""
+
+    token_tiers: bool
+    kv_policy: str
+    kv_recent_window: int
+    kv_alpha_high: float
+    kv_alpha_low: float
+    kv_sink_tokens: int
+    kv_heavy_ratio: float
+    kv_placement_interval: int
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,7 @@ class TierPolicy:
     interval: int = 1
 
     @staticmethod
-    def of(cache: CacheConfig) -> TierPolicy | None:
+    def of(cache: TierSettings) -> TierPolicy | None:
         """The token policy `cache` asks for (None: block pages, kv_policy "none")."""
         if not cache.token_tiers:
             return None

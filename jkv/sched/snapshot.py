@@ -3,13 +3,28 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from jkv.sched.scheduler import Scheduler
+from jkv.engine.engine import Engine
+from jkv.sched.request import Request, SchedulerStats
+from jkv.store.store import KVStore
 
 
-def snapshot(s: Scheduler) -> dict:
+class Serving(Protocol):
+    """What the figures are read from (the scheduler)."""
+
+    engine: Engine
+    stats: SchedulerStats
+    store: KVStore | None
+    running: list[Request]
+    num_waiting: int
+    step_costs: dict[str, float]
+    layer_offload: bool
+
+    def requests_offloaded(self) -> int: ...
+
+
+def snapshot(s: Serving) -> dict:
     """The figures of `s`, its engine and its store now (safe from other threads)."""
     eng, st = s.engine, s.engine.stats
     finished = eng.cache.finished
