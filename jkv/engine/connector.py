@@ -203,10 +203,6 @@ class KVConnector:
         """Whether what `slot` holds may be kept on the device when it closes."""
         return True
 
-    def saved_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
-        """Block hashes of what `gather(slot, approximate=...)` saves."""
-        return self.shareable_hashes(slot, approximate)
-
     def convert_stored(self, arrays: dict, src: str, dst: str, dtype) -> dict[str, np.ndarray]:
         """A stored entry's pages in KV format `src` as pages of `dst` (`kv_forms`)."""
         return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), dtype)
@@ -257,8 +253,9 @@ class KVConnector:
         """The slot closed: a restore never written is dropped."""
         self._pending.pop(slot, None)
 
-    def shareable_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
-        """Chained hashes of `slot`'s shareable blocks (what `gather` saves)."""
+    def saved_hashes(self, slot: int, approximate: bool = False) -> list[bytes]:
+        """Chained hashes of `slot`'s shareable blocks (what `gather(slot, approximate=...)`
+        saves)."""
         c = self.cache
         return block_hashes(c.slot_tokens[slot], c.page_size, c.hash_seed,
                             self.shareable_blocks(slot, approximate))
