@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jkv.kv.format import KV_FORMATS, KVFormat
+from jkv.policies import POLICIES, policy_help
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 
-# which tokens' KV is kept, and how finely (CacheConfig.kv_policy)
-KV_POLICIES = ("none", "leankv", "streaming", "h2o", "kivi")
+# which tokens' KV is kept, and how finely (CacheConfig.kv_policy): one module each
+KV_POLICIES = tuple(POLICIES)
 
 # plain jnp; the Pallas kernels (interpreted on CPU); auto: pallas on a GPU, else xla
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
@@ -236,16 +237,9 @@ class CacheConfig:
         "choices": tuple(sorted(KV_FORMATS))})
 
     kv_policy: str = field(default="none", metadata={
-        "help": "which tokens' KV is kept, and how finely: none = every token in `kv_format`; "
-                "leankv = each (layer, KV head) keeps significant tokens in a high tier "
-                "(`kv_format`, default k8v4t), others in a low tier at half the bits (k4v2t), "
-                "prunes the least significant, and holds only the pages its tiers fill "
-                "(LeanKV); streaming = attention sinks and the recent window, the rest pruned "
-                "(StreamingLLM); h2o = the recent window and the most attended tokens, "
-                "`kv_heavy_ratio` of them per head (H2O); kivi = 2-bit keys per channel and "
-                "values per token, the page being filled in full precision (KIVI). Under "
-                "leankv, streaming and h2o an ended sequence is kept whole, tiers and all "
-                "(prefix caching on the device, the KV store off it), for its next turn",
+        "help": "which tokens' KV is kept, and how finely: " + policy_help() + ". A policy "
+                "that drops or moves single tokens keeps an ended sequence whole, tiers and "
+                "all (prefix caching on the device, the KV store off it), for its next turn",
         "choices": KV_POLICIES})
     # defaults chosen on SmolLM2 with `benchmarks/kv_fidelity.py --docs calibration`: the
     # best perplexity and top-1 agreement among the thresholds holding under 0.29x bf16 bytes
@@ -256,10 +250,11 @@ class CacheConfig:
         "help": "leankv: below `kv_alpha_high`, a token is kept in the low tier while its mean "
                 "attention is at least this many times 1/n, else pruned (0: never pruned)"})
     kv_recent_window: int = field(default=64, metadata={
-        "help": "leankv, streaming, h2o: the newest tokens, kept (at high precision) whatever "
-                "their attention (at least `page_size`)"})
+        "help": "token policies: the newest tokens, kept (at high precision) whatever their "
+                "attention (at least `page_size`); a policy that observes the prompt's end "
+                "reads significance from the prompt's last this many queries"})
     kv_placement_interval: int = field(default=16, metadata={
-        "help": "leankv, streaming, h2o: decode steps between two placements of the tokens "
+        "help": "token policies: decode steps between two placements of the tokens "
                 "that left the recent window (1: every step, as LeanKV's Algorithm 1; more "
                 "spreads the pass over every held token's attention across that many steps, "
                 "and a token may stay that many steps longer at high precision)"})
@@ -267,21 +262,20 @@ class CacheConfig:
         "help": "streaming, leankv: the first tokens, always kept (leankv: at high precision; "
                 "attention sinks, whose 1/i threshold Algorithm 1 would never let them meet)"})
     kv_heavy_ratio: float = field(default=0.2, metadata={
-        "help": "h2o: the share of a sequence's tokens kept as heavy hitters (beside the "
-                "recent window), the same for every head"})
+        "help": "top-k token policies (h2o's heavy hitters): the share of a sequence's tokens "
+                "kept beside the recent window, the same for every head"})
 
     def __post_init__(self) -> None:
         _require(self, "page_size", _is_pow2(self.page_size), "a power of two")
         _require(self, "kv_cache_bytes", _is_int(self.kv_cache_bytes) and self.kv_cache_bytes > 0,
                  "a positive integer")
-        _require(self, "kv_policy", self.kv_policy in KV_POLICIES, f"one of {KV_POLICIES}")
+        _require(self, "kv_policy", self.kv_policy in POLICIES, f"one of {tuple(POLICIES)}")
         if not isinstance(self.kv_format, KVFormat):
             _require(self, "kv_format", self.kv_format in KV_FORMATS,
                      f"a KVFormat or one of {sorted(KV_FORMATS)}")
             name = self.kv_format
-            if name == "auto":
-                # LeanKV's high tier (its low tier: k4v2t); KIVI's 2-bit pages
-                name = {"leankv": "k8v4t", "kivi": "k2v2"}.get(self.kv_policy, name)
+            if name == "auto":  # the policy's own (LeanKV's high tier, KIVI's 2 bits)
+                name = POLICIES[self.kv_policy].default_format or name
             object.__setattr__(self, "kv_format", KVFormat.parse(name))
         for name in ("kv_alpha_high", "kv_alpha_low"):
             value = getattr(self, name)
@@ -300,23 +294,13 @@ class CacheConfig:
         r = self.kv_heavy_ratio
         _require(self, "kv_heavy_ratio", isinstance(r, int | float) and not isinstance(r, bool)
                  and 0 <= r <= 1, "a number in [0, 1]")
-        if self.kv_policy in ("streaming", "h2o") and self.kv_format.quantized and (
-                not self.kv_format.token_keys):
-            raise ValueError(f"CacheConfig.kv_format {self.kv_format.name!r} cannot hold "
-                             f"{self.kv_policy}'s tokens: pruning moves single tokens, which "
-                             "needs the model dtype or per-token key scales (k8v4t, ...)")
-        if self.kv_policy == "leankv":
-            try:
-                self.kv_format.halved()
-            except ValueError as e:
-                raise ValueError(f"CacheConfig.kv_format {self.kv_format.name!r} cannot be "
-                                 f"leankv's high tier: {e} (use k8v4t, or k4v8t)") from None
+        POLICIES[self.kv_policy].check(self)
 
     @property
     def token_tiers(self) -> bool:
-        """Whether pages hold token tiers (a token's place decided as it leaves the recent
-        window: leankv, streaming, h2o) rather than every token of the sequence in order."""
-        return self.kv_policy in ("leankv", "streaming", "h2o")
+        """Whether pages hold token tiers (a token's place decided by the policy as it leaves
+        the recent window) rather than every token of the sequence in order."""
+        return POLICIES[self.kv_policy].token_tiers
 
 
 @dataclass(frozen=True)

@@ -199,9 +199,10 @@ def test_leankv_pages_stay_exact_through_preemption_and_admit_more(tiny_params):
     assert 0 < stats["kv_bytes_per_token"] < plain_sched.snapshot()["kv_bytes_per_token"]
 
 
-def dense_significance(params, cfg, tokens: list[int]) -> np.ndarray:
-    """Every key's attention summed over the queries at or after it, max over its KV head's
-    query heads, from a dense float32 forward: [L, Hkv, n]."""
+def dense_significance(params, cfg, tokens: list[int], observe_from: int = 0) -> np.ndarray:
+    """Every key's attention summed over the queries at or after it (and at or after
+    `observe_from`), max over its KV head's query heads, from a dense float32 forward:
+    [L, Hkv, n]."""
     from jkv.models.llama import layer_weights, mlp, positional_tables, rms_norm, rotate
 
     n, g = len(tokens), cfg.num_heads // cfg.num_kv_heads
@@ -220,7 +221,8 @@ def dense_significance(params, cfg, tokens: list[int]) -> np.ndarray:
         k, v = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)
         s = jnp.einsum("qhd,khd->hqk", q, k, precision="highest") / np.sqrt(cfg.head_dim)
         p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)  # [Hq, n, n]
-        out.append(p.reshape(cfg.num_kv_heads, g, n, n).max(axis=1).sum(axis=1))
+        out.append(p.reshape(cfg.num_kv_heads, g, n, n).max(axis=1)[:, observe_from:].sum(
+            axis=1))
         attn = jnp.einsum("hqk,khd->qhd", p, v, precision="highest").reshape(1, n, -1)
         x = x + attn @ w["wo"]
         x = x + mlp(rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps), w["w_gate_up"],
@@ -269,4 +271,35 @@ def test_significance_is_the_attention_each_key_received(tiny_params, backend):
     eng.step([], [Row(slot, [first.token], greedy_params, key, 1)])
     np.testing.assert_allclose(engine_significance(eng, slot, 22),
                                dense_significance(tiny_params, TINY, prompt + [first.token]),
+                               rtol=1e-2, atol=2e-4)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_policy_observing_the_prompts_end_sums_only_its_last_queries(
+        tiny_params, backend, monkeypatch):
+    """A policy with `observes_prompt_end` (SnapKV's observation window) gets each token's
+    attention summed over the prompt's last `kv_recent_window` queries and later ones only:
+    a prompt of 21 with a window of 8 counts queries 13 on, from the middle of the second
+    chunk (10 + 11 tokens), against the dense forward."""
+    from jkv.engine.runner import Row
+    from jkv.policies import POLICIES, KVPolicy
+
+    lean = POLICIES["leankv"]
+    monkeypatch.setitem(POLICIES, "observing", KVPolicy(
+        "observing", "leankv's fates, significance from the prompt's end", fates=lean.fates,
+        knobs=lean.knobs, observes_prompt_end=True))
+    eng = tiered(tiny_params, backend, 0.0, 0.0, kv_format=KVFormat(8, 8, 32, token_keys=True),
+                 kv_policy="observing")
+    prompt = prompts((21,))[0]
+    greedy_params, key = SamplingParams(temperature=0), eng.request_key(0)
+    slot, _ = eng.open(prompt)
+    eng.step([Row(slot, prompt[:10], greedy_params, key)], [])
+    assert not engine_significance(eng, slot, 10).any()
+    [first], _ = eng.step([Row(slot, prompt[10:], greedy_params, key)], [])
+    np.testing.assert_allclose(engine_significance(eng, slot, 21),
+                               dense_significance(tiny_params, TINY, prompt, 13), rtol=1e-2,
+                               atol=2e-4)
+    eng.step([], [Row(slot, [first.token], greedy_params, key, 1)])
+    np.testing.assert_allclose(engine_significance(eng, slot, 22),
+                               dense_significance(tiny_params, TINY, prompt + [first.token], 13),
                                rtol=1e-2, atol=2e-4)

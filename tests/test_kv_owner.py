@@ -13,6 +13,7 @@ from jkv.kv.format import KVFormat
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.page_pool import page_bytes
 from jkv.kv.tiered_rows import TierPolicy
+from jkv.policies.leankv import leankv_fates
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jkv"
 OWNERS = {ROOT / "kv" / name for name in ("manager.py", "block_pages.py", "tiered_rows.py")}
@@ -35,7 +36,8 @@ def manager(tiers: TierPolicy | None = None) -> KVCacheManager:
                           device_cache_bytes=None, hash_seed=b"owner", tiers=tiers)
 
 
-@pytest.mark.parametrize("tiers", [None, TierPolicy("leankv", 8, 1.0, 0.1)])
+@pytest.mark.parametrize("tiers", [
+    None, TierPolicy("leankv", leankv_fates, 8, knobs=(1.0, 0.1, 0.0))])
 def test_an_outside_assignment_to_the_managers_state_raises(tiers):
     m = manager(tiers)
     owners = [(m, name) for name in MANAGER_STATE]

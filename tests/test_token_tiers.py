@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import jkv.kv.allocator as alloc
 import jkv.kv.token_tiers as tt
+import jkv.policies.leankv as leankv
 
 PAGE, SLOTS, LAYERS, HEADS = 4, 2, 1, 2
 MAX_TOKENS = 96
@@ -184,10 +185,10 @@ def run(schedule, decode_steps, seed, recent, a_high, a_low, interval=1):
         where = dict(page=PAGE, recent=recent, alpha_high=alphas[0], alpha_low=alphas[1],
                      max_tokens=MAX_TOKENS if seed % 2 else None)
         if prompt:
-            fate_hi, fate_lo = tt.place(meta, tables.pages, counts, jnp.int32(placed),
+            fate_hi, fate_lo = leankv.place(meta, tables.pages, counts, jnp.int32(placed),
                                         jnp.int32(n), **where)
         else:
-            fate_hi, fate_lo = tt.place_generation(meta, tables.pages, counts,
+            fate_hi, fate_lo = leankv.place_generation(meta, tables.pages, counts,
                                                    jnp.int32(placed), jnp.int32(n), **where,
                                                    max_moves=interval)
         free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo,
@@ -254,16 +255,16 @@ def _prune_the_window(meta, pages, counts, n_prev, n, **kw):
     return _place(meta, pages, counts, n_prev, n, **kw)
 
 
-_place = tt.place
+_place = leankv.place
 
 
-@pytest.mark.parametrize("name,bug,match", [
-    ("unref", _leaky_unref, "leaked|reference"),
-    ("unref", _double_free, "free twice|reference|referenced"),
-    ("place", _prune_the_window, "demoted or pruned|tier"),
+@pytest.mark.parametrize("module,name,bug,match", [
+    (tt, "unref", _leaky_unref, "leaked|reference"),
+    (tt, "unref", _double_free, "free twice|reference|referenced"),
+    (leankv, "place", _prune_the_window, "demoted or pruned|tier"),
 ])
-def test_the_properties_catch_planted_bugs(monkeypatch, name, bug, match):
-    monkeypatch.setattr(tt, name, bug)
+def test_the_properties_catch_planted_bugs(monkeypatch, module, name, bug, match):
+    monkeypatch.setattr(module, name, bug)
 
     @settings(max_examples=60, deadline=None, database=None, phases=[Phase.generate])
     @given(tier_runs)
@@ -380,7 +381,7 @@ def test_first_and_lowest_against_numpy(k):
     # few values (many ties, broken by position) and distinct ones (no tie to break)
     for mean in (rng.integers(0, 4, (r, c)).astype(np.float32),
                  rng.permutation(r * c).reshape(r, c).astype(np.float32)):
-        got = np.asarray(tt._lowest(jnp.asarray(mean), jnp.asarray(pos), jnp.asarray(mask),
+        got = np.asarray(leankv._lowest(jnp.asarray(mean), jnp.asarray(pos), jnp.asarray(mask),
                                     jnp.asarray(count), kk))
         for i in range(r):
             order = sorted(np.flatnonzero(mask[i]), key=lambda j: (mean[i, j], pos[i, j]))

@@ -75,7 +75,8 @@ def _decode_significance(p: jax.Array, m_part: jax.Array, m: jax.Array, denom: j
 def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Window,
                     q_positions: jax.Array, sm_scale: float, backend: str = "xla",
                     tiers: tuple[jax.Array, jax.Array] | None = None,
-                    max_tokens: int | None = None):
+                    max_tokens: int | None = None,
+                    significance_from: jax.Array | None = None):
     """q [B, T, Hq, D] at `q_positions` [B, T] over one layer's pages [B, Hkv, W] (tokens
     [0, window.start) of each row) and the window; returns [B, T, Hq, D] in q's dtype.
 
@@ -85,7 +86,8 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
     its KV head's query heads, averaged over the real queries that see it, as (high [B, Hkv,
     W * page], window [B, Hkv, Tw], low [B, Hkv, W * 2 * page]), tiers in slot order.
     `max_tokens` bounds the tokens of a row's tier (the xla backend keeps scores only that
-    wide; None: the table's width)."""
+    wide; None: the table's width). `significance_from` [B]: only queries at or after it
+    count in the significance (an observation window, SnapKV's), None: all."""
     b, t, hq, d = q.shape
     hkv = pages.shape[1]
     if tiers is None:
@@ -103,7 +105,8 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
         out = xla_attention(q, pool, pages, prefix, window.k, window.v, window.start,
                             window.length, q_positions, q_lengths, sm_scale=sm_scale,
                             low_tier=low_tier, low_lengths=low,
-                            return_significance=significance, max_tokens=max_tokens)
+                            return_significance=significance, max_tokens=max_tokens,
+                            significance_from=significance_from)
         if significance:
             out, sig = out
             return out.astype(q.dtype), _with_low(sig, pages, pool.page_size)
@@ -112,35 +115,48 @@ def paged_attention(q: jax.Array, pool: KVPages, pages: jax.Array, window: Windo
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     interpret = jax.default_backend() == "cpu"
     if t == 1:
-        w = pages.shape[-1]
-        splits = 1 if interpret else decode_splits(b, hkv, w)
-        state = paged_decode_attention(
-            q[:, 0], pool, pages, prefix, sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK,
-            k_splits=splits, low_tier=low_tier, low_lengths=low, return_softmax_state=True,
-            return_significance=significance, interpret=interpret)
-        if significance:
-            state, p = state
-            p_hi, p_lo = p if low_tier is not None else (p, None)
-        *tail, p_win = window_softmax_state(q[:, 0], window, q_positions[:, 0], sm_scale)
-        o, denom, m = merge_softmax_states(*(jnp.stack(x) for x in zip(state, tail,
-                                                                       strict=True)), axis=0)
-        out = normalize_softmax_state(o, denom)[:, None].astype(q.dtype)
-        if not significance:
-            return out
-        real = (q_lengths > 0)[:, None, None]  # padding rows: no query sees anything
-        sig = tuple(jnp.where(real, _decode_significance(p, m_part, m, denom, hkv), 0.0)
-                    for p, m_part in ((p_hi, state[2]), (p_win, tail[2]), (p_lo, state[2]))
-                    if p is not None)
-        return out, _with_low(sig, pages, pool.page_size)
+        real = q_lengths > 0  # padding rows: no query sees anything
+        if significance_from is not None:
+            real &= q_positions[:, 0] >= significance_from
+        return _pallas_decode(q, pool, pages, prefix, low_tier, low, window, q_positions,
+                              sm_scale, real, significance, interpret)
     out = chunked_prefill_attention(
         q, pool, pages, prefix, window.k, window.v, window.start, window.length, q_positions,
         q_lengths, sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK,
         block_w=min(16, pool.page_size), low_tier=low_tier, low_lengths=low,
-        return_significance=significance, interpret=interpret)
+        return_significance=significance, significance_from=significance_from,
+        interpret=interpret)
     if significance:
         out, sig = out
         return out, _with_low(sig, pages, pool.page_size)
     return out
+
+
+def _pallas_decode(q, pool, pages, prefix, low_tier, low, window, q_positions, sm_scale,
+                   real, significance: bool, interpret: bool):
+    """`paged_attention` of one query per row on the Pallas decode kernel, merged with the
+    window's; `real` [B]: rows whose query adds significance."""
+    b, _, _, _ = q.shape
+    hkv, w = pages.shape[1], pages.shape[-1]
+    splits = 1 if interpret else decode_splits(b, hkv, w)
+    state = paged_decode_attention(
+        q[:, 0], pool, pages, prefix, sm_scale=sm_scale, pages_per_block=PAGES_PER_BLOCK,
+        k_splits=splits, low_tier=low_tier, low_lengths=low, return_softmax_state=True,
+        return_significance=significance, interpret=interpret)
+    if significance:
+        state, p = state
+        p_hi, p_lo = p if low_tier is not None else (p, None)
+    *tail, p_win = window_softmax_state(q[:, 0], window, q_positions[:, 0], sm_scale)
+    o, denom, m = merge_softmax_states(*(jnp.stack(x) for x in zip(state, tail, strict=True)),
+                                       axis=0)
+    out = normalize_softmax_state(o, denom)[:, None].astype(q.dtype)
+    if not significance:
+        return out
+    sig = tuple(jnp.where(real[:, None, None], _decode_significance(p, m_part, m, denom, hkv),
+                          0.0)
+                for p, m_part in ((p_hi, state[2]), (p_win, tail[2]), (p_lo, state[2]))
+                if p is not None)
+    return out, _with_low(sig, pages, pool.page_size)
 
 
 def _with_low(sig: tuple, pages: jax.Array, page: int) -> tuple:

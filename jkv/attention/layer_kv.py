@@ -31,6 +31,8 @@ class LayerTiers:
     score: jax.Array  # float32 [B, Hkv, page]: the filling page's tokens' summed attention
     high: jax.Array  # int32 [B, Hkv]: high-tier tokens, this step's full pages included
     low: jax.Array  # int32 [B, Hkv]
+    # int32 [B]: only queries at or after it add significance (None: every query)
+    observe_from: jax.Array | None = None
     max_tokens: int | None = struct.field(pytree_node=False, default=None)  # in either tier
 
 
@@ -86,16 +88,17 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: ja
     pool = write_tokens(pool, addr, window.k, window.v, page)
     out, (sig_high, sig_window, sig_low) = paged_attention(
         q, pool, pages, window, positions, sm_scale, backend=backend, tiers=(high, tiers.low),
-        max_tokens=tiers.max_tokens)
+        max_tokens=tiers.max_tokens, significance_from=tiers.observe_from)
 
     # significance as sums over the queries that saw each key (means x their number)
     t = q.shape[1]
     q_len = jnp.clip(window.start + window.length - start, 0, t)  # real queries [B]
-    per_row = q_len.astype(jnp.float32)[:, None, None]
+    first = start if tiers.observe_from is None else jnp.maximum(start, tiers.observe_from)
+    per_row = jnp.clip(start + q_len - first, 0, None).astype(jnp.float32)[:, None, None]
     meta = add_significance(tiers.meta, pages, TierCounts(high=high, low=tiers.low), page,
                             sig_high * per_row, sig_low * per_row)
     pos = window.start[:, None] + i  # [B, Tw]
-    seen = jnp.clip(start[:, None] + q_len[:, None] - jnp.maximum(pos, start[:, None]), 0, None)
+    seen = jnp.clip(start[:, None] + q_len[:, None] - jnp.maximum(pos, first[:, None]), 0, None)
     r = start % page
     before = jnp.where((i[None, :] < r[:, None])[:, None, :],
                        jnp.pad(tiers.score, ((0, 0), (0, 0), (0, tw - page))), 0.0)

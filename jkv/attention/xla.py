@@ -102,6 +102,7 @@ def xla_attention(
     low_tier: KVPages | None = None,  # a second tier [P', low page, ...], own format
     low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
     return_significance: bool = False,
+    significance_from: jax.Array | None = None,  # int32 [B]: earlier queries add none
     max_tokens: int | None = None,  # most tokens a row holds in one tier (None: the table's)
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
     """`chunked_prefill_attention`'s function in jnp; returns float32 [B, T, Hq, D].
@@ -283,24 +284,35 @@ def xla_attention(
     out = out.reshape(b, nq * block_q, hq, d)[:, :t]
     if not return_significance:
         return out
+    tiers = [(page_scores, w * pages.page_size)]
+    if low_tier is not None:
+        tiers.append((low_scores, w * low_tier.page_size))
+    real = jnp.arange(tp)[None, :] < q_lengths[:, None]  # [B, Tp]
+    if significance_from is not None:  # the queries whose attention counts
+        real &= pos >= significance_from[:, None]
+    return out, _significance(blocks, tiers, real, pos, start, win_len, g)
+
+
+def _significance(blocks: list, tiers: list, real: jax.Array, pos: jax.Array,
+                  start: jax.Array, win_len: jax.Array, g: int) -> tuple[jax.Array, ...]:
+    """`xla_attention`'s significance from its query blocks' final softmax states and the
+    scores it kept: (the first tier's, the window's, the low tier's if any); `tiers`:
+    (scores, slots) of each, `real` [B, Tp]: the queries that count."""
     m = jnp.concatenate([x[1] for x in blocks], axis=2)  # [B, Hkv, Tp * G]
     denom = jnp.concatenate([x[2] for x in blocks], axis=2)
-    real = jnp.arange(tp)[None, :] < q_lengths[:, None]  # [B, Tp]
     row_pos = jnp.where(real, pos, -1)
-    win_idx = jnp.arange(tw)
+    win_idx = jnp.arange(blocks[0][3].shape[-1])
     sees = ((win_idx[None, None, :] < win_len[:, None, None])
             & (start[:, None, None] + win_idx[None, None, :] <= row_pos[:, :, None]))
 
     def tier_significance(scores: jax.Array, slots: int) -> jax.Array:
         """A tier's significance [B, Hkv, slots] from its kept scores (0 past them)."""
-        sig = key_significance(scores, m, denom, real, g, q_lengths[:, None, None])
+        sig = key_significance(scores, m, denom, real, g, real.sum(axis=1)[:, None, None])
         return jnp.pad(sig, ((0, 0), (0, 0), (0, slots - sig.shape[-1])))
 
-    significance = (
-        tier_significance(page_scores, w * pages.page_size),
-        key_significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom, real, g,
-                         sees.sum(axis=1)[:, None, :]))
-    if low_tier is not None:
-        significance += (tier_significance(low_scores, w * low_tier.page_size),)
-    return out, significance
+    (high, high_slots), *low = tiers
+    window = key_significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom, real,
+                              g, sees.sum(axis=1)[:, None, :])
+    return (tier_significance(high, high_slots), window,
+            *(tier_significance(x, n) for x, n in low))
 

@@ -31,9 +31,9 @@ from jkv.engine.runner import ModelRunner, Row
 from jkv.engine.sampling import SamplingParams
 from jkv.kv.layer_offload import LayerOffload, resident_layers
 from jkv.kv.manager import KVCacheManager
-from jkv.kv.tiered_rows import TierPolicy
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
+from jkv.policies import POLICIES
 
 # the connector of each layout (`Layout.name`)
 CONNECTORS = {"blocks": KVConnector, "tiered": RowConnector}
@@ -69,7 +69,7 @@ class Engine:
             kv_cache_bytes=cache.kv_cache_bytes, max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             device_cache_bytes=config.device_cache_bytes, hash_seed=hash_seed,
-            tiers=TierPolicy.of(cache))
+            tiers=POLICIES[cache.kv_policy].tier_policy(cache))
         layout = self.cache.layout
         # names the KV this engine writes (model, format, page size, shapes, layout) in
         # stored entries

@@ -88,7 +88,6 @@ class Row:
     layer_span: tuple[int, int] | None = None
 
 
-
 def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k, want_top):
     logits = family.logits(params, h_last)
     keys = jax.vmap(jax.random.fold_in)(keys, num_generated)  # one stream per request
@@ -96,16 +95,18 @@ def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top
     return (tokens, *token_logprobs(logits, tokens, want_top=want_top))
 
 
-def _rows(pool, filling, meta, table_pages, counts, slots, max_tokens: int | None,
+def _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens: int | None,
           index=None) -> LayerKV:
     """The KV of the step's rows: every layer's (`LayerKV` with a layer axis after the
     batch axis), or layer `index`'s only (gathered alone: not every layer's filling pages
-    for one layer's step), token tiers when `meta` is given (no tier of a row holding more
-    than `max_tokens`)."""
-    at = slots if index is None else (slots, index)
-    tiers = None if meta is None else LayerTiers(
-        meta=meta, score=filling.score[at], high=counts.high[at], low=counts.low[at],
-        max_tokens=max_tokens)
+    for one layer's step), token tiers when `meta` is given (`slot_tiers`: every slot's tier
+    counts and first query adding significance; no tier holding over `max_tokens`)."""
+    at, tiers = (slots if index is None else (slots, index)), None
+    if meta is not None:
+        counts, observe = slot_tiers
+        tiers = LayerTiers(meta=meta, score=filling.score[at], high=counts.high[at],
+                           low=counts.low[at], max_tokens=max_tokens,
+                           observe_from=None if observe is None else observe[slots])
     return LayerKV(pool=pool, fill_k=filling.k[at], fill_v=filling.v[at],
                    pages=table_pages[at], tiers=tiers)
 
@@ -121,10 +122,10 @@ def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
     return kv.pool, filling, None if kv.tiers is None else kv.tiers.meta
 
 
-def _step(params, pool, filling, meta, table_pages, counts, slots, tokens, positions, valid,
+def _step(params, pool, filling, meta, table_pages, slot_tiers, slots, tokens, positions, valid,
           last_idx, keys, num_generated, temperature, top_p, top_k, want_top, *,
           family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int | None):
-    kv = _rows(pool, filling, meta, table_pages, counts, slots, max_tokens)
+    kv = _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens)
     hidden, kv = family.forward(params, cfg, tokens, positions, valid, kv, backend)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     out = _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k,
@@ -136,13 +137,13 @@ def _embed(params, tokens, positions, *, family: ModelFamily, cfg: ModelConfig):
     return family.embed(params, tokens), family.positional(cfg, positions)
 
 
-def _layer_step(weights, pool, filling, meta, table_pages, counts, slots, x, positional,
+def _layer_step(weights, pool, filling, meta, table_pages, slot_tiers, slots, x, positional,
                 positions, valid, index, *, family: ModelFamily, cfg: ModelConfig,
                 backend: str, max_tokens: int | None):
     """Layer `index`; `weights` are its own, or the params (the layer taken at `index`)."""
     if "layers" in weights:
         weights = family.layer_weights(weights, index)
-    kv = _rows(pool, filling, meta, table_pages, counts, slots, max_tokens, index)
+    kv = _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens, index)
     x, kv = family.layer(weights, cfg, x, kv, positions, valid, positional, backend)
     return (x, *_put_rows(filling, slots, kv, index))
 
@@ -323,24 +324,23 @@ class ModelRunner:
 
     def run(self, pool: KVPages, filling: FillingPages, table_pages: jax.Array, batch: Batch,
             before_layer: LayerHook | None = None,
-            tiers: tuple[TokenMeta, TierCounts] | None = None,
+            tiers: tuple[TokenMeta, TierCounts, jax.Array | None] | None = None,
             after_layer: LayerHook | None = None
             ) -> tuple[tuple, KVPages, FillingPages, TokenMeta | None]:
         """One call: returns ((tokens, logprobs, top ids, top logprobs), pool, filling, meta),
         dispatched, not awaited; with `batch.targets`, the first part also has each
         position's (target logprob, top ids, top logprobs). `before_layer` and `after_layer`
         (either makes the call go layer by layer) may write into the pool and change the
-        page tables before and after layer `index` runs. `tiers`: the token meta and tier
-        counts of LeanKV's tiers (the high counts already include the pages this step
-        fills)."""
-        meta, counts = (None, None) if tiers is None else tiers
+        page tables before and after layer `index` runs. `tiers`: the layout's `model_tiers`
+        (token meta, tier counts with this step's pages, first queries adding significance)."""
+        meta, slot_tiers = (None, None) if tiers is None else (tiers[0], tiers[1:])
         hooked = before_layer is not None or after_layer is not None
         if not self.layer_by_layer and batch.targets is None and not hooked:
             out, pool, filling, meta = self._step(
-                self.params, pool, filling, meta, table_pages, counts, batch.slots,
+                self.params, pool, filling, meta, table_pages, slot_tiers, batch.slots,
                 batch.tokens, batch.positions, batch.valid, *batch.sampling)
             return out, pool, filling, meta
-        x, pool, filling, meta = self._layers(pool, filling, meta, table_pages, counts, batch,
+        x, pool, filling, meta = self._layers(pool, filling, meta, table_pages, slot_tiers, batch,
                                               self.cfg.num_layers, before_layer, after_layer)
         out = self.head(x, batch)
         if batch.targets is not None:
@@ -355,14 +355,14 @@ class ModelRunner:
                                            num_layers, None, None)
         return pool, filling
 
-    def _layers(self, pool, filling, meta, table_pages, counts, batch: Batch, num_layers: int,
+    def _layers(self, pool, filling, meta, table_pages, slot_tiers, batch: Batch, num_layers: int,
                 before_layer: LayerHook | None, after_layer: LayerHook | None) -> tuple:
         x, inputs = self.embed(batch)
         for index in range(num_layers):
             if before_layer is not None:
                 pool, table_pages = before_layer(index, pool, table_pages)
             x, pool, filling, meta = self.layer(index, pool, filling, table_pages, x, inputs,
-                                                meta, counts)
+                                                meta, slot_tiers)
             if after_layer is not None:
                 pool, table_pages = after_layer(index, pool, table_pages)
         return x, pool, filling, meta
@@ -386,13 +386,13 @@ class ModelRunner:
 
     def layer(self, index: int, pool: KVPages, filling: FillingPages, table_pages: jax.Array,
               x: jax.Array, inputs: tuple, meta: TokenMeta | None = None,
-              counts: TierCounts | None = None, weights: Params | None = None) -> tuple:
+              slot_tiers: tuple | None = None, weights: Params | None = None) -> tuple:
         """Layer `index` of a call (`embed`'s inputs): (x, pool, filling, meta); dispatched.
         `weights`: its own (`layer_weights`), else taken from the params."""
         slots, positional, positions, valid = inputs
         if weights is None:
             weights = self.views[index] if self.views else self.params
-        return self._layer(weights, pool, filling, meta, table_pages, counts, slots, x,
+        return self._layer(weights, pool, filling, meta, table_pages, slot_tiers, slots, x,
                            positional, positions, valid, self.indices[index])
 
     def head(self, x: jax.Array, batch: Batch) -> tuple:

@@ -140,9 +140,10 @@ class BlockPages:
 
     # ------------------------------------------------------------------ sequences
 
-    def open(self, slot: int, hashes: Sequence[bytes]) -> int:
-        """Start the empty `slot` from the longest run of `hashes` the prefix cache holds
-        (its pages imported into the slot's table); returns the tokens it holds."""
+    def open(self, slot: int, hashes: Sequence[bytes], prompt_tokens: int) -> int:
+        """Start the empty `slot` from the longest run of `hashes` (a prompt's blocks) the
+        prefix cache holds (its pages imported into the slot's table); returns the tokens
+        it holds."""
         rows = self.prefix.lookup(hashes)
         cached = len(rows) * self.page_size
         if rows:

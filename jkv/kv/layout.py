@@ -59,8 +59,9 @@ class Layout(Protocol):
     def make_room(self, pages: int) -> bool:
         """Evict what is kept for reuse until `pages` pages are free."""
 
-    def open(self, slot: int, hashes: Sequence[bytes]) -> int:
-        """Start the empty `slot` from what is kept; the tokens it then holds."""
+    def open(self, slot: int, hashes: Sequence[bytes], prompt_tokens: int) -> int:
+        """Start the empty `slot` for a prompt of `prompt_tokens` (`hashes`: its blocks')
+        from what is kept; the tokens it then holds."""
 
     def grow(self, new_lengths: dict[int, int], need: int) -> jax.Array:
         """Take `need` pages for slots growing to `new_lengths`; the device's ok flag."""

@@ -216,7 +216,7 @@ class KVCacheManager:
         hashes = self.prompt_hashes(token_ids) if use_prefix_cache else []
         if max_cached is not None:
             hashes = hashes[:max_cached // self.page_size]
-        cached = self.layout.open(slot, hashes)
+        cached = self.layout.open(slot, hashes, len(token_ids))
         self.slot_tokens[slot] = list(token_ids[:cached])
         return slot, cached
 
@@ -276,9 +276,9 @@ class KVCacheManager:
 
     def run_model(self, call: Callable) -> object:
         """Run a model call over the pool: `call(pool, filling, table_pages, tiers)` (tiers:
-        (meta, counts) under token tiers, else None) returns (out, pool, filling, meta); the
-        pool, filling pages and token metadata it returns become the manager's (the model
-        writes a step's KV into pages the manager gave out). Returns out."""
+        the layout's `model_tiers`) returns (out, pool, filling, meta); the pool, filling
+        pages and token metadata it returns become the manager's (the model writes a step's
+        KV into pages the manager gave out). Returns out."""
         s = self._s
         out, s.pool, s.filling, meta = call(s.pool, s.filling, s.tables.pages,
                                             self.layout.model_tiers())

@@ -1,22 +1,23 @@
-"""The engine's token-tier calls (LeanKV), each one jitted call over whole arrays.
+"""The engine's token-tier calls, each one jitted call over whole arrays.
 
 Before a step `grow` gives each row's high tier the pages the step's full pages' tokens
 join; the step writes them and adds every key's significance (`layer_kv.attend`); after it
-`retier` runs Algorithm 1 over every (layer, KV head) of the step's rows at once (a prompt
-chunk: `place`; decode steps: `place_generation`, the tokens that left the recent window
-since the last placement and their victims; then `compact`) and moves the K/V and metadata
-of the tokens that changed slots. `clear` empties the tiers of ended sequences.
+`retier` asks the token policy's `fates` (`jkv.policies`: LeanKV's Algorithm 1, a pruning
+baseline, ...) about every (layer, KV head) of the step's rows at once, as `Placing` shows
+them, then compacts (`compact`) and moves the K/V and metadata of the tokens that changed
+slots. `clear` empties the tiers of ended sequences.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jkv.kv.allocator import FreeList, PageTables
-from jkv.kv.eviction import h2o_fates, streaming_fates
 from jkv.kv.pages import KVPages
 from jkv.kv.token_tiers import (
     TierCounts,
@@ -25,9 +26,32 @@ from jkv.kv.token_tiers import (
     grow_high,
     move_pages,
     move_tokens,
-    place,
-    place_generation,
+    read_rows,
 )
+
+
+class Placing(NamedTuple):
+    """What a token policy's `fates` decides from: rows (slot, layer, KV head) of tokens
+    (`token_tiers.read_rows` reads them) that grew from `n_prev` to `n` tokens, of a prompt
+    `prompt_end` tokens long; the newest `recent` of a row are never placed."""
+
+    meta: TokenMeta
+    pages: jax.Array  # [B, L, H, W] page tables
+    counts: TierCounts  # [B, L, H]
+    n_prev: jax.Array  # [B, 1, 1]
+    n: jax.Array  # [B, 1, 1]
+    prompt_end: jax.Array  # [B, 1, 1]
+    page: int
+    recent: int
+    max_tokens: int | None
+    max_moves: int  # tokens placed at most (decode steps: the interval)
+    generation: bool  # grown by decode steps, else by a prompt chunk
+
+    def rows(self, sinks: jax.Array | int = 0) -> dict:
+        """The rows' tokens as `token_tiers.read_rows` gives them."""
+        return read_rows(self.meta, self.pages, self.counts, self.n_prev, self.n,
+                         page=self.page, recent=self.recent, sinks=sinks,
+                         max_tokens=self.max_tokens)
 
 
 @partial(jax.jit, donate_argnums=(0, 1, 2))
@@ -47,42 +71,29 @@ def clear(counts: TierCounts, mask: jax.Array) -> TierCounts:
     return TierCounts(high=jnp.where(m, 0, counts.high), low=jnp.where(m, 0, counts.low))
 
 
-@partial(jax.jit, static_argnames=("policy", "recent", "max_moves", "generation",
+@partial(jax.jit, static_argnames=("fates", "recent", "max_moves", "generation",
                                    "max_tokens"), donate_argnums=(0, 1, 2, 3, 4))
 def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
            counts: TierCounts, slots: jax.Array, n_prev: jax.Array, n: jax.Array,
-           knobs: jax.Array, *, policy: str, recent: int, max_moves: int,
-           generation: bool, max_tokens: int | None = None) -> tuple[
+           prompt_end: jax.Array, knobs: jax.Array, *, fates: Callable, recent: int,
+           max_moves: int, generation: bool, max_tokens: int | None = None) -> tuple[
                KVPages, TokenMeta, FreeList, PageTables, TierCounts, jax.Array]:
-    """`policy`'s placement and compaction for the sequences in `slots` [B] (repeats only for
-    rows that did not grow, n_prev == n) which grew from n_prev to n [B] tokens: (pool,
-    meta, free, tables, counts, ok). `knobs` float32 [4]: alpha_high, alpha_low (leankv),
-    sink tokens (streaming), heavy-hitter ratio (h2o). `generation`: they grew by decode
-    steps (Algorithm 1's generation phase), else by a prompt chunk; by at most `max_moves`
-    tokens. When compaction cannot run (the pool is short of the low tier's new pages)
-    nothing changes and ok is False. `max_tokens`: no tier of a row holds more (the
-    placement then reads only the slots such a tier reaches)."""
+    """The token policy's `fates` (with its `knobs`, float32) and compaction for the
+    sequences in `slots` [B] (repeats only for rows that did not grow, n_prev == n) which
+    grew from n_prev to n [B] tokens of prompts `prompt_end` [B] long: (pool, meta, free,
+    tables, counts, ok). `generation`: they grew by decode steps, else by a prompt chunk; by
+    at most `max_moves` tokens. When compaction cannot run (the pool is short of the low
+    tier's new pages) nothing changes and ok is False. `max_tokens`: no tier of a row holds
+    more (the placement then reads only the slots such a tier reaches)."""
     page = free.page_size
     sub = PageTables(pages=tables.pages[slots], num_pages=tables.num_pages[slots],
                      lengths=tables.lengths[slots], low_pages=tables.low_pages[slots])
     rows = TierCounts(high=counts.high[slots], low=counts.low[slots])
-    n_prev, n = n_prev[:, None, None], n[:, None, None]
-    alpha_high, alpha_low, sinks, ratio = knobs[0], knobs[1], knobs[2], knobs[3]
-    where = dict(page=page, recent=recent, max_tokens=max_tokens)
+    placing = Placing(meta, sub.pages, rows, n_prev[:, None, None], n[:, None, None],
+                      prompt_end[:, None, None], page, recent, max_tokens, max_moves,
+                      generation)
     with jax.named_scope("place"):  # scopes name the phases in profiles (trace_ops.py)
-        if policy == "leankv" and generation:
-            fate_hi, fate_lo = place_generation(meta, sub.pages, rows, n_prev, n, **where,
-                                                alpha_high=alpha_high, alpha_low=alpha_low,
-                                                max_moves=max_moves, sinks=sinks)
-        elif policy == "leankv":
-            fate_hi, fate_lo = place(meta, sub.pages, rows, n_prev, n, **where,
-                                     alpha_high=alpha_high, alpha_low=alpha_low, sinks=sinks)
-        elif policy == "streaming":
-            fate_hi, fate_lo = streaming_fates(meta, sub.pages, rows, n_prev, n, **where,
-                                               sinks=sinks)
-        else:
-            fate_hi, fate_lo = h2o_fates(meta, sub.pages, rows, n_prev, n, **where,
-                                         ratio=ratio)
+        fate_hi, fate_lo = fates(placing, knobs)
     with jax.named_scope("compact"):
         free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page, max_moves)
     with jax.named_scope("move"):

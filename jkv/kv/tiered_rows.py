@@ -1,7 +1,8 @@
 """The tiered-rows layout (LeanKV, and StreamingLLM and H2O on the same machinery): each
 (layer, KV head) of a sequence keeps its own tokens in a high tier from the left of its row
 and a low tier (the same bytes read at half the bits) from the right, pages taken as they
-fill; tokens leaving the recent window are placed (high, low or pruned) by `TierPolicy`.
+fill; tokens leaving the recent window are placed (high, low or pruned) by a token policy's
+fates (`TierPolicy`).
 
 A tiered row holds no block's every token, so it is not shared by blocks: with prefix caching
 on, an ended sequence is kept whole (`tier_entries`) and a prompt extending exactly its tokens
@@ -10,9 +11,8 @@ opens with a copy of it. The store keeps it whole too (`tier_pages`, `place_tier
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -39,43 +39,20 @@ from jkv.kv.tier_entries import (
 from jkv.kv.token_tiers import init_counts, init_meta
 
 
-class TierSettings(Protocol):
-    """The settings a token policy is made from (`jkv.config.CacheConfig`'s)."""
-
-    token_tiers: bool
-    kv_policy: str
-    kv_recent_window: int
-    kv_alpha_high: float
-    kv_alpha_low: float
-    kv_sink_tokens: int
-    kv_heavy_ratio: float
-    kv_placement_interval: int
-
-
 @dataclass(frozen=True)
 class TierPolicy:
-    """How a token leaving the newest `recent_window` is placed: `name` leankv (high while
-    its mean attention is at least alpha_high / n, low while at least alpha_low / n, else
-    pruned), streaming (kept if among the first `sinks`) or h2o (kept while among the
-    `heavy_ratio * n` most attended); decode steps place their tokens every `interval`
-    steps."""
+    """What this layout runs for a token policy (`jkv.policies`' `KVPolicy.tier_policy`):
+    `fates` (static under jit) decides each token's tier as it leaves the newest
+    `recent_window`, with `knobs` (traced); decode steps are placed every `interval` steps.
+    `observation_window` > 0: significance comes from a prompt's last that many queries."""
 
     name: str
+    fates: Callable
     recent_window: int
-    alpha_high: float = 0.0
-    alpha_low: float = 0.0
-    sinks: int = 0
-    heavy_ratio: float = 0.0
     interval: int = 1
-
-    @staticmethod
-    def of(cache: TierSettings) -> TierPolicy | None:
-        """The token policy `cache` asks for (None: block pages, kv_policy "none")."""
-        if not cache.token_tiers:
-            return None
-        return TierPolicy(cache.kv_policy, cache.kv_recent_window, cache.kv_alpha_high,
-                          cache.kv_alpha_low, cache.kv_sink_tokens, cache.kv_heavy_ratio,
-                          cache.kv_placement_interval)
+    knobs: tuple[float, ...] = ()
+    observation_window: int = 0
+    sinks: int = 0  # first tokens a stored row's smaller forms keep (`row_forms`)
 
 
 class _TierState:
@@ -122,6 +99,7 @@ class TieredRows:
         t.low = np.zeros(shape, np.int64)
         self.tier_ok: list[jax.Array] = []  # retier results not yet read
         self.unplaced = np.zeros(max_num_seqs, np.int64)  # decode tokens retier has not seen
+        self.prompt_end = np.zeros(max_num_seqs + 1, np.int32)  # each slot's prompt length
         self.tier_refusals = 0  # compactions the pool was too short for
         self.max_entry_pages = (total_pages if device_cache_bytes is None
                                 else device_cache_bytes // one_page)
@@ -194,10 +172,12 @@ class TieredRows:
 
     # ------------------------------------------------------------------ sequences
 
-    def open(self, slot: int, hashes: Sequence[bytes]) -> int:
-        """Start the empty `slot` from the longest kept row ending at one of `hashes` (a
-        prompt's block hashes), if one is kept: a copy of it, or when its pages cannot be
-        had besides it, the row itself (it is no longer kept). Returns the tokens held."""
+    def open(self, slot: int, hashes: Sequence[bytes], prompt_tokens: int) -> int:
+        """Start the empty `slot` for a prompt of `prompt_tokens` from the longest kept row
+        ending at one of `hashes` (the prompt's block hashes), if one is kept: a copy of it,
+        or when its pages cannot be had besides it, the row itself (it is no longer kept).
+        Returns the tokens held."""
+        self.prompt_end[slot] = prompt_tokens
         found = None if self.entries is None else self.entries.lookup(hashes)
         if found is None:
             return 0
@@ -324,8 +304,11 @@ class TieredRows:
     # ------------------------------------------------------------------ the model's calls
 
     def model_tiers(self) -> tuple:
-        """What a model call reads and writes of the tiers: (meta, counts)."""
-        return self._t.meta, self._t.counts
+        """What a model call reads and writes of the tiers: (meta, counts, the position from
+        which each slot's queries add significance: None, every query)."""
+        w = self.policy.observation_window
+        observe = None if not w else jnp.asarray(np.maximum(self.prompt_end - w, 0))
+        return self._t.meta, self._t.counts, observe
 
     def took_meta(self, meta: object) -> None:
         """A model call's token metadata (the step's significance added)."""
@@ -357,8 +340,8 @@ class TieredRows:
         (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = tier_step.retier(
             kv.pool, t.meta, kv.free, kv.tables, t.counts, jnp.asarray(index),
             jnp.asarray(n_prev), jnp.asarray(n),
-            jnp.asarray([p.alpha_high, p.alpha_low, p.sinks, p.heavy_ratio], jnp.float32),
-            policy=p.name, recent=p.recent_window,
+            jnp.asarray(self.prompt_end[index]), jnp.asarray(p.knobs, jnp.float32),
+            fates=p.fates, recent=p.recent_window,
             max_moves=p.interval if generation else tokens + p.interval - 1,
             generation=generation, max_tokens=self.max_model_len)
         self.tier_ok.append(ok)

@@ -1,6 +1,7 @@
-"""LeanKV's token tiers: which tokens each (slot, layer, KV head) keeps at high precision,
-which at low precision and which it prunes (Algorithm 1, both phases), and the compaction
-that makes both tiers dense again and gives freed pages back (parallel KV compaction).
+"""LeanKV's token tiers: each (slot, layer, KV head) keeps tokens at high precision and at
+low precision, and prunes the others as a token policy's fates say (`jkv.policies`: LeanKV's
+Algorithm 1, the pruning baselines); the compaction here makes both tiers dense again and
+gives freed pages back (parallel KV compaction).
 
 A page-table row is bidirectional (`PageTables`): high pages from the left hold the high
 tier's tokens in slots [0, high) (slot j: column j // page, offset j % page), low pages from
@@ -33,7 +34,7 @@ from jax import lax
 from jkv.kv.allocator import FreeList, PageTables, allocate, unref
 from jkv.kv.pages import NULL_PAGE, KVPages
 
-KEEP, LOW, PRUNE = 0, 1, 2  # a token's fate in `place` and `place_generation`
+KEEP, LOW, PRUNE = 0, 1, 2  # a token's fate, as a token policy's `fates` gives it
 
 
 @struct.dataclass
@@ -165,90 +166,6 @@ def add_significance(meta: TokenMeta, pages: jax.Array, counts: TierCounts, page
 def _mean(score: jax.Array, pos: jax.Array, n: jax.Array) -> jax.Array:
     """Average attention a token received: from the n - pos queries at or after it."""
     return score / jnp.maximum(n[..., None] - pos, 1).astype(jnp.float32)
-
-
-def place(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
-          n: jax.Array, *, page: int, recent: int, alpha_high: jax.Array,
-          alpha_low: jax.Array, sinks: jax.Array | int = 0,
-          max_tokens: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Algorithm 1's prompt phase: the fate (KEEP, LOW, PRUNE) of each high slot [..., W *
-    page] (and KEEP for each low slot [..., W * 2 * page]) of rows whose sequences grew from
-    n_prev to n tokens ([...], broadcast against the rows) by a prompt chunk.
-
-    The candidates are the high tokens that left the recent window, positions in
-    [n_prev - recent, n - recent). Each candidate i (1-based position) is placed by its mean
-    attention: high above alpha_high / i, low above alpha_low / i, pruned below. Tokens at
-    positions below `sinks` are never candidates (attention sinks stay high; 0, the paper's
-    rule, by default)."""
-    rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent, sinks=sinks,
-                     max_tokens=max_tokens)
-    hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
-    i = (hi_pos + 1).astype(jnp.float32)
-    fate = jnp.where(hi_mean >= alpha_high / i, KEEP,
-                     jnp.where(hi_mean >= alpha_low / i, LOW, PRUNE))
-    return jnp.where(cand, fate, KEEP), jnp.full(rows["lo_pos"].shape, KEEP)
-
-
-def place_generation(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,
-                     n: jax.Array, *, page: int, recent: int, alpha_high: jax.Array,
-                     alpha_low: jax.Array, max_moves: int, sinks: jax.Array | int = 0,
-                     max_tokens: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Algorithm 1's generation phase for rows that grew from n_prev to n tokens by decode
-    steps (at most `max_moves`), as `place`'s fates. Each candidate (as in `place`) is placed
-    against alpha / n: high, low or pruned. For each one that stays high the least
-    significant old high token goes down if it is below alpha_high / n (to the low tier, or
-    pruned below alpha_low / n); for each one that joins the low tier the least significant
-    low token is pruned if below alpha_low / n. With every mean as of n this is the
-    algorithm run once per candidate: a victim is never a candidate (one that stays is above
-    alpha_high / n, one that leaves is placed already) and a token joining the low tier is
-    never below alpha_low / n, so the victims are the lowest of fixed sets. Placing the
-    tokens of several steps in one call is the engine's amortization
-    (`kv_placement_interval`); one step's is the paper's."""
-    with jax.named_scope("read_rows"):
-        rows = read_rows(meta, pages, counts, n_prev, n, page=page, recent=recent,
-                         sinks=sinks, max_tokens=max_tokens)
-    hi_mean, hi_pos, cand = rows["hi_mean"], rows["hi_pos"], rows["cand"]
-    lo_mean, lo_pos = rows["lo_mean"], rows["lo_pos"]
-    nf = rows["n"].astype(jnp.float32)[..., None]
-    t_high, t_low = alpha_high / nf, alpha_low / nf
-    fate = jnp.where(hi_mean >= t_high, KEEP, jnp.where(hi_mean >= t_low, LOW, PRUNE))
-    stay = (cand & (fate == KEEP)).sum(-1, dtype=jnp.int32)
-    join = (cand & (fate == LOW)).sum(-1, dtype=jnp.int32)
-    k = min(max_moves, hi_mean.shape[-1])
-    # (alpha_low above alpha_high, which the config refuses: a victim below t_low is pruned)
-    going = hi_mean < jnp.maximum(t_high, t_low)
-    with jax.named_scope("lowest"):
-        high_victim = _lowest(hi_mean, hi_pos, rows["old"] & ~cand & going, stay, k)
-        low_victim = _lowest(lo_mean, lo_pos, rows["lo_held"] & (lo_mean < t_low), join, k)
-    fate_hi = jnp.where(cand, fate, jnp.where(high_victim, jnp.where(
-        hi_mean < t_low, PRUNE, LOW), KEEP))
-    return fate_hi, jnp.where(low_victim, PRUNE, KEEP)
-
-
-def _lowest(mean: jax.Array, pos: jax.Array, among: jax.Array, count: jax.Array,
-            k: int) -> jax.Array:
-    """Mask of the `count` [...] (at most k, static) entries of `among` [..., C] with the
-    lowest mean, ties to the earliest position; all of `among` when it has fewer."""
-    neg = jnp.where(among, -mean, -jnp.inf)  # top_k's largest: the lowest means
-    top = lax.top_k(neg, k)[0]
-    at = jnp.clip(count - 1, 0, k - 1)[..., None]
-    cut = jnp.where(count[..., None] > 0, jnp.take_along_axis(top, at, -1), jnp.inf)  # -mean
-    below = among & (neg > cut)
-    tied = among & (neg == cut)
-    need = count - below.sum(-1, dtype=jnp.int32)  # of the tied, the earliest
-
-    def earliest() -> jax.Array:
-        # positions as float32 (exact below 2**24): a float top_k is XLA's TopK, an integer
-        # one a full sort of the row on CPU (0.7 s of a 0.9 s placement at batch 32)
-        at_pos = pos.astype(jnp.float32)
-        first = -lax.top_k(-jnp.where(tied, at_pos, jnp.inf), k)[0]
-        last = jnp.take_along_axis(first, jnp.clip(need - 1, 0, k - 1)[..., None], -1)
-        return tied & (at_pos <= last) & (need > 0)[..., None]
-
-    # a second top_k only when some row has more tokens at its cut than it takes (means
-    # are rarely equal): without one, every tied token goes
-    more = ((tied.sum(-1, dtype=jnp.int32) > need) & (need > 0)).any()
-    return below | lax.cond(more, earliest, lambda: tied & (need > 0)[..., None])
 
 
 def read_rows(meta: TokenMeta, pages: jax.Array, counts: TierCounts, n_prev: jax.Array,

@@ -164,6 +164,7 @@ def chunked_prefill_attention(
     low_tier: KVPages | None = None,  # a second tier [P', low page, ...], own format
     low_lengths: jax.Array | None = None,  # int32 [B, Hkv]: tokens in the low tier
     return_significance: bool = False,
+    significance_from: jax.Array | None = None,  # int32 [B]: earlier queries add none
     dequant: str = "f16",
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, ...]]:
@@ -274,30 +275,42 @@ def chunked_prefill_attention(
     if not return_significance:
         return out
 
-    def query_rows(x):  # [B, Hkv, T * heads, ...] -> [B, Hkv, T * G, ...]
-        x = x.reshape(b, hkv, t, heads, *x.shape[3:])[:, :, :, :g]
-        return x.reshape(b, hkv, t * g, *x.shape[4:])
-
-    sw, m, denom, *sp = (query_rows(x) for x in state)
+    state = [x.reshape(b, hkv, t, heads, *x.shape[3:])[:, :, :, :g].reshape(
+        b, hkv, t * g, *x.shape[3:]) for x in state]  # [B, Hkv, T * G, ...]: real heads
     real = jnp.arange(t)[None, :] < q_lengths[:, None]
-    i = jnp.arange(tw)
-    sees = ((i[None, None, :] < jnp.minimum(window_len, tw)[:, None, None])
+    if significance_from is not None:  # the queries whose attention counts
+        real &= q_positions >= significance_from[:, None]
+    lengths = (page_lengths, low_lengths)[:len(tiers)]
+    high, window, *low = _significance(state, lengths, real, window_start,
+                                       jnp.minimum(window_len, tw), q_positions, g, w)
+    return out, (high, window[..., :given_tw], *low)
+
+
+def _significance(state: list, lengths: tuple, real: jax.Array,
+                  window_start: jax.Array, window_len: jax.Array, q_positions: jax.Array,
+                  g: int, w: int) -> tuple[jax.Array, ...]:
+    """`chunked_prefill_attention`'s significance from the kernel's window logits, final
+    (max, denominator) and tiers' logits (`state`, per real query head), the tiers holding
+    `lengths` tokens: (the first tier's, the window's, the low tier's if any); `real`
+    [B, T]: the queries that count."""
+    sw, m, denom, *sp = state
+    i = jnp.arange(sw.shape[-1])
+    sees = ((i[None, None, :] < window_len[:, None, None])
             & (window_start[:, None, None] + i[None, None, :] <= q_positions[:, :, None])
             & real[:, :, None])  # [B, T, Tw]
     sees_rows = jnp.repeat(sees, g, axis=1)[:, None]  # [B, 1, T * G, Tw]
     significance = []
-    for n, (tier, scores) in zip((page_lengths, low_lengths), zip(tiers, sp, strict=True),
-                                 strict=False):
-        if tier is not pages:  # columns from the right: reversed, they are slot order
+    for j, (n, scores) in enumerate(zip(lengths, sp, strict=True)):
+        if j:  # the low tier's columns are from the right: reversed, they are slot order
             scores = scores.reshape(*scores.shape[:3], w, -1)[:, :, :, ::-1].reshape(
                 scores.shape)
         held = jnp.arange(scores.shape[-1])[None, None, None, :] < n[:, :, None, None]
         significance.append(key_significance(
             jnp.where(held, scores, MASK_VALUE), m, denom, real, g,
-            jnp.where(n > 0, q_lengths[:, None], 0)[..., None]))
+            jnp.where(n > 0, real.sum(axis=1)[:, None], 0)[..., None]))
     window_sig = key_significance(jnp.where(sees_rows, sw, MASK_VALUE), m, denom, real, g,
-                                  sees.sum(axis=1)[:, None, :])[..., :given_tw]
-    return out, (significance[0], window_sig, *significance[1:])
+                                  sees.sum(axis=1)[:, None, :])
+    return significance[0], window_sig, *significance[1:]
 
 
 def key_significance(scores: jax.Array, m: jax.Array, denom: jax.Array, real: jax.Array,

@@ -1,0 +1,79 @@
+"""What a KV technique is to jkv: a `KVPolicy`, registered by name (`kv_policy=...`,
+`--kv-policy`). A policy decides; the KV cache manager and its layout carry the decisions out.
+
+A policy on block pages (none, kivi) picks how pages are stored. A token policy (leankv,
+streaming, h2o, snapkv) runs on the tiered-rows layout: `fates` is its pure decision, called
+after every prompt chunk and every `kv_placement_interval` decode steps with each row's tokens
+as `jkv.kv.tier_step.Placing` shows them (positions, significance, which left the recent
+window), and returns each token's fate (kept high, moved low, pruned). Its `knobs` name the
+`CacheConfig` fields it reads (handed to `fates` as float32 `knobs`, in order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import jax
+
+from jkv.kv.format import KVFormat
+from jkv.kv.tier_step import Placing
+from jkv.kv.tiered_rows import TierPolicy
+
+Fates = Callable[[Placing, jax.Array, bool], tuple[jax.Array, jax.Array]]
+
+
+class PolicySettings(Protocol):
+    """The settings a policy reads (`jkv.config.CacheConfig`'s)."""
+
+    kv_policy: str
+    kv_format: KVFormat
+    kv_recent_window: int
+    kv_placement_interval: int
+    kv_sink_tokens: int
+
+
+def _accepts_any(cache: PolicySettings) -> None:
+    """No setting refused."""
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """One technique: its name and help, the format it defaults to, the settings it refuses
+    (`check` raises a ValueError naming them) and, for a token policy, its `fates`."""
+
+    name: str
+    summary: str  # one phrase for `--help` and the docs
+    fates: Fates | None = None  # None: block pages, every token kept
+    knobs: tuple[str, ...] = ()
+    default_format: str | None = None  # for kv_format "auto"
+    # significance from the prompt's last `kv_recent_window` queries only (their sum), not
+    # from every query that saw a token
+    observes_prompt_end: bool = False
+    check: Callable[[PolicySettings], None] = field(default=_accepts_any, compare=False)
+
+    @property
+    def token_tiers(self) -> bool:
+        """Whether it runs on the tiered-rows layout (decides single tokens' fates)."""
+        return self.fates is not None
+
+    def tier_policy(self, cache: PolicySettings) -> TierPolicy | None:
+        """What the tiered-rows layout runs for it under `cache` (None: block pages)."""
+        if self.fates is None:
+            return None
+        return TierPolicy(
+            name=self.name, fates=self.fates, recent_window=cache.kv_recent_window,
+            interval=cache.kv_placement_interval,
+            knobs=tuple(float(getattr(cache, k)) for k in self.knobs),
+            observation_window=cache.kv_recent_window if self.observes_prompt_end else 0,
+            sinks=cache.kv_sink_tokens)
+
+
+def needs_single_tokens(cache: PolicySettings) -> None:
+    """A pruning policy moves single tokens: the model dtype or per-token key scales."""
+    f = cache.kv_format
+    if f.quantized and not f.token_keys:
+        raise ValueError(f"CacheConfig.kv_format {f.name!r} cannot hold {cache.kv_policy}'s "
+                         "tokens: pruning moves single tokens, which needs the model dtype or "
+                         "per-token key scales (k8v4t, ...)")
