@@ -49,6 +49,7 @@ from jkv.kv.page_pool import page_bytes  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
+from jkv.policies import POLICIES  # noqa: E402
 from jkv.sched.scheduler import Request, Scheduler, generate_all  # noqa: E402
 
 TAIL, NEW_TOKENS, CHUNK, PAGE = 512, 64, 256, 16
@@ -121,9 +122,10 @@ def kv_format(name: str) -> KVFormat | str:
 
 
 def parse_config(text: str) -> dict:
-    """none:<format>, leankv:<alpha_high>:<alpha_low>[:<format>], streaming:<window>,
-    h2o:<heavy ratio> (window 64 each, model dtype) or kivi; any of them may end in
-    :<CacheConfig field>=<number> parts (leankv:5:0:kv_recent_window=128)."""
+    """none:<format>, leankv:<alpha_high>:<alpha_low>[:<format>], streaming:<window>, or
+    any other policy of `jkv.policies` with its knobs' values in order (h2o:<heavy ratio>,
+    kivi; window 64, model dtype); any of them may end in :<CacheConfig field>=<number>
+    parts (leankv:5:0:kv_recent_window=128)."""
     parts = [p for p in text.split(":") if "=" not in p]
     extra = {}
     for p in text.split(":"):
@@ -144,13 +146,16 @@ def _parse(text: str, parts: list[str]) -> dict:
                 "kv_format": kv_format(parts[3] if n == 4 else "k8v4t")}
     if name == "streaming" and n == 2:
         return {"name": text, "kv_policy": "streaming", "kv_recent_window": int(parts[1])}
-    if name == "h2o" and n == 2:
-        return {"name": text, "kv_policy": "h2o", "kv_heavy_ratio": float(parts[1])}
-    if name == "kivi" and n == 1:
-        return {"name": text, "kv_policy": "kivi"}
+    policy = POLICIES.get(name)
+    if policy is not None and name not in ("none", "leankv", "streaming") and (
+            n - 1 == len(policy.knobs)):
+        knobs = zip(policy.knobs, parts[1:], strict=True)
+        return {"name": text, "kv_policy": name,
+                **{k: int(v) if v.isdigit() else float(v) for k, v in knobs}}
+    others = ", ".join(f"{p.name}{''.join(f':<{k}>' for k in p.knobs)}" for p in
+                       POLICIES.values() if p.name not in ("none", "leankv", "streaming"))
     raise SystemExit(f"--configs: {text!r} is none of none:<format>, "
-                     "leankv:<alpha_high>:<alpha_low>[:<format>], streaming:<window>, "
-                     "h2o:<ratio>, kivi")
+                     f"leankv:<alpha_high>:<alpha_low>[:<format>], streaming:<window>, {others}")
 
 
 def make_engine(cfg, params, config: dict, kv_cache_bytes: int, max_len: int) -> Engine:
@@ -259,6 +264,9 @@ def svg_frontier(rows: dict) -> str:
     sy = lambda y: top + (y_hi - y) / (y_hi - y_lo) * (h - top - bottom)  # noqa: E731
     colors = {"none": "#4477aa", "leankv": "#cc3311", "streaming": "#228833",
               "h2o": "#aa3377", "kivi": "#ccbb44"}
+    spare = iter(("#66ccee", "#ee7733", "#777777", "#009988"))  # policies added later
+    for name in rows:
+        colors.setdefault(name.split(":")[0], next(spare, "#777777"))
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
            'font-family="sans-serif" font-size="11">',
            f'<text x="{left}" y="18" font-size="13">SmolLM2: KV bytes per token vs perplexity '

@@ -277,7 +277,7 @@ def test_significance_is_the_attention_each_key_received(tiny_params, backend):
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_a_policy_observing_the_prompts_end_sums_only_its_last_queries(
         tiny_params, backend, monkeypatch):
-    """A policy with `observes_prompt_end` (SnapKV's observation window) gets each token's
+    """A policy that `decides_at_prompt_end` (SnapKV's observation window) gets each token's
     attention summed over the prompt's last `kv_recent_window` queries and later ones only:
     a prompt of 21 with a window of 8 counts queries 13 on, from the middle of the second
     chunk (10 + 11 tokens), against the dense forward."""
@@ -287,7 +287,7 @@ def test_a_policy_observing_the_prompts_end_sums_only_its_last_queries(
     lean = POLICIES["leankv"]
     monkeypatch.setitem(POLICIES, "observing", KVPolicy(
         "observing", "leankv's fates, significance from the prompt's end", fates=lean.fates,
-        knobs=lean.knobs, observes_prompt_end=True))
+        knobs=lean.knobs, decides_at_prompt_end=True))
     eng = tiered(tiny_params, backend, 0.0, 0.0, kv_format=KVFormat(8, 8, 32, token_keys=True),
                  kv_policy="observing")
     prompt = prompts((21,))[0]

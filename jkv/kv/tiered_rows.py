@@ -44,7 +44,9 @@ class TierPolicy:
     """What this layout runs for a token policy (`jkv.policies`' `KVPolicy.tier_policy`):
     `fates` (static under jit) decides each token's tier as it leaves the newest
     `recent_window`, with `knobs` (traced); decode steps are placed every `interval` steps.
-    `observation_window` > 0: significance comes from a prompt's last that many queries."""
+    `observation_window` > 0: significance comes from a prompt's last that many queries.
+    `whole_row_moves`: a prompt chunk's placement may move every token of a row (else as
+    many as the chunk's and the interval's)."""
 
     name: str
     fates: Callable
@@ -53,6 +55,7 @@ class TierPolicy:
     knobs: tuple[float, ...] = ()
     observation_window: int = 0
     sinks: int = 0  # first tokens a stored row's smaller forms keep (`row_forms`)
+    whole_row_moves: bool = False
 
 
 class _TierState:
@@ -342,7 +345,8 @@ class TieredRows:
             jnp.asarray(n_prev), jnp.asarray(n),
             jnp.asarray(self.prompt_end[index]), jnp.asarray(p.knobs, jnp.float32),
             fates=p.fates, recent=p.recent_window,
-            max_moves=p.interval if generation else tokens + p.interval - 1,
+            max_moves=(p.interval if generation else self.max_model_len if p.whole_row_moves
+                       else tokens + p.interval - 1),
             generation=generation, max_tokens=self.max_model_len)
         self.tier_ok.append(ok)
 

@@ -48,9 +48,10 @@ class KVPolicy:
     fates: Fates | None = None  # None: block pages, every token kept
     knobs: tuple[str, ...] = ()
     default_format: str | None = None  # for kv_format "auto"
-    # significance from the prompt's last `kv_recent_window` queries only (their sum), not
-    # from every query that saw a token
-    observes_prompt_end: bool = False
+    # decides at the prompt's end: significance from the prompt's last `kv_recent_window`
+    # queries only (their sum, not every query's that saw a token), and the placement after
+    # a prompt chunk may prune any of the row's older tokens at once
+    decides_at_prompt_end: bool = False
     check: Callable[[PolicySettings], None] = field(default=_accepts_any, compare=False)
 
     @property
@@ -66,7 +67,8 @@ class KVPolicy:
             name=self.name, fates=self.fates, recent_window=cache.kv_recent_window,
             interval=cache.kv_placement_interval,
             knobs=tuple(float(getattr(cache, k)) for k in self.knobs),
-            observation_window=cache.kv_recent_window if self.observes_prompt_end else 0,
+            observation_window=cache.kv_recent_window if self.decides_at_prompt_end else 0,
+            whole_row_moves=self.decides_at_prompt_end,
             sinks=cache.kv_sink_tokens)
 
 
