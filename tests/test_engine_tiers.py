@@ -303,3 +303,42 @@ def test_a_policy_observing_the_prompts_end_sums_only_its_last_queries(
     np.testing.assert_allclose(engine_significance(eng, slot, 22),
                                dense_significance(tiny_params, TINY, prompt + [first.token], 13),
                                rtol=1e-2, atol=2e-4)
+
+
+def run_beside(params, prompt: list[int], neighbour: list[int] | None, steps: int,
+               lead: int = 3) -> tuple[list[int], np.ndarray]:
+    """`prompt` decoded `steps` greedy tokens on a leankv engine that demotes and prunes,
+    alone or beside `neighbour`, which started decoding `lead` steps before it: (its tokens,
+    its high and low tier counts [2, L, Hkv] after them)."""
+    from jkv.engine.runner import Row
+
+    eng = tiered(params, "xla", 2.0, 0.5)
+    g = SamplingParams(temperature=0)
+    rows = []
+    for i, p in enumerate([x for x in (neighbour, prompt) if x is not None]):
+        slot, _ = eng.open(p)
+        for start in range(0, len(p), 16):
+            [out], _ = eng.step([Row(slot, p[start:start + 16], g, eng.request_key(i))], [])
+        rows.append([slot, out.token, eng.request_key(i), 0])
+        for _ in range(lead if i == 0 and neighbour is not None else 0):
+            _, [out] = eng.step([], [Row(rows[0][0], [rows[0][1]], g, rows[0][2], 1)])
+            rows[0][1] = out.token
+    tokens = []
+    for _ in range(steps):
+        _, outs = eng.step([], [Row(s, [t], g, k, n + 1) for s, t, k, n in rows])
+        for r, o in zip(rows, outs, strict=True):
+            r[1], r[3] = o.token, r[3] + 1
+        tokens.append(rows[-1][1])
+    slot = rows[-1][0]
+    return tokens, np.stack([eng.cache.layout.high[slot], eng.cache.layout.low[slot]])
+
+
+def test_a_sequences_compression_does_not_depend_on_its_neighbours(tiny_params):
+    """Decode placements run on each sequence's own count of unplaced tokens: beside a
+    neighbour out of phase with it, a sequence keeps the same tiers and tokens as alone."""
+    prompt, neighbour = prompts((29, 21))
+    alone = run_beside(tiny_params, prompt, None, 13)
+    beside = run_beside(tiny_params, prompt, neighbour, 13)
+    assert alone[0] == beside[0]
+    np.testing.assert_array_equal(alone[1], beside[1])
+    assert alone[1][1].sum() > 0, "nothing was demoted: the check would not see a placement"

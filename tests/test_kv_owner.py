@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "jkv"
 OWNERS = {ROOT / "kv" / name for name in ("manager.py", "block_pages.py", "tiered_rows.py")}
 MANAGER_STATE = ("pool", "filling", "free", "tables", "free_pages", "offloaded", "slot_tokens")
 LAYOUT_STATE = {"blocks": ("blocks",),
-                "tiered": ("meta", "counts", "entry_tables", "entry_counts", "high", "low")}
+                "rows": ("meta", "counts", "entry_tables", "entry_counts", "high", "low")}
 STATE = MANAGER_STATE + sum(LAYOUT_STATE.values(), ())
 PRIVATE = ("_s", "_t", "_blocks", "_drops", "KVState")
 # containers a property hands out: mutating one is a write too

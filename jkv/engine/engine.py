@@ -36,7 +36,7 @@ from jkv.models.llama import LLAMA, Params
 from jkv.policies import POLICIES
 
 # the connector of each layout (`Layout.name`)
-CONNECTORS = {"blocks": KVConnector, "tiered": RowConnector}
+CONNECTORS = {"blocks": KVConnector, "rows": RowConnector}
 
 __all__ = ["Engine", "EngineStats", "Row", "Sampled", "SavedPages"]
 

@@ -1,6 +1,6 @@
-"""KV of a tiered row leaving the pool and coming back: a token-tier engine's connector.
+"""KV of a token-tier row leaving the pool and coming back: a token-tier engine's connector.
 
-A tiered row (`TieredRows`) is no run of blocks: the store keeps it whole, as its pages in
+A token-tier row (`TieredRows`) is no run of blocks: the store keeps it whole, as its pages in
 `tier_entries.row_layout`'s order with each page's head, tier, index and token metadata
 (`gather`), found only whole and written into an empty slot (`restore`), its compression
 kept. A row restored from a smaller stored form (`row_forms`: tokens dropped) is approximate:
@@ -23,46 +23,46 @@ from jkv.kv.tier_entries import TIER_ARRAYS, place_row, row_layout, tier_counts
 
 
 class RowConnector(KVConnector):
-    """Saves and restores whole tiered rows; the rest as `KVConnector` does."""
+    """Saves and restores whole token-tier rows; the rest as `KVConnector` does."""
 
     stored_whole = True  # looked up and saved whole, restored into an empty slot
     splits_restores = False
 
     def restorable(self, saved: SavedPages, token_ids: Sequence[int]) -> tuple[
             dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        """A saved tiered row (`gather`) checked for `token_ids` and this pool: (its
+        """A saved token-tier row (`gather`) checked for `token_ids` and this pool: (its
         layout, tier counts high, low [L, H]). ValueError if it is another prompt's, not a
-        whole tiered row, inconsistent, or wider than this pool's table."""
+        whole token-tier row, inconsistent, or wider than this pool's table."""
         c, ps = self.cache, self.cache.page_size
         n = saved.num_blocks
         if not 1 <= n <= (len(token_ids) - 1) // ps:
-            raise ValueError(f"a saved tiered row of {n} blocks does not fit a prompt of "
+            raise ValueError(f"a saved token-tier row of {n} blocks does not fit a prompt of "
                              f"{len(token_ids)} tokens")
         if saved.hashes[n - 1] != block_hashes(token_ids, ps, c.hash_seed, n)[n - 1]:
             raise ValueError("the saved pages are not this prompt's (block hashes differ)")
         arrays = saved.arrays
         missing = [k for k in TIER_ARRAYS if k not in arrays]
         if missing:
-            raise ValueError(f"the saved pages are not a tiered row (no {missing})")
+            raise ValueError(f"the saved pages are not a token-tier row (no {missing})")
         layout = {k: np.asarray(arrays[k]) for k in TIER_ARRAYS[:4]}
         rows = len(layout["tier_head"])
         heads = self.num_layers * self.num_kv_heads
         if any(x.shape != (rows,) for x in layout.values()) or not (
                 (layout["tier_head"] >= 0) & (layout["tier_head"] < heads)
                 & (layout["tier_tokens"] >= 0)).all():
-            raise ValueError("the saved tiered row's page layout is malformed")
+            raise ValueError("the saved token-tier row's page layout is malformed")
         high, low = tier_counts(layout, heads)
         if (high + low > n * ps).any():  # bounds first: the layout is built from them
-            raise ValueError("the saved tiered row holds more tokens than its blocks")
+            raise ValueError("the saved token-tier row holds more tokens than its blocks")
         if (-(-high // ps) + -(-low // (2 * ps)) > c.max_pages).any():
-            raise ValueError("the saved tiered row is wider than this pool's page tables")
+            raise ValueError("the saved token-tier row is wider than this pool's page tables")
         want = row_layout(high, low, ps)
         if any(not np.array_equal(layout[k], want[k]) for k in want):
-            raise ValueError("the saved tiered row's pages do not match its tier counts")
+            raise ValueError("the saved token-tier row's pages do not match its tier counts")
         pages = {k: v for k, v in arrays.items() if k not in TIER_ARRAYS}
         c.pool.check_saved(pages, (), rows)
         if any(len(x) != rows for x in pages.values()):
-            raise ValueError(f"the saved tiered row's pages are not {rows} rows")
+            raise ValueError(f"the saved token-tier row's pages are not {rows} rows")
         for k in ("tier_score", "tier_pos"):
             if np.shape(arrays[k]) != (rows, 2 * ps):
                 raise ValueError(f"saved {k} is {list(np.shape(arrays[k]))}, expected "
@@ -71,7 +71,7 @@ class RowConnector(KVConnector):
         return layout, high.reshape(shape), low.reshape(shape)
 
     def restore_row(self, slot: int, saved: SavedPages, token_ids: Sequence[int]) -> int:
-        """Start the empty `slot` with a saved tiered row (its compression kept); returns
+        """Start the empty `slot` with a saved token-tier row (its compression kept); returns
         the tokens it then holds (0 when its pages cannot be had: recomputed instead). A row
         stored in a smaller form (`saved.exact_blocks`: tokens dropped by the store) makes
         the slot's row approximate (`approximate_row`)."""
@@ -94,14 +94,14 @@ class RowConnector(KVConnector):
         return tokens
 
     def approximate_row(self, slot: int) -> bool:
-        """Whether `slot`'s tiered row was restored from a smaller stored form (or one saved
+        """Whether `slot`'s token-tier row was restored from a smaller stored form (or one saved
         approximate): it is not kept on the device (exact-hash lookups), and only a lossy
         store is handed it, marked approximate, in that form (`gather`)."""
         p = self._pending.get(slot)
         return p is not None and p.approx_from is not None
 
     def gather(self, slot: int, start: int = 0, approximate: bool = False) -> SavedPages:
-        """The tiered row `slot` holds (its full pages' tokens, as their tiers keep them),
+        """The token-tier row `slot` holds (its full pages' tokens, as their tiers keep them),
         as device arrays being copied out of the pool (`rows` of them real); marked
         approximate (`exact_blocks` 0) and named in its form when it was restored from a
         smaller one. (`start` and `approximate` are the block pages' own: a row is saved

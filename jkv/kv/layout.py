@@ -18,7 +18,7 @@ import jax
 
 
 class Layout(Protocol):
-    name: str  # "blocks", "tiered": stored entries of two layouts never match
+    name: str  # "blocks", "rows": stored entries of two layouts never match
     pages_on_fill: bool  # pages are taken as they fill (else with their first token)
     filling_scores: bool  # the filling pages carry each token's significance
     offloads_layers: bool  # one layer of a sequence can live on the host (LayerKV)

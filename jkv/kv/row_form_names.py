@@ -1,4 +1,4 @@
-"""Names of a stored tiered row's smaller forms, `<way>@<keep>` (`jkv.kv.row_forms` makes
+"""Names of a stored token-tier row's smaller forms, `<way>@<keep>` (`jkv.kv.row_forms` makes
 them): the store and its profiles read the names without the cache's arrays."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Smaller forms of a stored tiered row: tokens dropped without the model (AdaptCache's
+"""Smaller forms of a stored token-tier row: tokens dropped without the model (AdaptCache's
 StreamingLLM-style and score-pruned forms, for a store behind a token-tier engine).
 
-A tiered row (`tier_entries.row_layout`: its pages with their tier, index and tokens, and each
+A token-tier row (`tier_entries.row_layout`: its pages with their tier, index and tokens, and each
 token slot's position and received attention) already keeps only what its policy (LeanKV,
 H2O, StreamingLLM) let it keep. A form `<way>@<keep>` keeps about `keep` of each (layer, KV
 head)'s tokens:
@@ -13,7 +13,7 @@ head)'s tokens:
 The sinks (positions below `sinks`) and the recent window (the newest `recent` positions) are
 never dropped, as no policy drops them. Kept tokens stay in their tier and their slot order;
 the row is rebuilt dense (`row_layout` of the new counts) in the same KV format, so it is
-restored like any tiered row, its dropped tokens absent. `keep` counts against the row as
+restored like any token-tier row, its dropped tokens absent. `keep` counts against the row as
 the engine kept it: `h2o@0.25` made from `h2o@0.5` keeps half of what that form holds.
 """
 
@@ -31,7 +31,7 @@ from jkv.kv.tier_entries import TIER_ARRAYS, row_layout
 
 def convert_row(arrays: Mapping[str, np.ndarray], src: str, dst: str, kv_format: KVFormat,
                 *, heads: int, page: int, sinks: int, recent: int) -> dict[str, np.ndarray]:
-    """A stored tiered row in form `src` as form `dst` (each the pool's format name or a row
+    """A stored token-tier row in form `src` as form `dst` (each the pool's format name or a row
     form). Into the pool's format: the row as it is (its dropped tokens stay absent); into
     a row form: `drop_tokens` at that form's share of `src`'s. ValueError for a form that is
     neither, or one that would not be smaller."""
@@ -57,7 +57,7 @@ def convert_row(arrays: Mapping[str, np.ndarray], src: str, dst: str, kv_format:
 
 def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: float, way: str,
                 *, heads: int, page: int, sinks: int, recent: int) -> dict[str, np.ndarray]:
-    """A tiered row's arrays (its real pages only) with about `keep` of each (layer, KV
+    """A token-tier row's arrays (its real pages only) with about `keep` of each (layer, KV
     head)'s tokens kept, chosen `way` (`WAYS`); see the module docstring."""
     if way not in WAYS:
         raise ValueError(f"way must be one of {WAYS}, got {way!r}")

@@ -1,8 +1,8 @@
-"""Ended tiered sequences kept on the device for their conversation's next turn.
+"""Ended token-tier sequences kept on the device for their conversation's next turn.
 
 Token tiers (LeanKV and the pruning baselines) cannot go into the block prefix cache: a
-block of a tiered row is not a page of tokens, each (layer, KV head) keeps its own tokens in
-its own tiers. So when a tiered sequence ends (finished or preempted), its page-table row and
+block of a token-tier row is not a page of tokens, each (layer, KV head) keeps its own tokens in
+its own tiers. So when a token-tier sequence ends (finished or preempted), its page-table row and
 tier counts move whole into an *entry* row here (`move_row`: no page is copied, no reference
 changes hands), keyed by the chained hash of its full pages' tokens. A later prompt that
 starts with exactly those tokens (the next turn of a chat, a preempted request resuming)
@@ -201,7 +201,7 @@ def adopt(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
 
 
 # ---------------------------------------------------------------------- the store's form
-# A tiered row leaves the device as the pages it holds, in (layer, KV head, tier, index)
+# A token-tier row leaves the device as the pages it holds, in (layer, KV head, tier, index)
 # order, with per page: its head (layer * KV heads + head), its tier (1: low), its index
 # within the tier and the tokens it holds, and the token metadata of its slots. The table
 # width is not part of it: an engine of another max_model_len reads it back.

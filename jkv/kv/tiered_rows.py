@@ -67,7 +67,7 @@ class _TierState:
 class TieredRows:
     """Per-head tiered rows over a `KVState`, and the ended rows kept whole on the device."""
 
-    name = "tiered"
+    name = "rows"
     pages_on_fill = True  # the page being filled stays beside the pool
     filling_scores = True
     offloads_layers = False
@@ -323,21 +323,25 @@ class TieredRows:
         of `slot_tokens` and the `added` ones a call just fed; dispatched, not awaited
         (`after_step` reads what it did). `rows` and `tokens` are the call's padded shape.
 
-        Decode calls (`generation`) are placed together, once a slot has `interval` tokens
-        not yet placed: the pass over every held token's attention is what placement costs,
-        whether one token leaves the window or `interval` do. Tokens a sequence ends with
-        unplaced stay in the high tier. With no slots (warmup) the call runs, to compile."""
+        After decode calls (`generation`) a slot is placed once it has `interval` tokens
+        not yet placed, its own count, whatever its neighbours' (a sequence's compression
+        does not depend on what it is batched with): the pass over every held token's
+        attention is what placement costs, whether one token leaves the window or `interval`
+        do. Tokens a sequence ends with unplaced stay in the high tier. With no slots
+        (warmup) the call runs, to compile."""
         p = self.policy
-        if generation and slots:
-            pending = self.unplaced[list(slots)] + 1
-            if pending.max() < p.interval:
-                self.unplaced[list(slots)] = pending
+        placed = list(zip(slots, added, strict=True))
+        if generation:
+            self.unplaced[list(slots)] += 1
+            placed = [(s, a) for s, a in placed if self.unplaced[s] >= p.interval]
+            if slots and not placed:
                 return
         n_prev, n = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         index = np.full(rows, self.scratch, np.int32)
-        for i, (s, a) in enumerate(zip(slots, added, strict=True)):
+        for i, (s, a) in enumerate(placed):
             held = len(self.kv.slot_tokens[s])
-            index[i], n_prev[i], n[i] = s, held - self.unplaced[s], held + a
+            index[i], n[i] = s, held + a
+            n_prev[i] = held + (a if generation else 0) - self.unplaced[s]
             self.unplaced[s] = 0
         kv, t = self.kv, self._t
         (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = tier_step.retier(
