@@ -377,7 +377,7 @@ class StoreConfig:
                 "entries of queued requests, CachedAttention), lru, fifo, or adaptcache (each "
                 "entry's form and tier by marginal utility, AdaptCache: smaller forms restore "
                 "approximate KV; its quality profile is --adapt-profile. Block pages: forms are "
-                "KV formats, the pool in the model dtype; under kv_policy leankv/h2o/streaming: "
+                "KV formats, the pool in the model dtype; under a token policy (leankv, h2o...): "
                 "a stored row's tokens dropped, streaming@<keep> or h2o@<keep>)",
         "choices": EVICTION_POLICIES})
     store_kv_format: str | None = field(default=None, metadata={

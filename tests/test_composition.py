@@ -1,0 +1,124 @@
+"""Every KV policy with the KV store (host, disk) and device prefix caching, on a tiny model:
+two-turn conversations give, per policy, the same outputs wherever the second turn reuses
+the same KV (a lossy policy keeps its compression, so reusing and recomputing differ by
+design), and no page leaks. Layer offload is not in the matrix: it composes with block
+pages only (`docs/architecture.md`'s table)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_engine_tiers import check_nothing_leaked
+
+from jkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, StoreConfig
+from jkv.engine.engine import Engine
+from jkv.engine.sampling import SamplingParams
+from jkv.models.loaders import random_params
+from jkv.policies import POLICIES
+from jkv.sched.scheduler import Request, Scheduler, generate_all
+
+TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                   num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
+PAGE = 8
+KNOBS = dict(kv_recent_window=PAGE, kv_alpha_high=1.0, kv_alpha_low=0.5, kv_heavy_ratio=0.3,
+             kv_placement_interval=2)  # small enough that every token policy drops tokens
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(TINY, seed=5, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    rng = np.random.default_rng(7)
+    firsts = [rng.integers(0, 512, int(n)).tolist() for n in (23, 31, 38)]
+    extra = [rng.integers(0, 512, 7).tolist() for _ in firsts]
+    return firsts, extra
+
+
+def engine(params, policy: str, prefix: bool) -> Engine:
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=256 * PAGE * 64 * 4 * 2,
+                        kv_policy=policy, **KNOBS)
+    return Engine(TINY, params, cache=cache, config=EngineConfig(
+        max_model_len=96, max_num_seqs=8, prefill_chunk=16, enable_prefix_caching=prefix))
+
+
+def scheduler(eng: Engine, store: str, path) -> Scheduler:
+    kv = None if store == "none" else StoreConfig(
+        host_cache_bytes=1 << 24, store_dir=str(path) if store == "disk" else None)
+    # every hit restored, read at admission: read ahead, a hit whose read is not done when
+    # its request could start is recomputed instead (no request waits on the store)
+    return Scheduler(eng, SchedulerConfig(restore_planning=False, store_read_ahead=False),
+                     store=kv)
+
+
+def turn(sched: Scheduler, prompts: list[list[int]], one_by_one: bool = False
+         ) -> list[Request]:
+    """Every prompt's 6 greedy tokens, all at once or one request after the other."""
+    requests = [Request(list(p), SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    for batch in ([[r] for r in requests] if one_by_one else [requests]):
+        generate_all(sched, batch)
+    return requests
+
+
+def run_cell(params, conversations, policy: str, prefix: bool, store: str,
+             path) -> tuple[list, dict]:
+    """Both turns of the conversations: (each turn's outputs, the prefix hits by source). A
+    disk cell runs the second turn in a new engine over the same directory."""
+    firsts, extra = conversations
+    eng = engine(params, policy, prefix)
+    sched = scheduler(eng, store, path)
+    first = turn(sched, firsts)
+    if store == "disk":
+        sched.store.close()
+        check_nothing_leaked(eng)
+        eng = engine(params, policy, prefix)
+        sched = scheduler(eng, store, path)
+    elif sched.store is not None:
+        sched.store.flush()
+    # one by one: under a token policy prompt tokens are placed after each prefill chunk,
+    # and where chunks end depends on what shares the step (and on when a store hit is
+    # read, on the store's thread)
+    second = turn(sched, [r.prompt + r.output + x for r, x in zip(first, extra, strict=True)],
+                  one_by_one=True)
+    hits = sched.snapshot()["prefix_hit_tokens"]
+    if sched.store is not None:
+        sched.store.close()
+    check_nothing_leaked(eng)
+    return [[r.output for r in first], [r.output for r in second]], hits
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_composes_with_the_store_and_prefix_caching(params, conversations,
+                                                                 policy, tmp_path):
+    """Five cells a policy: neither (recompute); prefix caching (reuse on the device); both,
+    the host store (the device hit comes first); the host store alone (reuse from host
+    memory); prefix caching and a disk store, the second turn in a new engine (from disk).
+    Each finds what it should and leaks nothing; host and disk hits give the same tokens,
+    and so do device hits with and without a store. On block pages every reuse does (a
+    store restores full pages and recomputes the last partial one, as the device prefix
+    cache does); a token policy's row kept on the device holds that partial page too, so
+    its store hits can differ from its device hits."""
+    recompute, _ = run_cell(params, conversations, policy, False, "none", tmp_path)
+    device, hits = run_cell(params, conversations, policy, True, "none", tmp_path)
+    assert hits["device"] > 0, "the second turn found nothing on the device"
+    assert device[0] == recompute[0]
+    both, hits = run_cell(params, conversations, policy, True, "host", tmp_path / "both")
+    assert hits["device"] > 0 and both == device
+    host, hits = run_cell(params, conversations, policy, False, "host", tmp_path / "host")
+    assert hits["host"] > 0 and host[0] == recompute[0]
+    disk, hits = run_cell(params, conversations, policy, True, "disk", tmp_path / "disk")
+    assert hits["disk"] > 0 and disk == host
+    if not POLICIES[policy].token_tiers:
+        assert host == device
+
+
+def test_the_docs_table_of_what_composes_is_the_codes():
+    from pathlib import Path
+
+    from jkv.policies.composition import composition_table
+
+    docs = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
+    assert composition_table() in docs
