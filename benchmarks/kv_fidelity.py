@@ -18,6 +18,9 @@ which is where leankv's default thresholds were chosen. For every configuration
     the end);
   - KV bytes per token held when each request ended (`stats()["kv_bytes_per_token"]`), over
     bf16 pages' bytes.
+A policy that decides at the prompt's end (snapkv) compresses nothing before it: its
+perplexity and top-1 read the whole prompt, and only greedy agreement and the passkeys
+measure what it dropped.
 Writes benchmarks/results/kv_fidelity-<date>.json and an SVG of bytes against perplexity change
 (the frontier), and prints a table.
 """
@@ -59,7 +62,7 @@ MIRRORS = (("none:k8v4t", "none:k4v8t"), ("none:k4v2t", "none:k2v4t"),
            ("leankv:5:0.001", "leankv:5:0.001:k4v8t"))  # keys finer than values, and mirrored
 DEFAULT_CONFIGS = ("none:k8v4,none:k4v2,none:k8v4t,none:k4v8t,none:k4v2t,none:k2v4t,"
                    "leankv:5:0.001,leankv:3:0,leankv:10:0,leankv:5:0.001:k4v8t,"
-                   "streaming:256,streaming:512,h2o:0.2,h2o:0.4,kivi")
+                   "streaming:256,streaming:512,h2o:0.2,h2o:0.4,snapkv:0.2,snapkv:0.4,kivi")
 
 
 def documents(tokenizer, n_tokens: int, which: str = "evaluation") -> dict[str, list[int]]:
