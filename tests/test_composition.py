@@ -33,7 +33,7 @@ def params():
 @pytest.fixture(scope="module")
 def conversations():
     rng = np.random.default_rng(7)
-    firsts = [rng.integers(0, 512, int(n)).tolist() for n in (23, 31, 38)]
+    firsts = [rng.integers(0, 512, int(n)).tolist() for n in (23, 38)]
     extra = [rng.integers(0, 512, 7).tolist() for _ in firsts]
     return firsts, extra
 
