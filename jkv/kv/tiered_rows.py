@@ -103,6 +103,9 @@ class TieredRows:
         self.tier_ok: list[jax.Array] = []  # retier results not yet read
         self.unplaced = np.zeros(max_num_seqs, np.int64)  # decode tokens retier has not seen
         self.prompt_end = np.zeros(max_num_seqs + 1, np.int32)  # each slot's prompt length
+        # on the device: where each slot's queries start adding significance (None: at 0)
+        self.observe_from = (jax.device_put(np.zeros_like(self.prompt_end), device)
+                             if policy.observation_window else None)
         self.tier_refusals = 0  # compactions the pool was too short for
         self.max_entry_pages = (total_pages if device_cache_bytes is None
                                 else device_cache_bytes // one_page)
@@ -181,6 +184,10 @@ class TieredRows:
         or when its pages cannot be had besides it, the row itself (it is no longer kept).
         Returns the tokens held."""
         self.prompt_end[slot] = prompt_tokens
+        if self.policy.observation_window:  # (sent once here, not at every model call)
+            self.observe_from = jax.device_put(
+                np.maximum(self.prompt_end - self.policy.observation_window, 0),
+                self.observe_from.sharding)
         found = None if self.entries is None else self.entries.lookup(hashes)
         if found is None:
             return 0
@@ -309,9 +316,7 @@ class TieredRows:
     def model_tiers(self) -> tuple:
         """What a model call reads and writes of the tiers: (meta, counts, the position from
         which each slot's queries add significance: None, every query)."""
-        w = self.policy.observation_window
-        observe = None if not w else jnp.asarray(np.maximum(self.prompt_end - w, 0))
-        return self._t.meta, self._t.counts, observe
+        return self._t.meta, self._t.counts, self.observe_from
 
     def took_meta(self, meta: object) -> None:
         """A model call's token metadata (the step's significance added)."""
