@@ -8,23 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jkv.kv.tier_step import Placing
-from jkv.kv.token_tiers import KEEP, PRUNE
-from jkv.policies.registry import KVPolicy, needs_single_tokens
-
-
-def keep_top(score: jax.Array, pos: jax.Array, among: jax.Array,
-             budget: jax.Array) -> jax.Array:
-    """Fates for one tier's slots [..., C]: of `among`, the `budget` [..., 1] with the highest
-    `score` are kept (ties: the earlier position), the others pruned; the rest kept."""
-    key = jnp.where(among, score, -jnp.inf)
-    order = jnp.lexsort((pos, -key), axis=-1)
-    rank = jnp.argsort(order, axis=-1)  # how many of the row beat each token
-    return jnp.where(among & (rank >= budget), PRUNE, KEEP)
-
-
-def share_of(n: jax.Array, ratio: jax.Array) -> jax.Array:
-    """ceil(ratio * n) as int32: the tokens a share of n keeps."""
-    return jnp.ceil(ratio * n.astype(jnp.float32)).astype(jnp.int32)
+from jkv.kv.token_tiers import KEEP
+from jkv.policies.registry import KVPolicy, keep_top, needs_single_tokens, share_of
 
 
 def h2o_fates(x: Placing, knobs: jax.Array) -> tuple[jax.Array, jax.Array]:

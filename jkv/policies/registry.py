@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 
 from jkv.kv.format import KVFormat
 from jkv.kv.tier_step import Placing
 from jkv.kv.tiered_rows import TierPolicy
+from jkv.kv.token_tiers import KEEP, PRUNE
 
 Fates = Callable[[Placing, jax.Array, bool], tuple[jax.Array, jax.Array]]
 
@@ -79,3 +81,18 @@ def needs_single_tokens(cache: PolicySettings) -> None:
         raise ValueError(f"CacheConfig.kv_format {f.name!r} cannot hold {cache.kv_policy}'s "
                          "tokens: pruning moves single tokens, which needs the model dtype or "
                          "per-token key scales (k8v4t, ...)")
+
+
+def keep_top(score: jax.Array, pos: jax.Array, among: jax.Array,
+             budget: jax.Array) -> jax.Array:
+    """Fates for one tier's slots [..., C]: of `among`, the `budget` [..., 1] with the highest
+    `score` are kept (ties: the earlier position), the others pruned; the rest kept."""
+    key = jnp.where(among, score, -jnp.inf)
+    order = jnp.lexsort((pos, -key), axis=-1)
+    rank = jnp.argsort(order, axis=-1)  # how many of the row beat each token
+    return jnp.where(among & (rank >= budget), PRUNE, KEEP)
+
+
+def share_of(n: jax.Array, ratio: jax.Array) -> jax.Array:
+    """ceil(ratio * n) as int32: the tokens a share of n keeps."""
+    return jnp.ceil(ratio * n.astype(jnp.float32)).astype(jnp.int32)

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 
 from jkv.kv.tier_step import Placing
 from jkv.kv.token_tiers import KEEP
-from jkv.policies.h2o import keep_top, share_of
-from jkv.policies.registry import KVPolicy, needs_single_tokens
+from jkv.policies.registry import KVPolicy, keep_top, needs_single_tokens, share_of
 
 POOL = 7  # tokens a vote is averaged over (SnapKV's pooling kernel)
 
