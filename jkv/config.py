@@ -3,7 +3,9 @@
 The fields of the user-facing configs (`USER_CONFIGS`: LoadConfig, EngineConfig, CacheConfig,
 SchedulerConfig, StoreConfig) carry their defaults and help text; `OPTIONS` reads them off,
 and `LLM(...)` takes them as keyword arguments and the server as flags (`max_model_len` <->
-`--max-model-len`). Each config validates its own fields (ValueError naming `Config.field`).
+`--max-model-len`). Each config validates its own fields (ValueError naming `Config.field`),
+with the checks of `jkv.config_checks`; StoreConfig, the KV store's, lives in
+`jkv.store_config`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jkv.config_checks import check_choices_and_flags, is_int, is_pow2, require
 from jkv.kv.format import KV_FORMATS, KVFormat
 from jkv.policies import POLICIES, policy_help
+from jkv.store_config import HOST_CACHE_CAP as HOST_CACHE_CAP  # re-exported: tests read it here
+from jkv.store_config import StoreConfig
 
 
 @dataclass(frozen=True)
@@ -93,35 +98,12 @@ DEFAULT_MAX_MODEL_LEN = 8192  # max_model_len None: the model's limit, at most t
 
 # User-facing settings are the fields of the configs in `USER_CONFIGS`: each field's default
 # and its help (`metadata["help"]`, where `name` in backquotes refers to another setting) are
-# written once here; `LLM(...)` takes them as keyword arguments and the server as flags
-# (`OPTIONS`). metadata["choices"]: the values a field allows.
+# written once, on the field (StoreConfig's in `jkv.store_config`); `LLM(...)` takes them as
+# keyword arguments and the server as flags (`OPTIONS`). metadata["choices"]: the values a
+# field allows.
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
-
-def _is_pow2(value: object) -> bool:
-    return _is_int(value) and value > 0 and not value & (value - 1)
-
-
-def _require(config: object, name: str, ok: bool, wanted: str) -> None:
-    """ValueError naming `Config.name` unless `ok`."""
-    if not ok:
-        raise ValueError(f"{type(config).__name__}.{name} must be {wanted}, "
-                         f"got {getattr(config, name)!r}")
-
-
-def _check_choices_and_flags(config: object) -> None:
-    """The checks the configs share: a field with choices holds one of them, a bool field a
-    bool (CacheConfig checks kv_format itself: it holds a KVFormat once made)."""
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if "choices" in f.metadata:
-            _require(config, f.name, value in f.metadata["choices"],
-                     f"one of {f.metadata['choices']}")
-        elif isinstance(f.default, bool):
-            _require(config, f.name, isinstance(value, bool), "True or False")
 
 
 RANDOM_MODEL = "random:"  # LoadConfig.model's prefix for random weights at a preset's shapes
@@ -145,12 +127,12 @@ class LoadConfig:
                 "~/.cache/jkv), so the next start skips converting them"})
 
     def __post_init__(self) -> None:
-        _require(self, "model", self.model is None or isinstance(self.model, str | os.PathLike),
-                 "a path or None")
+        require(self, "model", self.model is None or isinstance(self.model, str | os.PathLike),
+                "a path or None")
         preset = self.random_preset
-        _require(self, "model", preset is None or preset in PRESETS,
-                 f"random:<preset> with a preset of {sorted(PRESETS)}")
-        _check_choices_and_flags(self)
+        require(self, "model", preset is None or preset in PRESETS,
+                f"random:<preset> with a preset of {sorted(PRESETS)}")
+        check_choices_and_flags(self)
 
     @property
     def random_preset(self) -> str | None:
@@ -194,16 +176,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         n = self.max_model_len
-        _require(self, "max_model_len", n is None or _is_int(n) and n >= 2,
-                 "an integer >= 2 or None")
-        _require(self, "max_num_seqs", _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
-                 "an integer >= 1")
-        _require(self, "prefill_chunk", _is_pow2(self.prefill_chunk), "a power of two")
-        _require(self, "seed", _is_int(self.seed), "an integer")
+        require(self, "max_model_len", n is None or is_int(n) and n >= 2,
+                "an integer >= 2 or None")
+        require(self, "max_num_seqs", is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+                "an integer >= 1")
+        require(self, "prefill_chunk", is_pow2(self.prefill_chunk), "a power of two")
+        require(self, "seed", is_int(self.seed), "an integer")
         n = self.device_cache_bytes
-        _require(self, "device_cache_bytes", n is None or _is_int(n) and n >= 0,
-                 "an integer >= 0 or None")
-        _check_choices_and_flags(self)
+        require(self, "device_cache_bytes", n is None or is_int(n) and n >= 0,
+                "an integer >= 0 or None")
+        check_choices_and_flags(self)
 
     def resolve_max_model_len(self, limit: int) -> int:
         """max_model_len for a model whose positions end at `limit` (None: `limit`, at most
@@ -266,34 +248,34 @@ class CacheConfig:
                 "kept beside the recent window, the same for every head"})
 
     def __post_init__(self) -> None:
-        _require(self, "page_size", _is_pow2(self.page_size), "a power of two")
-        _require(self, "kv_cache_bytes", _is_int(self.kv_cache_bytes) and self.kv_cache_bytes > 0,
-                 "a positive integer")
-        _require(self, "kv_policy", self.kv_policy in POLICIES, f"one of {tuple(POLICIES)}")
+        require(self, "page_size", is_pow2(self.page_size), "a power of two")
+        require(self, "kv_cache_bytes", is_int(self.kv_cache_bytes) and self.kv_cache_bytes > 0,
+                "a positive integer")
+        require(self, "kv_policy", self.kv_policy in POLICIES, f"one of {tuple(POLICIES)}")
         if not isinstance(self.kv_format, KVFormat):
-            _require(self, "kv_format", self.kv_format in KV_FORMATS,
-                     f"a KVFormat or one of {sorted(KV_FORMATS)}")
+            require(self, "kv_format", self.kv_format in KV_FORMATS,
+                    f"a KVFormat or one of {sorted(KV_FORMATS)}")
             name = self.kv_format
             if name == "auto":  # the policy's own (LeanKV's high tier, KIVI's 2 bits)
                 name = POLICIES[self.kv_policy].default_format or name
             object.__setattr__(self, "kv_format", KVFormat.parse(name))
         for name in ("kv_alpha_high", "kv_alpha_low"):
             value = getattr(self, name)
-            _require(self, name, isinstance(value, int | float) and not isinstance(value, bool)
-                     and math.isfinite(value) and value >= 0, "a number >= 0")
+            require(self, name, isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and value >= 0, "a number >= 0")
         if self.kv_alpha_low > self.kv_alpha_high:
             raise ValueError(f"CacheConfig.kv_alpha_low ({self.kv_alpha_low}) must not exceed "
                              f"kv_alpha_high ({self.kv_alpha_high})")
-        _require(self, "kv_recent_window", _is_int(self.kv_recent_window)
-                 and self.kv_recent_window >= self.page_size,
-                 f"an integer >= page_size ({self.page_size})")
-        _require(self, "kv_placement_interval", _is_int(self.kv_placement_interval)
-                 and self.kv_placement_interval >= 1, "an integer >= 1")
-        _require(self, "kv_sink_tokens", _is_int(self.kv_sink_tokens)
-                 and self.kv_sink_tokens >= 0, "an integer >= 0")
+        require(self, "kv_recent_window", is_int(self.kv_recent_window)
+                and self.kv_recent_window >= self.page_size,
+                f"an integer >= page_size ({self.page_size})")
+        require(self, "kv_placement_interval", is_int(self.kv_placement_interval)
+                and self.kv_placement_interval >= 1, "an integer >= 1")
+        require(self, "kv_sink_tokens", is_int(self.kv_sink_tokens)
+                and self.kv_sink_tokens >= 0, "an integer >= 0")
         r = self.kv_heavy_ratio
-        _require(self, "kv_heavy_ratio", isinstance(r, int | float) and not isinstance(r, bool)
-                 and 0 <= r <= 1, "a number in [0, 1]")
+        require(self, "kv_heavy_ratio", isinstance(r, int | float) and not isinstance(r, bool)
+                and 0 <= r <= 1, "a number in [0, 1]")
         POLICIES[self.kv_policy].check(self)
 
     @property
@@ -328,129 +310,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         n = self.max_num_batched_tokens
-        _require(self, "max_num_batched_tokens", n is None or _is_int(n) and n >= 1,
-                 "a positive integer or None")
-        _check_choices_and_flags(self)
-
-
-EVICTION_POLICIES = ("lru", "fifo", "scheduler", "adaptcache")  # jkv.store.placement, .adapt
-HOST_CACHE_SHARE = 4  # the default host tier: a quarter of the memory available at start,
-HOST_CACHE_CAP = 8 << 30  # at most 8 GiB
-
-
-def default_host_cache_bytes() -> int:
-    """A quarter of the host memory available now, at most 8 GiB (0 where unknown)."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-    return min(available // HOST_CACHE_SHARE, HOST_CACHE_CAP)
-
-
-def _host_cache_note() -> str:
-    return f"here {default_host_cache_bytes() / 2**30:.1f} GiB"
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """Where finished requests' KV is kept off the device (`jkv.store`): a host DRAM tier and
-    a persistent tier.
-
-    host_cache_bytes None is resolved here, when the config is made.
-    """
-
-    host_cache_bytes: int | None = field(default=None, metadata={
-        "help": "host DRAM for the KV store: finished requests' KV kept off the device, "
-                "restored (not recomputed) when a later turn needs it; 0 turns the host tier "
-                "off; default: a quarter of the memory available at start, at most 8 GiB",
-        "default_note": _host_cache_note})
-    disk_cache_bytes: int = field(default=64 << 30, metadata={
-        "help": "most bytes the persistent KV tier holds"})
-    store_dir: str | os.PathLike | None = field(default=None, metadata={
-        "help": "directory of the persistent KV tier (tensorstore OCDBT: atomic commits, "
-                "reused by the next process opened on it); default: none"})
-    store_spec: str | dict | None = field(default=None, metadata={
-        "help": "the persistent KV tier as a tensorstore kvstore spec (a dict; JSON text on the "
-                "command line) or URL instead of `store_dir`, e.g. s3://bucket/prefix/"})
-    eviction_policy: str = field(default="scheduler", metadata={
-        "help": "which stored entry a full tier gives up: scheduler (keeps and prefetches the "
-                "entries of queued requests, CachedAttention), lru, fifo, or adaptcache (each "
-                "entry's form and tier by marginal utility, AdaptCache: smaller forms restore "
-                "approximate KV; its quality profile is --adapt-profile. Block pages: forms are "
-                "KV formats, the pool in the model dtype; under a token policy (leankv, h2o...): "
-                "a stored row's tokens dropped, streaming@<keep> or h2o@<keep>)",
-        "choices": EVICTION_POLICIES})
-    store_kv_format: str | None = field(default=None, metadata={
-        "help": "KV format the store writes entries in (a fixed smaller form: k8v4t, k4v2t, "
-                "k2v2 (KIVI's)...; it restores approximate KV, never shared under its tokens' "
-                "hashes in the device cache, and keeps what a conversation restored from it "
-                "computes next, marked approximate); one of the kv_format names; default: "
-                "the pool's own"})
-    adapt_profile: str | None = field(default=None, metadata={
-        "help": "with eviction_policy adaptcache: the quality profile of the compressed "
-                "forms (JSON, written by benchmarks/adapt_profile.py, or for a token-tier "
-                "engine's rows by benchmarks/adapt_rows.py), with each form's decode rate per "
-                "backend (assumed until the store measures its own); default: the one jkv "
-                "ships, measured on the embedded SmolLM2-135M (measure your model's own)"})
-    adapt_alpha: float = field(default=1.0, metadata={
-        "help": "with eviction_policy adaptcache: seconds of load time a whole unit of "
-                "answer quality is worth (higher keeps entries larger)"})
-    adapt_quality_floor: float = field(default=0.0, metadata={
-        "help": "with eviction_policy adaptcache: a form below this quality is never kept "
-                "(the entry is evicted instead)"})
-    adapt_half_life: float | None = field(default=None, metadata={
-        "help": "with eviction_policy adaptcache: seconds over which an entry's count of "
-                "uses halves (its expected reuse), so conversations gone quiet stop holding "
-                "room; default: learned, twice the median gap between an entry's uses "
-                "(the users' think time between turns), 600 until one is seen"})
-    save_interval_blocks: int = field(default=16, metadata={
-        "help": "while a request decodes, its KV blocks (pages) are queued for the store "
-                "each time this many more have filled, each save only the blocks since the "
-                "last, so a finishing request has little left to save; 0: saved only when "
-                "it finishes or is preempted"})
-
-    def __post_init__(self) -> None:
-        if self.host_cache_bytes is None:
-            object.__setattr__(self, "host_cache_bytes", default_host_cache_bytes())
-        for name in ("host_cache_bytes", "disk_cache_bytes", "save_interval_blocks"):
-            value = getattr(self, name)
-            _require(self, name, _is_int(value) and value >= 0, "an integer >= 0")
-        if isinstance(self.store_dir, os.PathLike):
-            object.__setattr__(self, "store_dir", os.fspath(self.store_dir))
-        _require(self, "store_dir", self.store_dir is None or isinstance(self.store_dir, str),
-                 "a path or None")
-        _require(self, "store_spec", self.store_spec is None
-                 or isinstance(self.store_spec, str | dict), "a string, a dict or None")
-        if self.store_dir is not None and self.store_spec is not None:
-            raise ValueError("give StoreConfig.store_dir or StoreConfig.store_spec, not both")
-        _require(self, "adapt_alpha", isinstance(self.adapt_alpha, int | float)
-                 and not isinstance(self.adapt_alpha, bool) and self.adapt_alpha >= 0,
-                 "a number >= 0")
-        _require(self, "adapt_half_life", self.adapt_half_life is None or (
-            isinstance(self.adapt_half_life, int | float)
-            and not isinstance(self.adapt_half_life, bool) and self.adapt_half_life > 0),
-                 "None (learned) or a number > 0")
-        _require(self, "adapt_quality_floor", isinstance(self.adapt_quality_floor, int | float)
-                 and 0 <= self.adapt_quality_floor <= 1, "a number in [0, 1]")
-        _require(self, "store_kv_format", self.store_kv_format is None
-                 or self.store_kv_format in KV_FORMATS, f"None or one of {sorted(KV_FORMATS)}")
-        _require(self, "store_kv_format", self.store_kv_format is None
-                 or self.eviction_policy != "adaptcache",
-                 "None with eviction_policy adaptcache (it picks each entry's format)")
-        _require(self, "adapt_profile", self.adapt_profile is None
-                 or self.eviction_policy == "adaptcache",
-                 "None unless eviction_policy is adaptcache")
-        _check_choices_and_flags(self)
-
-    @property
-    def persistent(self) -> str | dict | None:
-        """The persistent tier's location, or None."""
-        return self.store_dir if self.store_spec is None else self.store_spec
-
-    @property
-    def enabled(self) -> bool:
-        return self.host_cache_bytes > 0 or (self.persistent is not None
-                                             and self.disk_cache_bytes > 0)
+        require(self, "max_num_batched_tokens", n is None or is_int(n) and n >= 1,
+                "a positive integer or None")
+        check_choices_and_flags(self)
 
 
 # ---------------------------------------------------------------------------- user options

@@ -107,8 +107,8 @@ class _SlowTokenizer:
 
 @pytest.mark.parametrize("kind", ["stream", "cleanup", "windowed"])
 def test_streamed_text_equals_a_one_shot_decode(kind):
-    from jkv.api import _Tracker
     from jkv.engine.sampling import SamplingParams
+    from jkv.outputs import Tracker
 
     tok = load_tokenizer(None)
     if kind == "cleanup":
@@ -117,8 +117,8 @@ def test_streamed_text_equals_a_one_shot_decode(kind):
     ids = tok.encode(text)
     # characters split across tokens: a token that completes no character on its own
     assert any("\ufffd" in tok.decode([i]) for i in ids)
-    tracker = _Tracker(_SlowTokenizer(tok) if kind == "windowed" else tok,
-                       SamplingParams(), frozenset())
+    tracker = Tracker(_SlowTokenizer(tok) if kind == "windowed" else tok,
+                      SamplingParams(), frozenset())
     deltas = []
     for i in ids:
         assert not tracker.add(i)
@@ -129,7 +129,7 @@ def test_streamed_text_equals_a_one_shot_decode(kind):
 
     # a stop string is found in the new text, spanning tokens, and cuts the text there
     stop = "日本"
-    tracker = _Tracker(tok, SamplingParams(stop=[stop]), frozenset())
+    tracker = Tracker(tok, SamplingParams(stop=[stop]), frozenset())
     streamed = ""
     for n in range(len(ids)):
         done = tracker.add(ids[n])

@@ -13,8 +13,9 @@ import uvicorn
 
 from jkv.api import LLM
 from jkv.config import OPTIONS
-from jkv.server.app import Server, build_app
+from jkv.server.app import build_app
 from jkv.server.flags import build_parser
+from jkv.server.handlers import Server
 
 log = logging.getLogger("jkv.server")
 

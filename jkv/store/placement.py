@@ -25,7 +25,7 @@ from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from jkv.config import EVICTION_POLICIES as POLICIES
+from jkv.store_config import EVICTION_POLICIES as POLICIES
 
 TIERS = ("dram", "disk")
 
