@@ -55,6 +55,50 @@ def convert_row(arrays: Mapping[str, np.ndarray], src: str, dst: str, kv_format:
                        sinks=sinks, recent=recent)
 
 
+def _kept(t_head: np.ndarray, t_pos: np.ndarray, t_score: np.ndarray, keep: float, way: str,
+          *, heads: int, sinks: int, recent: int) -> np.ndarray:
+    """Which of a row's held tokens (each's head, position and summed score) a form keeps:
+    per head the sinks and the recent window, then the best by `way`'s merit up to `keep`
+    of the head's tokens (the choice alone; `drop_tokens` rebuilds the row from it)."""
+    n = int(t_pos.max()) + 1 if len(t_pos) else 0  # the newest token is always held
+    protected = (t_pos < sinks) | (t_pos >= n - recent)
+    if way == "streaming":
+        merit = t_pos.astype(np.float64)
+    else:  # mean attention received: from the n - pos queries at or after the token
+        merit = t_score.astype(np.float64) / np.maximum(n - t_pos, 1)
+    # rank per head: protected first, then by merit (ties: the earlier token)
+    order = np.lexsort((t_pos, -merit, ~protected, t_head))
+    per_head = np.bincount(t_head, minlength=heads)
+    start = np.cumsum(per_head) - per_head
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order)) - start[t_head[order]]
+    budget = np.maximum(np.ceil(keep * per_head).astype(np.int64),
+                        np.bincount(t_head, protected, heads).astype(np.int64))
+    return rank < budget[t_head]
+
+
+def _copy_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, m: int,
+                 low: np.ndarray, src_at: tuple[np.ndarray, np.ndarray],
+                 dst_at: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+    """The new row's page arrays ([m, ...]): each kept token's K/V (`low`: in the low tier)
+    copied from (page row, offset) `src_at` of the row's pages to `dst_at`, bit for bit. On the
+    host (numpy: a row's shapes vary, jnp would compile for each): each tier's tokens
+    through its view of the pages, a reshape (a low page: 2 * page tokens)."""
+    (src_row, src_off), (dst_row, dst_off) = src_at, dst_at
+    src_pages = KVPages.from_arrays(kv_format, {
+        k: np.ascontiguousarray(x) for k, x in arrays.items() if k not in TIER_ARRAYS})
+    dst_pages = KVPages.from_arrays(kv_format, {
+        k: np.zeros((m, *x.shape[1:]), x.dtype) for k, x in src_pages.arrays().items()})
+    for tier in (0, 1):
+        sel = low == tier
+        if sel.any():
+            fmt = kv_format if tier == 0 else kv_format.halved()
+            src, dst = src_pages.as_format(fmt).arrays(), dst_pages.as_format(fmt).arrays()
+            for name, out in dst.items():  # (views of dst_pages' arrays)
+                out[dst_row[sel], dst_off[sel]] = src[name][src_row[sel], src_off[sel]]
+    return {k: np.asarray(x) for k, x in dst_pages.arrays().items()}
+
+
 def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: float, way: str,
                 *, heads: int, page: int, sinks: int, recent: int) -> dict[str, np.ndarray]:
     """A token-tier row's arrays (its real pages only) with about `keep` of each (layer, KV
@@ -73,21 +117,7 @@ def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: flo
     t_head, t_low = head[rows], is_low[rows]
     t_slot = index[rows] * cap[rows] + offs
     t_pos, t_score = pos[rows, offs].astype(np.int64), score[rows, offs]
-    n = int(t_pos.max()) + 1 if len(t_pos) else 0  # the newest token is always held
-    protected = (t_pos < sinks) | (t_pos >= n - recent)
-    if way == "streaming":
-        merit = t_pos.astype(np.float64)
-    else:  # mean attention received: from the n - pos queries at or after the token
-        merit = t_score.astype(np.float64) / np.maximum(n - t_pos, 1)
-    # rank per head: protected first, then by merit (ties: the earlier token)
-    order = np.lexsort((t_pos, -merit, ~protected, t_head))
-    per_head = np.bincount(t_head, minlength=heads)
-    start = np.cumsum(per_head) - per_head
-    rank = np.empty(len(order), np.int64)
-    rank[order] = np.arange(len(order)) - start[t_head[order]]
-    budget = np.maximum(np.ceil(keep * per_head).astype(np.int64),
-                        np.bincount(t_head, protected, heads).astype(np.int64))
-    kept = rank < budget[t_head]
+    kept = _kept(t_head, t_pos, t_score, keep, way, heads=heads, sinks=sinks, recent=recent)
     # kept tokens, in (head, tier, slot) order, are the new row's slots 0, 1, ... per tier
     k_idx = np.flatnonzero(kept)
     k_idx = k_idx[np.lexsort((t_slot[k_idx], t_low[k_idx], t_head[k_idx]))]
@@ -107,21 +137,9 @@ def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: flo
     out_score, out_pos = np.zeros((m, 2 * page), score.dtype), np.zeros((m, 2 * page), pos.dtype)
     out_score[dst_row, dst_off] = score[src_row, src_off]
     out_pos[dst_row, dst_off] = pos[src_row, src_off]
-    # on the host (numpy: a row's shapes vary, jnp would compile for each): each tier's
-    # tokens through its view of the pages, a reshape (a low page: 2 * page tokens)
-    src_pages = KVPages.from_arrays(kv_format, {
-        k: np.ascontiguousarray(x) for k, x in arrays.items() if k not in TIER_ARRAYS})
-    dst_pages = KVPages.from_arrays(kv_format, {
-        k: np.zeros((m, *x.shape[1:]), x.dtype) for k, x in src_pages.arrays().items()})
-    for tier in (0, 1):
-        sel = t_low[k_idx] == tier
-        if sel.any():
-            fmt = kv_format if tier == 0 else kv_format.halved()
-            src, dst = src_pages.as_format(fmt).arrays(), dst_pages.as_format(fmt).arrays()
-            for name, out in dst.items():  # (views of dst_pages' arrays)
-                out[dst_row[sel], dst_off[sel]] = src[name][src_row[sel], src_off[sel]]
-    return {**{k: np.asarray(x) for k, x in dst_pages.arrays().items()}, **layout,
-            "tier_score": out_score, "tier_pos": out_pos}
+    pages = _copy_tokens(arrays, kv_format, m, t_low[k_idx], (src_row, src_off),
+                         (dst_row, dst_off))
+    return {**pages, **layout, "tier_score": out_score, "tier_pos": out_pos}
 
 
 __all__ = ["convert_row", "drop_tokens"]

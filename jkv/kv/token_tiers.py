@@ -216,6 +216,52 @@ def _addresses(pages: jax.Array, slots: jax.Array, page: int, low: bool) -> jax.
     return jnp.where(slots >= 0, ids * (2 * page) + s % per, -1)
 
 
+def _repage(free: FreeList, tables: PageTables, rows: jax.Array, new_hi: jax.Array,
+            new_lo: jax.Array, lost_hi: jax.Array, lost_lo: jax.Array, page: int,
+            k: int) -> tuple[FreeList, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`compact`'s page changes, apart from its token moves: the page-table rows [R, W] of
+    tiers shrunk to new_hi / new_lo tokens (at most k // page + 1 pages leave each side, as
+    many join the low side). Returns (free, rows, high pages, low pages, ok)."""
+    w = tables.pages.shape[-1]
+    old_hp, old_lp = tables.num_pages.reshape(-1), tables.low_pages.reshape(-1)
+    new_hp = (new_hi + page - 1) // page
+    new_lp = (new_lo + 2 * page - 1) // (2 * page)
+    kp = k // page + 1
+    i = jnp.arange(kp, dtype=jnp.int32)
+    hi_cols = new_hp[:, None] + i  # columns the high side may give up
+    lo_idx = new_lp[:, None] + i  # low pages (from the right) the low side may give up
+    hi_gone = hi_cols < old_hp[:, None]
+    lo_gone = lo_idx < old_lp[:, None]
+    hi_cols, lo_cols = jnp.clip(hi_cols, 0, w - 1), jnp.clip(w - 1 - lo_idx, 0, w - 1)
+    gone = jnp.concatenate([jnp.where(hi_gone, jnp.take_along_axis(rows, hi_cols, -1), 0),
+                            jnp.where(lo_gone, jnp.take_along_axis(rows, lo_cols, -1), 0)], -1)
+    fits = ((new_hp + new_lp <= w) & (lost_hi <= k) & (lost_lo <= k)).all()
+    grow = jnp.where(fits, jnp.clip(new_lp - old_lp, 0, kp), 0)
+    new_free, ids, ok = allocate(unref(free, gone), grow, kp)
+    ok = ok & fits
+    new_cols = jnp.clip(w - 1 - (old_lp[:, None] + i), 0, w - 1)
+    r = jnp.arange(rows.shape[0])[:, None]
+    new_rows = rows.at[r, jnp.where(hi_gone, hi_cols, w)].set(NULL_PAGE, mode="drop")
+    new_rows = new_rows.at[r, jnp.where(lo_gone, lo_cols, w)].set(NULL_PAGE, mode="drop")
+    new_rows = new_rows.at[r, jnp.where(i < grow[:, None], new_cols, w)].set(ids, mode="drop")
+    return new_free, new_rows, new_hp, new_lp, ok
+
+
+def _moves(rows: jax.Array, new_rows: jax.Array, movers: jax.Array, holes: jax.Array,
+           demoted: jax.Array, dem_dst: jax.Array, lo_movers: jax.Array, lo_holes: jax.Array,
+           page: int) -> TierMoves:
+    """`compact`'s token moves as meta addresses: sources through the rows as they were,
+    destinations in the low tier through the rows as they are after its page changes."""
+    return TierMoves(
+        high_src=_addresses(rows, movers, page, False),
+        high_dst=_addresses(rows, holes, page, False),  # holes stay in kept pages
+        demote_src=_addresses(rows, demoted, page, False),
+        demote_dst=_addresses(new_rows, dem_dst, page, True),
+        low_src=_addresses(rows, lo_movers, page, True),
+        low_dst=_addresses(new_rows, lo_holes, page, True),
+    )
+
+
 def compact(free: FreeList, tables: PageTables, counts: TierCounts, fate_hi: jax.Array,
             fate_lo: jax.Array, page: int, max_moves: int) -> tuple[
                 FreeList, PageTables, TierCounts, TierMoves, jax.Array]:
@@ -228,7 +274,6 @@ def compact(free: FreeList, tables: PageTables, counts: TierCounts, fate_hi: jax
     row would lose more, the pool cannot give the low pages or a row's two sides would
     meet, nothing changes and ok is False."""
     lead = counts.high.shape
-    w = tables.pages.shape[-1]
     k = max_moves
     # the fates once, not fused again into each of their uses (their gathers are the cost)
     fate_hi, fate_lo = lax.optimization_barrier((fate_hi, fate_lo))
@@ -259,39 +304,12 @@ def compact(free: FreeList, tables: PageTables, counts: TierCounts, fate_hi: jax
     at = jnp.clip(n_lo_movers + jnp.arange(k), 0, 2 * k - 1)
     dem_dst = jnp.where(demoted >= 0, jnp.take_along_axis(vacant, at, -1), -1)
 
-    # pages: at most k // page + 1 leave each side, and as many join the low side
-    old_hp, old_lp = tables.num_pages.reshape(-1), tables.low_pages.reshape(-1)
-    new_hp = (new_hi + page - 1) // page
-    new_lp = (new_lo + 2 * page - 1) // (2 * page)
-    kp = k // page + 1
-    i = jnp.arange(kp, dtype=jnp.int32)
-    hi_cols = new_hp[:, None] + i  # columns the high side may give up
-    lo_idx = new_lp[:, None] + i  # low pages (from the right) the low side may give up
-    hi_gone = hi_cols < old_hp[:, None]
-    lo_gone = lo_idx < old_lp[:, None]
-    hi_cols, lo_cols = jnp.clip(hi_cols, 0, w - 1), jnp.clip(w - 1 - lo_idx, 0, w - 1)
-    gone = jnp.concatenate([jnp.where(hi_gone, jnp.take_along_axis(rows, hi_cols, -1), 0),
-                            jnp.where(lo_gone, jnp.take_along_axis(rows, lo_cols, -1), 0)], -1)
-    fits = ((new_hp + new_lp <= w) & (lost_hi <= k) & (lost_lo <= k)).all()
-    grow = jnp.where(fits, jnp.clip(new_lp - old_lp, 0, kp), 0)
-    new_free, ids, ok = allocate(unref(free, gone), grow, kp)
-    ok = ok & fits
-    new_cols = jnp.clip(w - 1 - (old_lp[:, None] + i), 0, w - 1)
-    r = jnp.arange(rows.shape[0])[:, None]
-    new_rows = rows.at[r, jnp.where(hi_gone, hi_cols, w)].set(NULL_PAGE, mode="drop")
-    new_rows = new_rows.at[r, jnp.where(lo_gone, lo_cols, w)].set(NULL_PAGE, mode="drop")
-    new_rows = new_rows.at[r, jnp.where(i < grow[:, None], new_cols, w)].set(ids, mode="drop")
+    new_free, new_rows, new_hp, new_lp, ok = _repage(free, tables, rows, new_hi, new_lo,
+                                                     lost_hi, lost_lo, page, k)
     new_tables = tables.replace(pages=new_rows.reshape(tables.pages.shape),
                                 num_pages=new_hp.reshape(lead), low_pages=new_lp.reshape(lead))
 
-    moves = TierMoves(
-        high_src=_addresses(rows, movers, page, False),
-        high_dst=_addresses(rows, holes, page, False),  # holes stay in kept pages
-        demote_src=_addresses(rows, demoted, page, False),
-        demote_dst=_addresses(new_rows, dem_dst, page, True),
-        low_src=_addresses(rows, lo_movers, page, True),
-        low_dst=_addresses(new_rows, lo_holes, page, True),
-    )
+    moves = _moves(rows, new_rows, movers, holes, demoted, dem_dst, lo_movers, lo_holes, page)
     moves = TierMoves(*(jnp.where(ok, m, -1).reshape(*lead, k) for m in moves))
     new_counts = TierCounts(high=new_hi.reshape(lead), low=new_lo.reshape(lead))
     pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731

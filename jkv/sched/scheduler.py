@@ -11,12 +11,13 @@ requests; each `step` runs in three phases:
 
 `Request` is what a caller gives and reads; what the scheduler keeps about a request it holds
 is its own `Tracked` record (both in `jkv.sched.request`), reset in one place when a run ends.
-Lookups, restores and saves go through `jkv.sched.store_side.StoreSide`, a part it composes.
+Lookups, restores and saves go through `jkv.sched.store_side.StoreSide`, a part it composes;
+what planning weighs is read by `jkv.sched.plan_inputs`, and the plan turned into the engine's
+rows by `jkv.sched.step_rows`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -25,23 +26,29 @@ from collections.abc import Sequence
 import jax
 
 from jkv.config import SchedulerConfig, StoreConfig
-from jkv.engine.engine import Engine, Row
-from jkv.engine.layer_major import layers_for
+from jkv.engine.engine import Engine
 from jkv.engine.records import Sampled
 from jkv.sched.output_lengths import OutputLengths
+from jkv.sched.plan_inputs import (
+    cost_figures,
+    request_candidate,
+    step_budget,
+    with_layers,
+    with_tpot_slack,
+)
 from jkv.sched.plan_records import Budget, Candidate, Plan, queue_order
-from jkv.sched.planning import min_resident, plan_step
+from jkv.sched.planning import plan_step
 from jkv.sched.request import Request, SchedulerStats, Tracked, Truncation
 from jkv.sched.restore_planning import RestoreRates
 from jkv.sched.snapshot import snapshot
 from jkv.sched.step_costs import StepCosts, compilations
+from jkv.sched.step_rows import step_rows
 from jkv.sched.store_side import StoreSide
 from jkv.store.store import KVStore
 
 log = logging.getLogger(__name__)
 
 READ_POLL_S = 0.005  # an idle step waits this long for a read ahead before returning
-FORECAST_STEPS = 4  # layer offload (LayerKV eq. 5): decodes' pages over this many steps
 
 
 class Scheduler:
@@ -170,38 +177,15 @@ class Scheduler:
 
     def candidate(self, r: Request, held: int, pin_pages: int) -> Candidate:
         """`r` as planning sees it, holding `held` tokens and pinning `pin_pages` pages."""
-        # (a preempted request keeps its deadline, met long ago: it orders the queue, and
-        # without one it went behind every later arrival that had one and stalled its stream)
-        ttft = None if r.ttft_slo_ms is None else r.arrival + r.ttft_slo_ms / 1000
-        tpot = None if r.tpot_slo_ms is None else r.tpot_slo_ms / 1000
-        # (what admission weighs the cost of its steps over; not known before any reply)
-        remaining = (self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
-                     if self.lengths.recent else None)
-        running = self._state[r].slot is not None
-        return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held, running,
-                         r.priority, pin_pages, ttft, tpot, remaining=remaining,
-                         whole=not running and r.num_preemptions > 0)
+        return request_candidate(r, held, pin_pages, self._state[r].slot is not None,
+                                 self.lengths)
 
     def _running(self, r: Request, now: float) -> Candidate:
         st, cache = self._state[r], self.engine.cache
         c = self.candidate(r, st.num_computed, cache.pages_freed_by_close(st.slot))
         if self.layer_offload:
-            resident = cache.resident(st.slot)
-            mid_prompt = st.layers_done is not None  # (its layers move only once it is done)
-            c = dataclasses.replace(
-                c, resident=None if resident == cache.num_layers else resident,
-                offload_pages=0 if mid_prompt else cache.pages_offloadable(st.slot),
-                fetch_pages=0 if mid_prompt else self.engine.pages_to_fetch(st.slot),
-                layer_major=st.layers_done)
-        if c.tpot_slo is not None and r.first_token_time is not None and self._next_step_s:
-            # LayerKV eq. 1: what its target allows over the whole output, less what it has
-            # used and what its remaining tokens' decode steps will take (each as long as a
-            # step of the requests decoding now, layers brought in included)
-            m = self.lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
-            slack = ((len(r.output) - 1 + m) * c.tpot_slo - (now - r.first_token_time)
-                     - m * self._next_step_s)
-            c = dataclasses.replace(c, tpot_slack=slack, remaining=m)
-        return c
+            c = with_layers(c, self.engine, st)
+        return with_tpot_slack(c, r, now, self.lengths, self._next_step_s)
 
     def _finish(self, r: Request, reason: str) -> None:
         st = self._state.pop(r, None)  # none yet for a request `stop_all` took from incoming
@@ -248,7 +232,7 @@ class Scheduler:
         by_id = {r.request_id: r for r in self.waiting + self.running}
         plan, queued, ready = self._schedule(now)
         self._apply(plan, by_id, now)
-        prefill, decode, work = self._rows(plan, by_id)
+        prefill, decode, work = step_rows(plan, by_id, self._state, self.engine.cfg.num_layers)
         if not prefill and not decode:
             if queued > ready:  # only reads ahead to wait for: no step to hold up
                 self.store.wait_reads(READ_POLL_S)
@@ -285,25 +269,10 @@ class Scheduler:
             len(decoding), sum(len(eng.offloaded_layers(s)) for s in decoding))
         if self.store is not None:
             self.store.set_recompute_rate(token_s)
-        budget = Budget(
-            available_pages=eng.cache.available_pages, free_slots=eng.cache.num_free_slots,
-            max_tokens=self.config.max_num_batched_tokens or eng.prefill_chunk,
-            chunk=eng.prefill_chunk, cost=eng.cache.cost,
-            now=now, decode_step_seconds=self._next_step_s,
-            prefill_token_seconds=token_s,
-            prefill_row_seconds=self.costs.prefill_row_s, layer_offload=self.layer_offload,
-            offload_layer_seconds=self.costs.offload_layer_s,
-            decode_step_by_rows=tuple(self.costs.decode(n)
-                                      for n in range(eng.runner.max_rows + 1)),
-            min_resident=min_resident(
-                eng.cfg.num_layers, eng.cache.one_page * eng.cfg.num_kv_heads / eng.page_size,
-                eng.layers.offload_bytes_per_s, token_s),
-            forecast_steps=FORECAST_STEPS)
-        self.step_costs = {"decode": budget.decode_step_by_rows[1],
-                            "decode_full": budget.decode_step_by_rows[-1],
-                            "prefill_token": budget.prefill_token_seconds,
-                            "prefill_row": budget.prefill_row_seconds,
-                            "offload_layer": budget.offload_layer_seconds}
+        max_tokens = self.config.max_num_batched_tokens or eng.prefill_chunk
+        budget = step_budget(eng, self.costs, max_tokens, self.layer_offload, now, token_s,
+                             self._next_step_s)
+        self.step_costs = cost_figures(budget)
         return budget
 
     def _schedule(self, now: float) -> tuple[Plan, int, int]:
@@ -379,33 +348,6 @@ class Scheduler:
         st.computed_before = 0
         self.waiting.remove(r)
         self.running.append(r)
-
-    def _rows(self, plan: Plan, by_id: dict[str, Request]) -> tuple[list, list, list[int]]:
-        """The step's rows: (prefill (request, Row) pairs, decode pairs, each prefill row's
-        tokens of compute)."""
-        prefill, decode, work = [], [], []
-        for rid, n in plan.prefill:
-            r = by_id[rid]
-            st = self._state[r]
-            work.append(n)
-            if st.layers_done is not None:  # its whole prompt through the layers n buys
-                rest, done = r.tokens[st.num_computed:], st.layers_done
-                k = layers_for(n, len(rest), self.engine.cfg.num_layers, done)
-                prefill.append((r, Row(st.slot, rest, r.sampling, st.key, len(r.output),
-                                       layer_span=(done, done + k))))
-                continue
-            chunk = r.tokens[st.num_computed: st.num_computed + n]
-            targets = None
-            if r.sampling.prompt_logprobs is not None:  # each position's next prompt token
-                after = r.prompt[st.num_computed + 1: st.num_computed + n + 1]
-                targets = list(after) + [-1] * (n - len(after))
-            prefill.append((r, Row(st.slot, chunk, r.sampling, st.key, len(r.output),
-                                   targets)))
-        for rid in plan.decode:
-            r = by_id[rid]
-            st = self._state[r]
-            decode.append((r, Row(st.slot, r.tokens[-1:], r.sampling, st.key, len(r.output))))
-        return prefill, decode, work
 
     def _execute(self, prefill: list, decode: list, work: list[int]) -> tuple[list, list]:
         """The engine's step over the rows; its time learned unless it compiled."""

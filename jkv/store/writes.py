@@ -112,20 +112,8 @@ class StoreWriter:
         fmt = src if self.p.form is None or whole else self.p.form  # (store_kv_format)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
         data = self._encode(host, src, fmt, n * self.p.page_size, key, digests)
-        with self.p.lock:
-            if key in self.p.index or len(data) > max(self.p.placement.capacity.values()):
-                return  # already stored, or fits no tier (then the shorter runs stay)
-            if entry.parent is not None and entry.parent not in self.p.index:
-                self.p.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
-                return
-            # a longer run of blocks replaces shorter ones nothing continues (a tail's
-            # ancestors stay); whole rows are used whole only
-            older = [] if whole or entry.parent is not None else [
-                h.hex() for h in entry.hashes[:-1]
-                if h.hex() in self.p.index and not self.p.index.has_children(h.hex())]
-        for old in older:  # a longer run of the same prefix replaces them
-            self.delete(old)
-            self.p.stats.superseded += 1
+        if not self._supersede(entry, key, len(data), whole):
+            return
         with self.p.lock:  # the entries it continues are not given up to make its room
             keep = [] if entry.parent is None or entry.parent not in self.p.index else \
                 self.p.index.chain(entry.parent)
@@ -159,11 +147,36 @@ class StoreWriter:
             with self.p.lock:
                 self.p.placement.drop(key)
             raise
+        self._index_written(key, entry)
+
+    def _supersede(self, entry: Entry, key: str, size: int, whole: bool) -> bool:
+        """Whether `_write` goes on with an entry of `size` bytes (not stored yet, fits a
+        tier, its parent still stored); if so, the shorter runs it replaces are deleted
+        before the placement makes its room."""
+        with self.p.lock:
+            if key in self.p.index or size > max(self.p.placement.capacity.values()):
+                return False  # already stored, or fits no tier (then the shorter runs stay)
+            if entry.parent is not None and entry.parent not in self.p.index:
+                self.p.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
+                return False
+            # a longer run of blocks replaces shorter ones nothing continues (a tail's
+            # ancestors stay); whole rows are used whole only
+            older = [] if whole or entry.parent is not None else [
+                h.hex() for h in entry.hashes[:-1]
+                if h.hex() in self.p.index and not self.p.index.has_children(h.hex())]
+        for old in older:  # a longer run of the same prefix replaces them
+            self.delete(old)
+            self.p.stats.superseded += 1
+        return True
+
+    def _index_written(self, key: str, entry: Entry) -> None:
+        """A written entry into the index, unless the room made for it evicted its parent
+        (then it is unreachable: deleted)."""
         with self.p.lock:
             orphan = entry.parent is not None and entry.parent not in self.p.index
             if not orphan:
                 self.p.index.add(key, entry)
-        if orphan:  # the room made for it evicted its parent
+        if orphan:
             self.p.stats.saves_dropped += 1
             self.delete(key)
             return
