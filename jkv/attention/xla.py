@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jkv.kv.pages import KVPages
-from jkv.pallas_kernels.chunked_prefill_attention import key_significance
+from jkv.pallas_kernels.significance import key_significance
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -124,12 +125,30 @@ def xla_attention(
     LeanKV's low tier could fill twice the table's width in tokens, its rows never do), else
     the table's width.
     """
-    b, t, hq, d = q.shape
-    _, hkv, w = page_table.shape
+    hkv = page_table.shape[1]
+    sm_scale = 1.0 / math.sqrt(q.shape[3]) if sm_scale is None else sm_scale
+    block_q, block_k, block_w = _block_sizes(q.shape, hkv, block_q, block_k, block_w)
+    qg, pos, q_lengths = _grouped_queries(q, q_positions, q_lengths, hkv, sm_scale, block_q)
+    state, tiers = _attend_tiers(qg, q_lengths, pages, page_table, page_lengths, low_tier,
+                                 low_lengths, block_k=block_k, max_tokens=max_tokens,
+                                 significance=return_significance)
+    window = _Window(k_window, v_window,
+                     jnp.minimum(window_len.astype(jnp.int32), k_window.shape[2]),
+                     window_start.astype(jnp.int32))
+    blocks = _attend_window(qg, state, window, pos, q_lengths, t=q.shape[1], block_q=block_q,
+                            block_w=block_w, significance=return_significance)
+    out = _output(blocks, q.shape, block_q)
+    if not return_significance:
+        return out
+    return out, _significance(blocks, tiers, q_lengths, significance_from, pos, window)
+
+
+def _block_sizes(shape: tuple, hkv: int, block_q: int | None, block_k: int | None,
+                 block_w: int | None) -> tuple[int, int, int]:
+    """The blocks `xla_attention` walks, for q of `shape` [B, T, Hq, D]: None picks sizes
+    that suit a CPU, and `block_q` is rounded to a power of two no wider than the step."""
+    b, t, hq, d = shape
     g = hq // hkv
-    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    if q_lengths is None:
-        q_lengths = jnp.full((b,), t, jnp.int32)
     if block_q is None:  # about 384 rows of queries per window block, at most 8 blocks
         block_q = max(1 << max(0, round(math.log2(max(384 // g, 1)))), -(-t // 8))
     block_q = min(1 << (block_q - 1).bit_length(), 1 << (t - 1).bit_length())
@@ -143,134 +162,140 @@ def xla_attention(
             block_k = 256
     if block_w is None:  # window tokens past a query block's span (outside the engine)
         block_w = 64
+    return block_q, block_k, block_w
 
-    # queries: [B, Hkv, Tp * G, D] (row t * G + g), scaled, in float32
+
+def _grouped_queries(q: jax.Array, q_positions: jax.Array, q_lengths: jax.Array | None,
+                     hkv: int, sm_scale: float, block_q: int) -> tuple:
+    """The queries as every block reads them: [B, Hkv, Tp * G, D] (row t * G + g), scaled,
+    in float32, with their positions [B, Tp] (both padded to whole query blocks) and the
+    real queries per row (int32 [B], T when not given)."""
+    b, t, hq, d = q.shape
+    g = hq // hkv
+    if q_lengths is None:
+        q_lengths = jnp.full((b,), t, jnp.int32)
     qg = _pad_to(q.astype(jnp.float32).reshape(b, t, hkv, g, d) * sm_scale, 1, block_q)
-    tp = qg.shape[1]
-    nq, rows = tp // block_q, block_q * g
-    qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, hkv, tp * g, d)
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, hkv, -1, d)
     pos = _pad_to(q_positions.astype(jnp.int32), 1, block_q)  # [B, Tp]
+    return qg, pos, q_lengths.astype(jnp.int32)
 
-    tw = k_window.shape[2]
-    q_lengths = q_lengths.astype(jnp.int32)
 
-    def attend_tier(state: tuple, tier: KVPages, table: jax.Array,
-                    lengths: jax.Array) -> tuple:
-        """(1) a tier's held pages (table [B, Hkv, W] in slot order): every query of a row sees
-        all of them, so all queries go at once. Blocks every row holds in full need no mask;
-        the rest (ragged rows' last blocks) are masked by length. A row without real queries
-        holds nothing here. Returns (state, the scores [B, Hkv, Tp * G, W * page] or None)."""
-        page = tier.page_size
-        source = tier
-        if tier.kv_format != pages.kv_format:
-            # a view of the high tier's pool (LeanKV's low tier): gather pages in the pool's
-            # own shapes and read the gathered ones in the view's format; the view of the
-            # whole pool would be copied on CPU (its arrays' layouts change)
-            try:
-                source = tier.as_format(pages.kv_format)
-            except ValueError:
-                source = tier
-        ppb = max(1, block_k // page)  # whole pages
-        table = _pad_to(table.astype(jnp.int32), 2, ppb)  # padding columns: the null page
-        plen = jnp.where(q_lengths[:, None] > 0,
-                         jnp.minimum(lengths.astype(jnp.int32), w * page), 0)  # [B, Hkv]
-        block = ppb * page
-
-        def page_body(j, carry, masked: bool):
-            state, scores = carry
-            ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
-            held = source.take(ids).as_format(tier.kv_format)
-            k, v = held.dense()  # [B, Hkv, ppb, page, D]
-            k, v = k.reshape(b, hkv, block, d), v.reshape(b, hkv, block, d)
-            if tier.kv_format.v_bits == 4:
-                # the two channel blocks dotted apart: on the 2-core dev CPU, decode over
-                # k8v4t pages took 25% to 30% less time than over the interleaved values
-                # (2-bit values' four blocks of 16 channels gained nothing)
-                v = [x.reshape(b, hkv, block, -1) for x in held.value_parts()]
-            s = _scores(qg, k, by_channel=tier.kv_format.k_bits < 8)
-            if masked:
-                token = j * block + jnp.arange(block)
-                visible = (token[None, None, :] < plen[:, :, None])[:, :, None, :]
-                s = jnp.where(visible, s, MASK_VALUE)
-            if scores is not None:
-                scores = lax.dynamic_update_slice_in_dim(scores, s, j * block, axis=3)
-            return _online_update(state, s, v), scores
-
-        # kept: whole blocks covering the tokens a row can hold in this tier
-        cap = w * page if max_tokens is None else min(w * page, max_tokens)
-        scores = (jnp.full((b, hkv, tp * g, -(-cap // block) * block), MASK_VALUE, jnp.float32)
-                  if return_significance else None)
-        full = plen.min() // block
-        carry = lax.fori_loop(0, full, functools.partial(page_body, masked=False),
-                              (state, scores))
-        state, scores = lax.fori_loop(full, -(-plen.max() // block),
-                                      functools.partial(page_body, masked=True), carry)
-        return state, None if scores is None else scores[..., :cap]
-
-    state = (jnp.zeros((b, hkv, tp * g, d), jnp.float32),
-             jnp.full((b, hkv, tp * g), -jnp.inf, jnp.float32),
-             jnp.zeros((b, hkv, tp * g), jnp.float32))
-    state, page_scores = attend_tier(state, pages, page_table, page_lengths)
+def _attend_tiers(qg: jax.Array, q_lengths: jax.Array, pages: KVPages, page_table: jax.Array,
+                  page_lengths: jax.Array, low_tier: KVPages | None,
+                  low_lengths: jax.Array | None, *, block_k: int, max_tokens: int | None,
+                  significance: bool) -> tuple:
+    """(1) every query over the pages of each tier, the high one then the low one: returns
+    the softmax state and, per tier, (its kept scores or None, its slots)."""
+    b, hkv, rows, d = qg.shape
+    w = page_table.shape[2]
+    state = (jnp.zeros((b, hkv, rows, d), jnp.float32),
+             jnp.full((b, hkv, rows), -jnp.inf, jnp.float32),
+             jnp.zeros((b, hkv, rows), jnp.float32))
+    attend = functools.partial(_attend_tier, qg=qg, q_lengths=q_lengths,
+                               pool_format=pages.kv_format, block_k=block_k,
+                               max_tokens=max_tokens, significance=significance)
+    state, page_scores = attend(state, pages, page_table, page_lengths)
+    tiers = [(page_scores, w * pages.page_size)]
     if low_tier is not None:  # low page i at column W - 1 - i: reversed, the slot order
         if low_lengths is None or low_lengths.shape != (b, hkv):
             raise ValueError(f"low_lengths must be [B={b}, Hkv={hkv}] with low_tier")
-        state, low_scores = attend_tier(state, low_tier, page_table[..., ::-1], low_lengths)
+        state, low_scores = attend(state, low_tier, page_table[..., ::-1], low_lengths)
+        tiers.append((low_scores, w * low_tier.page_size))
+    return state, tiers
 
-    # (2) the window, causal by absolute position, a block of queries at a time. Block i's
-    # queries see window tokens up to their own, so it attends at once to the span that the
-    # engine's layout lets it see (its queries are the window's last T tokens: window tokens
-    # [0, Tw - T + (i + 1) * block_q)), masked; a loop takes any window tokens past that span
-    # that its queries see (none in the engine's layout). A block of padding queries (past
-    # every row's q_lengths) is skipped.
-    win_len = jnp.minimum(window_len.astype(jnp.int32), tw)
-    start = window_start.astype(jnp.int32)
-    block_w = min(block_w, tw)
 
-    def window_keys(qb, carry, row_pos, first: jax.Array | int, size: int) -> tuple:
-        """Window tokens [first, first + size) (a block that would end past the window is
-        moved back to end there, its tokens before `first` masked); carry: (state, the
-        block's window scores or None)."""
-        state, scores = carry
-        at = jnp.minimum(first, tw - size)
-        k = lax.dynamic_slice_in_dim(k_window, at, size, axis=2).astype(jnp.float32)
-        v = lax.dynamic_slice_in_dim(v_window, at, size, axis=2).astype(jnp.float32)
-        s = jnp.einsum("bhrd,bhkd->bhrk", qb, k, preferred_element_type=jnp.float32)
-        idx = at + jnp.arange(size)
-        visible = ((idx >= first)[None, None, :] & (idx[None, None, :] < win_len[:, None, None])
-                   & (start[:, None, None] + idx[None, None, :] <= row_pos[:, :, None]))
-        s = jnp.where(visible[:, None], s, MASK_VALUE)
-        if scores is not None:  # a token written twice is masked once: keep the larger
-            seen = lax.dynamic_slice_in_dim(scores, at, size, axis=3)
-            scores = lax.dynamic_update_slice_in_dim(scores, jnp.maximum(seen, s), at, axis=3)
-        return _online_update(state, s, v), scores
+def _attend_tier(state: tuple, tier: KVPages, table: jax.Array, lengths: jax.Array, *,
+                 qg: jax.Array, q_lengths: jax.Array, pool_format, block_k: int,
+                 max_tokens: int | None, significance: bool) -> tuple:
+    """A tier's held pages (table [B, Hkv, W] in slot order): every query of a row sees
+    all of them, so all queries go at once. Blocks every row holds in full need no mask;
+    the rest (ragged rows' last blocks) are masked by length. A row without real queries
+    holds nothing here. Returns (state, the scores [B, Hkv, Tp * G, W * page] or None)."""
+    b, hkv, rows, _ = qg.shape
+    w = table.shape[2]
+    page = tier.page_size
+    source = tier
+    if tier.kv_format != pool_format:
+        # a view of the high tier's pool (LeanKV's low tier): gather pages in the pool's
+        # own shapes and read the gathered ones in the view's format; the view of the
+        # whole pool would be copied on CPU (its arrays' layouts change)
+        try:
+            source = tier.as_format(pool_format)
+        except ValueError:
+            source = tier
+    ppb = max(1, block_k // page)  # whole pages
+    table = _pad_to(table.astype(jnp.int32), 2, ppb)  # padding columns: the null page
+    plen = jnp.where(q_lengths[:, None] > 0,
+                     jnp.minimum(lengths.astype(jnp.int32), w * page), 0)  # [B, Hkv]
+    block = ppb * page
+    body = functools.partial(_page_block, qg=qg, tier=tier, source=source, table=table,
+                             plen=plen, ppb=ppb)
 
-    def query_block(i: int, qb: jax.Array, state: tuple) -> tuple:
-        """Output [B, Hkv, R, D] of query block i, its rows' final (max, denominator) and
-        window scores (None without significance): queries qb [B, Hkv, R, D] and their
-        state after the pages."""
-        pb = pos[:, i * block_q:(i + 1) * block_q]  # [B, block_q]
-        real_q = i * block_q + jnp.arange(block_q)[None, :] < q_lengths[:, None]
-        row_pos = jnp.repeat(pb, g, axis=1)  # [B, R]
-        span = max(1, min(tw, tw - t + (i + 1) * block_q))
-        scores = (jnp.full((b, hkv, rows, tw), MASK_VALUE, jnp.float32)
-                  if return_significance else None)
-        carry = window_keys(qb, (state, scores), row_pos, 0, span)
-        top = jnp.where(real_q, pb, -1).max(axis=1)  # latest real query position
-        seen = jnp.clip(top - start + 1, 0, win_len)  # [B] (0 without real queries)
-        state, scores = lax.fori_loop(
-            0, -(-jnp.maximum(seen.max() - span, 0) // block_w),
-            lambda j, carry: window_keys(qb, carry, row_pos, span + j * block_w, block_w),
-            carry)
-        out = _normalize(state, jnp.repeat(real_q, g, axis=1)[:, None, :])
-        return out, state[1], state[2], scores
+    # kept: whole blocks covering the tokens a row can hold in this tier
+    cap = w * page if max_tokens is None else min(w * page, max_tokens)
+    scores = (jnp.full((b, hkv, rows, -(-cap // block) * block), MASK_VALUE, jnp.float32)
+              if significance else None)
+    full = plen.min() // block
+    carry = lax.fori_loop(0, full, functools.partial(body, masked=False), (state, scores))
+    state, scores = lax.fori_loop(full, -(-plen.max() // block),
+                                  functools.partial(body, masked=True), carry)
+    return state, None if scores is None else scores[..., :cap]
 
-    def padding_block(qb, state):
-        scores = (jnp.full((b, hkv, rows, tw), MASK_VALUE, jnp.float32)
-                  if return_significance else None)
-        return jnp.zeros_like(qb), state[1], jnp.zeros_like(state[2]), scores
 
+def _page_block(j, carry: tuple, *, qg: jax.Array, tier: KVPages, source: KVPages,
+                table: jax.Array, plen: jax.Array, ppb: int, masked: bool) -> tuple:
+    """Fold block j of a tier's pages (`ppb` table columns) into carry (state, the tier's
+    kept scores or None), its tokens past a row's `plen` masked when `masked`."""
+    state, scores = carry
+    b, hkv, _, d = qg.shape
+    block = ppb * tier.page_size
+    ids = lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=2)  # [B, Hkv, ppb]
+    held = source.take(ids).as_format(tier.kv_format)
+    k, v = held.dense()  # [B, Hkv, ppb, page, D]
+    k, v = k.reshape(b, hkv, block, d), v.reshape(b, hkv, block, d)
+    if tier.kv_format.v_bits == 4:
+        # the two channel blocks dotted apart: on the 2-core dev CPU, decode over
+        # k8v4t pages took 25% to 30% less time than over the interleaved values
+        # (2-bit values' four blocks of 16 channels gained nothing)
+        v = [x.reshape(b, hkv, block, -1) for x in held.value_parts()]
+    s = _scores(qg, k, by_channel=tier.kv_format.k_bits < 8)
+    if masked:
+        token = j * block + jnp.arange(block)
+        visible = (token[None, None, :] < plen[:, :, None])[:, :, None, :]
+        s = jnp.where(visible, s, MASK_VALUE)
+    if scores is not None:
+        scores = lax.dynamic_update_slice_in_dim(scores, s, j * block, axis=3)
+    return _online_update(state, s, v), scores
+
+
+class _Window(NamedTuple):
+    """The window as the query blocks read it: keys and values [B, Hkv, Tw, D], the
+    tokens it holds (at most Tw) and the position of its token 0, int32 [B] each."""
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+    start: jax.Array
+
+
+def _attend_window(qg: jax.Array, state: tuple, window: _Window, pos: jax.Array,
+                   q_lengths: jax.Array, *, t: int, block_q: int, block_w: int,
+                   significance: bool) -> list:
+    """(2) the window, causal by absolute position, a block of queries at a time. Block i's
+    queries see window tokens up to their own, so it attends at once to the span that the
+    engine's layout lets it see (its queries are the window's last T tokens: window tokens
+    [0, Tw - T + (i + 1) * block_q)), masked; a loop takes any window tokens past that span
+    that its queries see (none in the engine's layout). A block of padding queries (past
+    every row's q_lengths) is skipped. Returns each block's (output, max, denominator,
+    window scores or None)."""
+    rows = block_q * (qg.shape[2] // pos.shape[1])
+    tw = window.k.shape[2]
+    query_block = functools.partial(_query_block, window=window, pos=pos, q_lengths=q_lengths,
+                                    t=t, block_q=block_q, block_w=min(block_w, tw),
+                                    significance=significance)
+    padding_block = functools.partial(_padding_block, tw=tw, significance=significance)
     blocks = []
-    for i in range(nq):
+    for i in range(qg.shape[2] // rows):
         rows_i = slice(i * rows, (i + 1) * rows)
         qb, state_i = qg[:, :, rows_i], tuple(x[:, :, rows_i] for x in state)
         if i == 0:  # the first block always holds real queries (or the whole step is padding)
@@ -279,31 +304,87 @@ def xla_attention(
             blocks.append(lax.cond((q_lengths > i * block_q).any(),
                                    functools.partial(query_block, i), padding_block,
                                    qb, state_i))
+    return blocks
+
+
+def _window_keys(qb: jax.Array, carry: tuple, row_pos: jax.Array, first: jax.Array | int,
+                 size: int, window: _Window) -> tuple:
+    """Window tokens [first, first + size) (a block that would end past the window is
+    moved back to end there, its tokens before `first` masked); carry: (state, the
+    block's window scores or None)."""
+    state, scores = carry
+    at = jnp.minimum(first, window.k.shape[2] - size)
+    k = lax.dynamic_slice_in_dim(window.k, at, size, axis=2).astype(jnp.float32)
+    v = lax.dynamic_slice_in_dim(window.v, at, size, axis=2).astype(jnp.float32)
+    s = jnp.einsum("bhrd,bhkd->bhrk", qb, k, preferred_element_type=jnp.float32)
+    idx = at + jnp.arange(size)
+    visible = ((idx >= first)[None, None, :]
+               & (idx[None, None, :] < window.length[:, None, None])
+               & (window.start[:, None, None] + idx[None, None, :] <= row_pos[:, :, None]))
+    s = jnp.where(visible[:, None], s, MASK_VALUE)
+    if scores is not None:  # a token written twice is masked once: keep the larger
+        seen = lax.dynamic_slice_in_dim(scores, at, size, axis=3)
+        scores = lax.dynamic_update_slice_in_dim(scores, jnp.maximum(seen, s), at, axis=3)
+    return _online_update(state, s, v), scores
+
+
+def _query_block(i: int, qb: jax.Array, state: tuple, *, window: _Window, pos: jax.Array,
+                 q_lengths: jax.Array, t: int, block_q: int, block_w: int,
+                 significance: bool) -> tuple:
+    """Output [B, Hkv, R, D] of query block i, its rows' final (max, denominator) and
+    window scores (None without significance): queries qb [B, Hkv, R, D] and their
+    state after the pages."""
+    b, hkv, rows, _ = qb.shape
+    g = rows // block_q
+    tw = window.k.shape[2]
+    pb = pos[:, i * block_q:(i + 1) * block_q]  # [B, block_q]
+    real_q = i * block_q + jnp.arange(block_q)[None, :] < q_lengths[:, None]
+    row_pos = jnp.repeat(pb, g, axis=1)  # [B, R]
+    span = max(1, min(tw, tw - t + (i + 1) * block_q))
+    scores = jnp.full((b, hkv, rows, tw), MASK_VALUE, jnp.float32) if significance else None
+    carry = _window_keys(qb, (state, scores), row_pos, 0, span, window)
+    top = jnp.where(real_q, pb, -1).max(axis=1)  # latest real query position
+    seen = jnp.clip(top - window.start + 1, 0, window.length)  # [B] (0 without real queries)
+    state, scores = lax.fori_loop(
+        0, -(-jnp.maximum(seen.max() - span, 0) // block_w),
+        lambda j, carry: _window_keys(qb, carry, row_pos, span + j * block_w, block_w, window),
+        carry)
+    out = _normalize(state, jnp.repeat(real_q, g, axis=1)[:, None, :])
+    return out, state[1], state[2], scores
+
+
+def _padding_block(qb: jax.Array, state: tuple, *, tw: int, significance: bool) -> tuple:
+    """`_query_block`'s result for a block of padding queries, which sees nothing."""
+    b, hkv, rows, _ = qb.shape
+    scores = jnp.full((b, hkv, rows, tw), MASK_VALUE, jnp.float32) if significance else None
+    return jnp.zeros_like(qb), state[1], jnp.zeros_like(state[2]), scores
+
+
+def _output(blocks: list, shape: tuple, block_q: int) -> jax.Array:
+    """The query blocks' outputs as [B, T, Hq, D] for q of `shape`, padding queries cut."""
+    b, t, hq, d = shape
+    nq, hkv = len(blocks), blocks[0][0].shape[1]
     out = jnp.stack([x[0] for x in blocks])  # [nq, B, Hkv, R, D]
-    out = out.reshape(nq, b, hkv, block_q, g, d).transpose(1, 0, 3, 2, 4, 5)
-    out = out.reshape(b, nq * block_q, hq, d)[:, :t]
-    if not return_significance:
-        return out
-    tiers = [(page_scores, w * pages.page_size)]
-    if low_tier is not None:
-        tiers.append((low_scores, w * low_tier.page_size))
-    real = jnp.arange(tp)[None, :] < q_lengths[:, None]  # [B, Tp]
-    if significance_from is not None:  # the queries whose attention counts
-        real &= pos >= significance_from[:, None]
-    return out, _significance(blocks, tiers, real, pos, start, win_len, g)
+    out = out.reshape(nq, b, hkv, block_q, hq // hkv, d).transpose(1, 0, 3, 2, 4, 5)
+    return out.reshape(b, nq * block_q, hq, d)[:, :t]
 
 
-def _significance(blocks: list, tiers: list, real: jax.Array, pos: jax.Array,
-                  start: jax.Array, win_len: jax.Array, g: int) -> tuple[jax.Array, ...]:
+def _significance(blocks: list, tiers: list, q_lengths: jax.Array,
+                  significance_from: jax.Array | None, pos: jax.Array,
+                  window: _Window) -> tuple[jax.Array, ...]:
     """`xla_attention`'s significance from its query blocks' final softmax states and the
-    scores it kept: (the first tier's, the window's, the low tier's if any); `tiers`:
-    (scores, slots) of each, `real` [B, Tp]: the queries that count."""
+    scores it kept (`tiers`: (scores, slots) of each), over the real queries from
+    `significance_from` on: (the first tier's, the window's, the low tier's if any)."""
+    real = jnp.arange(pos.shape[1])[None, :] < q_lengths[:, None]  # [B, Tp]
+    if significance_from is not None:
+        real &= pos >= significance_from[:, None]
     m = jnp.concatenate([x[1] for x in blocks], axis=2)  # [B, Hkv, Tp * G]
     denom = jnp.concatenate([x[2] for x in blocks], axis=2)
+    g = m.shape[2] // pos.shape[1]
     row_pos = jnp.where(real, pos, -1)
     win_idx = jnp.arange(blocks[0][3].shape[-1])
-    sees = ((win_idx[None, None, :] < win_len[:, None, None])
-            & (start[:, None, None] + win_idx[None, None, :] <= row_pos[:, :, None]))
+    sees = ((win_idx[None, None, :] < window.length[:, None, None])
+            & (window.start[:, None, None] + win_idx[None, None, :] <= row_pos[:, :, None]))
 
     def tier_significance(scores: jax.Array, slots: int) -> jax.Array:
         """A tier's significance [B, Hkv, slots] from its kept scores (0 past them)."""
@@ -311,8 +392,7 @@ def _significance(blocks: list, tiers: list, real: jax.Array, pos: jax.Array,
         return jnp.pad(sig, ((0, 0), (0, 0), (0, slots - sig.shape[-1])))
 
     (high, high_slots), *low = tiers
-    window = key_significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom, real,
-                              g, sees.sum(axis=1)[:, None, :])
-    return (tier_significance(high, high_slots), window,
+    window_sig = key_significance(jnp.concatenate([x[3] for x in blocks], axis=2), m, denom,
+                                  real, g, sees.sum(axis=1)[:, None, :])
+    return (tier_significance(high, high_slots), window_sig,
             *(tier_significance(x, n) for x, n in low))
-

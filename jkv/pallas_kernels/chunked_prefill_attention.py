@@ -22,17 +22,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from jkv.kv.pages import KVPages
-from jkv.pallas_kernels.paged_decode_attention import (
-    MASK_VALUE,
-    MIN_DOT,
-    _attend_pages,
-    _dot_t,
-    _online_update,
-    checked_parts,
-    dequantized_rows,
+from jkv.pallas_kernels.page_blocks import (
+    attend_block,
+    dot_t,
     half_dtypes,
+    online_update,
     query_parts,
 )
+from jkv.pallas_kernels.paged_decode_attention import MIN_DOT, checked_parts, dequantized_tiers
+from jkv.pallas_kernels.significance import chunked_prefill_significance
 
 
 def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: int,
@@ -71,7 +69,7 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: 
 
     # (1) the paged prefix: every query sees every held token
     plen = jnp.where(active, plen_ref[0], 0)
-    attend = functools.partial(_attend_pages, q_parts=q_parts, compute=compute, half=half)
+    attend = functools.partial(attend_block, q_parts=q_parts, compute=compute, half=half)
 
     def page_body(j, carry):
         col = j * ppb
@@ -118,14 +116,14 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, block_w: 
         logits = jnp.zeros((rows, block_w), jnp.float32)
         for p in range(nk):
             k_p = kw_ref[pl.ds(j * block_w, block_w), pl.ds(p * dk, dk)].astype(compute)
-            logits += _dot_t(q_parts[compute][p], k_p)
+            logits += dot_t(q_parts[compute][p], k_p)
         if sw_ref is not None:
             sw_ref[:, pl.ds(j * block_w, block_w)] = logits
 
         def values(p):
             return vw_ref[pl.ds(j * block_w, block_w), pl.ds(p * dv, dv)].astype(compute)
 
-        return _online_update(carry, logits, visible, values)
+        return online_update(carry, logits, visible, values)
 
     carry = lax.fori_loop(0, pl.cdiv(visible_len, block_w), window_body, carry)
 
@@ -183,10 +181,38 @@ def chunked_prefill_attention(
     its logits in the same pass and they are normalised once its rows' states are final.
     `dequant`: how quantized pages are dequantized for 16-bit q (`paged_decode_attention`).
     """
+    t, d = q.shape[1], q.shape[3]
+    block_q = min(block_q, t)
+    kw, vw, block_w = _checked_inputs(
+        q, pages, page_table, page_lengths, k_window, v_window, window_start, window_len,
+        q_positions, block_q=block_q, pages_per_block=pages_per_block, block_w=block_w,
+        interpret=interpret)
+    tiers, low_lengths, parts, half = checked_parts(pages, low_tier, low_lengths,
+                                                    page_lengths, d, dequant, q.dtype)
+    out, state, q_lengths = _prefill_pallas_call(
+        q, q_positions, q_lengths, tiers, page_table, (page_lengths, low_lengths), (kw, vw),
+        (window_start, window_len), parts=parts, half=half,
+        sm_scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale, block_q=block_q,
+        pages_per_block=pages_per_block, block_w=block_w, num_warps=num_warps,
+        num_stages=num_stages, significance=return_significance, interpret=interpret)
+    if not return_significance:
+        return out
+    return out, chunked_prefill_significance(
+        state, (page_lengths, low_lengths)[:len(tiers)], q_lengths, significance_from, window_start,
+        window_len, q_positions, w=page_table.shape[2], window_tokens=k_window.shape[2])
+
+
+def _checked_inputs(q: jax.Array, pages: KVPages, page_table: jax.Array,
+                    page_lengths: jax.Array, k_window: jax.Array, v_window: jax.Array,
+                    window_start: jax.Array, window_len: jax.Array, q_positions: jax.Array, *,
+                    block_q: int, pages_per_block: int, block_w: int,
+                    interpret: bool) -> tuple[jax.Array, jax.Array, int]:
+    """ValueError for shapes and blocks `chunked_prefill_attention` cannot run on (the
+    kernel indexes its operands blindly); returns the window (keys, values) and its block
+    as the kernel walks them."""
     b, t, hq, d = q.shape
     bt, hkv, w = page_table.shape
-    tw = given_tw = k_window.shape[2]
-    block_q = min(block_q, t)
+    tw = k_window.shape[2]
     if bt != b or page_lengths.shape != (b, hkv):
         raise ValueError(f"page_table {page_table.shape} and page_lengths {page_lengths.shape} "
                          f"must be [B={b}, Hkv, W] and [B, Hkv]")
@@ -215,41 +241,88 @@ def chunked_prefill_attention(
             raise ValueError(f"{name}={n} must be a multiple of its block size {blk}, a power "
                              "of two")
     pages.check(d)
-    tiers, low_lengths, parts, half = checked_parts(pages, low_tier, low_lengths,
-                                                    page_lengths, d, dequant, q.dtype)
-    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    return k_window, v_window, block_w
+
+
+def _prefill_pallas_call(q: jax.Array, q_positions: jax.Array, q_lengths: jax.Array | None,
+                         tiers: list, page_table: jax.Array, lengths: tuple, window: tuple,
+                         window_bounds: tuple, *, parts: tuple, half: bool, sm_scale: float,
+                         block_q: int, pages_per_block: int, block_w: int, num_warps: int,
+                         num_stages: int, significance: bool, interpret: bool) -> tuple:
+    """The kernel over a grid of (sequence, KV head, block of queries), each tile's rows
+    the query heads of its KV head (padded to `heads`) for `block_q` tokens. Returns the
+    output [B, T, Hq, D], the kernel's significance outputs of the real query heads
+    ([B, Hkv, T * G, ...], empty without `significance`) and the real queries per row."""
+    b, t, hq, d = q.shape
+    hkv = page_table.shape[1]
     g = hq // hkv
     heads = max(pl.next_power_of_2(g), 16 // block_q)  # rows per query token, padded
-    rows = block_q * heads
+    args, q_lengths = _prefill_operands(q, q_positions, q_lengths, tiers, page_table, lengths,
+                                        window, window_bounds, heads=heads)
+    kernel = functools.partial(_kernel, formats=tuple(x.kv_format for x in tiers), parts=parts,
+                               pages_per_block=pages_per_block, block_w=block_w, heads=heads,
+                               sm_scale=sm_scale, scores=significance, half=half)
+    out, *state = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, t // block_q),
+        **_prefill_specs(q, tiers, page_table, window[0].shape[2], heads=heads,
+                         block_q=block_q, significance=significance),
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"jkv_chunked_prefill_{'_'.join(x.kv_format.name for x in tiers)}"
+             f"{'_f16' if half else ''}{'_sig' if significance else ''}",
+    )(*args)
+    out = out.reshape(b, hkv, t, heads, d)[:, :, :, :g]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    state = [x.reshape(b, hkv, t, heads, *x.shape[3:])[:, :, :, :g].reshape(
+        b, hkv, t * g, *x.shape[3:]) for x in state]  # [B, Hkv, T * G, ...]: real heads
+    return out, state, q_lengths
+
+
+def _prefill_operands(q: jax.Array, q_positions: jax.Array, q_lengths: jax.Array | None,
+                      tiers: list, page_table: jax.Array, lengths: tuple, window: tuple,
+                      window_bounds: tuple, *, heads: int) -> tuple[list, jax.Array]:
+    """The kernel's operands, in the order it pops them (`_prefill_specs` gives their
+    blocks), and the real queries per row (T when not given)."""
+    b, t, hq, d = q.shape
+    hkv = page_table.shape[1]
+    g = hq // hkv
     qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, heads - g), (0, 0))).reshape(
         b, hkv, t * heads, d)
-    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-
     args = [qg, q_positions.astype(jnp.int32)]
-    specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0)),
-             pl.BlockSpec((None, block_q), lambda i, h, s: (i, s))]
     for tier in tiers:  # read back by `KVPages.from_operands`
         args += tier.operands()
-        specs += [full(x) for x in tier.operands()]
     if q_lengths is None:
         q_lengths = jnp.full((b,), t, jnp.int32)
     elif q_lengths.shape != (b,):
         raise ValueError(f"q_lengths must be [B={b}], got {q_lengths.shape}")
-    window = jnp.stack([window_start, window_len, q_lengths], axis=-1).astype(jnp.int32)
-    lens = jnp.stack([page_lengths, low_lengths], axis=-1).astype(jnp.int32)
-    args += [page_table.astype(jnp.int32), lens, k_window, v_window, window]
+    bounds = jnp.stack([*window_bounds, q_lengths], axis=-1).astype(jnp.int32)
+    lens = jnp.stack(lengths, axis=-1).astype(jnp.int32)
+    return args + [page_table.astype(jnp.int32), lens, *window, bounds], q_lengths
+
+
+def _prefill_specs(q: jax.Array, tiers: list, page_table: jax.Array, tw: int, *, heads: int,
+                   block_q: int, significance: bool) -> dict:
+    """`pl.pallas_call`'s in_specs, out_specs and out_shape for `_prefill_operands` on the
+    grid (sequence, KV head, block of queries): a tile reads its queries, its row of the
+    table and window and the whole pools, and writes its rows (and their logits)."""
+    b, t, _, d = q.shape
+    hkv, w = page_table.shape[1:]
+    rows = block_q * heads
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0)),
+             pl.BlockSpec((None, block_q), lambda i, h, s: (i, s))]
+    for tier in tiers:
+        specs += [full(x) for x in tier.operands()]
     specs += [pl.BlockSpec((None, None, w), lambda i, h, s: (i, h, 0)),
               pl.BlockSpec((None, None, 2), lambda i, h, s: (i, h, 0)),
               pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
               pl.BlockSpec((None, None, tw, d), lambda i, h, s: (i, h, 0, 0)),
               pl.BlockSpec((None, 3), lambda i, h, s: (i, 0))]
-    kernel = functools.partial(_kernel, formats=tuple(x.kv_format for x in tiers), parts=parts,
-                               pages_per_block=pages_per_block, block_w=block_w, heads=heads,
-                               sm_scale=sm_scale, scores=return_significance, half=half)
     out_specs = [pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, s, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, hkv, t * heads, d), q.dtype)]
-    if return_significance:
+    if significance:
         out_specs.append(pl.BlockSpec((None, None, rows, tw), lambda i, h, s: (i, h, s, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, t * heads, tw), jnp.float32))
         for _ in range(2):
@@ -259,72 +332,7 @@ def chunked_prefill_attention(
             n = w * tier.page_size
             out_specs.append(pl.BlockSpec((None, None, rows, n), lambda i, h, s: (i, h, s, 0)))
             out_shape.append(jax.ShapeDtypeStruct((b, hkv, t * heads, n), jnp.float32))
-    out, *state = pl.pallas_call(
-        kernel,
-        grid=(b, hkv, t // block_q),
-        in_specs=specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"jkv_chunked_prefill_{'_'.join(x.kv_format.name for x in tiers)}"
-             f"{'_f16' if half else ''}{'_sig' if return_significance else ''}",
-    )(*args)
-    out = out.reshape(b, hkv, t, heads, d)[:, :, :, :g]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-    if not return_significance:
-        return out
-
-    state = [x.reshape(b, hkv, t, heads, *x.shape[3:])[:, :, :, :g].reshape(
-        b, hkv, t * g, *x.shape[3:]) for x in state]  # [B, Hkv, T * G, ...]: real heads
-    real = jnp.arange(t)[None, :] < q_lengths[:, None]
-    if significance_from is not None:  # the queries whose attention counts
-        real &= q_positions >= significance_from[:, None]
-    lengths = (page_lengths, low_lengths)[:len(tiers)]
-    high, window, *low = _significance(state, lengths, real, window_start,
-                                       jnp.minimum(window_len, tw), q_positions, g, w)
-    return out, (high, window[..., :given_tw], *low)
-
-
-def _significance(state: list, lengths: tuple, real: jax.Array,
-                  window_start: jax.Array, window_len: jax.Array, q_positions: jax.Array,
-                  g: int, w: int) -> tuple[jax.Array, ...]:
-    """`chunked_prefill_attention`'s significance from the kernel's window logits, final
-    (max, denominator) and tiers' logits (`state`, per real query head), the tiers holding
-    `lengths` tokens: (the first tier's, the window's, the low tier's if any); `real`
-    [B, T]: the queries that count."""
-    sw, m, denom, *sp = state
-    i = jnp.arange(sw.shape[-1])
-    sees = ((i[None, None, :] < window_len[:, None, None])
-            & (window_start[:, None, None] + i[None, None, :] <= q_positions[:, :, None])
-            & real[:, :, None])  # [B, T, Tw]
-    sees_rows = jnp.repeat(sees, g, axis=1)[:, None]  # [B, 1, T * G, Tw]
-    significance = []
-    for j, (n, scores) in enumerate(zip(lengths, sp, strict=True)):
-        if j:  # the low tier's columns are from the right: reversed, they are slot order
-            scores = scores.reshape(*scores.shape[:3], w, -1)[:, :, :, ::-1].reshape(
-                scores.shape)
-        held = jnp.arange(scores.shape[-1])[None, None, None, :] < n[:, :, None, None]
-        significance.append(key_significance(
-            jnp.where(held, scores, MASK_VALUE), m, denom, real, g,
-            jnp.where(n > 0, real.sum(axis=1)[:, None], 0)[..., None]))
-    window_sig = key_significance(jnp.where(sees_rows, sw, MASK_VALUE), m, denom, real, g,
-                                  sees.sum(axis=1)[:, None, :])
-    return significance[0], window_sig, *significance[1:]
-
-
-def key_significance(scores: jax.Array, m: jax.Array, denom: jax.Array, real: jax.Array,
-                     g: int, count: jax.Array) -> jax.Array:
-    """LeanKV's significance of each key from the logits of a step's queries: scores
-    [B, Hkv, T * G, S] (rows t * G + g, MASK_VALUE where a query does not see a key)
-    normalised by the rows' final max and denominator [B, Hkv, T * G], max over each
-    query's G heads, summed over the real queries (`real` [B, T]) and divided by `count`,
-    the queries that see each key (broadcastable to [B, Hkv, S]); 0 where none does."""
-    b, hkv, _, n = scores.shape
-    ok = jnp.repeat(real, g, axis=1)[:, None, :] & (m > 0.5 * MASK_VALUE) & (denom > 0)
-    p = jnp.exp(scores - jnp.where(ok, m, 0.0)[..., None]) / jnp.where(ok, denom, 1.0)[..., None]
-    p = jnp.where(ok[..., None], p, 0.0).reshape(b, hkv, -1, g, n).max(axis=3).sum(axis=2)
-    return jnp.where(count > 0, p / jnp.maximum(count, 1), 0.0)
+    return dict(in_specs=specs, out_specs=out_specs, out_shape=out_shape)
 
 
 def chunked_prefill_attention_reference(
@@ -353,14 +361,8 @@ def chunked_prefill_attention_reference(
     hkv = page_table.shape[1]
     tw = k_window.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    k, v = dequantized_rows(pages, page_table)  # [B, Hkv, W * page, D]
-    n_high = k.shape[2]
-    in_pages = jnp.arange(n_high)[None, None, :] < page_lengths[:, :, None]
-    if low_tier is not None:
-        k_lo, v_lo = dequantized_rows(low_tier, page_table[..., ::-1])
-        k, v = jnp.concatenate([k, k_lo], axis=2), jnp.concatenate([v, v_lo], axis=2)
-        in_pages = jnp.concatenate(
-            [in_pages, jnp.arange(k_lo.shape[2])[None, None, :] < low_lengths[:, :, None]], -1)
+    k, v, in_pages, n_high = dequantized_tiers(pages, page_table, page_lengths, low_tier,
+                                               low_lengths)  # [B, Hkv, S, D] x 2, [B, Hkv, S]
     k = jnp.concatenate([k, k_window.astype(jnp.float32)], axis=2).astype(dtype)
     v = jnp.concatenate([v, v_window.astype(jnp.float32)], axis=2).astype(dtype)
     s_pages = k.shape[2] - tw

@@ -1,14 +1,11 @@
 """Paged decode attention over full-precision or quantized pages (Pallas, Triton lowering).
 
 One program per (sequence, KV head, split): all query heads of the KV head (GQA) at once,
-an online softmax over blocks of pages, dequantization fused into the loop. Long contexts
-are cut into `k_splits` partitions whose partial results are merged by log-sum-exp outside
-the kernel. Scales and zero points are separate arrays indexed by page id, so a layer that
-reads another layer's pages passes its own scales (cross-layer sharing as aliasing).
-
-Layout (see `kv_quant`): b-bit codes are packed k = 8 // b per byte along channels, "part" i
-of a byte holding the channel block [i * D/k, (i + 1) * D/k). The kernel dots each part with
-the matching slice of q, so no interleaving or concatenation happens on the GPU.
+an online softmax over blocks of pages, dequantization fused into the loop (`page_blocks`).
+Long contexts are cut into `k_splits` partitions whose partial results are merged by
+log-sum-exp outside the kernel. Scales and zero points are separate arrays indexed by page
+id, so a layer that reads another layer's pages passes its own scales (cross-layer sharing
+as aliasing).
 """
 
 from __future__ import annotations
@@ -18,183 +15,18 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from jkv.kv.pages import KVPages
 from jkv.kv.quant import codes_per_byte
+from jkv.pallas_kernels.page_blocks import attend_block, half_dtypes, query_parts
+from jkv.pallas_kernels.significance import paged_decode_significance
 from jkv.pallas_kernels.softmax_state import merge_softmax_states, normalize_softmax_state
 
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_DOT = 16  # compiled Triton dots need every dimension >= 16
 DEQUANT = ("f32", "f16")  # the arithmetic quantized pages are dequantized in
-
-
-def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a [M, K] @ b[N, K]^T in float32 (IEEE for float32 operands, not TF32)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jnp.dot(a, b.T, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _expand_pages(x: jax.Array, page: int) -> jax.Array:
-    """Per-page rows [ppb, C] -> per-token rows [ppb * page, C]."""
-    ppb, c = x.shape
-    return jnp.broadcast_to(x[:, None, :], (ppb, page, c)).reshape(ppb * page, c)
-
-
-def _load_part(ref, pages, bits: int, part: int, width: int, cache: dict, flat: bool = True):
-    """Channels [part * width, (part + 1) * width) of pages [ppb] as unpacked (still integer or
-    model-dtype) values [ppb * page, width] (`flat`) or [ppb, page, width]. Packed bytes are
-    loaded once per byte range."""
-    per_byte = codes_per_byte(bits) if bits < 16 else 1
-    block = ref.shape[-1]  # channels per packed part
-    i, offset = divmod(part * width, block)
-    key = (offset, width)
-    if key not in cache:
-        codes = ref[pages, :, pl.ds(offset, width)]
-        cache[key] = codes.reshape(codes.shape[0] * codes.shape[1], width) if flat else codes
-    codes = cache[key]
-    if per_byte == 1:
-        return codes
-    return (codes >> (bits * i)) & ((1 << bits) - 1)
-
-
-def _online_update(carry, logits, visible, values):
-    """Fold one block of keys into the online-softmax state (o parts, row max, denominator).
-
-    logits [rows, block_k] f32; visible [rows or 1, block_k]; values(i) gives the block's
-    values for output part i, in the dtype of their dot (p is cast to it). Masked keys get
-    probability exactly 0, so a fully masked block (or a row that sees nothing yet) leaves
-    the state unchanged.
-    """
-    o_parts, m_prev, l_prev = carry
-    logits = jnp.where(visible, logits, MASK_VALUE)
-    m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-    correction = jnp.exp(m_prev - m_next)
-    p = jnp.where(visible, jnp.exp(logits - m_next[:, None]), 0.0)
-    l_next = correction * l_prev + p.sum(axis=-1)
-    cast: dict = {}  # p in each values dtype, cast once
-
-    def weighted(v):
-        if v.dtype not in cast:
-            cast[v.dtype] = p.astype(v.dtype)
-        return _dot(cast[v.dtype], v)
-
-    new_parts = tuple(correction[:, None] * o_i + weighted(values(i))
-                      for i, o_i in enumerate(o_parts))
-    return new_parts, m_next, l_next
-
-
-def _dequantize(codes, scale_ref, zero_ref, pages, part: int, width: int, *, page: int,
-                per_token: bool, group: int):
-    """Codes [ppb * page, width] of channel part `part` as float32 values: scales per (page,
-    channel) [P, D], or per (token, group of channels) [P, page, D // group]."""
-    block_k = codes.shape[0]
-    if per_token:
-        n = max(width // group, 1)  # groups inside one channel part
-        first = (part * width) // group
-        scale = scale_ref[pages, :, pl.ds(first, n)].reshape(block_k, n).astype(jnp.float32)
-        zero = zero_ref[pages, :, pl.ds(first, n)].reshape(block_k, n).astype(jnp.float32)
-        each = min(group, width)
-        scale = jnp.broadcast_to(scale[:, :, None], (block_k, n, each)).reshape(block_k, width)
-        zero = jnp.broadcast_to(zero[:, :, None], (block_k, n, each)).reshape(block_k, width)
-    else:
-        scale = _expand_pages(scale_ref[pages, pl.ds(part * width, width)], page)
-        zero = _expand_pages(zero_ref[pages, pl.ds(part * width, width)], page)
-        scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
-    return codes.astype(jnp.float32) * scale + zero
-
-
-def _codes_f16(codes: jax.Array) -> jax.Array:
-    """Integer codes (0..255) as exact float16 without an int-to-float conversion: the bit
-    pattern 0x6400 | c is the float16 1024 + c (the float32 path converts every element to
-    float32 and back to 16 bits; on the H200 this one decodes 1.0x-1.3x as fast)."""
-    bits = codes.astype(jnp.uint16) | jnp.uint16(0x6400)
-    return lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1024)
-
-
-def _dequantize_f16(codes, scale_ref, zero_ref, pages, part: int, width: int, *,
-                    per_token: bool, group: int):
-    """Codes [ppb, page, width] of channel part `part` as float16 values [ppb * page, width],
-    scaled in float16 (the stored dtype of scales and zero points, so nothing else is
-    converted). A per-token part lies inside one group (`checked_tiers(group_parts=True)`),
-    so its scale is one column broadcast along channels; per-page scales broadcast along
-    the page's tokens before the tokens are flattened."""
-    ppb, page = codes.shape[:2]
-    if per_token:
-        g = (part * width) // group
-        scale, zero = scale_ref[pages, :, pl.ds(g, 1)], zero_ref[pages, :, pl.ds(g, 1)]
-    else:
-        scale = scale_ref[pages, pl.ds(part * width, width)][:, None, :]
-        zero = zero_ref[pages, pl.ds(part * width, width)][:, None, :]
-    values = _codes_f16(codes) * scale + zero
-    return values.reshape(ppb * page, width)
-
-
-def _attend_pages(carry, tier: KVPages, pages, visible, *, q_parts: dict, compute,
-                  half: bool = False):
-    """One online-softmax step over the pages `pages` [ppb] of one tier (a KVPages of the
-    pool's refs); returns (the new state, the block's logits [rows, ppb * page]).
-
-    `visible` [rows or 1, ppb * page] masks keys (masked pages may be the null page). q and
-    the output are cut into channel parts (`q_parts[dtype]`, carry[0]) at least as fine as
-    the tier's packing. With `half` (16-bit `compute` only), quantized sides are dequantized
-    in float16 (`_dequantize_f16`) and dotted in float16; else in float32, cast to compute.
-    """
-    fmt = tier.kv_format
-    k_bits, v_bits = fmt.k_bits, fmt.v_bits
-    page = tier.page_size
-    q_compute = q_parts[compute]
-    block_h = q_compute[0].shape[0]
-    block_k = pages.shape[0] * page
-    dk, dv = q_compute[0].shape[1], carry[0][0].shape[1]
-    d = dk * len(q_compute)
-    g = min(fmt.group, d)
-    dequantize = functools.partial(_dequantize_f16 if half else _dequantize, pages=pages,
-                                   group=g, **({} if half else {"page": page}))
-
-    loaded: dict = {}
-    logits = jnp.zeros((block_h, block_k), jnp.float32)
-    for i in range(len(q_compute)):
-        k_i = _load_part(tier.k, pages, k_bits, i, dk, loaded, flat=not half or k_bits == 16)
-        if k_bits < 16:
-            k_i = dequantize(k_i, tier.k_scale, tier.k_zero, part=i, width=dk,
-                             per_token=fmt.token_keys)
-        q_i = q_parts[k_i.dtype if half and k_bits < 16 else compute][i]
-        logits += _dot_t(q_i, k_i.astype(q_i.dtype))
-
-    v_loaded: dict = {}
-
-    def values(i):
-        v_i = _load_part(tier.v, pages, v_bits, i, dv, v_loaded, flat=not half or v_bits == 16)
-        if v_bits < 16:
-            v_i = dequantize(v_i, tier.v_scale, tier.v_zero, part=i, width=dv, per_token=True)
-        return v_i if half and v_bits < 16 else v_i.astype(compute)
-
-    return _online_update(carry, logits, visible, values), logits
-
-
-def half_dtypes(compute, formats, half: bool) -> list:
-    """The dtypes q is dotted in: `compute`, and float16 where `half` dequantizes a tier's
-    quantized keys in float16."""
-    return [compute] + ([jnp.float16] if half and any(f.k_bits < 16 for f in formats) else [])
-
-
-def query_parts(q_ref, parts: int, sm_scale: float, dtypes) -> dict:
-    """q [rows, D] times sm_scale as `parts` channel blocks, in each of `dtypes` (the
-    compute dtype, and float16 for quantized sides dequantized in float16)."""
-    d = q_ref.shape[1]
-    width = d // parts
-    scaled = [q_ref[:, pl.ds(i * width, width)].astype(jnp.float32) * sm_scale
-              for i in range(parts)]
-    return {jnp.dtype(dt): [x.astype(dt) for x in scaled] for dt in dtypes}
 
 
 def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale: float,
@@ -220,7 +52,7 @@ def _kernel(*refs, formats: tuple, parts: tuple, pages_per_block: int, sm_scale:
     dv = d // nv
     compute = q_ref.dtype  # bf16 operands use the tensor cores; f32 ones stay IEEE
     q_parts = query_parts(q_ref, nk, sm_scale, half_dtypes(compute, formats, half))
-    attend_pages = functools.partial(_attend_pages, q_parts=q_parts, compute=compute,
+    attend_pages = functools.partial(attend_block, q_parts=q_parts, compute=compute,
                                      half=half)
 
     def attend(carry, tier, s_ref, pages, visible, col):
@@ -314,6 +146,26 @@ def paged_decode_attention(
     speed against f32's 0.93x-1.08x, at a third to a fifth of its error for 4- and 2-bit
     values (benchmarks/results/kernels-sweep-NVIDIA_H200-2026-11-27-dequant*.json).
     """
+    d = q.shape[2]
+    _check_decode_inputs(q, pages, page_table, lengths, k_splits=k_splits,
+                         pages_per_block=pages_per_block, interpret=interpret)
+    tiers, low_lengths, parts, half = checked_parts(pages, low_tier, low_lengths, lengths, d,
+                                                    dequant, q.dtype)
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    o, denom, m, *logits = _decode_pallas_call(
+        q, tiers, page_table, lengths, low_lengths, parts=parts, half=half, sm_scale=sm_scale,
+        pages_per_block=pages_per_block, k_splits=k_splits, num_warps=num_warps,
+        num_stages=num_stages, significance=return_significance, interpret=interpret)
+    return _merged_splits(q, o, denom, m, logits, (lengths, low_lengths), page_table.shape[2],
+                          softmax_state=return_softmax_state,
+                          significance=return_significance, two_tiers=low_tier is not None)
+
+
+def _check_decode_inputs(q: jax.Array, pages: KVPages, page_table: jax.Array,
+                         lengths: jax.Array, *, k_splits: int, pages_per_block: int,
+                         interpret: bool) -> None:
+    """ValueError for shapes and blocks `paged_decode_attention` cannot run on: the
+    kernel indexes its operands blindly."""
     b, hq, d = q.shape
     bt, hkv, w = page_table.shape
     if bt != b or lengths.shape != (b, hkv):
@@ -329,29 +181,65 @@ def paged_decode_attention(
                          f"must be >= {MIN_DOT} on a GPU (Triton dots need 16 along each "
                          "dimension)")
     pages.check(d)
-    tiers, low_lengths, parts, half = checked_parts(pages, low_tier, low_lengths, lengths, d,
-                                                    dequant, q.dtype)
-    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    group_size = hq // hkv
-    block_h = max(16, pl.next_power_of_2(group_size))
-    qg = q.reshape(b, hkv, group_size, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, block_h - group_size), (0, 0)))
-    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
 
-    args = [qg]
-    specs = [pl.BlockSpec((None, None, block_h, d), lambda i, h, s: (i, h, 0, 0))]
-    for tier in tiers:  # in the order the kernel reads them back (`from_operands`)
-        args += tier.operands()
-        specs += [full(x) for x in tier.operands()]
-    lens = jnp.stack([lengths, low_lengths], axis=-1).astype(jnp.int32)
-    args += [page_table.astype(jnp.int32), lens]
-    specs += [pl.BlockSpec((None, None, w), lambda i, h, s: (i, h, 0)),
-              pl.BlockSpec((None, None, 2), lambda i, h, s: (i, h, 0))]
 
+def _block_h(q: jax.Array, page_table: jax.Array) -> int:
+    """Rows of one program: the query heads of a KV head, padded to a power of two and to
+    the 16 a Triton dot needs."""
+    return max(16, pl.next_power_of_2(q.shape[1] // page_table.shape[1]))
+
+
+def _decode_pallas_call(q: jax.Array, tiers: list, page_table: jax.Array, lengths: jax.Array,
+                        low_lengths: jax.Array, *, parts: tuple, half: bool, sm_scale: float,
+                        pages_per_block: int, k_splits: int, num_warps: int, num_stages: int,
+                        significance: bool, interpret: bool) -> list:
+    """The kernel over a grid of (sequence, KV head, split): each split's unnormalised
+    state (o [B, Hkv, k_splits, block_h, D], denominator, max [B, Hkv, k_splits, block_h])
+    and with `significance` each tier's logits [B, Hkv, block_h, W * tier page]."""
     kernel = functools.partial(_kernel, formats=tuple(t.kv_format for t in tiers),
                                parts=parts, pages_per_block=pages_per_block,
-                               sm_scale=sm_scale, scores=return_significance, half=half)
+                               sm_scale=sm_scale, scores=significance, half=half)
     name = "_".join(t.kv_format.name for t in tiers) + ("_f16" if half else "")
+    return pl.pallas_call(
+        kernel,
+        grid=(q.shape[0], page_table.shape[1], k_splits),
+        **_decode_specs(q, tiers, page_table, k_splits=k_splits, significance=significance),
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"jkv_paged_decode_{name}{'_sig' if significance else ''}",
+    )(*_decode_operands(q, tiers, page_table, lengths, low_lengths))
+
+
+def _decode_operands(q: jax.Array, tiers: list, page_table: jax.Array, lengths: jax.Array,
+                     low_lengths: jax.Array) -> list:
+    """The kernel's operands, in the order it pops them: q grouped by KV head with its rows
+    padded to block_h, each tier's pool arrays, the page table and both tiers' lengths."""
+    b, hq, d = q.shape
+    hkv = page_table.shape[1]
+    group_size = hq // hkv
+    qg = q.reshape(b, hkv, group_size, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, _block_h(q, page_table) - group_size), (0, 0)))
+    args = [qg]
+    for tier in tiers:  # in the order the kernel reads them back (`from_operands`)
+        args += tier.operands()
+    lens = jnp.stack([lengths, low_lengths], axis=-1).astype(jnp.int32)
+    return args + [page_table.astype(jnp.int32), lens]
+
+
+def _decode_specs(q: jax.Array, tiers: list, page_table: jax.Array, *, k_splits: int,
+                  significance: bool) -> dict:
+    """`pl.pallas_call`'s in_specs, out_specs and out_shape for `_decode_operands` on the
+    grid (sequence, KV head, split): a program reads its row of q, table and lengths and
+    the whole pools, and writes its split's state (and its columns' logits)."""
+    b, _, d = q.shape
+    hkv, w = page_table.shape[1:]
+    block_h = _block_h(q, page_table)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    specs = [pl.BlockSpec((None, None, block_h, d), lambda i, h, s: (i, h, 0, 0))]
+    for tier in tiers:
+        specs += [full(x) for x in tier.operands()]
+    specs += [pl.BlockSpec((None, None, w), lambda i, h, s: (i, h, 0)),
+              pl.BlockSpec((None, None, 2), lambda i, h, s: (i, h, 0))]
     out_specs = [
         pl.BlockSpec((None, None, None, block_h, d), lambda i, h, s: (i, h, s, 0, 0)),
         pl.BlockSpec((None, None, None, block_h), lambda i, h, s: (i, h, s, 0)),
@@ -362,43 +250,32 @@ def paged_decode_attention(
         jax.ShapeDtypeStruct((b, hkv, k_splits, block_h), jnp.float32),
         jax.ShapeDtypeStruct((b, hkv, k_splits, block_h), jnp.float32),
     ]
-    if return_significance:  # each split writes its own columns' logits, per tier
+    if significance:  # each split writes its own columns' logits, per tier
         for tier in tiers:
             per_split = w // k_splits * tier.page_size
             out_specs.append(pl.BlockSpec((None, None, block_h, per_split),
                                           lambda i, h, s: (i, h, 0, s)))
             out_shape.append(jax.ShapeDtypeStruct((b, hkv, block_h, w * tier.page_size),
                                                   jnp.float32))
-    o, denom, m, *logits = pl.pallas_call(
-        kernel,
-        grid=(b, hkv, k_splits),
-        in_specs=specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"jkv_paged_decode_{name}{'_sig' if return_significance else ''}",
-    )(*args)
+    return dict(in_specs=specs, out_specs=out_specs, out_shape=out_shape)
+
+
+def _merged_splits(q: jax.Array, o: jax.Array, denom: jax.Array, m: jax.Array, logits: list,
+                   lengths: tuple, w: int, *, softmax_state: bool, significance: bool,
+                   two_tiers: bool) -> jax.Array | tuple:
+    """`paged_decode_attention`'s result from the kernel's splits: merged by log-sum-exp,
+    the padding rows cut, normalised unless `softmax_state`, with the tiers' significance
+    when asked."""
+    b, hq, d = q.shape
+    group_size = hq // o.shape[1]
     o, denom, m = merge_softmax_states(o, denom, m, axis=2)
     o, denom, m = o[:, :, :group_size], denom[:, :, :group_size], m[:, :, :group_size]
-    if return_significance:
-        significance = []
-        for i, s in enumerate(logits):
-            s = s[:, :, :group_size]
-            if i:  # low pages from the right: reversed columns are slot order
-                s = s.reshape(b, hkv, group_size, w, -1)[:, :, :, ::-1].reshape(s.shape)
-            held = jnp.arange(s.shape[-1]) < (lengths, low_lengths)[i][:, :, None, None]
-            p = jnp.where(held, jnp.exp(s - m[..., None]), 0.0)
-            if return_softmax_state:  # unnormalised per query head, like o
-                significance.append(p.reshape(b, hq, -1))
-            else:
-                significance.append(
-                    (p / jnp.where(denom > 0, denom, 1.0)[..., None]).max(axis=2))
-        significance = tuple(significance) if low_tier is not None else significance[0]
+    if significance:
+        sig = paged_decode_significance(logits, m, denom, lengths, w, softmax_state)
+        sig = tuple(sig) if two_tiers else sig[0]
     o, denom, m = o.reshape(b, hq, d), denom.reshape(b, hq), m.reshape(b, hq)
-    out = (o, denom, m) if return_softmax_state else normalize_softmax_state(o, denom).astype(
-        q.dtype)
-    return (out, significance) if return_significance else out
+    out = (o, denom, m) if softmax_state else normalize_softmax_state(o, denom).astype(q.dtype)
+    return (out, sig) if significance else out
 
 
 def checked_tiers(pages: KVPages, low_tier: KVPages | None, low_lengths: jax.Array | None,
@@ -463,14 +340,7 @@ def paged_decode_attention_reference(q: jax.Array, pages: KVPages, page_table: j
     b, hq, d = q.shape
     hkv = page_table.shape[1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    k, v = dequantized_rows(pages, page_table)
-    n_high = k.shape[2]
-    visible = jnp.arange(k.shape[2])[None, None, :] < lengths[:, :, None]
-    if low_tier is not None:
-        k_lo, v_lo = dequantized_rows(low_tier, page_table[..., ::-1])
-        k, v = jnp.concatenate([k, k_lo], axis=2), jnp.concatenate([v, v_lo], axis=2)
-        visible = jnp.concatenate(
-            [visible, jnp.arange(k_lo.shape[2])[None, None, :] < low_lengths[:, :, None]], -1)
+    k, v, visible, n_high = dequantized_tiers(pages, page_table, lengths, low_tier, low_lengths)
     k, v = k.astype(dtype), v.astype(dtype)  # [B, Hkv, S, D]
     qg = q.astype(dtype).reshape(b, hkv, hq // hkv, d) * sm_scale
     s = jnp.einsum("bhgd,bhsd->bhgs", qg, k, precision=lax.Precision.HIGHEST)
@@ -491,3 +361,20 @@ def dequantized_rows(pages: KVPages, page_table: jax.Array) -> tuple[jax.Array, 
     b, hkv, w = page_table.shape
     k, v = pages.take(page_table).dense()
     return k.reshape(b, hkv, w * pages.page_size, -1), v.reshape(b, hkv, w * pages.page_size, -1)
+
+
+def dequantized_tiers(pages: KVPages, page_table: jax.Array, lengths: jax.Array,
+                      low_tier: KVPages | None = None,
+                      low_lengths: jax.Array | None = None) -> tuple:
+    """What the references attend over: every row's pages dequantized to float32, the low
+    tier's (read right to left) after the high tier's, as keys and values [B, Hkv, S, D],
+    the tokens held [B, Hkv, S] and the high tier's S."""
+    k, v = dequantized_rows(pages, page_table)
+    n_high = k.shape[2]
+    visible = jnp.arange(n_high)[None, None, :] < lengths[:, :, None]
+    if low_tier is not None:
+        k_lo, v_lo = dequantized_rows(low_tier, page_table[..., ::-1])
+        k, v = jnp.concatenate([k, k_lo], axis=2), jnp.concatenate([v, v_lo], axis=2)
+        visible = jnp.concatenate(
+            [visible, jnp.arange(k_lo.shape[2])[None, None, :] < low_lengths[:, :, None]], -1)
+    return k, v, visible, n_high
