@@ -301,8 +301,9 @@ class SchedulerConfig:
                 "as each layer finishes; a prompt longer than a prefill chunk runs a few "
                 "layers a step over all its tokens) and move running requests' layers to host "
                 "memory instead of preempting them; they come back as pages free up. Off: "
-                "wait or preempt and recompute (for comparison). Not with token-tier KV "
-                "policies"})
+                "wait or preempt and recompute (for comparison). Under a token-tier KV policy "
+                "a prompt runs chunk by chunk and each layer on the host is placed while it "
+                "is brought in for its turn"})
     store_read_ahead: bool = field(default=True, metadata={
         "help": "read (and checksum) a stored KV hit on the store's own thread while its "
                 "request waits, so no step waits on a store tier; off: read at admission, on "

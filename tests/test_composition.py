@@ -1,10 +1,12 @@
-"""Every KV policy with the KV store (host, disk) and device prefix caching, on a tiny model:
-two-turn conversations give, per policy, the same outputs wherever the second turn reuses
-the same KV (a lossy policy keeps its compression, so reusing and recomputing differ by
-design), and no page leaks. Layer offload is not in the matrix: it composes with block
-pages only (`docs/architecture.md`'s table)."""
+"""Every KV policy with the KV store (host, disk), device prefix caching and LayerKV's layer
+offload, on a tiny model: two-turn conversations give, per policy, the same outputs wherever
+the second turn reuses the same KV (a lossy policy keeps its compression, so reusing and
+recomputing differ by design); on a pool too small for a workload, layer offload serves it
+instead of preempting, with the tokens a large pool gives; and no page leaks."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -120,3 +122,45 @@ def test_the_docs_table_of_what_composes_is_the_codes():
 
     docs = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
     assert composition_table() in docs
+
+
+def serve(params, policy: str, pool_pages: int | None, offload: bool,
+          store: bool = False) -> tuple[list, dict]:
+    """Six requests decoding 40 tokens each at once, on a pool of `pool_pages` pages of the
+    policy's own format (None: a large one): (outputs, the scheduler's snapshot)."""
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=1 << 22, kv_policy=policy, **KNOBS)
+    if pool_pages is not None:
+        one = engine(params, policy, False).cache.one_page
+        cache = dataclasses.replace(cache, kv_cache_bytes=pool_pages * one + 1)
+    eng = Engine(TINY, params, cache=cache, config=EngineConfig(
+        max_model_len=96, max_num_seqs=8, prefill_chunk=16, enable_prefix_caching=store))
+    sched = Scheduler(eng, SchedulerConfig(layer_offload=offload, restore_planning=False,
+                                           store_read_ahead=False),
+                      store=StoreConfig(host_cache_bytes=1 << 24) if store else None)
+    rng = np.random.default_rng(3)
+    requests = [Request(rng.integers(0, 512, n).tolist(),
+                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+                for n in (16, 9, 14, 12, 16, 11)]
+    generate_all(sched, requests)
+    snap = sched.snapshot()
+    if sched.store is not None:
+        sched.store.close()
+    check_nothing_leaked(eng)
+    return [r.output for r in requests], snap
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_composes_with_layer_offload(params, policy):
+    """On a pool of 100 pages (a sequence of max_model_len takes 48 or more): where it
+    preempts without layer offload, with it the running requests' layers go to the host
+    instead, nothing is preempted and every request samples what it does on a large pool
+    (prompts of one chunk each: a token policy's placement sees the same chunks), and the
+    finished sequences kept as many tokens in each tier."""
+    want, big = serve(params, policy, None, False)
+    _, without = serve(params, policy, 100, False)
+    got, snap = serve(params, policy, 100, True)
+    assert got == want
+    assert snap["kv_tiers"] == big["kv_tiers"]
+    assert snap["preemptions"] == 0
+    if without["preemptions"]:
+        assert snap["layer_offload"]["layers_offloaded"] > 0

@@ -312,8 +312,11 @@ def test_bad_offload_requests_are_value_errors(params):
     tiered = Engine(TINY, eng.params, cache=CacheConfig(page_size=8, kv_cache_bytes=400 * 1024,
                                                         kv_policy="leankv"),
                     config=EngineConfig(max_model_len=128, max_num_seqs=2, prefill_chunk=CHUNK))
-    with pytest.raises(ValueError, match="token-tier"):
-        tiered.open([1, 2, 3], resident=1)
+    slot, _ = tiered.open(list(range(20)), resident=1)  # (its layers are tiered rows)
+    row = Row(slot, list(range(20)), SamplingParams(max_tokens=1), tiered.request_key(0), 0,
+              layer_span=(0, 1))
+    with pytest.raises(ValueError, match="layer-major prefill needs block pages"):
+        tiered.step([row], [])
 
 
 # ---------------------------------------------------------------- random schedules

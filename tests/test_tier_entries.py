@@ -132,8 +132,9 @@ def test_two_follow_ups_of_a_kept_sequence_generate_alike(tiny_params):
 def test_a_pool_too_short_for_a_copy_takes_the_kept_sequence_over(tiny_params):
     one_page = page_bytes(KV_FORMATS["k8v4t"], PAGE, TINY.head_dim, jnp.float32)
     heads = TINY.num_layers * TINY.num_kv_heads
-    # one sequence of max_model_len (16 pages per head) and a spare page: no room for two
-    eng = tiered(tiny_params, "xla", kv_cache_bytes=(16 * heads + 2) * one_page)
+    # one sequence of max_model_len (16 pages per head, and its tiers' part-filled page)
+    # and a spare page: no room for two
+    eng = tiered(tiny_params, "xla", kv_cache_bytes=(17 * heads + 2) * one_page)
     c = eng.cache
     [p] = prompts((90,))
     first = request(p, 20)

@@ -288,7 +288,7 @@ class KVConnector:
         return min(layers, max(1, math.ceil(buffer_bytes / (load_bytes / layers))))
 
     def stage(self, slots: Sequence[int], new_tokens: int, prefill_token_seconds: float
-              ) -> Callable[[int, KVPages, jax.Array], tuple[KVPages, jax.Array]] | None:
+              ) -> Callable | None:
         """A `before_layer` that writes the queued restores of `slots` into the pool layer by
         layer: each layer's pages are copied to the device a few layers ahead (the read
         buffer) while earlier layers compute, and scattered just before their layer. None
@@ -309,13 +309,13 @@ class KVConnector:
         for index in range(min(ahead, layers)):
             stage(index)
 
-        def before_layer(index: int, pool: KVPages, table_pages: jax.Array
-                         ) -> tuple[KVPages, jax.Array]:
+        def before_layer(index: int, pool: KVPages, table_pages: jax.Array,
+                         tiers: tuple | None) -> tuple[KVPages, jax.Array, tuple | None]:
             if index + ahead < layers:
                 stage(index + ahead)
             for ids, pages in staged.pop(index, ()):
                 pool = scatter_pages(pool, ids, pages)
-            return pool, table_pages
+            return pool, table_pages, tiers
 
         return before_layer
 

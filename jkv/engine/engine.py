@@ -1,14 +1,12 @@
 """One step of work on the device: sequences in slots, their pages, the prefix cache.
 
 The engine composes five parts and checks that what it is asked to do fits: the KV cache
-manager (`jkv.kv.manager`: pool, tables, slots, budget, and the layout that keeps pages for
-reuse), the connector of that layout (`connector`, `row_connector`: KV leaving the pool for
-the store and coming back), LayerKV's layer offload (`jkv.kv.layer_offload`) and layer-major
-prefill (`layer_major`), and the model runner (`runner`: compiled shapes, the only caller of
-the model). A step feeds some slots a chunk of prompt and others one decoded token;
-`execution` says how restored KV reaches the pool ("scan": before the step, "layerwise":
-layer by layer while earlier layers compute). Which sequences run is the scheduler's
-business (`jkv.sched.scheduler`).
+manager (`jkv.kv.manager`: pool, tables, slots, budget, the layout), its layout's connector
+(`connector`, `row_connector`: KV to the store and back) and layer offload (LayerKV:
+`jkv.kv.layer_offload`, `jkv.kv.row_moves`; `layer_major` prefill), and the model runner
+(`runner`, the only caller of the model). A step feeds some slots a chunk of prompt and others
+one decoded token; `execution` says how restored KV reaches the pool ("scan": before the step,
+"layerwise": layer by layer while earlier layers compute). The scheduler picks what runs.
 """
 
 from __future__ import annotations
@@ -27,16 +25,18 @@ from jkv.engine.connector import KVConnector, SavedPages
 from jkv.engine.layer_major import LayerMajor
 from jkv.engine.records import EngineStats, Sampled, sampled_rows
 from jkv.engine.row_connector import RowConnector
-from jkv.engine.runner import ModelRunner, Row
-from jkv.engine.sampling import SamplingParams
+from jkv.engine.runner import ModelRunner, Row, unchanged_layer
+from jkv.engine.sampling import SamplingParams, seed_key
 from jkv.kv.layer_offload import LayerOffload, resident_layers
 from jkv.kv.manager import KVCacheManager
+from jkv.kv.row_layer_offload import RowLayerOffload
 from jkv.models.family import ModelFamily
 from jkv.models.llama import LLAMA, Params
 from jkv.policies import POLICIES
 
 # the connector of each layout (`Layout.name`)
 CONNECTORS = {"blocks": KVConnector, "rows": RowConnector}
+LAYER_OFFLOADS = {"blocks": LayerOffload, "rows": RowLayerOffload}
 
 __all__ = ["Engine", "EngineStats", "Row", "Sampled", "SavedPages"]
 
@@ -74,8 +74,8 @@ class Engine:
         # names the KV this engine writes (model, format, page size, shapes, layout) in
         # stored entries
         self.fingerprint = hashlib.blake2b(self.cache.hash_seed, digest_size=16).hexdigest()
-        # LayerKV's layer-wise offload (where the layout can hold a layer on the host)
-        self.layers = LayerOffload(self.cache)
+        # LayerKV's layer-wise offload, as the layout holds a layer on the host
+        self.layers = LAYER_OFFLOADS[layout.name](self.cache)
         self.connector = CONNECTORS[layout.name](
             self.cache, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
             rotate=family.rotate_keys(cfg), layerwise=self.execution == "layerwise")
@@ -112,8 +112,7 @@ class Engine:
             key = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._requests_seen)
             self._requests_seen += 1
             return np.asarray(key, np.uint32)
-        s = seed % (1 << 64)  # threefry's seeding of a 64-bit seed, done here for any int
-        return np.array([s >> 32, s & 0xFFFFFFFF], np.uint32)
+        return seed_key(seed)
 
     # ------------------------------------------------------------------ sequences
 
@@ -136,8 +135,6 @@ class Engine:
         if not 0.0 <= recompute <= 1.0:
             raise ValueError(f"recompute must be in [0, 1], got {recompute}")
         if resident is not None:
-            if not self.layers.enabled:
-                raise ValueError("resident layers need block pages (not a token-tier policy)")
             keep = resident_layers(self.cfg.num_layers, resident)  # ValueError if out of range
         if not 1 <= len(token_ids) < self.max_model_len:
             raise ValueError(f"a prompt needs 1..{self.max_model_len - 1} tokens, "
@@ -159,11 +156,8 @@ class Engine:
         return slot, cached
 
     def offload_layers(self, slot: int, layers: Sequence[int]) -> int:
-        """Move `layers` of the open sequence in `slot` to host memory (its pages in them
-        are freed; its steps bring each back for its layer's turn, `fetch_layers` for
-        good); returns the pages freed."""
-        if not self.layers.enabled:
-            raise ValueError("layer offload needs block pages (not a token-tier policy)")
+        """Move `layers` of the open sequence in `slot` to host memory (its steps bring each
+        in for its turn, `fetch_layers` for good); returns the pages freed."""
         if not self.cache.is_open(slot):
             raise ValueError(f"slot {slot} holds no open sequence")
         self._not_mid_prompt(slot)
@@ -171,14 +165,12 @@ class Engine:
         return self.layers.offload(slot, layers)
 
     def _not_mid_prompt(self, slot: int) -> None:
-        """ValueError while `slot`'s prompt is part way through its layers (layer-major):
-        its layers hold different tokens until the last one has run."""
+        """ValueError while `slot`'s prompt is part way through its layers (layer-major)."""
         if self.layer_major.next_layer(slot):
             raise ValueError(f"slot {slot} is part way through a layer-major prefill")
 
     def keep_resident(self, slot: int, keep: int) -> int:
-        """Offload layers of `slot` until `keep` stay in the pool, those kept spread over the
-        depth; returns how many were offloaded."""
+        """Offload layers of `slot` until `keep`, spread over the depth, stay; how many moved."""
         layers = [x for x in range(self.cfg.num_layers) if x not in self.offloaded_layers(slot)]
         kept = resident_layers(len(layers), min(keep, len(layers)))
         out = [x for x, k in zip(layers, kept, strict=True) if not k]
@@ -194,8 +186,7 @@ class Engine:
         return self.layers.pages_to_fetch(slot)
 
     def fetch_layers(self, slot: int) -> None:
-        """Bring every offloaded layer of `slot` back into the pool (RuntimeError when
-        `pages_to_fetch` pages cannot be had)."""
+        """Bring every offloaded layer of `slot` back (RuntimeError without the pages)."""
         self._not_mid_prompt(slot)
         self.layers.fetch(slot)
 
@@ -242,6 +233,8 @@ class Engine:
         suspect), nor is what the connector says may not be (`KVConnector.keepable`: a row
         restored from a smaller stored form)."""
         keep = keep and self.connector.keepable(slot)
+        if keep:
+            self.layers.before_close(slot)
         shareable = self.connector.shareable_blocks(slot) if keep else 0
         self.connector.forget(slot)  # a restore never written: the request ended first
         ahead = self.layer_major.drop(slot)
@@ -286,9 +279,9 @@ class Engine:
         """ValueError unless the rows are a valid step; returns each slot's new length."""
         for r in prefill:
             if r.layer_span is not None:
-                if not self.layers.enabled:
-                    raise ValueError("a layer-major prefill needs block pages (not a token-tier "
-                                     "policy)")
+                if not self.layers.layer_major:
+                    raise ValueError("a layer-major prefill needs block pages (a token-tier "
+                                     "policy places a prompt after each chunk)")
                 self.layer_major.check(r)
             elif not 1 <= len(r.tokens) <= self.prefill_chunk:
                 raise ValueError(f"a prefill row feeds 1..{self.prefill_chunk} tokens, "
@@ -330,7 +323,10 @@ class Engine:
         groups = [[chunked[i] for i in g]
                   for g in self.runner.prefill_groups([len(r.tokens) for r in chunked])]
         groups += [list(decode)] if decode else []
-        outs = [self._call(g) for g in groups]
+        plans: list = []  # placements after every call: a layer brought in never waits on one
+        outs = [self._call(g, plans=plans) for g in groups]
+        for plan in plans:
+            self.cache.layout.after_call(plan)
         outs_layered = [self.layer_major.run(r, held[r.slot]) for r in layered]
         ok, outs, outs_layered = jax.device_get((ok, outs, outs_layered))
         if not ok:
@@ -353,28 +349,28 @@ class Engine:
         return [sampled[id(r)] for r in prefill], [sampled[id(r)] for r in decode]
 
     def _call(self, rows: Sequence[Row], *, padded_rows: int | None = None,
-              padded_tokens: int | None = None, layered: bool = False) -> tuple:
-        """Dispatch one compiled call for `rows`, padded with scratch rows to the bucket
-        (or to the shape given, as `warmup` does with no rows at all); with token tiers,
-        then their placement (one token per row: the generation phase's)."""
+              padded_tokens: int | None = None, layered: bool = False,
+              plans: list | None = None) -> tuple:
+        """Dispatch one compiled call for `rows`, padded to the bucket (or to the shape given,
+        as `warmup` does with no rows); then the layout's placement, or its plan added to
+        `plans` for the caller to run after the step's calls."""
         c = self.cache
         batch = self.runner.batch(rows, [len(c.slot_tokens[r.slot]) for r in rows],
                                   padded_rows=padded_rows, padded_tokens=padded_tokens)
         self.stats.step_shapes.add(batch.shape)
-        before_layer = self.connector.stage([r.slot for r in rows], int(batch.valid.sum()),
+        slots, (b, t), after_layer = [r.slot for r in rows], batch.shape, None
+        before_layer = self.connector.stage(slots, int(batch.valid.sum()),
                                             self.stats.prefill_token_seconds)
-        after_layer = None
+        plan = c.layout.placement(slots, [len(r.tokens) for r in rows], b, t, t == 1)
         if any(r.slot in c.offloaded for r in rows):
             lengths = {r.slot: len(c.slot_tokens[r.slot]) + len(r.tokens) for r in rows
                        if r.slot in c.offloaded}
-            before_layer, after_layer = self.layers.step_hooks(lengths, before_layer)
+            before_layer, after_layer = self.layers.step_hooks(lengths, before_layer, plan)
         elif layered:  # layer by layer, as a step with offloaded layers runs (`warmup`)
-            def after_layer(index, pool, table_pages):
-                return pool, table_pages
+            after_layer = unchanged_layer
         out = c.run_model(lambda pool, filling, pages, tiers: self.runner.run(
             pool, filling, pages, batch, before_layer, tiers, after_layer))
-        b, t = batch.shape
-        c.layout.after_call([r.slot for r in rows], [len(r.tokens) for r in rows], b, t, t == 1)
+        c.layout.after_call(plan) if plans is None else plans.append(plan)
         return out
 
     # ------------------------------------------------------------------ shapes
@@ -390,7 +386,7 @@ class Engine:
         `progress(done, total)` after each shape. Returns how many shapes were new."""
         todo, new = self.shapes(), 0
         # a step with offloaded layers goes layer by layer: compiled too where steps scan
-        layered = self.layers.enabled and not self.runner.layer_by_layer
+        layered = not self.runner.layer_by_layer
         for i, (b, t) in enumerate(todo):
             before = self.num_compiles
             jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t))

@@ -123,7 +123,7 @@ class LayerMajor:
         weights are not views: a GPU), on the scratch slot, so no prompt compiles."""
         c = self.cache
         weights = self.runner.layer_weights(0)
-        if weights is None or not self.layers.enabled:
+        if weights is None:
             return
         for rows, tokens in self.runner.shapes():
             if rows == 1:

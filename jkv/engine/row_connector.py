@@ -82,7 +82,7 @@ class RowConnector(KVConnector):
         tokens = saved.num_blocks * self.cache.page_size
         compiled = place_row._cache_size()
         t0 = time.perf_counter()
-        if not self.cache.layout.place_tiers(slot, layout, pages,
+        if not self.cache.layout.moves.place_tiers(slot, layout, pages,
                                              np.asarray(arrays["tier_score"]),
                                              np.asarray(arrays["tier_pos"]), high, low, tokens):
             return 0
@@ -107,7 +107,7 @@ class RowConnector(KVConnector):
         smaller one. (`start` and `approximate` are the block pages' own: a row is saved
         whole.)"""
         c = self.cache
-        layout, pages, score, pos = c.layout.tier_pages(slot)
+        layout, pages, score, pos = c.layout.moves.tier_pages(slot)
         n = len(c.slot_tokens[slot]) // c.page_size
         approx = self.approximate_row(slot)
         return SavedPages(n, {**pages.arrays(), **layout, "tier_score": score, "tier_pos": pos},

@@ -32,7 +32,7 @@ import numpy as np
 
 from jkv.attention.layer_kv import LayerKV, LayerTiers
 from jkv.config import ModelConfig
-from jkv.engine.sampling import SamplingParams, sample, token_logprobs
+from jkv.engine.sampling import SamplingParams, position_logprobs, sample, token_logprobs
 from jkv.kv.buckets import bucket, decode_bucket
 from jkv.kv.page_pool import FillingPages
 from jkv.kv.pages import KVPages
@@ -42,8 +42,16 @@ from jkv.models.family import ModelFamily
 Params = dict
 
 
-# a hook around one layer of a call: (index, pool, table pages) -> (pool, table pages)
-LayerHook = Callable[[int, KVPages, jax.Array], tuple[KVPages, jax.Array]]
+# a hook around one layer of a call: (index, pool, table pages, tiers) -> the same three
+# after it (tiers: the layout's `model_tiers` as the call holds them, None without tiers)
+LayerHook = Callable[[int, KVPages, jax.Array, tuple | None],
+                     tuple[KVPages, jax.Array, tuple | None]]
+
+
+def unchanged_layer(index: int, pool: KVPages, table_pages: jax.Array,
+                    tiers: tuple | None) -> tuple[KVPages, jax.Array, tuple | None]:
+    """A `LayerHook` that changes nothing (a call made to go layer by layer)."""
+    return pool, table_pages, tiers
 
 
 class Batch(NamedTuple):
@@ -153,26 +161,6 @@ def _take_layer(params, index, *, family: ModelFamily):
     return family.layer_weights(params, index)
 
 
-def _position_logprobs(params, x, targets, *, family: ModelFamily, cfg: ModelConfig):
-    """Every position's logprob of its target token [B, T] (targets -1: 0.0) and its most
-    likely tokens' ids and logprobs [B, T, MAX_LOGPROBS], a block of positions at a time."""
-    b, t, d = x.shape
-    h = family.final_norm(params, cfg, x)
-    block = min(t, 64)
-    blocks = h.reshape(b, t // block, block, d).swapaxes(0, 1)
-    tgt = targets.reshape(b, t // block, block).swapaxes(0, 1)
-
-    def one(args):
-        hb, tb = args
-        logits = family.logits(params, hb.reshape(b * block, d))
-        chosen, ids, lps = token_logprobs(logits, jnp.maximum(tb.reshape(-1), 0))
-        return (jnp.where(tb.reshape(-1) >= 0, chosen, 0.0).reshape(b, block),
-                ids.reshape(b, block, -1), lps.reshape(b, block, -1))
-
-    out = jax.lax.map(one, (blocks, tgt))
-    return tuple(o.swapaxes(0, 1).reshape(b, t, *o.shape[3:]) for o in out)
-
-
 def _head(params, x, last_idx, keys, num_generated, temperature, top_p, top_k, want_top, *,
           family: ModelFamily, cfg: ModelConfig):
     h_last = jnp.take_along_axis(family.final_norm(params, cfg, x), last_idx[:, None, None],
@@ -207,7 +195,7 @@ def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str,
             jax.jit(partial(_embed, **static)),
             jax.jit(partial(_layer_step, **static, **kv), donate_argnums=(1, 2, 3)),
             jax.jit(partial(_head, **static)),
-            jax.jit(partial(_position_logprobs, **static)),
+            jax.jit(partial(position_logprobs, **static)),
             jax.jit(partial(_take_layer, family=family)))
 
 
@@ -358,14 +346,17 @@ class ModelRunner:
     def _layers(self, pool, filling, meta, table_pages, slot_tiers, batch: Batch, num_layers: int,
                 before_layer: LayerHook | None, after_layer: LayerHook | None) -> tuple:
         x, inputs = self.embed(batch)
+        tiers = None if meta is None else (meta, *slot_tiers)  # (hooks may change them)
         for index in range(num_layers):
             if before_layer is not None:
-                pool, table_pages = before_layer(index, pool, table_pages)
+                pool, table_pages, tiers = before_layer(index, pool, table_pages, tiers)
             x, pool, filling, meta = self.layer(index, pool, filling, table_pages, x, inputs,
-                                                meta, slot_tiers)
+                                                *((None, None) if tiers is None else
+                                                  (tiers[0], tiers[1:])))
+            tiers = None if meta is None else (meta, *tiers[1:])
             if after_layer is not None:
-                pool, table_pages = after_layer(index, pool, table_pages)
-        return x, pool, filling, meta
+                pool, table_pages, tiers = after_layer(index, pool, table_pages, tiers)
+        return x, pool, filling, None if tiers is None else tiers[0]
 
     def embed(self, batch: Batch) -> tuple[jax.Array, tuple]:
         """A call's first part, going layer by layer: the embedded tokens and what every

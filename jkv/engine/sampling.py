@@ -1,4 +1,5 @@
-"""Token sampling on the device: greedy, temperature, top-k, top-p, one PRNG key per row."""
+"""Token sampling on the device (greedy, temperature, top-k, top-p, one PRNG key per row) and
+each position's logprob of a target token (prompt logprobs)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jkv.config import ModelConfig
+from jkv.models.family import ModelFamily
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for (OpenAI's top_logprobs limit)
 
@@ -106,3 +111,29 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_LOGPROBS,
     if want_top is None:
         return chosen, *top(None)
     return chosen, *jax.lax.cond(want_top.any(), top, none, None)
+
+
+def position_logprobs(params, x, targets, *, family: ModelFamily, cfg: ModelConfig):
+    """Every position's logprob of its target token [B, T] (targets -1: 0.0) and its most
+    likely tokens' ids and logprobs [B, T, MAX_LOGPROBS], a block of positions at a time."""
+    b, t, d = x.shape
+    h = family.final_norm(params, cfg, x)
+    block = min(t, 64)
+    blocks = h.reshape(b, t // block, block, d).swapaxes(0, 1)
+    tgt = targets.reshape(b, t // block, block).swapaxes(0, 1)
+
+    def one(args):
+        hb, tb = args
+        logits = family.logits(params, hb.reshape(b * block, d))
+        chosen, ids, lps = token_logprobs(logits, jnp.maximum(tb.reshape(-1), 0))
+        return (jnp.where(tb.reshape(-1) >= 0, chosen, 0.0).reshape(b, block),
+                ids.reshape(b, block, -1), lps.reshape(b, block, -1))
+
+    out = jax.lax.map(one, (blocks, tgt))
+    return tuple(o.swapaxes(0, 1).reshape(b, t, *o.shape[3:]) for o in out)
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """A request's PRNG key from its seed: threefry's seeding of a 64-bit seed, for any int."""
+    s = seed % (1 << 64)
+    return np.array([s >> 32, s & 0xFFFFFFFF], np.uint32)

@@ -38,7 +38,7 @@ class BlockPages:
     name = "blocks"
     pages_on_fill = False  # a row's next page is taken with its first token
     filling_scores = False
-    offloads_layers = True
+    lossy_recompute = False
 
     @staticmethod
     def table_width(pages: int) -> int:
@@ -98,6 +98,9 @@ class BlockPages:
         tokens = len(self.kv.slot_tokens[slot]) if tokens is None else tokens
         return own_layer_pages(tokens, self.page_size, len(self._slot_rows[slot]),
                                self.num_kv_heads)
+
+    def pages_offloadable(self, slot: int) -> int:
+        return self.layer_own_pages(slot) * self.resident(slot)
 
     def pages_held(self, slot: int) -> int:
         blocks = -(-len(self.kv.slot_tokens[slot]) // self.page_size)
@@ -251,9 +254,12 @@ class BlockPages:
     def took_meta(self, meta: object) -> None:
         """A model call returns no token metadata here."""
 
-    def after_call(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
-                   generation: bool) -> None:
-        """Nothing to place after a model call."""
+    def placement(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
+                  generation: bool) -> None:
+        """Nothing is placed: a block's tokens stay as they are."""
+
+    def after_call(self, plan: None) -> None:
+        """Nothing to do after a model call."""
 
     def after_step(self) -> None:
         """Nothing to read back after a step."""

@@ -126,13 +126,13 @@ def _put(dest: np.ndarray, index: int, src: np.ndarray) -> np.ndarray:
 
 
 class LayerOffload:
-    """Moves layers of a `KVCacheManager`'s slots between its pool and the host, where its
-    layout can hold a layer on the host (`enabled`; elsewhere no slot ever has a layer
-    there, and `offload` is a ValueError)."""
+    """Moves layers of a block-pages `KVCacheManager`'s slots between its pool and the host
+    (the rows layout has its own: `row_layer_offload.RowLayerOffload`)."""
+
+    layer_major = True  # a prompt can be fed a layer at a time (`jkv.engine.layer_major`)
 
     def __init__(self, cache: KVCacheManager) -> None:
         self.cache = cache
-        self.enabled = cache.layout.offloads_layers
         self.offloaded_bytes = 0  # copied to the host, over the engine's life
         self.fetched_bytes = 0  # copied back into the pool
         self.offload_bytes_per_s = 0.0  # measured copy rate out of the pool (LayerKV eq. 4)
@@ -163,9 +163,6 @@ class LayerOffload:
         pages; returns the pages freed. The slot must not be mid-restore (the connector
         writes its queue first)."""
         c = self.cache
-        if not self.enabled:
-            raise ValueError(f"layer offload needs block pages, not the {c.layout.name} "
-                             "layout of a token-tier policy")
         self.flush()
         layers = [int(x) for x in layers if int(x) not in c.offloaded.get(slot, {})]
         bad = [x for x in layers if not 0 <= x < c.num_layers]
@@ -185,6 +182,9 @@ class LayerOffload:
             rate = (self.offloaded_bytes - before) / max(time.perf_counter() - t0, 1e-9)
             self.offload_bytes_per_s = moving_average(self.offload_bytes_per_s, rate)
         return c.layout.hold_on_host(slot, hosts)
+
+    def before_close(self, slot: int) -> None:
+        """Nothing: a slot's offloaded layers go with it (their shared blocks stay cached)."""
 
     def pages_to_fetch(self, slot: int) -> int:
         """Pages `fetch(slot)` takes."""
@@ -239,36 +239,37 @@ class LayerOffload:
         c.layout.layer_sent(slot, layer, tokens)
         self.host_seconds["send"] += time.perf_counter() - t0
 
-    def step_hooks(self, lengths: dict[int, int], stage: Callable | None) -> tuple:
+    def step_hooks(self, lengths: dict[int, int], stage: Callable | None,
+                   plan: None = None) -> tuple:
         """Layer hooks for a step's rows with offloaded layers (`lengths`: their slots and
         lengths after the step), after `stage` (a restore's): each such layer's pages brought
         in before it runs and sent out after (the pool as LayerKV's send buffer), its host
         copy sent ahead once the layer before it is dispatched."""
         c, last = self.cache, self.cache.num_layers - 1
 
-        def before(index: int, pool, table_pages):
+        def before(index: int, pool, table_pages, tiers):
             if stage is not None:  # (writes into pages reserved at open: no reservation)
-                pool, table_pages = stage(index, pool, table_pages)
+                pool, table_pages, tiers = stage(index, pool, table_pages, tiers)
             moved = False
             for slot, n in lengths.items():
                 if index in c.offloaded[slot]:
                     pool, moved = self.bring(slot, index, n, pool), True
-            return pool, c.tables.pages if moved else table_pages
+            return pool, c.tables.pages if moved else table_pages, tiers
 
-        def after(index: int, pool, table_pages):
+        def after(index: int, pool, table_pages, tiers):
             for slot, n in lengths.items():
                 if index in c.offloaded[slot]:
                     self.send(slot, index, n, pool)  # its pages dropped by the next bring
                 self.prefetch(slot, index)  # the next offloaded layer, while this computes
             moved = index == last and self.flush()  # (no bring after the last layer)
-            return pool, c.tables.pages if moved else table_pages
+            return pool, c.tables.pages if moved else table_pages, tiers
 
         return before, after
 
     def flush(self) -> bool:
         """Drop the pages of layers sent out and not yet dropped (before anything else
         reserves pages); whether there were any."""
-        return self.enabled and self.cache.layout.drop_sent()
+        return self.cache.layout.drop_sent()
 
     def step_pages(self, lengths: dict[int, int]) -> int:
         """The most pages a step's `bring`s hold at once: one layer's of every row with that
@@ -300,8 +301,6 @@ class LayerOffload:
         """Compile the copies for every power-of-two block count a row can hold, on the
         scratch slot (nothing taken, nothing written), so an offload never compiles."""
         c = self.cache
-        if not self.enabled:
-            return
         slot, zero = np.int32(c.scratch), np.int32(0)
         empty = []
         for count in sorted({bucket(n) for n in range(1, c.max_pages + 1)}):

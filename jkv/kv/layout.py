@@ -6,7 +6,7 @@ rows), how a sequence starts from that, grows and ends, how many pages it holds,
 model call reads and leaves behind. The manager holds what all layouts share (pool, free
 list, tables, slots) and asks its layout for the rest, so no caller tests which layout it has.
 A layout may offer more that only its own connector calls (`BlockPages.reserve_blocks` and
-its layer moves, `TieredRows.tier_pages` and `place_tiers`).
+its layer moves, `TieredRows.moves`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Layout(Protocol):
     name: str  # "blocks", "rows": stored entries of two layouts never match
     pages_on_fill: bool  # pages are taken as they fill (else with their first token)
     filling_scores: bool  # the filling pages carry each token's significance
-    offloads_layers: bool  # one layer of a sequence can live on the host (LayerKV)
+    lossy_recompute: bool  # a sequence's KV recomputed from its tokens differs from it
     tier_refusals: int  # placements the pool was too short for
     num_compiles: int  # compiled variants of the layout's own step calls
 
@@ -75,9 +75,13 @@ class Layout(Protocol):
     def took_meta(self, meta: object) -> None:
         """The token metadata a model call returned."""
 
-    def after_call(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
-                   generation: bool) -> None:
-        """After a model call over `slots` (padded to rows x tokens)."""
+    def placement(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
+                  generation: bool) -> object | None:
+        """What is due after a model call over `slots` (padded to rows x tokens), decided
+        before it runs (a layer on the host has its share done while it is in the pool)."""
+
+    def after_call(self, plan: object | None) -> None:
+        """After a model call: `placement`'s plan for it."""
 
     def after_step(self) -> None:
         """After a step's calls have finished."""

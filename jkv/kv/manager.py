@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jkv.kv.allocator import init_free, init_tables
-from jkv.kv.block_pages import BlockPages, own_layer_pages
+from jkv.kv.block_pages import BlockPages
 from jkv.kv.buckets import bucket
 from jkv.kv.format import KVFormat
 from jkv.kv.kv_state import KVState, read_only
@@ -138,6 +138,15 @@ class KVCacheManager:
         """Layers of `slot` whose pages are in the pool (the others: `offloaded`)."""
         return self.num_layers - len(self.offloaded.get(slot, ()))
 
+    @property
+    def lossy_recompute(self) -> bool:
+        """Whether a sequence's KV recomputed from its tokens can differ from what it holds:
+        a token policy's rows (placed per prompt chunk, not as decode steps placed them), or
+        keys quantized per page and channel (a page filled token by token is scaled as it
+        grows, a recomputed one at once)."""
+        f = self.pool.kv_format
+        return self.layout.lossy_recompute or (f.k_bits < 16 and not f.token_keys)
+
     def shared_rows(self, slot: int) -> list[int]:
         """The prefix-cache rows `slot` started from (its first blocks' pages)."""
         return self.layout.shared_rows(slot)
@@ -149,14 +158,13 @@ class KVCacheManager:
 
     def layer_own_pages(self, slot: int, tokens: int | None = None) -> int:
         """Pages one layer of `slot` holds past the blocks it shares with the prefix cache,
-        when it holds `tokens` tokens (default: those it holds)."""
-        tokens = len(self.slot_tokens[slot]) if tokens is None else tokens
-        return own_layer_pages(tokens, self.page_size, len(self.shared_rows(slot)),
-                               self.num_kv_heads)
+        when it holds `tokens` tokens (default: those it holds; the most of any layer where
+        layers hold different numbers)."""
+        return self.layout.layer_own_pages(slot, tokens)
 
     def pages_offloadable(self, slot: int) -> int:
         """Pages offloading every resident layer of `slot` frees (its own, not shared)."""
-        return self.layer_own_pages(slot) * self.resident(slot)
+        return self.layout.pages_offloadable(slot)
 
     def pages_held(self, slot: int) -> int:
         """Pages of the pool `slot` holds (shared ones included)."""

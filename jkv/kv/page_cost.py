@@ -30,13 +30,16 @@ class PageCost:
             raise ValueError(f"layers must divide heads ({self.heads}), got {self.layers}")
 
     def layer_pages(self, tokens: int) -> int:
-        """Pages one layer of a sequence holding `tokens` tokens occupies."""
+        """Pages one layer of a sequence holding `tokens` tokens occupies (at most)."""
         return self.pages(tokens) // self.layers
 
     def pages(self, tokens: int) -> int:
-        """Pages a sequence holding `tokens` tokens occupies (at most, with token tiers)."""
+        """Pages a sequence holding `tokens` tokens occupies; with token tiers at most: a
+        row's two tiers may each end in a part-filled page, one page more than the tokens
+        of its full pages fill (high / page + low / (2 page) of them, rounded up each)."""
         if self.on_fill:
-            return tokens // self.page_size * self.heads
+            full = tokens // self.page_size
+            return (full + (full > 0)) * self.heads
         return -(-tokens // self.page_size) * self.heads
 
     def grow(self, held: int, n: int) -> int:
@@ -47,7 +50,10 @@ class PageCost:
         """The most of `want` tokens that `pages` free pages let a sequence holding `held`
         tokens add."""
         full = held // self.page_size if self.on_fill else -(-held // self.page_size)
-        room = (full + max(pages, 0) // self.heads) * self.page_size
+        more = max(pages, 0) // self.heads
+        if self.on_fill and not full:  # the first full page brings the tiers' extra one
+            more = max(more - 1, 0)
+        room = (full + more) * self.page_size
         if self.on_fill:
             room += self.page_size - 1  # the next page's tokens but its last are free
         return max(0, min(want, room - held))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jkv.kv.allocator import FreeList, PageTables
 from jkv.kv.pages import KVPages
 from jkv.kv.token_tiers import (
+    KEEP,
     TierCounts,
     TokenMeta,
     compact,
@@ -55,12 +56,17 @@ class Placing(NamedTuple):
 
 
 @partial(jax.jit, donate_argnums=(0, 1, 2))
-def grow(free: FreeList, tables: PageTables, counts: TierCounts,
-         n_new: jax.Array) -> tuple[FreeList, PageTables, TierCounts, jax.Array]:
+def grow(free: FreeList, tables: PageTables, counts: TierCounts, n_new: jax.Array,
+         resident: jax.Array) -> tuple[FreeList, PageTables, TierCounts, jax.Array]:
     """Room for n_new [S] more tokens at the end of every high tier of each slot: (free,
-    tables, counts, ok); nothing changes when the pool is short."""
+    tables, counts, ok); nothing changes when the pool is short. A layer on the host
+    (`resident` [S, L] False) counts the tokens and takes no pages: bringing it in takes
+    them (`row_moves.bring`)."""
     n = jnp.broadcast_to(n_new[:, None, None], counts.high.shape).astype(jnp.int32)
-    free, tables, counts, _, ok = grow_high(free, tables, counts, n, free.page_size, 1)
+    here = resident[..., None]
+    free, tables, counts, _, ok = grow_high(free, tables, counts, jnp.where(here, n, 0),
+                                            free.page_size, 1)
+    counts = counts.replace(high=counts.high + jnp.where(here | ~ok, 0, n))
     return free, tables, counts, ok
 
 
@@ -75,7 +81,8 @@ def clear(counts: TierCounts, mask: jax.Array) -> TierCounts:
                                    "max_tokens"), donate_argnums=(0, 1, 2, 3, 4))
 def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
            counts: TierCounts, slots: jax.Array, n_prev: jax.Array, n: jax.Array,
-           prompt_end: jax.Array, knobs: jax.Array, *, fates: Callable, recent: int,
+           prompt_end: jax.Array, knobs: jax.Array, live: jax.Array, *, fates: Callable,
+           recent: int,
            max_moves: int, generation: bool, max_tokens: int | None = None) -> tuple[
                KVPages, TokenMeta, FreeList, PageTables, TierCounts, jax.Array]:
     """The token policy's `fates` (with its `knobs`, float32) and compaction for the
@@ -84,7 +91,9 @@ def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
     tables, counts, ok). `generation`: they grew by decode steps, else by a prompt chunk; by
     at most `max_moves` tokens. When compaction cannot run (the pool is short of the low
     tier's new pages) nothing changes and ok is False. `max_tokens`: no tier of a row holds
-    more (the placement then reads only the slots such a tier reaches)."""
+    more (the placement then reads only the slots such a tier reaches). `live` [B, L]: the
+    (row, layer)s placed; the others keep their tokens where they are (a layer on the host
+    is placed in its own call while it is in the pool: `row_moves`)."""
     page = free.page_size
     sub = PageTables(pages=tables.pages[slots], num_pages=tables.num_pages[slots],
                      lengths=tables.lengths[slots], low_pages=tables.low_pages[slots])
@@ -94,6 +103,8 @@ def retier(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
                       generation)
     with jax.named_scope("place"):  # scopes name the phases in profiles (trace_ops.py)
         fate_hi, fate_lo = fates(placing, knobs)
+        here = live[..., None, None]  # a layer on the host keeps every token where it is
+        fate_hi, fate_lo = jnp.where(here, fate_hi, KEEP), jnp.where(here, fate_lo, KEEP)
     with jax.named_scope("compact"):
         free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page, max_moves)
     with jax.named_scope("move"):

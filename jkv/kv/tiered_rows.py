@@ -6,13 +6,15 @@ fates (`TierPolicy`).
 
 A tiered row holds no block's every token, so it is not shared by blocks: with prefix caching
 on, an ended sequence is kept whole (`tier_entries`) and a prompt extending exactly its tokens
-opens with a copy of it. The store keeps it whole too (`tier_pages`, `place_tiers`).
+opens with a copy of it. The store keeps it whole too, and LayerKV moves a layer of it
+to the host and back (`row_moves`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,23 +22,31 @@ import numpy as np
 
 from jkv.kv import tier_step
 from jkv.kv.allocator import release
-from jkv.kv.buckets import bucket
 from jkv.kv.kv_state import KVState, read_only
 from jkv.kv.page_cost import PageCost
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
+from jkv.kv.row_moves import RowMoves
 from jkv.kv.tier_entries import (
     Entry,
     TierEntries,
     adopt,
     forget,
-    gather_row,
     init_entries,
     move_row,
-    place_row,
-    row_layout,
 )
 from jkv.kv.token_tiers import init_counts, init_meta
+
+
+class Placement(NamedTuple):
+    """A model call's placement: the rows (slot per row, scratch for none) that grew from
+    `n_prev` to `n` tokens, by at most `max_moves`; by decode steps if `generation`."""
+
+    index: np.ndarray
+    n_prev: np.ndarray
+    n: np.ndarray
+    max_moves: int
+    generation: bool
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ class TieredRows:
     name = "rows"
     pages_on_fill = True  # the page being filled stays beside the pool
     filling_scores = True
-    offloads_layers = False
+    lossy_recompute = True  # placed per prompt chunk, not as its decode steps placed it
 
     @staticmethod
     def table_width(pages: int) -> int:
@@ -107,6 +117,9 @@ class TieredRows:
         self.observe_from = (jax.device_put(np.zeros_like(self.prompt_end), device)
                              if policy.observation_window else None)
         self.tier_refusals = 0  # compactions the pool was too short for
+        # the row's KV out of the pool and back: a layer (LayerKV), or whole (the store)
+        self.moves = RowMoves(kv, t, self.layer_pages, self.make_room, page_size,
+                              self.num_kv_heads)
         self.max_entry_pages = (total_pages if device_cache_bytes is None
                                 else device_cache_bytes // one_page)
         self.entries: TierEntries | None = None
@@ -137,9 +150,20 @@ class TieredRows:
     def shared_rows(self, slot: int) -> list[int]:
         return []
 
-    def pages_held(self, slot: int) -> int:
+    def layer_pages(self, slot: int) -> np.ndarray:
+        """Pages each layer of `slot` holds [layers] (as of the last step), wherever it is."""
         p, t = self.page_size, self._t
-        return int((-(-t.high[slot] // p)).sum() + (-(-t.low[slot] // (2 * p))).sum())
+        return (-(-t.high[slot] // p)).sum(-1) + (-(-t.low[slot] // (2 * p))).sum(-1)
+
+    def pages_held(self, slot: int) -> int:
+        pages = self.layer_pages(slot)
+        return int(pages.sum() - pages[list(self.kv.offloaded.get(slot, ()))].sum())
+
+    def layer_own_pages(self, slot: int, tokens: int | None = None) -> int:
+        """The most pages one layer of `slot` holds (no page of a row is shared)."""
+        return int(self.layer_pages(slot).max(initial=0))
+
+    pages_offloadable = pages_held
 
     def pages_freed_by_close(self, slot: int) -> int:
         return self.pages_held(slot)
@@ -222,8 +246,11 @@ class TieredRows:
             lengths[s] = n
         held = np.array([len(x) for x in kv.slot_tokens] + [0])
         n_new = np.where(lengths > 0, (lengths // p - held // p) * p, 0)
-        kv.free, kv.tables, t.counts, ok = tier_step.grow(kv.free, kv.tables, t.counts,
-                                                          jnp.asarray(n_new, jnp.int32))
+        resident = np.ones((self.max_num_seqs + 1, self.num_layers), bool)
+        for s, layers in kv.offloaded.items():
+            resident[s, list(layers)] = False
+        kv.free, kv.tables, t.counts, ok = tier_step.grow(
+            kv.free, kv.tables, t.counts, jnp.asarray(n_new, jnp.int32), jnp.asarray(resident))
         t.high += n_new[:, None, None]
         kv.free_pages -= need
         return ok
@@ -232,7 +259,8 @@ class TieredRows:
         """End the sequence in `slot`: with prefix caching on and `keep`, its full pages'
         row is kept whole (evictable); else its pages are released."""
         kv, t = self.kv, self._t
-        if self.entries is not None and keep and len(kv.slot_tokens[slot]) >= self.page_size:
+        if (self.entries is not None and keep and len(kv.slot_tokens[slot]) >= self.page_size
+                and slot not in kv.offloaded):  # (a row is kept whole, in the pool)
             self._keep(slot)
         else:
             mask = np.zeros(self.max_num_seqs + 1, bool)
@@ -264,53 +292,6 @@ class TieredRows:
         while self.entries.pages > self.max_entry_pages:
             self._drop_entry(self.entries.oldest())
 
-    # ------------------------------------------------------------------ the store's form
-
-    def tier_pages(self, slot: int) -> tuple[dict[str, np.ndarray], KVPages, jax.Array,
-                                             jax.Array]:
-        """The pages `slot`'s tiers hold, as the store keeps a tiered row: (the layout,
-        `tier_entries.row_layout`, padded to a bucket of pages with head -1; the pages and
-        their token metadata score, pos, device arrays being gathered)."""
-        kv, t = self.kv, self._t
-        layout = row_layout(t.high[slot], t.low[slot], self.page_size)
-        n = len(layout["tier_head"])
-        rows = bucket(max(n, 1))
-        padded = {k: np.pad(x, (0, rows - n), constant_values=-1 if k == "tier_head" else 0)
-                  for k, x in layout.items()}
-        pages, score, pos = gather_row(kv.pool, t.meta, kv.tables, np.int32(slot),
-                                       *(jnp.asarray(padded[k]) for k in
-                                         ("tier_head", "tier_low", "tier_index")))
-        return padded, pages, score, pos
-
-    def place_tiers(self, slot: int, layout: dict[str, np.ndarray], pages: KVPages,
-                    score: np.ndarray, pos: np.ndarray, high: np.ndarray, low: np.ndarray,
-                    tokens: int) -> bool:
-        """Start the empty `slot` with saved tiered pages (`tier_pages`' form, checked by the
-        caller; high, low [L, H]) holding its first `tokens` tokens; False when the pages
-        cannot be had (nothing changes)."""
-        n = len(layout["tier_head"])
-        if not self.make_room(n):
-            return False
-        rows = bucket(max(n, 1))
-
-        def pad(x: np.ndarray, fill: int = 0) -> jax.Array:
-            return jnp.asarray(np.pad(x, [(0, rows - n)] + [(0, 0)] * (x.ndim - 1),
-                                      constant_values=fill))
-
-        pages = KVPages.from_arrays(pages.kv_format, {k: pad(x) for k, x in
-                                                      pages.arrays().items()})
-        kv, t = self.kv, self._t
-        (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = place_row(
-            kv.pool, t.meta, kv.free, kv.tables, t.counts, pages, pad(score), pad(pos),
-            pad(layout["tier_head"], -1), pad(layout["tier_low"]), pad(layout["tier_index"]),
-            jnp.asarray(high, jnp.int32), jnp.asarray(low, jnp.int32), np.int32(slot),
-            np.int32(tokens))
-        if not bool(ok):
-            raise RuntimeError("placing restored tiers failed although the host count allowed it")
-        kv.free_pages -= n
-        t.high[slot], t.low[slot] = high, low
-        return True
-
     # ------------------------------------------------------------------ the model's calls
 
     def model_tiers(self) -> tuple:
@@ -322,25 +303,25 @@ class TieredRows:
         """A model call's token metadata (the step's significance added)."""
         self._t.meta = meta
 
-    def after_call(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
-                   generation: bool) -> None:
-        """Algorithm 1 and compaction (`tier_step.retier`) for `slots`, which hold the tokens
-        of `slot_tokens` and the `added` ones a call just fed; dispatched, not awaited
-        (`after_step` reads what it did). `rows` and `tokens` are the call's padded shape.
+    def placement(self, slots: Sequence[int], added: Sequence[int], rows: int, tokens: int,
+                  generation: bool) -> Placement | None:
+        """The placement (Algorithm 1 and compaction, `tier_step.retier`) due after a model
+        call over `slots`, which hold the tokens of `slot_tokens` and the `added` ones the
+        call feeds; `rows` and `tokens` are the call's padded shape. None: none is due.
 
         After decode calls (`generation`) a slot is placed once it has `interval` tokens
         not yet placed, its own count, whatever its neighbours' (a sequence's compression
         does not depend on what it is batched with): the pass over every held token's
         attention is what placement costs, whether one token leaves the window or `interval`
         do. Tokens a sequence ends with unplaced stay in the high tier. With no slots
-        (warmup) the call runs, to compile."""
+        (warmup) one is due, to compile."""
         p = self.policy
         placed = list(zip(slots, added, strict=True))
         if generation:
             self.unplaced[list(slots)] += 1
             placed = [(s, a) for s, a in placed if self.unplaced[s] >= p.interval]
             if slots and not placed:
-                return
+                return None
         n_prev, n = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         index = np.full(rows, self.scratch, np.int32)
         for i, (s, a) in enumerate(placed):
@@ -348,16 +329,38 @@ class TieredRows:
             index[i], n[i] = s, held + a
             n_prev[i] = held + (a if generation else 0) - self.unplaced[s]
             self.unplaced[s] = 0
-        kv, t = self.kv, self._t
-        (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = tier_step.retier(
-            kv.pool, t.meta, kv.free, kv.tables, t.counts, jnp.asarray(index),
-            jnp.asarray(n_prev), jnp.asarray(n),
-            jnp.asarray(self.prompt_end[index]), jnp.asarray(p.knobs, jnp.float32),
-            fates=p.fates, recent=p.recent_window,
-            max_moves=(p.interval if generation else self.max_model_len if p.whole_row_moves
-                       else tokens + p.interval - 1),
-            generation=generation, max_tokens=self.max_model_len)
+        moves = (p.interval if generation else self.max_model_len if p.whole_row_moves
+                 else tokens + p.interval - 1)
+        return Placement(index, n_prev, n, moves, generation)
+
+    def place(self, plan: Placement | None, live: np.ndarray | None = None,
+              pool: KVPages | None = None, meta: object = None) -> tuple:
+        """Run `plan` on its rows' layers where `live` [rows, layers] is set (default: those
+        in the pool); dispatched, not awaited (`after_step` reads what it did). `pool` and
+        `meta`: a call's own, under way (returned); None: the state's."""
+        if plan is None:
+            return pool, meta
+        kv, t, p = self.kv, self._t, self.policy
+        if live is None:
+            live = np.array([[x not in kv.offloaded.get(int(s), ()) for x in
+                              range(self.num_layers)] for s in plan.index])
+        own = pool is None
+        (pool, meta, kv.free, kv.tables, t.counts, ok) = tier_step.retier(
+            kv.pool if own else pool, t.meta if own else meta, kv.free, kv.tables, t.counts,
+            jnp.asarray(plan.index), jnp.asarray(plan.n_prev), jnp.asarray(plan.n),
+            jnp.asarray(self.prompt_end[plan.index]), jnp.asarray(p.knobs, jnp.float32),
+            jnp.asarray(live), fates=p.fates, recent=p.recent_window,
+            max_moves=plan.max_moves, generation=plan.generation,
+            max_tokens=self.max_model_len)
         self.tier_ok.append(ok)
+        if own:
+            kv.pool, t.meta = pool, meta
+        return pool, meta
+
+    def after_call(self, plan: Placement | None) -> None:
+        """After a model call: its placement, on the layers in the pool (a layer on the host
+        was placed while it was in: `row_moves`)."""
+        self.place(plan)
 
     def after_step(self) -> None:
         """Read back what the step's placements did: tier counts and free pages."""

@@ -1,6 +1,6 @@
 """Which serving features each policy composes with, read off the policy and its layout: the
 table `docs/architecture.md` shows (`tests/test_composition.py` checks the two agree and
-runs every policy with the store and prefix caching)."""
+runs every policy with the store, prefix caching and layer offload)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ def composition_rows() -> list[tuple[str, ...]]:
         layout = TieredRows if policy.token_tiers else BlockPages
         rows.append((
             f"`{policy.name}`", f"`{layout.__name__}`",
-            "yes" if layout.offloads_layers else "not yet: `layer_offload` is off under it",
+            "layers placed while brought in for their turn" if policy.token_tiers
+            else "blocks sent out as they fill",
             "whole rows, compression kept" if policy.token_tiers else "blocks, tail entries",
             "ended rows kept whole" if policy.token_tiers else "shared full blocks",
-            "resumes from its row kept whole, or recomputes" if policy.token_tiers
-            else "resumes from its cached blocks, or recomputes"))
+            "only where layer offload cannot make room; resumes from its row kept whole or "
+            "stored (its last part-filled page recomputed), else recomputed and placed anew"
+            if policy.token_tiers else "resumes from its cached or stored blocks, or "
+            "recomputes (keys scaled per page, as KIVI's, are scaled anew: offload first)"))
     return rows
 
 

@@ -131,9 +131,12 @@ def offload_beats_preempting(budget: Budget, extra: float, layers: int, c: Candi
     one that runs the decodes less far past their targets: going on, each decoding request
     among `running` is late by what the longer steps take past its slack (all of them for
     one already behind); preempted, `c` by its wait until the first other decode finishes
-    and frees pages and the recompute of what it holds, past its own slack."""
+    and frees pages and the recompute of what it holds, past its own slack. Always where a
+    recompute would not give back the KV it holds (`Budget.lossy_recompute`)."""
     s, p, step = budget.offload_layer_seconds, budget.prefill_token_seconds, \
         budget.decode_step_seconds
+    if budget.lossy_recompute:
+        return True
     if c.tpot_slo is None or c.remaining is None or not (s and p and step):
         return offload_beats_recompute(budget, layers, c)
     decodes = [d for d in running if d.pending == 1]

@@ -28,6 +28,7 @@ def step_budget(engine: Engine, costs: StepCosts, max_tokens: int, layer_offload
         now=now, decode_step_seconds=decode_step_s,
         prefill_token_seconds=token_s,
         prefill_row_seconds=costs.prefill_row_s, layer_offload=layer_offload,
+        lossy_recompute=eng.cache.lossy_recompute,
         offload_layer_seconds=costs.offload_layer_s,
         decode_step_by_rows=tuple(costs.decode(n) for n in range(eng.runner.max_rows + 1)),
         min_resident=min_resident(

@@ -63,6 +63,9 @@ class Budget:
     # layers instead of preempting them; an admitted prefill keeps `min_resident` layers at
     # least (eq. 4); the decodes' pages over `forecast_steps` steps must fit (eq. 5)
     layer_offload: bool = False
+    # a preempted request's KV recomputed is not what it held (a token policy's placement
+    # of a recomputed prompt is not the one it made token by token): offload, never preempt
+    lossy_recompute: bool = False
     min_resident: int = 0
     forecast_steps: int = 1
     # cost model: what each offloaded layer a step brings in adds to it (measured)

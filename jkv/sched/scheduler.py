@@ -81,7 +81,7 @@ class Scheduler:
         self._next_step_s = 0.0  # what the next step of the decoding requests will take
         self.lengths = OutputLengths()  # finished replies' lengths: TPOT slack
         # LayerKV's layer-wise offload, where the engine's pages are blocks
-        self.layer_offload = self.config.layer_offload and engine.layers.enabled
+        self.layer_offload = self.config.layer_offload
         self.side = StoreSide(engine, self.config, store, self.stats, self.costs, self._state,
                               self.candidate, self.layer_offload)
 

@@ -61,17 +61,16 @@ def snapshot(s: Serving) -> dict:
         # steps run (0 until measured): why an admission was held can be read off these
         "step_costs": dict(s.step_costs),
     }
-    if eng.layers.enabled:  # LayerKV's layer-wise offload
-        out["layer_offload"] = {
-            "enabled": s.layer_offload,
-            "layers_offloaded": s.stats.layers_offloaded,
-            "fetches": s.stats.layer_fetches,
-            "admitted_offloaded": s.stats.admitted_offloaded,
-            "layer_major_prefills": s.stats.layer_major_prefills,
-            "admissions_held": s.stats.admissions_held,
-            "bytes_to_host": eng.layers.offloaded_bytes,
-            "bytes_from_host": eng.layers.fetched_bytes,
-            "requests_offloaded": s.requests_offloaded()}
+    out["layer_offload"] = {  # LayerKV's layer-wise offload
+        "enabled": s.layer_offload,
+        "layers_offloaded": s.stats.layers_offloaded,
+        "fetches": s.stats.layer_fetches,
+        "admitted_offloaded": s.stats.admitted_offloaded,
+        "layer_major_prefills": s.stats.layer_major_prefills,
+        "admissions_held": s.stats.admissions_held,
+        "bytes_to_host": eng.layers.offloaded_bytes,
+        "bytes_from_host": eng.layers.fetched_bytes,
+        "requests_offloaded": s.requests_offloaded()}
     if s.store is not None:
         out["store"] = {**s.store.snapshot(), "misses": s.stats.store_misses,
                         "restores_declined": s.stats.restores_declined,

@@ -77,8 +77,8 @@ class StoreSide:
                 self.stats.restores_abandoned += 1
                 decision = RestoreDecision(cached)
         c = self._candidate(r, decision.held, pinned + decision.extra_pages)
-        if self.layer_offload:  # (fed so if admitted offloaded)
-            c = dataclasses.replace(c, layer_major=0)
+        if self.layer_offload and self.engine.layers.layer_major:  # (fed so if admitted
+            c = dataclasses.replace(c, layer_major=0)  # offloaded)
         return (c, decision,
                 cached, ready)
 
