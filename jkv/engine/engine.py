@@ -23,7 +23,7 @@ from jkv.attention.backend import resolve_backend
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
 from jkv.engine.connector import KVConnector, SavedPages
 from jkv.engine.layer_major import LayerMajor
-from jkv.engine.records import EngineStats, Sampled, sampled_rows
+from jkv.engine.records import EngineStats, Sampled, check_row_sizes, sampled_rows
 from jkv.engine.row_connector import RowConnector
 from jkv.engine.runner import ModelRunner, Row, unchanged_layer
 from jkv.engine.sampling import SamplingParams, seed_key
@@ -277,18 +277,13 @@ class Engine:
 
     def _check_rows(self, prefill: Sequence[Row], decode: Sequence[Row]) -> dict[int, int]:
         """ValueError unless the rows are a valid step; returns each slot's new length."""
+        check_row_sizes(prefill, decode, self.prefill_chunk)
         for r in prefill:
             if r.layer_span is not None:
                 if not self.layers.layer_major:
                     raise ValueError("a layer-major prefill needs block pages (a token-tier "
                                      "policy places a prompt after each chunk)")
                 self.layer_major.check(r)
-            elif not 1 <= len(r.tokens) <= self.prefill_chunk:
-                raise ValueError(f"a prefill row feeds 1..{self.prefill_chunk} tokens, "
-                                 f"got {len(r.tokens)}")
-        for r in decode:
-            if len(r.tokens) != 1:
-                raise ValueError("a decode row feeds exactly one token")
         lengths: dict[int, int] = {}
         for r in list(prefill) + list(decode):
             if r.slot in lengths:

@@ -1,6 +1,6 @@
-"""What an engine step gives back: each row's `Sampled` token (with its log-probability, the
-most likely alternatives and, asked for, every fed position's), and the engine's running
-`EngineStats`."""
+"""What an engine step takes and gives back: the sizes its rows may have, each row's
+`Sampled` token (with its log-probability, the most likely alternatives and, asked for, every
+fed position's), and the engine's running `EngineStats`."""
 
 from __future__ import annotations
 
@@ -62,3 +62,13 @@ def sampled_rows(groups: Sequence[Sequence[Row]], outs: Sequence[tuple],
             sampled[id(r)] = Sampled(int(tokens[i]), float(logprob[i]), top_ids[i],
                                      top_lp[i], positions)
     return sampled
+
+
+def check_row_sizes(prefill: Sequence[Row], decode: Sequence[Row], chunk: int) -> None:
+    """ValueError unless each prefill row (not fed layer-major) feeds 1..`chunk` tokens and
+    each decode row one."""
+    for r in prefill:
+        if r.layer_span is None and not 1 <= len(r.tokens) <= chunk:
+            raise ValueError(f"a prefill row feeds 1..{chunk} tokens, got {len(r.tokens)}")
+    if any(len(r.tokens) != 1 for r in decode):
+        raise ValueError("a decode row feeds exactly one token")

@@ -24,10 +24,10 @@ def composition_rows() -> list[tuple[str, ...]]:
             else "blocks sent out as they fill",
             "whole rows, compression kept" if policy.token_tiers else "blocks, tail entries",
             "ended rows kept whole" if policy.token_tiers else "shared full blocks",
-            "only where layer offload cannot make room; resumes from its row kept whole or "
-            "stored (its last part-filled page recomputed), else recomputed and placed anew"
-            if policy.token_tiers else "resumes from its cached or stored blocks, or "
-            "recomputes (keys scaled per page, as KIVI's, are scaled anew: offload first)"))
+            "where offload cannot make room; resumes from its kept or stored row (last "
+            "partial page recomputed), else placed anew" if policy.token_tiers
+            else "resumes from cached or stored blocks, else recomputes (KIVI's per-page "
+            "key scales anew)"))
     return rows
 
 
