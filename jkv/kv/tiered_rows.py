@@ -342,8 +342,9 @@ class TieredRows:
             return pool, meta
         kv, t, p = self.kv, self._t, self.policy
         if live is None:
-            live = np.array([[x not in kv.offloaded.get(int(s), ()) for x in
-                              range(self.num_layers)] for s in plan.index])
+            live = np.ones((len(plan.index), self.num_layers), bool)
+            for i, s in enumerate(plan.index):
+                live[i, list(kv.offloaded.get(int(s), ()))] = False
         own = pool is None
         (pool, meta, kv.free, kv.tables, t.counts, ok) = tier_step.retier(
             kv.pool if own else pool, t.meta if own else meta, kv.free, kv.tables, t.counts,
