@@ -125,6 +125,20 @@ def _put(dest: np.ndarray, index: int, src: np.ndarray) -> np.ndarray:
     return dest
 
 
+def check_reservations(oks: list[jax.Array]) -> None:
+    """RuntimeError unless every page reservation a step or a fetch made on the device
+    succeeded (the host count said it would)."""
+    if not all(jax.device_get(oks)):
+        raise RuntimeError("page reservation failed although the host count allowed it")
+
+
+def settle_host_copies(offloaded: dict[int, dict[int, object]]) -> None:
+    """Every offloaded layer's copies on their way out, written into its host copy."""
+    for held in offloaded.values():
+        for host in held.values():
+            host.settle()
+
+
 class LayerOffload:
     """Moves layers of a block-pages `KVCacheManager`'s slots between its pool and the host
     (the rows layout has its own: `row_layer_offload.RowLayerOffload`)."""
@@ -287,15 +301,12 @@ class LayerOffload:
         self._ahead.clear()  # (a step cut short leaves some)
         self.flush()
         self._check()
-        for held in self.cache.offloaded.values():
-            for h in held.values():
-                h.settle()
+        settle_host_copies(self.cache.offloaded)
         self.host_seconds["settle"] += time.perf_counter() - t0
 
     def _check(self) -> None:
         oks, self._unchecked = self._unchecked, []
-        if not all(jax.device_get(oks)):
-            raise RuntimeError("page reservation failed although the host count allowed it")
+        check_reservations(oks)
 
     def warmup(self) -> None:
         """Compile the copies for every power-of-two block count a row can hold, on the

@@ -47,6 +47,12 @@ class Layout(Protocol):
     def pages_held(self, slot: int) -> int:
         """Pages of the pool `slot` holds."""
 
+    def layer_own_pages(self, slot: int, tokens: int | None = None) -> int:
+        """Pages one layer of `slot` holds past shared ones (the most of any layer)."""
+
+    def pages_offloadable(self, slot: int) -> int:
+        """Pages offloading every resident layer of `slot` frees."""
+
     def pages_freed_by_close(self, slot: int) -> int:
         """How much the available pages grow when `slot` closes."""
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 
-import jax
 import numpy as np
 
+from jkv.kv.layer_offload import check_reservations, settle_host_copies
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.tiered_rows import Placement
 
@@ -122,15 +122,12 @@ class RowLayerOffload:
         """After a step: its copies on the host, its brings checked."""
         t0 = time.perf_counter()
         self._check()
-        for held in self.cache.offloaded.values():
-            for host in held.values():
-                host.settle()
+        settle_host_copies(self.cache.offloaded)
         self.host_seconds["settle"] += time.perf_counter() - t0
 
     def _check(self) -> None:
         oks, self.moves.oks = self.moves.oks, []
-        if not all(jax.device_get(oks)):
-            raise RuntimeError("page reservation failed although the host count allowed it")
+        check_reservations(oks)
 
     def warmup(self) -> None:
         """Compile a send and a bring on the empty scratch slot (nothing held, nothing
