@@ -15,7 +15,7 @@ them again). Stores:
 - `lru`: CachedAttention's LRU over full (bf16) entries;
 - `<method>@<rate>-lru`: every entry saved in that one form (KIVI, StreamingLLM, each
   quantized format: every point of the profile), LRU;
-- `adaptcache@<alpha>`: `jkv.store.adapt.AdaptPlacement` choosing form and tier per entry.
+- `adaptcache@<alpha>`: `jkv.policies.adaptcache.AdaptPlacement` choosing form and tier per entry.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections import deque
 import numpy as np
 from results_io import svg_legend
 
+from jkv.policies.adaptcache import AdaptPlacement, Tier
 from jkv.store import Placement
-from jkv.store.adapt import AdaptPlacement, Tier
 from jkv.store.adapt_profile import Profile
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from jkv.config_checks import check_choices_and_flags, is_int, require
 from jkv.kv.format import KV_FORMATS
 
-EVICTION_POLICIES = ("lru", "fifo", "scheduler", "adaptcache")  # jkv.store.placement, .adapt
+# the placements of jkv.store.placement and jkv.policies.adaptcache
+EVICTION_POLICIES = ("lru", "fifo", "scheduler", "adaptcache")
 HOST_CACHE_SHARE = 4  # the default host tier: a quarter of the memory available at start,
 HOST_CACHE_CAP = 8 << 30  # at most 8 GiB
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jkv.kv.page_cost import PageCost
-from jkv.sched.plan_checks import offload_beats_recompute
+from jkv.policies.layerkv import offload_beats_recompute
 from jkv.sched.plan_records import Budget, Candidate
 from jkv.sched.planning import (
     min_resident,

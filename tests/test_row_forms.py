@@ -300,7 +300,7 @@ def test_a_row_form_is_made_only_from_one_keeping_more_of_the_tokens():
     """h2o@0.5 cannot become streaming@0.5 (both keep half the tokens: the newest half of
     an h2o half is all of it), however much smaller the profile says that form is: the
     policy takes a quarter for the h2o half instead."""
-    from jkv.store.adapt import AdaptPlacement, Tier
+    from jkv.policies.adaptcache import AdaptPlacement, Tier
     from jkv.store.adapt_profile import Profile
 
     profile = Profile.from_json({

@@ -1,5 +1,5 @@
-"""AdaptCache's placement (`jkv.store.adapt`): forms and tiers by marginal utility, no store;
-the quality profile it reads (`jkv.store.adapt_profile`)."""
+"""AdaptCache's placement (`jkv.policies.adaptcache`): forms and tiers by marginal utility,
+no store; the quality profile it reads (`jkv.store.adapt_profile`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.store.adapt import AdaptPlacement, Form, Tier
+from jkv.policies.adaptcache import AdaptPlacement, Form, Tier
 from jkv.store.adapt_profile import Profile
 
 MB = 1 << 20

@@ -1,6 +1,6 @@
 """The scheduler's step decisions as pure functions: which requests run in the next step
 (`plan_step`); the checks it weighs a choice with (TPOT slack, TTFT, the cost of layers on
-the host) are `jkv.sched.plan_checks`, the output-length estimate TPOT slack needs is
+the host) are LayerKV's, `jkv.policies.layerkv`, the output-length estimate TPOT slack needs is
 `jkv.sched.output_lengths`, whether a waiting request's store hit is restored
 `jkv.sched.restore_planning`. They take plain numbers (`Candidate`s, a `Budget`:
 `jkv.sched.plan_records`) and return records the scheduler applies, so policies can be
@@ -79,7 +79,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jkv.sched.plan_checks import (
+from jkv.policies.layerkv import (
     added_step_seconds,
     admission_keeps_slack,
     admitting_runs_less_late,

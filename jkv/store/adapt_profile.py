@@ -10,7 +10,7 @@ method's bytes over bf16 pages' bytes for the same tokens). JSON:
                  "k4v2t": [{"rate": 0.22, "quality": {...}, "family": "quantized"}], ...}}
 
 A point's family (default: its method) names the forms made from any larger one of the
-family at the quality measured from the full KV (`jkv.store.adapt.Form`). Optional
+family at the quality measured from the full KV (`jkv.policies.adaptcache.Form`). Optional
 `"decode_bps": {"cpu": {"k4v2t": 4.1e8, ...}}`: per JAX backend, the stored bytes per
 second an entry of each method is converted back into a model-dtype pool at (the decode
 cost of the paper's estimator; `adapt_profile.py --decode` measures it), what the store
@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from jkv.kv.row_form_names import parse_row_form
-from jkv.store.adapt import Form
+from jkv.policies.adaptcache import Form
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """AdaptCache's policy behind the store's placement interface (`--eviction-policy adaptcache`).
 
 `KVStore` asks its placement where entries go (`put`, `spill`, `adopt`, `access`, `drop`,
-`resize`) and carries out the moves; this gives it `jkv.store.adapt.AdaptPlacement`'s
+`resize`) and carries out the moves; this gives it `jkv.policies.adaptcache.AdaptPlacement`'s
 answers: a move may also name the KV format an entry is recompressed to (`Move.form`, the
 store's `recompress`). The forms an entry can take are the profile's quantized methods that
 are KV formats this jkv can write (`jkv.kv.format.KV_FORMATS`), sized from the entry's
@@ -18,8 +18,8 @@ from collections.abc import Collection, Hashable, Sequence
 
 from jkv.kv.format import KV_FORMATS
 from jkv.kv.row_form_names import WAYS, is_row_form
-from jkv.store.adapt import AdaptPlacement, Form, Tier
-from jkv.store.adapt import Move as AdaptMove
+from jkv.policies.adaptcache import AdaptPlacement, Form, Tier
+from jkv.policies.adaptcache import Move as AdaptMove
 from jkv.store.adapt_profile import Profile
 from jkv.store.placement import Move
 

@@ -1,24 +1,48 @@
-"""The checks `jkv.sched.planning`'s step policy weighs a choice with, from measured costs and
-the requests' targets: whether the steps an admission adds keep every decoding request
-within its TPOT target (LayerKV eq. 1 over the steps to come) and its own, whether a
-prefill can still meet its TTFT target, and whether layers on the host cost less than
-preempting the request or its wait for pages. Pure functions over `jkv.sched.plan_records`."""
+"""LayerKV's admission (LayerKV, section 3.1): the SLO-aware checks a step's choice is
+weighed with, from measured costs and the requests' targets: whether the steps an admission
+adds keep every decoding request within its TPOT target (eq. 1, the TPOT slack, over the
+steps to come) and its own, whether a prefill can still meet its TTFT target, and whether
+layers on the host cost less than preempting the request or its wait for pages.
+`jkv.sched.planning` applies these decisions; they are pure functions over the few fields
+of its `Budget` and `Candidate` named below (`Costs`, `Decoding`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
-from jkv.sched.plan_records import Budget, Candidate
+
+class Costs(Protocol):
+    """The step's cost model these checks read (`jkv.sched.plan_records.Budget`'s)."""
+
+    now: float
+    prefill_token_seconds: float
+    decode_step_seconds: float
+    decode_step_by_rows: tuple[float, ...]
+    offload_layer_seconds: float
+    lossy_recompute: bool
 
 
-def keeps_ttft(c: Candidate, budget: Budget) -> bool:
+class Decoding(Protocol):
+    """A request as these checks read it (`jkv.sched.plan_records.Candidate`'s fields)."""
+
+    pending: int
+    held: int
+    pin_pages: int
+    remaining: int | None
+    tpot_slo: float | None
+    tpot_slack: float | None
+    ttft_deadline: float | None
+
+
+def keeps_ttft(c: Decoding, budget: Costs) -> bool:
     """Whether `c`, fed from now on, can still meet its TTFT target (its prompt's tokens at
     the measured rate)."""
     return (c.ttft_deadline is not None
             and c.ttft_deadline - budget.now >= c.pending * budget.prefill_token_seconds)
 
 
-def added_step_seconds(budget: Budget, rows: int, offloaded: int) -> float:
+def added_step_seconds(budget: Costs, rows: int, offloaded: int) -> float:
     """What one more decoding request, with `offloaded` layers on the host, adds to each
     step of `rows` decoding ones: its row (a step of rows + 1 against one of rows, where
     measured) and bringing its offloaded layers in."""
@@ -28,8 +52,8 @@ def added_step_seconds(budget: Budget, rows: int, offloaded: int) -> float:
     return max(row, 0.0) + offloaded * budget.offload_layer_seconds
 
 
-def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candidate],
-                          budget: Budget, bring: float = 0.0, until: int | None = None
+def admission_keeps_slack(extra: float, new: Decoding, decodes: Sequence[Decoding],
+                          budget: Costs, bring: float = 0.0, until: int | None = None
                           ) -> bool:
     """Whether admitting `new`, which makes each step `extra` seconds longer while it
     decodes and `bring` more while layers it put on the host are brought in (`until` steps;
@@ -51,16 +75,16 @@ def admission_keeps_slack(extra: float, new: Candidate, decodes: Sequence[Candid
     return True
 
 
-def _added_seconds(extra: float, bring: float, until: int | None, d: Candidate,
-                   new: Candidate) -> float:
+def _added_seconds(extra: float, bring: float, until: int | None, d: Decoding,
+                   new: Decoding) -> float:
     """What admitting `new` adds to decode `d`'s time over the steps both decode: `extra`
     each step, `bring` for the first `until` of them (None: all)."""
     steps = d.remaining if new.remaining is None else min(d.remaining, new.remaining)
     return extra * steps + bring * (steps if until is None else min(steps, until))
 
 
-def admitting_runs_less_late(extra: float, new: Candidate, decodes: Sequence[Candidate],
-                             budget: Budget, bring: float = 0.0, until: int | None = None,
+def admitting_runs_less_late(extra: float, new: Decoding, decodes: Sequence[Decoding],
+                             budget: Costs, bring: float = 0.0, until: int | None = None,
                              own: float = 0.0) -> bool:
     """Where admitting `new` breaks the decodes' slack (`admission_keeps_slack`) or its own
     TPOT target (`own` seconds past it, `own_target_overrun`), whether it still runs the
@@ -81,8 +105,8 @@ def admitting_runs_less_late(extra: float, new: Candidate, decodes: Sequence[Can
     return late < ready - new.ttft_deadline
 
 
-def own_target_overrun(extra: float, offloaded: int, new: Candidate, budget: Budget,
-                       decodes: Sequence[Candidate] | None = None, until: int | None = None,
+def own_target_overrun(extra: float, offloaded: int, new: Decoding, budget: Costs,
+                       decodes: Sequence[Decoding] | None = None, until: int | None = None,
                        bring: float = 0.0) -> float:
     """How far past its own TPOT target (seconds over its output; 0 or less: within it)
     `new`, with `offloaded` layers on the host, decodes: each step the decodes' now and
@@ -108,7 +132,7 @@ def own_target_overrun(extra: float, offloaded: int, new: Candidate, budget: Bud
             - new.remaining * new.tpot_slo)
 
 
-def offload_beats_recompute(budget: Budget, layers: int, c: Candidate) -> bool:
+def offload_beats_recompute(budget: Costs, layers: int, c: Decoding) -> bool:
     """Whether running request `c` decoding its remaining tokens with `layers` layers on the
     host (each step bringing them in: `offload_layer_seconds` each, added to the step every
     row waits for) costs the running requests less than preempting it, whose recompute of
@@ -122,8 +146,8 @@ def offload_beats_recompute(budget: Budget, layers: int, c: Candidate) -> bool:
     return layers * s * c.remaining <= c.held * p
 
 
-def offload_beats_preempting(budget: Budget, extra: float, layers: int, c: Candidate,
-                             running: Sequence[Candidate]) -> bool:
+def offload_beats_preempting(budget: Costs, extra: float, layers: int, c: Decoding,
+                             running: Sequence[Decoding]) -> bool:
     """Whether running request `c` goes on with `layers` layers on the host, its steps and
     the others' `extra` seconds longer while it decodes, rather than being preempted.
     Without a TPOT target, where that costs the running requests less
@@ -132,7 +156,7 @@ def offload_beats_preempting(budget: Budget, extra: float, layers: int, c: Candi
     among `running` is late by what the longer steps take past its slack (all of them for
     one already behind); preempted, `c` by its wait until the first other decode finishes
     and frees pages and the recompute of what it holds, past its own slack. Always where a
-    recompute would not give back the KV it holds (`Budget.lossy_recompute`)."""
+    recompute would not give back the KV it holds (`lossy_recompute`)."""
     s, p, step = budget.offload_layer_seconds, budget.prefill_token_seconds, \
         budget.decode_step_seconds
     if budget.lossy_recompute:
@@ -154,8 +178,8 @@ def offload_beats_preempting(budget: Budget, extra: float, layers: int, c: Candi
     return late <= max(0.0, wait + c.held * p - max(own, 0.0))
 
 
-def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
-                          decodes: Sequence[Candidate]) -> bool:
+def offload_beats_waiting(budget: Costs, layers: int, new: Decoding,
+                          decodes: Sequence[Decoding]) -> bool:
     """Whether admitting `new` now with `layers` layers on the host costs the requests less
     than it waiting would: each step it decodes in brings its layers in for every row
     (itself included), against its own wait, at least until the first decoding request
@@ -171,7 +195,7 @@ def offload_beats_waiting(budget: Budget, layers: int, new: Candidate,
 
 
 
-def steps_until_freed(pages: int, running: Sequence[Candidate]) -> int | None:
+def steps_until_freed(pages: int, running: Sequence[Decoding]) -> int | None:
     """The steps until the running requests expected to finish first (by their output
     estimates) have freed `pages` pages: how long layers moved to the host to admit a request
     stay there before the pool takes them back. None: not expected within the estimates."""
@@ -186,6 +210,7 @@ def steps_until_freed(pages: int, running: Sequence[Candidate]) -> int | None:
     return None
 
 
-__all__ = ["added_step_seconds", "admission_keeps_slack", "admitting_runs_less_late", "keeps_ttft",
-           "offload_beats_preempting", "offload_beats_recompute", "offload_beats_waiting",
-           "own_target_overrun", "steps_until_freed"]
+__all__ = ["Costs", "Decoding", "added_step_seconds", "admission_keeps_slack",
+           "admitting_runs_less_late", "keeps_ttft", "offload_beats_preempting",
+           "offload_beats_recompute", "offload_beats_waiting", "own_target_overrun",
+           "steps_until_freed"]
