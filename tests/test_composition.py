@@ -125,9 +125,10 @@ def test_the_docs_table_of_what_composes_is_the_codes():
 
 
 def serve(params, policy: str, pool_pages: int | None, offload: bool,
-          store: bool = False) -> tuple[list, dict]:
+          store: bool = False) -> tuple[list, dict, list]:
     """Six requests decoding 40 tokens each at once, on a pool of `pool_pages` pages of the
-    policy's own format (None: a large one): (outputs, the scheduler's snapshot)."""
+    policy's own format (None: a large one): (outputs, the scheduler's snapshot, each
+    request's output length when first preempted, None if never)."""
     cache = CacheConfig(page_size=PAGE, kv_cache_bytes=1 << 22, kv_policy=policy, **KNOBS)
     if pool_pages is not None:
         one = engine(params, policy, False).cache.one_page
@@ -141,26 +142,41 @@ def serve(params, policy: str, pool_pages: int | None, offload: bool,
     requests = [Request(rng.integers(0, 512, n).tolist(),
                         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
                 for n in (16, 9, 14, 12, 16, 11)]
+    cut: dict[int, int] = {}
+    preempt = sched._preempt
+
+    def recorded(r: Request) -> None:
+        cut.setdefault(requests.index(r), len(r.output))
+        preempt(r)
+
+    sched._preempt = recorded
     generate_all(sched, requests)
     snap = sched.snapshot()
     if sched.store is not None:
         sched.store.close()
     check_nothing_leaked(eng)
-    return [r.output for r in requests], snap
+    return [r.output for r in requests], snap, [cut.get(i) for i in range(len(requests))]
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_every_policy_composes_with_layer_offload(params, policy):
+def test_every_policy_composes_with_layer_offload_and_preemption(params, policy):
     """On a pool of 100 pages (a sequence of max_model_len takes 48 or more): where it
     preempts without layer offload, with it the running requests' layers go to the host
     instead, nothing is preempted and every request samples what it does on a large pool
     (prompts of one chunk each: a token policy's placement sees the same chunks), and the
-    finished sequences kept as many tokens in each tier."""
-    want, big = serve(params, policy, None, False)
-    _, without = serve(params, policy, 100, False)
-    got, snap = serve(params, policy, 100, True)
+    finished sequences kept as many tokens in each tier. Preempted, a request recomputes
+    what it held: where that gives back the same KV (`lossy_recompute` False) it samples
+    what it does on a large pool; else what it sampled before the preemption stands and
+    the rest is the policy's on its KV placed anew."""
+    want, big, _ = serve(params, policy, None, False)
+    preempted, without, cut = serve(params, policy, 100, False)
+    got, snap, _ = serve(params, policy, 100, True)
     assert got == want
     assert snap["kv_tiers"] == big["kv_tiers"]
     assert snap["preemptions"] == 0
     if without["preemptions"]:
         assert snap["layer_offload"]["layers_offloaded"] > 0
+    lossy = engine(params, policy, False).cache.lossy_recompute
+    for out, full, n in zip(preempted, want, cut, strict=True):
+        assert len(out) == len(full)
+        assert out == full if n is None or not lossy else out[:n] == full[:n]

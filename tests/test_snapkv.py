@@ -89,6 +89,9 @@ def check_fates(seed: int, ratio: float) -> None:
     gen_hi, _ = snapkv.snapkv_fates(placing._replace(generation=True),
                                     jnp.asarray([ratio], jnp.float32))
     assert (np.asarray(gen_hi) == KEEP).all(), "a decode step pruned"
+    decided, _ = snapkv.snapkv_fates(placing._replace(prompt_end=placing.n_prev),
+                                     jnp.asarray([ratio], jnp.float32))
+    assert (np.asarray(decided) == KEEP).all(), "a prompt decided before was pruned again"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -175,3 +178,38 @@ def test_the_engine_check_catches_votes_from_every_query(tiny_params, monkeypatc
         made(self, cache), observation_window=0))
     with pytest.raises(AssertionError):
         check_engine(tiny_params, prompts((45,))[0])
+
+
+def resume_after_preemption(params, prompt: list[int], decode: int, own_prompt: bool):
+    """A snapkv request preempted after `decode` greedy steps (its row kept) and resumed
+    with its output so far, the rest fed as a prompt chunk: (the positions each (layer, KV
+    head) held before, after). `own_prompt` False: opened as a new prompt would be."""
+    eng = tiered(params, "xla", kv_policy="snapkv", kv_heavy_ratio=0.25)
+    greedy_params, key = SamplingParams(temperature=0), eng.request_key(0)
+    slot, _ = eng.open(prompt)
+    for start in range(0, len(prompt), 16):
+        [out], _ = eng.step([Row(slot, prompt[start:start + 16], greedy_params, key)], [])
+    tokens = prompt + [out.token]
+    for i in range(decode):
+        _, [out] = eng.step([], [Row(slot, [tokens[-1]], greedy_params, key, i + 1)])
+        tokens.append(out.token)
+    before = held_positions(eng, slot, len(tokens) - 1)
+    eng.close(slot, finished=False)
+    slot, cached = eng.open(tokens, prompt_tokens=len(prompt) if own_prompt else None)
+    assert cached == (len(tokens) - 1) // PAGE * PAGE, "the kept row was not found"
+    eng.step([Row(slot, tokens[cached:], greedy_params, key)], [])
+    return before, held_positions(eng, slot, len(tokens))
+
+
+def test_a_resumed_request_keeps_what_its_prompt_end_decided(tiny_params):
+    """A preempted request resumes from its kept row with its own prompt's end: nothing it
+    generated is pruned, and the prompt tokens it held are held again (not voted on again
+    as a new prompt's would be, the check's planted bug)."""
+    prompt = prompts((29,))[0]
+    before, after = resume_after_preemption(tiny_params, prompt, 13, own_prompt=True)
+    generated = set(range(len(prompt), len(prompt) + 13))
+    for layer, head in np.ndindex(len(before), len(before[0])):
+        assert generated <= after[layer][head], (layer, head)
+        assert before[layer][head] <= after[layer][head], (layer, head)
+    _, again = resume_after_preemption(tiny_params, prompt, 13, own_prompt=False)
+    assert any(not generated <= heads for layer in again for heads in layer)

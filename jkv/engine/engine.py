@@ -118,7 +118,8 @@ class Engine:
 
     def open(self, token_ids: Sequence[int], restore: SavedPages | None = None,
              use_prefix_cache: bool = True, max_cached: int | None = None,
-             recompute: float = 0.0, resident: int | None = None) -> tuple[int, int]:
+             recompute: float = 0.0, resident: int | None = None,
+             prompt_tokens: int | None = None) -> tuple[int, int]:
         """Take a free slot for a sequence whose prompt is `token_ids`.
 
         Returns (slot, cached): the first `cached` tokens are already held (prefix cache
@@ -130,7 +131,8 @@ class Engine:
         row, which is restored whole). `resident`: only that many layers keep pages in the
         pool, spread over the depth (`resident_layers`); the others are held on the host
         from the start and their prefill goes through the pool a layer at a time
-        (LayerKV; `fetch_layers` brings them back).
+        (LayerKV; `fetch_layers` brings them back). `prompt_tokens`: where its own prompt
+        ended (a preempted request resuming; default all): decided there, not again.
         """
         if not 0.0 <= recompute <= 1.0:
             raise ValueError(f"recompute must be in [0, 1], got {recompute}")
@@ -141,7 +143,7 @@ class Engine:
                              f"got {len(token_ids)}")
         if restore is not None:  # raises before anything is taken
             restorable = self.connector.restorable(restore, token_ids)
-        slot, cached = self.cache.open(token_ids, use_prefix_cache, max_cached)
+        slot, cached = self.cache.open(token_ids, use_prefix_cache, max_cached, prompt_tokens)
         if self.cache.enable_prefix_caching:
             self.stats.prefix_query_tokens += len(token_ids)
         self.stats.prefix_hit_tokens += cached

@@ -214,17 +214,20 @@ class KVCacheManager:
         return 0 <= slot < self.max_num_seqs and slot not in self._free_slots
 
     def open(self, token_ids: Sequence[int], use_prefix_cache: bool = True,
-             max_cached: int | None = None) -> tuple[int, int]:
-        """Take a free slot for `token_ids`; returns (slot, tokens found in the prefix cache
-        or, with token tiers, in a kept sequence, which the slot now holds; 0 without
-        `use_prefix_cache`, at most `max_cached`)."""
+             max_cached: int | None = None, prompt_tokens: int | None = None
+             ) -> tuple[int, int]:
+        """Take a free slot for `token_ids`, whose prompt is the first `prompt_tokens`
+        (default all); returns (slot, tokens found in the prefix cache or, with token tiers,
+        in a kept sequence, which the slot now holds; 0 without `use_prefix_cache`, at most
+        `max_cached`)."""
         if not self._free_slots:
             raise RuntimeError("no free sequence slot")
         slot = self._free_slots.pop()
         hashes = self.prompt_hashes(token_ids) if use_prefix_cache else []
         if max_cached is not None:
             hashes = hashes[:max_cached // self.page_size]
-        cached = self.layout.open(slot, hashes, len(token_ids))
+        cached = self.layout.open(slot, hashes, len(token_ids) if prompt_tokens is None
+                                  else prompt_tokens)
         self.slot_tokens[slot] = list(token_ids[:cached])
         return slot, cached
 

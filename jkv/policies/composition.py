@@ -5,10 +5,20 @@ runs every policy with the store, prefix caching and layer offload)."""
 from __future__ import annotations
 
 from jkv.kv.block_pages import BlockPages
+from jkv.kv.format import KV_FORMATS
 from jkv.kv.tiered_rows import TieredRows
+from jkv.policies.registry import KVPolicy
 
 HEADER = ("policy", "layout", "layer offload (LayerKV)", "KV store", "device prefix cache",
           "preemption")
+
+
+def recompute_is_lossy(policy: KVPolicy) -> bool:
+    """Whether KV recomputed from a sequence's tokens can differ from what it held, under
+    the policy's default format (`KVCacheManager.lossy_recompute`): a row placed per prompt
+    chunk, or keys scaled per page (scaled as the page grew, recomputed at once)."""
+    fmt = KV_FORMATS.get(policy.default_format or "")
+    return policy.token_tiers or (fmt is not None and fmt.k_bits < 16 and not fmt.token_keys)
 
 
 def composition_rows() -> list[tuple[str, ...]]:
@@ -24,10 +34,11 @@ def composition_rows() -> list[tuple[str, ...]]:
             else "blocks sent out as they fill",
             "whole rows, compression kept" if policy.token_tiers else "blocks, tail entries",
             "ended rows kept whole" if policy.token_tiers else "shared full blocks",
-            "where offload cannot make room; resumes from its kept or stored row (last "
-            "partial page recomputed), else placed anew" if policy.token_tiers
-            else "resumes from cached or stored blocks, else recomputes (KIVI's per-page "
-            "key scales anew)"))
+            "only where layer offload cannot make room; what no cache or store gives back "
+            "is recomputed and placed (or scaled) anew: tokens sampled before stand, later "
+            "ones can differ" if recompute_is_lossy(policy)
+            else "what no cache or store gives back is recomputed: the same tokens (a "
+            "`kv_format` with keys scaled per page: as `kivi`)"))
     return rows
 
 

@@ -8,8 +8,10 @@ neighbours' context along), and keeps the `kv_heavy_ratio` share of the prompt w
 highest pooled votes beside the window itself; the other prompt tokens are pruned. Tokens
 generated later are all kept, as SnapKV compresses the prompt only.
 
-Before the last chunk nothing is decided (the votes are not in yet). A prompt that extends a
-kept conversation's row is voted on again at its end, over the tokens that row still holds.
+Only the chunk that ends the prompt decides: before it the votes are not in; after it (a
+preempted request resuming with its output so far) the prompt was decided already. A prompt
+that extends a kept conversation's row is voted on again at its end, over the tokens that row
+still holds.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ def pooled_votes(score: jax.Array, pos: jax.Array, among: jax.Array,
 
 
 def snapkv_fates(x: Placing, knobs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """At the prompt's end, of the tokens older than the window, the `ratio * n` with the
-    highest pooled votes stay, the others are pruned; otherwise every token stays. knobs:
-    the kept share of the prompt."""
+    """In the chunk that ends the prompt, of the tokens older than the window, the
+    `ratio * n` with the highest pooled votes stay, the others are pruned; otherwise every
+    token stays. knobs: the kept share of the prompt."""
     rows = x.rows()
     keep_all = jnp.full(rows["hi_pos"].shape, KEEP)
     if x.generation:
@@ -53,8 +55,8 @@ def snapkv_fates(x: Placing, knobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     n = jnp.broadcast_to(x.n, x.counts.high.shape)
     votes = pooled_votes(rows["hi_score"], rows["hi_pos"], rows["old"])
     fate = keep_top(votes, rows["hi_pos"], rows["old"], share_of(n, knobs[0])[..., None])
-    ended = jnp.broadcast_to(x.n >= x.prompt_end, n.shape)[..., None]
-    return jnp.where(ended, fate, keep_all), jnp.full(rows["lo_pos"].shape, KEEP)
+    ended = jnp.broadcast_to((x.n_prev < x.prompt_end) & (x.n >= x.prompt_end), n.shape)
+    return jnp.where(ended[..., None], fate, keep_all), jnp.full(rows["lo_pos"].shape, KEEP)
 
 
 POLICY = KVPolicy(

@@ -137,12 +137,13 @@ class StoreSide:
             st.slot, cached = eng.open(r.tokens, restore=restore,
                                        use_prefix_cache=r.sampling.prompt_logprobs is None,
                                        max_cached=st.cached, recompute=st.recompute,
-                                       resident=st.resident)
+                                       resident=st.resident, prompt_tokens=len(r.prompt))
         except ValueError:  # the loaded blocks do not fit this prompt: never serve them
             log.exception("restoring request %s from the store failed; recomputing",
                           r.request_id)
             self.stats.store_misses += 1
-            st.slot, cached = eng.open(r.tokens, max_cached=st.cached, resident=st.resident)
+            st.slot, cached = eng.open(r.tokens, max_cached=st.cached, resident=st.resident,
+                                       prompt_tokens=len(r.prompt))
         if st.resident is not None:
             self.stats.admitted_offloaded += 1
         if hit is not None:
