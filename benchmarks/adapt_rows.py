@@ -40,11 +40,11 @@ from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine.connector import SavedPages  # noqa: E402
 from jkv.engine.engine import Engine, Row  # noqa: E402
 from jkv.engine.sampling import SamplingParams  # noqa: E402
-from jkv.kv.row_form_names import parse_row_form  # noqa: E402
 from jkv.kv.tier_entries import TIER_ARRAYS  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
+from jkv.policies.stored_forms import parse_row_form  # noqa: E402
 from jkv.store.adapt_profile import Profile  # noqa: E402
 
 FORMS = "streaming@0.75,streaming@0.5,streaming@0.25,h2o@0.75,h2o@0.5,h2o@0.25"

@@ -16,8 +16,8 @@ from jkv.kv.tiered_rows import TierPolicy
 from jkv.policies.leankv import leankv_fates
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jkv"
-OWNERS = {ROOT / "kv" / name for name in ("manager.py", "block_pages.py", "tiered_rows.py",
-                                           "row_moves.py")}
+OWNERS = {ROOT / "kv" / name for name in ("manager.py", "layouts.py", "block_pages.py",
+                                           "tiered_rows.py", "row_moves.py")}
 MANAGER_STATE = ("pool", "filling", "free", "tables", "free_pages", "offloaded", "slot_tokens")
 LAYOUT_STATE = {"blocks": ("blocks",),
                 "rows": ("meta", "counts", "entry_tables", "entry_counts", "high", "low")}

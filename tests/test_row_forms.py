@@ -18,10 +18,11 @@ from test_tier_entries import request, row_contents
 from jkv.config import SchedulerConfig, StoreConfig
 from jkv.engine.connector import SavedPages
 from jkv.kv.pages import KVPages
-from jkv.kv.row_form_names import parse_row_form
-from jkv.kv.row_forms import convert_row, drop_tokens
+from jkv.kv.row_forms import drop_tokens
 from jkv.kv.tier_entries import TIER_ARRAYS
 from jkv.models.loaders import random_params
+from jkv.policies import POLICIES, KVPolicy
+from jkv.policies.stored_forms import convert_row, parse_row_form, row_form_ways
 from jkv.sched.scheduler import Scheduler, generate_all
 from jkv.store import KVStore
 
@@ -70,7 +71,8 @@ def tokens(arrays: dict, fmt) -> dict[tuple[int, int], tuple]:
 
 def expected(held: dict, keep: float, way: str) -> set:
     """The (head, position) pairs a form keeps, worked out head by head: the sinks and the
-    recent window, then the newest (streaming) or the most mean attention (h2o)."""
+    recent window, then the newest (streaming), the most mean attention (h2o) or the oldest
+    (a research policy's)."""
     out = set()
     for head in {h for h, _ in held}:
         mine = [(pos, held[(head, pos)][3]) for h, pos in held if h == head]
@@ -79,6 +81,8 @@ def expected(held: dict, keep: float, way: str) -> set:
         rest = [(pos, score) for pos, score in mine if pos not in protected]
         if way == "streaming":
             rest.sort(key=lambda t: -t[0])
+        elif way == "oldest":
+            rest.sort(key=lambda t: t[0])
         else:
             rest.sort(key=lambda t: (-t[1] / max(n - t[0], 1), t[0]))
         budget = max(math.ceil(keep * len(mine)), len(protected))
@@ -97,8 +101,8 @@ def test_a_dropped_row_keeps_what_its_way_chooses_bit_for_bit_and_restores(
     if policy == "leankv":  # both tiers are exercised
         assert {t[0] for t in before.values()} == {0, 1}
     keep = float(np.random.default_rng().uniform(0.3, 0.7))
-    dropped = drop_tokens(saved.arrays, pool_fmt, keep, way, heads=HEADS, page=PAGE,
-                          sinks=SINKS, recent=RECENT)
+    dropped = drop_tokens(saved.arrays, pool_fmt, keep, row_form_ways()[way], heads=HEADS,
+                          page=PAGE, sinks=SINKS, recent=RECENT)
     after = tokens(dropped, pool_fmt)
     want = expected(before, keep, way)
     assert set(after) == want and len(want) < len(before)
@@ -128,7 +132,9 @@ def test_a_dropped_row_keeps_what_its_way_chooses_bit_for_bit_and_restores(
     check_nothing_leaked(eng)
 
 
-def test_row_forms_only_shrink_and_name_what_is_wrong(tiny_params):
+def test_row_forms_only_shrink_and_name_what_is_wrong(tiny_params, monkeypatch):
+    """Forms only shrink; a bad name is named; and a policy registered with a `form_merit`
+    (a research policy's save hook) is offered as a form of its own name."""
     eng, _, saved = saved_row(tiny_params, "h2o")
     fmt = eng.cache.pool.kv_format
     kw = dict(heads=HEADS, page=PAGE, sinks=SINKS, recent=RECENT)
@@ -137,7 +143,7 @@ def test_row_forms_only_shrink_and_name_what_is_wrong(tiny_params):
         np.testing.assert_array_equal(same[k], x)
     half = convert_row(saved.arrays, fmt.name, "h2o@0.5", fmt, **kw)
     quarter = convert_row(half, "h2o@0.5", "h2o@0.25", fmt, **kw)  # half of the half
-    direct = drop_tokens(half, fmt, 0.5, "h2o", **kw)
+    direct = drop_tokens(half, fmt, 0.5, row_form_ways()["h2o"], **kw)
     for k, x in direct.items():
         np.testing.assert_array_equal(quarter[k], x)
     with pytest.raises(ValueError, match="only shrink"):
@@ -147,6 +153,11 @@ def test_row_forms_only_shrink_and_name_what_is_wrong(tiny_params):
             convert_row(saved.arrays, fmt.name, bad, fmt, **kw)
     assert parse_row_form("streaming@0.25") == ("streaming", 0.25)
     assert parse_row_form("h2o@0") is None and parse_row_form("h2o") is None
+    assert parse_row_form("oldest@0.5") is None  # no policy offers it
+    monkeypatch.setitem(POLICIES, "oldest", KVPolicy(
+        name="oldest", summary="a research policy", form_merit=lambda pos, score, n: -pos))
+    oldest = convert_row(saved.arrays, fmt.name, "oldest@0.5", fmt, **kw)
+    assert set(tokens(oldest, fmt)) == expected(tokens(saved.arrays, fmt), 0.5, "oldest")
 
 
 def row_profile(tmp_path) -> str:
@@ -219,8 +230,8 @@ def test_an_adaptcache_store_behind_token_tiers_keeps_rows_in_smaller_forms(tiny
 def test_a_lossless_store_never_gets_a_row_restored_from_a_smaller_form(tiny_params, caplog):
     eng, follow, saved = saved_row(tiny_params, "h2o")
     fmt = eng.cache.pool.kv_format
-    small = drop_tokens(saved.arrays, fmt, 0.5, "h2o", heads=HEADS, page=PAGE, sinks=SINKS,
-                        recent=RECENT)
+    small = drop_tokens(saved.arrays, fmt, 0.5, row_form_ways()["h2o"], heads=HEADS,
+                        page=PAGE, sinks=SINKS, recent=RECENT)
     store = KVStore(StoreConfig(host_cache_bytes=1 << 24), model=eng.fingerprint,
                     kv_format=eng.kv_format, page_size=PAGE)
     sched = Scheduler(eng, store=store)
@@ -285,7 +296,7 @@ def test_a_row_recompressed_in_place_restores_to_the_tokens_its_form_keeps(tiny_
     assert store.snapshot()["bytes"]["host"] < before
     got = store.load(store.lookup(hashes, whole=True))
     assert got.exact_blocks == 0  # read back approximate
-    want = drop_tokens(saved.arrays, fmt, 0.5, "h2o", **kw)
+    want = drop_tokens(saved.arrays, fmt, 0.5, row_form_ways()["h2o"], **kw)
     for k, x in want.items():
         np.testing.assert_array_equal(got.arrays[k], x, err_msg=k)
     slot, cached = eng.open(follow, restore=SavedPages(saved.num_blocks, got.arrays,

@@ -18,8 +18,8 @@ import numpy as np
 from jkv.engine.connector import KVConnector, PendingRestore, SavedPages
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
-from jkv.kv.row_forms import convert_row
 from jkv.kv.tier_entries import TIER_ARRAYS, place_row, row_layout, tier_counts
+from jkv.policies.stored_forms import convert_row
 
 
 class RowConnector(KVConnector):
@@ -132,7 +132,7 @@ class RowConnector(KVConnector):
 
     def convert_stored(self, arrays: dict, src: str, dst: str, dtype) -> dict[str, np.ndarray]:
         """A stored row in form `src` as form `dst`: the pool's format or a row form, which
-        drops tokens (`row_forms.convert_row`)."""
+        drops tokens (`stored_forms.convert_row`)."""
         c, t = self.cache, self.cache.layout.policy
         return convert_row(arrays, src, dst, c.pool.kv_format, heads=c.cost.heads,
                            page=c.page_size, sinks=t.sinks, recent=t.recent_window)

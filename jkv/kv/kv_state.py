@@ -1,9 +1,9 @@
 """The device KV state every layout shares, and the read-only view the manager gives of it.
 
 `KVState` is written only by the KV cache manager (`manager.py`) and the layout it composes
-(`block_pages.py`, `tiered_rows.py` with its moves out of the pool, `row_moves.py`); everything
-else reads it through their read-only properties (`read_only`), so the host's count of free
-pages and the device's free list change together, in one place.
+(`layouts.py`, with a layout's moves out of the pool; `tests/test_kv_owner.py` lists them
+all); everything else reads it through their read-only properties (`read_only`), so the
+host's count of free pages and the device's free list change together, in one place.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The KV cache manager: the page pool and everything that says who holds which page.
 
 One owner of the page budget and the only writer of device KV state, with the layout it
-composes: how a sequence's KV sits in the pool (`BlockPages`, or `TieredRows` under a token
-policy). It holds the pool (`KVPages`), the filling pages, the free list with its reference
-counts and the page tables (`allocator`) and the sequence slots with the tokens each holds;
-the layout holds what is its own (the prefix cache's blocks, or the tiers and kept rows). The
-engine asks it for room before a step; the scheduler's plan asks its `cost` how many pages
-tokens take; neither computes page counts another way.
+composes: how a sequence's KV sits in the pool (`layouts.py`: block pages, or a token
+policy's per-head tiers). It holds the pool (`KVPages`), the filling pages, the free list
+with its reference counts and the page tables (`allocator`) and the sequence slots with the
+tokens each holds; the layout holds what is its own (the prefix cache's blocks, or the tiers
+and kept rows). The engine asks it for room before a step; the scheduler's plan asks its
+`cost` how many pages tokens take; neither computes page counts another way.
 
 A host count of free pages mirrors the device free list so that planning never waits for
 the device: pages change hands only here and in the layout, so which pages a release frees
@@ -22,16 +22,15 @@ import jax
 import numpy as np
 
 from jkv.kv.allocator import init_free, init_tables
-from jkv.kv.block_pages import BlockPages
 from jkv.kv.buckets import bucket
 from jkv.kv.format import KVFormat
 from jkv.kv.kv_state import KVState, read_only
 from jkv.kv.layout import Layout
+from jkv.kv.layouts import TierPolicy, layout_class, make_layout
 from jkv.kv.page_cost import PageCost
 from jkv.kv.page_pool import init_filling, page_bytes
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
-from jkv.kv.tiered_rows import TieredRows, TierPolicy
 from jkv.kv.transfer import scatter_pages, slot_page_ids
 
 
@@ -65,7 +64,7 @@ class KVCacheManager:
                  max_num_seqs: int, enable_prefix_caching: bool,
                  device_cache_bytes: int | None, hash_seed: bytes,
                  tiers: TierPolicy | None = None) -> None:
-        kind = BlockPages if tiers is None else TieredRows
+        kind = layout_class(tiers)
         self.page_size, self.max_model_len = page_size, max_model_len
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.cost = PageCost(page_size, num_layers * num_kv_heads, on_fill=kind.pages_on_fill,
@@ -101,9 +100,7 @@ class KVCacheManager:
                       enable_prefix_caching=enable_prefix_caching,
                       device_cache_bytes=device_cache_bytes, hash_seed=hash_seed,
                       max_num_seqs=max_num_seqs, device=device)
-        self.layout: Layout = (
-            BlockPages(s, **shared) if tiers is None
-            else TieredRows(s, policy=tiers, max_model_len=max_model_len, **shared))
+        self.layout: Layout = make_layout(s, tiers, max_model_len, **shared)
         self.finished = FinishedKV()
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
 

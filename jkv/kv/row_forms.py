@@ -1,71 +1,37 @@
-"""Smaller forms of a stored token-tier row: tokens dropped without the model (AdaptCache's
-StreamingLLM-style and score-pruned forms, for a store behind a token-tier engine).
+"""Smaller forms of a stored token-tier row: tokens dropped without the model (for a store
+behind a token-tier engine; `jkv.policies.stored_forms` names the forms a policy offers).
 
-A token-tier row (`tier_entries.row_layout`: its pages with their tier, index and tokens, and each
-token slot's position and received attention) already keeps only what its policy (LeanKV,
-H2O, StreamingLLM) let it keep. A form `<way>@<keep>` keeps about `keep` of each (layer, KV
-head)'s tokens:
-
-- `streaming@<keep>`: the attention sinks and the newest tokens (StreamingLLM's choice);
-- `h2o@<keep>`: the sinks, the recent window, then the tokens with the most mean attention
-  received (the scores the row stores: LeanKV's significance, H2O's heavy hitters).
-
-The sinks (positions below `sinks`) and the recent window (the newest `recent` positions) are
-never dropped, as no policy drops them. Kept tokens stay in their tier and their slot order;
-the row is rebuilt dense (`row_layout` of the new counts) in the same KV format, so it is
-restored like any token-tier row, its dropped tokens absent. `keep` counts against the row as
-the engine kept it: `h2o@0.25` made from `h2o@0.5` keeps half of what that form holds.
+A token-tier row (`tier_entries.row_layout`: its pages with their tier, index and tokens, and
+each token slot's position and received attention) already keeps only what its policy let it
+keep. `drop_tokens` keeps about `keep` of each (layer, KV head)'s tokens: the sinks (positions
+below `sinks`) and the recent window (the newest `recent` positions), never dropped as no
+policy drops them, then those of highest merit (the policy's `form_merit`). Kept tokens stay
+in their tier and their slot order; the row is rebuilt dense (`row_layout` of the new
+counts) in the same KV format, so it is restored like any token-tier row, its dropped tokens
+absent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from jkv.kv.format import KVFormat
 from jkv.kv.pages import KVPages
-from jkv.kv.row_form_names import WAYS, parse_row_form
 from jkv.kv.tier_entries import TIER_ARRAYS, row_layout
 
-
-def convert_row(arrays: Mapping[str, np.ndarray], src: str, dst: str, kv_format: KVFormat,
-                *, heads: int, page: int, sinks: int, recent: int) -> dict[str, np.ndarray]:
-    """A stored token-tier row in form `src` as form `dst` (each the pool's format name or a row
-    form). Into the pool's format: the row as it is (its dropped tokens stay absent); into
-    a row form: `drop_tokens` at that form's share of `src`'s. ValueError for a form that is
-    neither, or one that would not be smaller."""
-    pool = kv_format.name
-    forms = {}
-    for side, name in (("src", src), ("dst", dst)):
-        if name == pool:
-            forms[side] = None
-        elif (form := parse_row_form(name)) is not None:
-            forms[side] = form
-        else:
-            raise ValueError(f"{side} {name!r} is neither the pool's format ({pool}) nor a "
-                             f"row form <way>@<keep> with way in {WAYS}")
-    if forms["dst"] is None:
-        return {k: np.asarray(x) for k, x in arrays.items()}
-    way, keep = forms["dst"]
-    held = 1.0 if forms["src"] is None else forms["src"][1]
-    if keep >= held:
-        raise ValueError(f"a row in {src} cannot become {dst}: forms only shrink")
-    return drop_tokens(arrays, kv_format, keep / held, way, heads=heads, page=page,
-                       sinks=sinks, recent=recent)
+Merit = Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # (pos, score, n) -> merit
 
 
-def _kept(t_head: np.ndarray, t_pos: np.ndarray, t_score: np.ndarray, keep: float, way: str,
-          *, heads: int, sinks: int, recent: int) -> np.ndarray:
+def _kept(t_head: np.ndarray, t_pos: np.ndarray, t_score: np.ndarray, keep: float,
+          merit_of: Merit, *, heads: int, sinks: int, recent: int) -> np.ndarray:
     """Which of a row's held tokens (each's head, position and summed score) a form keeps:
-    per head the sinks and the recent window, then the best by `way`'s merit up to `keep`
+    per head the sinks and the recent window, then the best by `merit_of` up to `keep`
     of the head's tokens (the choice alone; `drop_tokens` rebuilds the row from it)."""
     n = int(t_pos.max()) + 1 if len(t_pos) else 0  # the newest token is always held
     protected = (t_pos < sinks) | (t_pos >= n - recent)
-    if way == "streaming":
-        merit = t_pos.astype(np.float64)
-    else:  # mean attention received: from the n - pos queries at or after the token
-        merit = t_score.astype(np.float64) / np.maximum(n - t_pos, 1)
+    merit = np.asarray(merit_of(t_pos, t_score, n), np.float64)
     # rank per head: protected first, then by merit (ties: the earlier token)
     order = np.lexsort((t_pos, -merit, ~protected, t_head))
     per_head = np.bincount(t_head, minlength=heads)
@@ -99,12 +65,12 @@ def _copy_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, m: int,
     return {k: np.asarray(x) for k, x in dst_pages.arrays().items()}
 
 
-def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: float, way: str,
-                *, heads: int, page: int, sinks: int, recent: int) -> dict[str, np.ndarray]:
+def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: float,
+                merit: Merit, *, heads: int, page: int, sinks: int,
+                recent: int) -> dict[str, np.ndarray]:
     """A token-tier row's arrays (its real pages only) with about `keep` of each (layer, KV
-    head)'s tokens kept, chosen `way` (`WAYS`); see the module docstring."""
-    if way not in WAYS:
-        raise ValueError(f"way must be one of {WAYS}, got {way!r}")
+    head)'s tokens kept, the sinks, the window and the highest `merit`; see the module
+    docstring."""
     if not 0 < keep <= 1:
         raise ValueError(f"keep must be in (0, 1], got {keep}")
     head, is_low, index, count = (np.asarray(arrays[k], np.int64) for k in TIER_ARRAYS[:4])
@@ -117,7 +83,8 @@ def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: flo
     t_head, t_low = head[rows], is_low[rows]
     t_slot = index[rows] * cap[rows] + offs
     t_pos, t_score = pos[rows, offs].astype(np.int64), score[rows, offs]
-    kept = _kept(t_head, t_pos, t_score, keep, way, heads=heads, sinks=sinks, recent=recent)
+    kept = _kept(t_head, t_pos, t_score, keep, merit, heads=heads, sinks=sinks,
+                 recent=recent)
     # kept tokens, in (head, tier, slot) order, are the new row's slots 0, 1, ... per tier
     k_idx = np.flatnonzero(kept)
     k_idx = k_idx[np.lexsort((t_slot[k_idx], t_low[k_idx], t_head[k_idx]))]
@@ -142,4 +109,4 @@ def drop_tokens(arrays: Mapping[str, np.ndarray], kv_format: KVFormat, keep: flo
     return {**pages, **layout, "tier_score": out_score, "tier_pos": out_pos}
 
 
-__all__ = ["convert_row", "drop_tokens"]
+__all__ = ["Merit", "drop_tokens"]

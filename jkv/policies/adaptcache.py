@@ -64,7 +64,7 @@ class Form:
     quality: float
     family: str = ""
     # the share of the entry's tokens the form keeps (a whole row's form: tokens dropped,
-    # `row_form_names`), None for all of them: such a form is made only from one keeping
+    # `stored_forms`), None for all of them: such a form is made only from one keeping
     # a larger share (dropping more of what another way kept, never restoring any)
     share: float | None = None
 

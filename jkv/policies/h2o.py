@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jkv.kv.tier_step import Placing
 from jkv.kv.token_tiers import KEEP
@@ -21,8 +22,16 @@ def h2o_fates(x: Placing, knobs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return fate, jnp.full(rows["lo_pos"].shape, KEEP)
 
 
+def most_attended(pos: np.ndarray, score: np.ndarray, n: int) -> np.ndarray:
+    """A smaller stored form's choice (`h2o@<keep>`): the most mean attention received,
+    from the n - pos queries at or after each token (the scores a row stores: LeanKV's
+    significance, H2O's heavy hitters)."""
+    return score.astype(np.float64) / np.maximum(n - pos, 1)
+
+
 POLICY = KVPolicy(
     name="h2o",
     summary="the recent window and the most attended tokens, a share of the sequence per "
             "head (H2O)",
-    fates=h2o_fates, knobs=("kv_heavy_ratio",), check=needs_single_tokens)
+    fates=h2o_fates, knobs=("kv_heavy_ratio",), check=needs_single_tokens,
+    form_merit=most_attended)

@@ -6,7 +6,9 @@ streaming, h2o, snapkv) runs on the tiered-rows layout: `fates` is its pure deci
 after every prompt chunk and every `kv_placement_interval` decode steps with each row's tokens
 as `jkv.kv.tier_step.Placing` shows them (positions, significance, which left the recent
 window), and returns each token's fate (kept high, moved low, pruned). Its `knobs` name the
-`CacheConfig` fields it reads (handed to `fates` as float32 `knobs`, in order).
+`CacheConfig` fields it reads (handed to `fates` as float32 `knobs`, in order). Its
+`form_merit`, if any, is what it offers on save: smaller stored forms of a row
+(`jkv.policies.stored_forms`) that keep the tokens it rates highest.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from jkv.kv.format import KVFormat
+from jkv.kv.row_forms import Merit
 from jkv.kv.tier_step import Placing
 from jkv.kv.tiered_rows import TierPolicy
 from jkv.kv.token_tiers import KEEP, PRUNE
 
-Fates = Callable[[Placing, jax.Array, bool], tuple[jax.Array, jax.Array]]
+Fates = Callable[[Placing, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 class PolicySettings(Protocol):
@@ -55,6 +58,9 @@ class KVPolicy:
     # a prompt chunk may prune any of the row's older tokens at once
     decides_at_prompt_end: bool = False
     check: Callable[[PolicySettings], None] = field(default=_accepts_any, compare=False)
+    # on save: the smaller forms `<name>@<keep>` of a stored token-tier row it offers a store
+    # (AdaptCache), each head keeping its tokens of highest merit; None: it offers none
+    form_merit: Merit | None = field(default=None, compare=False)
 
     @property
     def token_tiers(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jkv.kv.tier_step import Placing
 from jkv.kv.token_tiers import KEEP, PRUNE
@@ -19,7 +20,13 @@ def streaming_fates(x: Placing, knobs: jax.Array) -> tuple[jax.Array, jax.Array]
     return fate, jnp.full(rows["lo_pos"].shape, KEEP)
 
 
+def newest_first(pos: np.ndarray, score: np.ndarray, n: int) -> np.ndarray:
+    """A smaller stored form's choice (`streaming@<keep>`): the newest tokens."""
+    return pos.astype(np.float64)
+
+
 POLICY = KVPolicy(
     name="streaming",
     summary="attention sinks and the recent window, the rest pruned (StreamingLLM)",
-    fates=streaming_fates, knobs=("kv_sink_tokens",), check=needs_single_tokens)
+    fates=streaming_fates, knobs=("kv_sink_tokens",), check=needs_single_tokens,
+    form_merit=newest_first)

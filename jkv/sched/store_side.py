@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from jkv.config import SchedulerConfig
 from jkv.engine.engine import Engine, SavedPages
-from jkv.kv.row_form_names import is_row_form
+from jkv.policies.stored_forms import is_row_form
 from jkv.sched.plan_records import Candidate
 from jkv.sched.request import Request, SchedulerStats, Tracked
 from jkv.sched.restore_planning import RestoreDecision, RestoreRates, plan_restore

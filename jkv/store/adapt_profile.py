@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from jkv.kv.row_form_names import parse_row_form
 from jkv.policies.adaptcache import Form
+from jkv.policies.stored_forms import parse_row_form
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ import time
 from collections.abc import Collection, Hashable, Sequence
 
 from jkv.kv.format import KV_FORMATS
-from jkv.kv.row_form_names import WAYS, is_row_form
 from jkv.policies.adaptcache import AdaptPlacement, Form, Tier
 from jkv.policies.adaptcache import Move as AdaptMove
+from jkv.policies.stored_forms import is_row_form, row_form_ways
 from jkv.store.adapt_profile import Profile
 from jkv.store.placement import Move
 
@@ -50,8 +50,8 @@ class AdaptStorePlacement:
             self.methods = tuple(m for m in profile.methods if is_row_form(m))
             if not self.methods:
                 raise ValueError(f"the profile names no row form (<way>@<keep>, way one of "
-                                 f"{list(WAYS)}) for a token-tier engine's rows (methods "
-                                 f"{sorted(profile.methods)})")
+                                 f"{sorted(row_form_ways())}) for a token-tier engine's rows "
+                                 f"(methods {sorted(profile.methods)})")
         else:
             self.methods = tuple(m for m in profile.methods if m in KV_FORMATS)
             if not self.methods:
