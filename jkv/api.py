@@ -44,7 +44,7 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.floa
 
 def resolve_dtype(dtype: str):
     """`auto` is bfloat16 on an accelerator and float32 on CPU, where XLA's bfloat16 matmuls
-    are about ten times slower than float32 ones."""
+    are much slower than float32 ones."""
     if dtype == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     if dtype not in _DTYPES:

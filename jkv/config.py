@@ -223,8 +223,8 @@ class CacheConfig:
                 "that drops or moves single tokens keeps an ended sequence whole, tiers and "
                 "all (prefix caching on the device, the KV store off it), for its next turn",
         "choices": KV_POLICIES})
-    # defaults chosen on SmolLM2 with `benchmarks/kv_fidelity.py --docs calibration`: the
-    # best perplexity and top-1 agreement among the thresholds holding under 0.29x bf16 bytes
+    # defaults chosen by measurement (best perplexity and top-1 agreement within a byte
+    # budget), see `benchmarks/kv_fidelity.py --docs calibration`
     kv_alpha_high: float = field(default=5.0, metadata={
         "help": "leankv: a token stays in the high tier while its mean attention is at least "
                 "this many times the uniform share 1/n"})

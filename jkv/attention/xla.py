@@ -6,7 +6,7 @@ the table width and with the square of the step. This computes the same function
 an online softmax of all queries over blocks of the pages the rows hold (the loop stops at
 the longest row's held pages, whatever the table width; dequantization is fused into each
 block's gather, keys from sub-byte codes are laid out by channel for the score dot and 4-bit
-values are dotted one packed part at a time: shapes a 2-core CPU ran faster), then, a block
+values are dotted one packed part at a time: the shapes a CPU runs fastest), then, a block
 of queries at a time, over the part of the window those queries can see (causal by absolute
 position, so a prefill chunk computes a little more than half of its window's scores).
 Blocks of padding queries (past every row's `q_lengths`) skip the window. Everything is
@@ -65,9 +65,9 @@ def _online_update(state: tuple, s: jax.Array, v: jax.Array | list[jax.Array],
 def _scores(q: jax.Array, k: jax.Array, by_channel: bool) -> jax.Array:
     """q [B, H, R, D] . k [B, H, K, D] -> [B, H, R, K]; `by_channel`: with k copied to
     [B, H, D, K] first, behind a barrier that keeps XLA from folding the transpose back into
-    the dot. On the 2-core dev CPU (xla_blocks.py's decode inputs, one SmolLM2 layer, batch 4
-    to 32) that made attention over keys unpacked from 4-bit codes 20% to 30% faster, and over
-    8-bit or float keys 0% to 15% slower, so only sub-byte keys take it."""
+    the dot. On a CPU that speeds up attention over keys unpacked from sub-byte codes but
+    slows it over 8-bit or float keys, so only sub-byte keys take it (chosen by measurement,
+    see benchmarks/xla_blocks.py)."""
     if not by_channel:
         return jnp.einsum("bhrd,bhkd->bhrk", q, k, preferred_element_type=jnp.float32)
     kt = lax.optimization_barrier(jnp.swapaxes(k, -1, -2))
@@ -155,8 +155,8 @@ def _block_sizes(shape: tuple, hkv: int, block_q: int | None, block_k: int | Non
     if block_k is None:  # the pages take all queries at once
         if -(-t // block_q) * block_q * g <= 64:
             # few rows (decode): 128 tokens while a block's float32 keys stay within 1 MiB,
-            # else 64 (on a 2-core CPU, 512-token blocks ran 1.3x to 4x slower at batch 4 to
-            # 32, most with two tiers, whose last blocks are masked: benchmarks/xla_blocks.py)
+            # else 64 (larger blocks were slower on a CPU, most with two tiers, whose last
+            # blocks are masked; chosen by measurement, see benchmarks/xla_blocks.py)
             block_k = 128 if b * hkv * 128 * d * 4 <= 1 << 20 else 64
         else:
             block_k = 256
@@ -254,9 +254,9 @@ def _page_block(j, carry: tuple, *, qg: jax.Array, tier: KVPages, source: KVPage
     k, v = held.dense()  # [B, Hkv, ppb, page, D]
     k, v = k.reshape(b, hkv, block, d), v.reshape(b, hkv, block, d)
     if tier.kv_format.v_bits == 4:
-        # the two channel blocks dotted apart: on the 2-core dev CPU, decode over
-        # k8v4t pages took 25% to 30% less time than over the interleaved values
-        # (2-bit values' four blocks of 16 channels gained nothing)
+        # the two channel blocks dotted apart: on a CPU that makes decode over 4-bit
+        # values faster than dotting them interleaved (2-bit values' four blocks of 16
+        # channels gained nothing, so they stay interleaved)
         v = [x.reshape(b, hkv, block, -1) for x in held.value_parts()]
     s = _scores(qg, k, by_channel=tier.kv_format.k_bits < 8)
     if masked:

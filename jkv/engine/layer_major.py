@@ -5,12 +5,12 @@ each layer's KV leaves while the next one computes).
 
 Fed chunk by chunk through every layer instead, each chunk would bring back every offloaded
 layer's earlier chunks: the prompt's KV crosses the bus about chunks / 2 times (an 8K prompt
-in 512-token chunks: 8 times; on the H200 its prefill with no layer resident took 6.6x the
-resident one). A step runs a range of layers (`Row.layer_span`) over the whole prompt, in calls
-of at most `prefill_chunk` tokens (the compiled prefill shapes); the calls' hidden states
-wait on the device between steps (the prompt's tokens x the hidden size: about a layer's KV
-of it), and the step with the last layer samples the first token. The scheduler gives a
-step as many layers as its token budget buys (`layers_for`).
+in 512-token chunks: 8 times; on a GPU that makes its prefill with no layer resident several
+times as slow as the resident one). A step runs a range of layers (`Row.layer_span`) over
+the whole prompt, in calls of at most `prefill_chunk` tokens (the compiled prefill shapes);
+the calls' hidden states wait on the device between steps (the prompt's tokens x the hidden
+size: about a layer's KV of it), and the step with the last layer samples the first token.
+The scheduler gives a step as many layers as its token budget buys (`layers_for`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ lets the caller write restored KV into the pool just before the layer that reads
 (`run(before_layer=)`) and move a layer's pages out after it (`after_layer`: layer
 offload). On CPU the layer-by-layer way always runs, over each layer's own weight arrays
 (`_layer_views`): XLA there copies a layer's weights out of the stacked arrays whenever the
-layer is picked by a traced index, which costs as much as a decode step's matmuls (and 5 to
-10% of a prefill chunk).
+layer is picked by a traced index, which costs as much as a decode step's matmuls (and a
+noticeable share of a prefill chunk).
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ class ModelRunner:
         self.prefill_area = 4 * prefill_chunk
         # a call's own cost (its dispatches, embedding, head) in padded prefill tokens: rows
         # share a call only where that adds at most this much padding over separate calls
-        # (CPU, SmolLM2: a call of 16 tokens ~45 ms, a prefill token ~2.2 ms)
+        # (about a call's cost on a CPU, chosen by measurement)
         self.call_tokens = 16 * shape_step
         self.views = _layer_views(params["layers"], cfg.num_layers)
         # each layer's index on the device once (not copied there at every layer's call)
@@ -371,7 +371,7 @@ class ModelRunner:
     def layer_weights(self, index: int) -> Params | None:
         """Layer `index`'s own weights for several `layer` calls in a row (dispatched): a
         call given them does not copy them out of the stacked arrays itself (on a GPU each
-        call of a traced layer index did: 0.27 ms a call at Llama-3-8B's shape on the H200).
+        call of a traced layer index did, a cost that adds up over a step's layers).
         None on CPU, where each layer's weights are views already."""
         return None if self.views else self._take(self.params, self.indices[index])
 

@@ -12,9 +12,8 @@ def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
 def decode_bucket(n: int, shape_step: int) -> int:
     """Decode rows padded for a step: powers of `shape_step` where padding is cheap (4, a
     GPU); on a CPU (2) every count up to 8, then 12, 16, 24, 32, 48...: there a padded row
-    costs its matmuls (five SmolLM2 decodes at 1K context: 87 ms padded to eight, 82 ms
-    as five), and the step costs, learned per padded size, read a fifth decode as what a
-    step of five to eight costs (a step of four 0.12 s, of "eight" 0.2 s in a served run)."""
+    costs its matmuls, and the step costs, learned per padded size, would read a fifth
+    decode as what a step of eight costs."""
     if shape_step != 2:
         return bucket(n, 1, shape_step)
     if n <= 8:

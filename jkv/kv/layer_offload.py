@@ -20,8 +20,8 @@ Host copies are numpy arrays; a layer brought in with the same blocks twice (dec
 between two filled blocks, not a prefill's chunks, each of which adds blocks) also keeps a
 copy in pinned host memory (`HostLayer.staged`, dropped when its blocks change), since a
 copy from pinned memory runs at the DMA engines' rate without holding the caller, where a
-pageable numpy source is copied on the caller's thread through a staging buffer (on the
-H200: 6.5 GB/s against 52.5 GB/s).
+pageable numpy source is copied on the caller's thread through a staging buffer, several
+times slower.
 """
 
 from __future__ import annotations

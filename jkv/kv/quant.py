@@ -49,9 +49,9 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
     if k == 1:
         return packed
     # parts along a new axis, shifted by broadcasting: a concatenation would be a select per
-    # element in a CPU fusion (the xla backend's dequantization ran 2x slower with one);
-    # shifted in int32: the xla backend's decode attention over 4-bit pages took 5% to 12%
-    # less time on the 2-core dev CPU than with uint8 shifts
+    # element in a CPU fusion (it slows the xla backend's dequantization); shifted in
+    # int32: the xla backend's decode attention over 4-bit pages runs faster on a CPU than
+    # with uint8 shifts
     shifts = jnp.arange(0, 8, bits, dtype=jnp.int32)[:, None]  # [k, 1]: part i, bits * i
     parts = (packed.astype(jnp.int32)[..., None, :] >> shifts) & ((1 << bits) - 1)
     return parts.astype(jnp.uint8).reshape(*packed.shape[:-1], k * packed.shape[-1])
@@ -64,11 +64,10 @@ def as_stored(x: jax.Array) -> jax.Array:
 
     Not `x.astype(float16).astype(float32)`: XLA's GPU compiler drops that round trip where
     it allows excess precision (its SimplifyFPConversions pass), so codes were computed
-    against unrounded scales and zero points while the rounded ones were stored (compiled on
-    an H200, 1-3% of codes off by one, 14% of 2-bit scales off by a float16 ulp). Integer
-    operations on the bits and exact float32 steps are not rewritten. Inside a Pallas kernel
-    the plain round trip is used (`_round_trip`): Triton keeps it, and these operations
-    slowed interpret mode 1.7x."""
+    against unrounded scales and zero points while the rounded ones were stored (codes off
+    by one, scales off by a float16 ulp). Integer operations on the bits and exact float32
+    steps are not rewritten. Inside a Pallas kernel the plain round trip is used
+    (`_round_trip`): Triton keeps it, and these operations slowed interpret mode."""
     x = x.astype(jnp.float32)
     ax = jnp.abs(x)
     mag = lax.bitcast_convert_type(ax, jnp.int32)
@@ -119,10 +118,9 @@ def quantize_codes(x: jax.Array, lo: jax.Array, hi: jax.Array, bits: int,
 
 # Four levels spread from a group's minimum to its maximum leave most values far from the
 # middle two. For 2-bit codes two narrower ranges around the group's midpoint are tried as
-# well and the one that reconstructs the group best is kept. Chosen on SmolLM2's calibration
-# documents (kv_fidelity --docs calibration): none:k4v2t +2.95% -> +1.77% perplexity, leankv
-# +0.78% -> +0.65%; ratios down to 0.5 (near the least squared error on Gaussian values)
-# did worse there (+1.88%, +0.76%).
+# well and the one that reconstructs the group best is kept. Chosen by measurement (lower
+# perplexity on calibration documents), see `benchmarks/kv_fidelity.py --docs calibration`;
+# ratios down to 0.5 (near the least squared error on Gaussian values) did worse there.
 CLIP_RATIOS = (0.9, 0.8)
 
 

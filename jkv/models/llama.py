@@ -12,7 +12,7 @@ Params (per-layer weights stacked on a leading layer axis so the layers run as o
       w_gate_up [L, D, 2F]        w_down [L, F, D]     (gate, then up)
 
 The projections that read the same input are one matrix (`fuse_projections`): one matmul
-instead of three (or two) is faster on every backend, on CPU about twice.
+instead of three (or two) is faster on every backend.
 
 The forward reads and writes KV through `jkv.attention.layer_kv` (one `attend` per layer: append
 and attention, token tiers or not), nothing else about requests or pages.

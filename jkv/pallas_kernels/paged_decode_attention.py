@@ -142,9 +142,8 @@ def paged_decode_attention(
     `dequant` (16-bit q only; float32 q always runs in float32): "f16" makes codes float16 by
     their bit pattern, scales them in float16 and dots them in float16 (q cast to float16
     once), with no int-to-float conversion per element; "f32" dequantizes codes in float32
-    and casts them to q's dtype. On the H200 at batch 64 x 8K-32K f16 ran 1.01x-1.33x bf16's
-    speed against f32's 0.93x-1.08x, at a third to a fifth of its error for 4- and 2-bit
-    values (benchmarks/results/kernels-sweep-NVIDIA_H200-2026-11-27-dequant*.json).
+    and casts them to q's dtype. On a GPU f16 is the faster of the two and, for 4- and 2-bit
+    values, the more accurate (chosen by measurement, see benchmarks/kernels.py).
     """
     d = q.shape[2]
     _check_decode_inputs(q, pages, page_table, lengths, k_splits=k_splits,

@@ -136,9 +136,9 @@ def offload_beats_recompute(budget: Costs, layers: int, c: Decoding) -> bool:
     """Whether running request `c` decoding its remaining tokens with `layers` layers on the
     host (each step bringing them in: `offload_layer_seconds` each, added to the step every
     row waits for) costs the running requests less than preempting it, whose recompute of
-    the tokens it holds delays them once. On a GPU a layer brought in costs about as much
-    as recomputing 25-45 tokens (Llama-3-8B shape, H200), so a request with many tokens still
-    to go is preempted; on a CPU recompute is the dearer. True while a rate or the output
+    the tokens it holds delays them once. On a GPU bringing a layer in at every step can
+    cost more than recomputing a short request's tokens once, so a request with many tokens
+    still to go is preempted; on a CPU recompute is the dearer. True while a rate or the output
     estimate is not known."""
     s, p = budget.offload_layer_seconds, budget.prefill_token_seconds
     if not (s and p) or c.remaining is None:

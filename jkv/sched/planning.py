@@ -40,9 +40,9 @@ Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
   (`offload_beats_preempting`: late by the time past each one's slack); where no decode
   carries a TPOT target a new request is admitted with layers on the host only where they
   cost the decoding requests' steps less than its wait for the first of them to finish
-  (`offload_beats_waiting`; with targets, the slack check below is what weighs them). On the
-  H200 at Llama-3-8B's shape a layer brought in costs about what 25 to 45 recomputed tokens
-  do, so both mostly say no there; on a CPU recompute is the dearer;
+  (`offload_beats_waiting`; with targets, the slack check below is what weighs them). On a
+  GPU a layer brought in can cost more than recomputing a short request's tokens, so both
+  mostly say no there; on a CPU recompute is the dearer;
 - a new request whose pages fit is held while the steps it would decode in, each longer by
   its row (a step of one more decode, as measured or fitted), its layers on the host and
   those moved to make room for it (each the measured seconds of bringing one in, until the

@@ -38,19 +38,19 @@ def compilations() -> int:
 
 class StepCosts:
     """Running averages of measured step times, split into parts: a step of decodes by its
-    row bucket (on a CPU each row costs its share of the compute, so a step of six decodes
-    took 2.5x a step of one with SmolLM2; on a GPU rows come nearly free), a prefill row and
-    a prefill token on top of a step's decodes, and each offloaded layer a step brings in
-    on top of them (from a least-squares fit of the decode steps)."""
+    row bucket (on a CPU each row costs its share of the compute, so a step of several
+    decodes costs a multiple of a step of one; on a GPU rows come nearly free), a prefill
+    row and a prefill token on top of a step's decodes, and each offloaded layer a step
+    brings in on top of them (from a least-squares fit of the decode steps)."""
 
     def __init__(self, rows_bucket: Callable[[int], int]) -> None:
         self.rows_bucket = rows_bucket
         self.by_rows: dict[int, float] = {}  # row bucket -> seconds of a step of decodes
         # a prefill's seconds on top of the decodes ~ e x prefill rows + f x tokens (fitted
         # like the decodes, each part >= 0): a row is a call with its own dispatches and
-        # padding (on a CPU a call of SmolLM2 ~45 ms, a token ~2.2 ms), so a chunk's 2-token
-        # tail is no sample of what a token costs. Averaged per step instead, those tails
-        # read as 11-20 ms a token in a served run, and the SLO check (eq. 2) cut chunks to
+        # padding (on a CPU a call costs as much as many tokens), so a chunk's short tail
+        # is no sample of what a token costs. Averaged per step instead, those tails
+        # read as many times a token's true cost, and the SLO check (eq. 2) cut chunks to
         # a few tokens, each a call: dearer per token still
         self.prefill_row_s = 0.0
         self.prefill_token_s = 0.0
@@ -62,13 +62,12 @@ class StepCosts:
         # squares, older steps fading): seconds ~ a + b x padded rows + c x thousands of
         # tokens of context + d x layers brought. d is the layers' cost: steps that bring
         # layers in rarely share their row bucket and context with a step that did not (on a
-        # CPU 1K tokens more context costs a row 4 ms, two rows more 12 ms: put on 2 layers,
-        # that read as 8 ms a layer where bringing one takes 0.5); a row bucket never seen
-        # without layers brought in is the fit's too. The fit is solved afresh from its
-        # faded sums each step, every part at least 0: updated recursively, its uncertainty
-        # matrix stopped being positive definite over thousands of steps of a replay and the
-        # fit diverged (a layer read as 1.5 s, a step of 8 rows as 4 s, where 0.5 ms and
-        # 0.1 s were true)
+        # CPU more context or more rows cost far more than a layer brought in: put on the
+        # layers, that would read as layers many times dearer than they are); a row bucket
+        # never seen without layers brought in is the fit's too. The fit is solved afresh
+        # from its faded sums each step, every part at least 0: updated recursively, its
+        # uncertainty matrix stopped being positive definite over long replays and the fit
+        # diverged (costs read orders of magnitude above the true ones)
         self._fit = np.zeros(4)
         self._gram = np.zeros((4, 4))  # faded sums of x x' and of seconds x
         self._moment = np.zeros(4)

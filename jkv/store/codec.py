@@ -11,10 +11,10 @@ before returning an array, so a torn or corrupt file is a `CorruptEntry`, never 
 Layout: MAGIC | u16 version | u16 0 | u32 header length | header (JSON, padded with spaces so
 the payload starts on a 64-byte boundary) | payload (each array at a 64-byte boundary,
 zero-padded between) | checksum of everything before it: the 32-byte BLAKE2b of the CRC-32s
-of its 4 MiB chunks (version 2; version 1 hashed every byte with BLAKE2b, at under 1 GB/s
-per core the longest part of a host-tier restore). CRC-32 detects every burst of up to 32
-flipped bits and any other damage but for 2^-32; the chunks are summed on threads (zlib
-releases the GIL), so a long entry checks at several GB/s.
+of its 4 MiB chunks (version 2; version 1 hashed every byte with BLAKE2b, on one core the
+longest part of a host-tier restore). CRC-32 detects every burst of up to 32 flipped bits
+and any other damage but for 2^-32; the chunks are summed on threads (zlib releases the
+GIL), so a long entry checks in a small part of that time.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def aligned(data: bytes | bytearray | memoryview) -> memoryview:
     """`data` as read-only bytes starting on an `ALIGN`-byte boundary (itself when it is
     already, else a copy), so the arrays `decode` views in it are aligned too. On CPU,
     `jax.device_put` takes such an array without copying it, where an unaligned one is copied
-    by the restoring step (45 ms for 188 MB on a 2-core machine): copied here, on the store's
+    by the restoring step, on the serving loop's thread: copied here, on the store's
     reader, instead. A GPU's host-to-device copy gains nothing from it."""
     view = memoryview(data).cast("B")
     if view.readonly and not _address(view) % ALIGN:

@@ -1,8 +1,8 @@
 """The store's own threads run below the serving loop's priority.
 
 A read ahead (file read, checksum, decode) and a save compete for the same cores as the
-steps of running requests; on a host with few cores the step waits for them (on 2 cores a
-decode step took 1.5-2x its time while a 188 MB entry was read beside it). Lowered, they take
+steps of running requests; on a host with few cores the step waits for them (a decode
+step beside a long entry's read can take much longer). Lowered, they take
 what the steps leave: the read-ahead's request waits somewhat longer in the queue instead
 of every running request decoding slower.
 """

@@ -241,7 +241,7 @@ class PersistentTier:
         (a damaged store). An entry is stored as values of `PART` bytes and read into one
         buffer: tensorstore converts a value to Python bytes (and bytes to a value) holding
         the GIL, so a single value of a long entry stopped the serving loop's thread for as
-        long (181 ms for 188 MB on a 2-core machine); a part holds it a few milliseconds."""
+        long as a whole conversion; a part holds it only briefly."""
         name = self._names.get(key)
         if name is None:
             return None
