@@ -38,20 +38,20 @@ def stores(profile: Profile, alphas: list[float]) -> list[tuple[str, tuple]]:
     return out
 
 
-def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Profile,
+def replay(events: list[tuple], store: tuple, host: int, disk: int, profile: Profile,
            kinds: dict, per_token: int, args) -> dict:
     """One store over the trace: mean TTFT, mean quality, hits per tier."""
-    read = {"dram": args.dram_read_gbps * 1e9, "disk": args.disk_read_gbps * 1e9}
+    read = {"host": args.host_read_gbps * 1e9, "disk": args.disk_read_gbps * 1e9}
     decode = decode_rates(profile, args.decode_backend)
     prefill_s = 1.0 / args.prefill_tokens_per_s
     method = None
     if store[0] == "adapt":
-        p = AdaptPlacement([Tier("dram", dram, read["dram"]), Tier("disk", disk, read["disk"])],
+        p = AdaptPlacement([Tier("host", host, read["host"]), Tier("disk", disk, read["disk"])],
                            alpha=store[1], quality_floor=args.quality_floor,
                            half_life=(None if args.half_life == "auto"
                                       else float(args.half_life)), decode_bps=decode)
     else:
-        p = Placement("lru", dram, disk)
+        p = Placement("lru", host, disk)
         method, rate = store[1], store[2]
         quality = {k: 1.0 for k in profile.kinds} if method is None else next(
             pt.quality for pt in profile.methods[method] if pt.rate == rate)
@@ -59,7 +59,7 @@ def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Pro
     carry: dict[int, float] = {}  # session -> the quality its pool values carry
     queue: deque[int] = deque()
     ttft, quality_seen = [], []
-    hits = {"dram": 0, "disk": 0, "miss": 0}
+    hits = {"host": 0, "disk": 0, "miss": 0}
     for event in events:
         kind, now, s = event[:3]
         if kind == "arrive":
@@ -97,9 +97,9 @@ def replay(events: list[tuple], store: tuple, dram: int, disk: int, profile: Pro
                 p.put(s, profile.forms(event[3], kinds[s]), tokens * prefill_s, now)
             else:
                 p.put(s, round(event[3] * rate), queue)
-    reused = hits["dram"] + hits["disk"] + hits["miss"]
+    reused = hits["host"] + hits["disk"] + hits["miss"]
     return {"mean_ttft_s": float(np.mean(ttft)), "mean_quality": float(np.mean(quality_seen)),
-            "dram_hit_rate": hits["dram"] / max(reused, 1),
+            "host_hit_rate": hits["host"] / max(reused, 1),
             "disk_hit_rate": hits["disk"] / max(reused, 1), **hits}
 
 

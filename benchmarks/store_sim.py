@@ -1,4 +1,4 @@
-"""Trace-driven simulation of KV placement in host DRAM and on disk (CachedAttention 4.3.3,
+"""Trace-driven simulation of KV placement in host memory and on disk (CachedAttention 4.3.3,
 figure 21): LRU, FIFO and scheduler-aware placement on the same trace, no model.
 
     python benchmarks/store_sim.py                                   # defaults below
@@ -7,11 +7,11 @@ figure 21): LRU, FIFO and scheduler-aware placement on the same trace, no model.
 Sessions (conversations) arrive as a Poisson process with ShareGPT-shaped turns
 (`sharegpt.py`); a turn's job joins one FCFS queue, runs for an exponential service time,
 and the session's next turn arrives after an exponential think time. When a job starts, its
-session's KV is looked up (a DRAM hit, a disk hit or a miss); when it ends, the session's KV
+session's KV is looked up (a host hit, a disk hit or a miss); when it ends, the session's KV
 (its whole history, up to --max-model-len tokens, at the model's KV bytes per token) is saved
-to DRAM, and the placement policy (`jkv.store.placement`, the object the store uses) makes
+to host memory, and the placement policy (`jkv.store.placement`, the object the store uses) makes
 room. The scheduler-aware policy sees the queue: it keeps the KV of queued jobs and
-prefetches them from disk into DRAM, one read at a time at --disk-read-gbps; a job that
+prefetches them from disk into host memory, one read at a time at --disk-read-gbps; a job that
 starts before its prefetch has finished counts as a disk hit. The queue's timing does not
 depend on the policy, so every policy sees the very same trace.
 
@@ -210,23 +210,23 @@ def fcfs_events(turns: dict[int, deque], arrivals: np.ndarray, rng: np.random.Ge
 # ---------------------------------------------------------------------------- replay
 
 
-def replay(events: list[tuple], policy: str, dram: int, disk: int, read_bps: float) -> dict:
+def replay(events: list[tuple], policy: str, host: int, disk: int, read_bps: float) -> dict:
     """Run the trace through one placement; hit counts per tier and the moves made."""
-    p = Placement(policy, dram, disk)
+    p = Placement(policy, host, disk)
     queue: deque[int] = deque()
     ready_at: dict[int, float] = {}  # prefetched sessions: when their read completes
     read_free = 0.0  # prefetch reads run one at a time
-    hits = {"dram": 0, "disk": 0, "miss": 0}
+    hits = {"host": 0, "disk": 0, "miss": 0}
     moves = {"demoted": 0, "dropped": 0, "prefetched": 0}
 
     def count(ms, now: float, prefetch: bool = False) -> None:
         nonlocal read_free
         for m in ms:
-            if m.src == "dram" and m.dst == "disk":
+            if m.src == "host" and m.dst == "disk":
                 moves["demoted"] += 1
             elif m.dst is None and m.src is not None:
                 moves["dropped"] += 1
-            elif prefetch and m.src == "disk" and m.dst == "dram":
+            elif prefetch and m.src == "disk" and m.dst == "host":
                 moves["prefetched"] += 1
                 read_free = max(read_free, now) + p.size(m.session) / read_bps
                 ready_at[m.session] = read_free
@@ -238,7 +238,7 @@ def replay(events: list[tuple], policy: str, dram: int, disk: int, read_bps: flo
         elif kind == "start":
             queue.popleft()
             tier = p.access(s)
-            if tier == "dram" and ready_at.get(s, 0.0) > now:
+            if tier == "host" and ready_at.get(s, 0.0) > now:
                 tier = "disk"  # its prefetch had not finished: the rest is read on demand
             hits[tier or "miss"] += 1
         else:
@@ -246,16 +246,16 @@ def replay(events: list[tuple], policy: str, dram: int, disk: int, read_bps: flo
             ready_at.pop(s, None)
         count(p.prefetch(queue), now, prefetch=True)
     jobs = sum(hits.values())
-    return {"dram_hit_rate": hits["dram"] / jobs, "disk_hit_rate": hits["disk"] / jobs,
-            "hit_rate": (hits["dram"] + hits["disk"]) / jobs, **hits, **moves}
+    return {"host_hit_rate": hits["host"] / jobs, "disk_hit_rate": hits["disk"] / jobs,
+            "hit_rate": (hits["host"] + hits["disk"]) / jobs, **hits, **moves}
 
 
 # ---------------------------------------------------------------------------- output
 
 
 def svg_bars(rows: dict[str, dict[str, dict]], title: str) -> str:
-    """Stacked bars (DRAM hits, disk hits) per policy, grouped by capacity setting."""
-    colors = {"dram": "#1f77b4", "disk": "#ff7f0e"}
+    """Stacked bars (host hits, disk hits) per policy, grouped by capacity setting."""
+    colors = {"host": "#1f77b4", "disk": "#ff7f0e"}
     groups = list(rows)
     w, h, left, bottom, top = 160 + 170 * len(groups), 320, 50, 60, 40
     bar = 36
@@ -271,7 +271,7 @@ def svg_bars(rows: dict[str, dict[str, dict]], title: str) -> str:
         x0 = left + 20 + g * 170
         for i, (policy, r) in enumerate(rows[cap].items()):
             x, y = x0 + i * (bar + 8), h - bottom
-            for tier in ("dram", "disk"):
+            for tier in ("host", "disk"):
                 v = r[f"{tier}_hit_rate"] * scale
                 out.append(f'<rect x="{x}" y="{y - v}" width="{bar}" height="{v}" '
                            f'fill="{colors[tier]}"/>')
@@ -305,7 +305,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=8192,
                     help="context limit: longer histories keep their last tokens")
     ap.add_argument("--capacities",
-                    help="comma-separated DRAM/disk capacity settings (default: "
+                    help="comma-separated host/disk capacity settings (default: "
                          f"{PLACEMENT_CAPACITIES}; with --profile, {ADAPT_CAPACITIES})")
     ap.add_argument("--disk-read-gbps", type=float, default=3.0,
                     help="disk read bandwidth (prefetches, and loads with --profile), GB/s")
@@ -325,8 +325,8 @@ def main() -> None:
                     help="with --profile: count converting a compressed form back at the "
                          "profile's decode rates for this JAX backend (e.g. cpu; default: "
                          "free)")
-    ap.add_argument("--dram-read-gbps", type=float, default=10.0,
-                    help="with --profile: DRAM-to-device load bandwidth, GB/s")
+    ap.add_argument("--host-read-gbps", type=float, default=10.0,
+                    help="with --profile: host-to-device load bandwidth, GB/s")
     ap.add_argument("--prefill-tokens-per-s", type=float, default=500.0,
                     help="with --profile: prefill rate for a miss's history and each new "
                          "turn (the default: SmolLM2 on this 2-core CPU)")
@@ -376,7 +376,7 @@ def main() -> None:
     except ValueError as e:
         ap.error(f"--capacities or --alphas: {e}")
     if any(len(c) != 2 for c in caps):
-        ap.error("--capacities: each setting is DRAM/disk, e.g. 32G/2T")
+        ap.error("--capacities: each setting is host/disk, e.g. 32G/2T")
     if args.half_life != "auto":
         try:
             if not float(args.half_life) > 0:
@@ -396,17 +396,17 @@ def main() -> None:
         return
     rows: dict[str, dict[str, dict]] = {}
     with tqdm(total=len(caps) * len(policies), desc="replaying", unit="run") as bar:
-        for name, (dram, disk) in zip(names, caps, strict=True):
+        for name, (host, disk) in zip(names, caps, strict=True):
             rows[name] = {}
             for policy in policies:
-                rows[name][policy] = replay(events, policy, dram, disk,
+                rows[name][policy] = replay(events, policy, host, disk,
                                             args.disk_read_gbps * 1e9)
                 bar.update(1)
-    print(f"{'capacity':<14}{'policy':<11}{'DRAM hit':>9}{'disk hit':>9}{'overall':>9}"
+    print(f"{'capacity':<14}{'policy':<11}{'host hit':>9}{'disk hit':>9}{'overall':>9}"
           f"{'demoted':>9}{'dropped':>9}{'prefetched':>11}")
     for name, by_policy in rows.items():
         for policy, r in by_policy.items():
-            print(f"{name:<14}{policy:<11}{r['dram_hit_rate']:>9.1%}{r['disk_hit_rate']:>9.1%}"
+            print(f"{name:<14}{policy:<11}{r['host_hit_rate']:>9.1%}{r['disk_hit_rate']:>9.1%}"
                   f"{r['hit_rate']:>9.1%}{r['demoted']:>9}{r['dropped']:>9}"
                   f"{r['prefetched']:>11}")
 
@@ -426,19 +426,19 @@ def compare_compression(events: list[tuple], trace: dict, profile: Profile,
     names = adapt_sim.stores(profile, alphas)
     rows: dict[str, dict[str, dict]] = {}
     with tqdm(total=len(caps) * len(names), desc="replaying", unit="run") as bar:
-        for cap, (dram, disk) in caps.items():
+        for cap, (host, disk) in caps.items():
             rows[cap] = {}
             for name, store in names:
-                rows[cap][name] = adapt_sim.replay(events, store, dram, disk, profile, kinds,
+                rows[cap][name] = adapt_sim.replay(events, store, host, disk, profile, kinds,
                                                    per_token, args)
                 bar.update(1)
     checks = {cap: adapt_sim.checks(by_store) for cap, by_store in rows.items()}
-    print(f"{'capacity':<14}{'store':<26}{'TTFT mean':>10}{'quality':>9}{'DRAM hit':>9}"
+    print(f"{'capacity':<14}{'store':<26}{'TTFT mean':>10}{'quality':>9}{'host hit':>9}"
           f"{'disk hit':>9}")
     for cap, by_store in rows.items():
         for name, r in by_store.items():
             print(f"{cap:<14}{name:<26}{r['mean_ttft_s']:>9.3f}s{r['mean_quality']:>9.4f}"
-                  f"{r['dram_hit_rate']:>9.1%}{r['disk_hit_rate']:>9.1%}")
+                  f"{r['host_hit_rate']:>9.1%}{r['disk_hit_rate']:>9.1%}")
         for key, rivals in (("best_ttft_ratio", "LRU baseline (full, KIVI, StreamingLLM)"),
                             ("best_ttft_ratio_any_format", "fixed store (any format)")):
             best = checks[cap][key]

@@ -75,7 +75,7 @@ class LLM:
     CacheConfig, SchedulerConfig, StoreConfig); a bad value raises ValueError naming the
     field before any weights load, an unknown name TypeError.
 
-    Finished requests' KV outlives them: on the device (prefix caching), in host DRAM and in
+    Finished requests' KV outlives them: on the device (prefix caching), in host memory and in
     a persistent tier (the KV store), so a later turn restores its history instead of
     recomputing it. Call `close()` (or use `with LLM(...) as llm:`) so queued saves are
     written.

@@ -31,14 +31,14 @@ def _host_cache_note() -> str:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Where finished requests' KV is kept off the device (`jkv.store`): a host DRAM tier and
+    """Where finished requests' KV is kept off the device (`jkv.store`): a host-memory tier and
     a persistent tier.
 
     host_cache_bytes None is resolved here, when the config is made.
     """
 
     host_cache_bytes: int | None = field(default=None, metadata={
-        "help": "host DRAM for the KV store: finished requests' KV kept off the device, "
+        "help": "host memory for the KV store: finished requests' KV kept off the device, "
                 "restored (not recomputed) when a later turn needs it; 0 turns the host tier "
                 "off; default: a quarter of the memory available at start, at most 8 GiB",
         "default_note": _host_cache_note})

@@ -326,8 +326,8 @@ def test_a_row_form_is_made_only_from_one_keeping_more_of_the_tokens():
     assert forms[1].reachable(forms[3]) and not forms[3].reachable(forms[1])
     # room for a held h2o@0.5 (600) and a new row (1000, kept as it is put) if the first
     # shrinks by 300 (streaming@0.5, were it reachable) or 350 (streaming@0.25)
-    p = AdaptPlacement([Tier("dram", 1300, 1e9)], alpha=100.0, half_life=600.0)
-    assert p.adopt("a", forms, "dram", 1000.0, 0.0, held=1)
+    p = AdaptPlacement([Tier("host", 1300, 1e9)], alpha=100.0, half_life=600.0)
+    assert p.adopt("a", forms, "host", 1000.0, 0.0, held=1)
     p.put("b", forms, 1000.0, 0.0)
-    assert p.bytes_used("dram") == 1250
+    assert p.bytes_used("host") == 1250
     assert p.where("a")[1].method == "streaming@0.25" and p.where("b")[1].method == "full"

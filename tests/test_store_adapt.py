@@ -22,20 +22,20 @@ def forms(size: int, qualities=(1.0, 0.97, 0.9, 0.6)) -> list[Form]:
             for i, q in enumerate(qualities)]
 
 
-def tiers(dram: int, disk: int) -> list[Tier]:
-    return [Tier("dram", dram, 10e9), Tier("disk", disk, 1e9)]
+def tiers(host: int, disk: int) -> list[Tier]:
+    return [Tier("host", host, 10e9), Tier("disk", disk, 1e9)]
 
 
 def test_new_entries_go_to_the_fastest_tier_whole_while_it_fits():
     p = AdaptPlacement(tiers(100 * MB, 1000 * MB), alpha=1.0)
     moves = p.put("a", forms(40 * MB), recompute_s=1.0, now=0.0)
-    assert [(m.key, m.src, m.dst, m.new.method) for m in moves] == [("a", None, "dram", "full")]
-    assert p.where("a") == ("dram", forms(40 * MB)[0])
-    assert p.bytes_used("dram") == 40 * MB
+    assert [(m.key, m.src, m.dst, m.new.method) for m in moves] == [("a", None, "host", "full")]
+    assert p.where("a") == ("host", forms(40 * MB)[0])
+    assert p.bytes_used("host") == 40 * MB
 
 
 def test_quality_heavy_alpha_moves_down_a_tier_and_delay_heavy_alpha_compresses():
-    # DRAM holds one full entry; the older one has to give up bytes
+    # the host tier holds one full entry; the older one has to give up bytes
     for alpha in (100.0, 0.0):
         p = AdaptPlacement(tiers(64 * MB, 1000 * MB), alpha=alpha)
         p.put("a", forms(40 * MB), recompute_s=1.0, now=0.0)
@@ -43,11 +43,11 @@ def test_quality_heavy_alpha_moves_down_a_tier_and_delay_heavy_alpha_compresses(
         p.put("b", forms(40 * MB), recompute_s=1.0, now=2.0)
         got = sorted((p.where(k)[0], p.where(k)[1].method) for k in "ab")
         if alpha:  # quality first: whole, one of them on the slower disk
-            assert got == [("disk", "full"), ("dram", "full")]
+            assert got == [("disk", "full"), ("host", "full")]
         else:  # load time only: a smaller form (any: each loads in proportion to its bytes)
-            assert [t for t, _ in got] == ["dram", "dram"]
+            assert [t for t, _ in got] == ["host", "host"]
             assert sorted(m == "full" for _, m in got) == [False, True]
-        assert p.bytes_used("dram") <= 64 * MB
+        assert p.bytes_used("host") <= 64 * MB
 
 
 @pytest.mark.parametrize("slow_decode", [False, True])
@@ -66,9 +66,9 @@ def test_a_form_slow_to_decode_is_worth_less_than_its_bytes_say(slow_decode):
         p.put("b", forms(40 * MB), recompute_s=1.0, now=2.0)
         got = sorted((p.where(k)[0], p.where(k)[1].method) for k in "ab")
         if slow_decode:
-            assert got == [("disk", "full"), ("dram", "full")], how
+            assert got == [("disk", "full"), ("host", "full")], how
         else:
-            assert [t for t, _ in got] == ["dram", "dram"]
+            assert [t for t, _ in got] == ["host", "host"]
 
 
 def test_the_hot_entry_keeps_its_place_and_the_cold_one_gives_way():
@@ -77,7 +77,7 @@ def test_the_hot_entry_keeps_its_place_and_the_cold_one_gives_way():
     for t in range(5):
         p.access("hot", now=float(t))
     p.put("cold", forms(40 * MB), recompute_s=1.0, now=6.0)
-    assert p.where("hot") == ("dram", forms(40 * MB)[0])
+    assert p.where("hot") == ("host", forms(40 * MB)[0])
     assert p.where("cold")[0] == "disk"
 
 
@@ -94,8 +94,8 @@ def test_a_learned_half_life_forgets_a_conversation_quiet_for_a_few_of_its_pause
     p.access("old", now=40.5, learn=False)  # read as what another entry continues
     assert p.half_life == (600.0 if half_life else 20.0)
     p.put("new", forms(40 * MB), recompute_s=1.0, now=200.0)
-    assert p.where("old")[0] == ("dram" if half_life else "disk")
-    assert p.where("new")[0] == ("disk" if half_life else "dram")
+    assert p.where("old")[0] == ("host" if half_life else "disk")
+    assert p.where("new")[0] == ("disk" if half_life else "host")
     if half_life is None:  # hits right after their saves: floored, not every use erased
         for t in (201.0, 201.0, 201.0, 201.0, 201.0, 201.0, 201.0):
             p.put("x", forms(MB), recompute_s=1.0, now=t)
@@ -116,21 +116,21 @@ def test_forms_below_the_quality_floor_are_never_chosen():
     p = AdaptPlacement(tiers(30 * MB, 0), alpha=0.0, quality_floor=0.95)
     p.put("a", forms(40 * MB), recompute_s=100.0, now=0.0)  # recompute is dear: compress
     tier, form = p.where("a")
-    assert tier == "dram" and form.method == "m1"  # 20 MB; m2 (10 MB) is below the floor
+    assert tier == "host" and form.method == "m1"  # 20 MB; m2 (10 MB) is below the floor
     p = AdaptPlacement(tiers(15 * MB, 0), alpha=0.0, quality_floor=0.95)
     moves = p.put("a", forms(40 * MB), recompute_s=100.0, now=0.0)
     assert p.where("a") is None and moves[-1].dst is None  # out, not to m2
 
 
 def test_an_entry_cheaper_to_recompute_than_to_load_goes_out():
-    p = AdaptPlacement([Tier("dram", 10 * MB, 1e9), Tier("disk", 1000 * MB, 1e6)], alpha=0.0)
+    p = AdaptPlacement([Tier("host", 10 * MB, 1e9), Tier("disk", 1000 * MB, 1e6)], alpha=0.0)
     whole = [Form("full", 1.0, 8 * MB, 1.0)]
     p.put("a", whole, recompute_s=0.5, now=0.0)
     moves = p.put("b", whole, recompute_s=0.5, now=0.0)
-    # disk would take 8 s to read what recomputes in 0.5 s: the one leaving DRAM is dropped
+    # disk would take 8 s to read what recomputes in 0.5 s: the one leaving host is dropped
     assert moves[-1].dst is None and p.bytes_used("disk") == 0
     # with a fast disk it is moved there instead
-    p = AdaptPlacement([Tier("dram", 10 * MB, 1e9), Tier("disk", 1000 * MB, 1e9)], alpha=0.0)
+    p = AdaptPlacement([Tier("host", 10 * MB, 1e9), Tier("disk", 1000 * MB, 1e9)], alpha=0.0)
     p.put("a", whole, recompute_s=0.5, now=0.0)
     assert p.put("b", whole, recompute_s=0.5, now=0.0)[-1].dst == "disk"
 
@@ -141,16 +141,16 @@ def test_kept_entries_move_only_when_nothing_else_can_make_room():
     for t in range(5):
         p.access("a", now=float(t))
     p.put("b", forms(40 * MB), recompute_s=1.0, now=6.0, keep={"b"})
-    assert p.where("b") == ("dram", forms(40 * MB)[0])  # "a" gave way though hotter
+    assert p.where("b") == ("host", forms(40 * MB)[0])  # "a" gave way though hotter
     p.put("c", forms(80 * MB), recompute_s=1.0, now=7.0, keep={"c"})
-    assert p.bytes_used("dram") <= 64 * MB  # "c" could not stay whole after all
+    assert p.bytes_used("host") <= 64 * MB  # "c" could not stay whole after all
 
 
 @pytest.mark.parametrize("kw, field", [
     (dict(tiers=[]), "tiers"), (dict(alpha=-1.0), "alpha"),
     (dict(quality_floor=1.5), "quality_floor"), (dict(half_life=0.0), "half_life"),
-    (dict(tiers=[Tier("dram", -1, 1e9)]), "capacity"),
-    (dict(tiers=[Tier("dram", 1, 0.0)]), "read_bps"),
+    (dict(tiers=[Tier("host", -1, 1e9)]), "capacity"),
+    (dict(tiers=[Tier("host", 1, 0.0)]), "read_bps"),
     (dict(tiers=[Tier("x", 1, 1.0), Tier("x", 1, 1.0)]), "distinct"),
     (dict(decode_bps={"m1": 0.0}), "decode_bps")])
 def test_bad_settings_name_the_field(kw, field):
@@ -179,24 +179,24 @@ _op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(dram=st.integers(0, 80), disk=st.integers(0, 200), alpha=st.floats(0.0, 50.0),
+@given(host=st.integers(0, 80), disk=st.integers(0, 200), alpha=st.floats(0.0, 50.0),
        floor=st.floats(0.0, 1.0), ops=st.lists(_op, max_size=40))
-def test_replaying_the_moves_never_exceeds_a_tier_and_forms_only_shrink(dram, disk, alpha,
+def test_replaying_the_moves_never_exceeds_a_tier_and_forms_only_shrink(host, disk, alpha,
                                                                          floor, ops):
-    p = AdaptPlacement(tiers(dram * MB, disk * MB), alpha=alpha, quality_floor=floor,
+    p = AdaptPlacement(tiers(host * MB, disk * MB), alpha=alpha, quality_floor=floor,
                        half_life=10.0)
     held: dict[int, tuple[str, Form]] = {}  # the state the moves build
-    order = {"dram": 0, "disk": 1}
+    order = {"host": 0, "disk": 1}
     for now, op in enumerate(ops):
         if op[0] == "put":
             _, key, mb, qualities, recompute_s, keep = op
             fs = forms(mb * MB, (1.0, *sorted(qualities, reverse=True))[:4])
             moves = p.put(key, fs, recompute_s, float(now), keep={key} if keep else ())
             first, *rest = moves
-            assert first.key == key and first.dst == "dram" and first.new == fs[0]
+            assert first.key == key and first.dst == "host" and first.new == fs[0]
             assert (first.src, first.old) == ((held[key][0], held[key][1]) if key in held
                                               else (None, None))
-            held[key] = ("dram", fs[0])
+            held[key] = ("host", fs[0])
             for m in rest:
                 assert (m.src, m.old) == held[m.key]  # each move starts where the last left
                 if m.dst is None:
@@ -206,7 +206,7 @@ def test_replaying_the_moves_never_exceeds_a_tier_and_forms_only_shrink(dram, di
                 assert order[m.dst] >= order[m.src]  # never moved up
                 assert m.new == m.old or m.new.quality >= floor
                 held[m.key] = (m.dst, m.new)
-            for tier, cap in (("dram", dram * MB), ("disk", disk * MB)):
+            for tier, cap in (("host", host * MB), ("disk", disk * MB)):
                 assert sum(f.size for t, f in held.values() if t == tier) <= cap
         elif op[0] == "access":
             assert p.access(op[1], float(now)) == held.get(op[1])
@@ -216,7 +216,7 @@ def test_replaying_the_moves_never_exceeds_a_tier_and_forms_only_shrink(dram, di
         else:
             p.hint(op[1])
         assert {k: p.where(k) for k in range(8) if p.where(k)} == held
-        for tier in ("dram", "disk"):
+        for tier in ("host", "disk"):
             assert p.bytes_used(tier) == sum(f.size for t, f in held.values() if t == tier)
 
 
@@ -230,7 +230,7 @@ def test_another_method_on_a_compressed_entry_counts_both_qualities():
     # a new 10 MB entry that stays: "a" frees 5 MB more. "drop" on top of "q" keeps
     # 0.99 * 0.985 (losing 0.015 for 5 MB), "q" at 10 MB keeps 0.97 (0.02 for 10 MB)
     p.put("b", [Form("full", 1.0, 10 * MB, 1.0)], recompute_s=100.0, now=1.0, keep={"b"})
-    assert p.where("a")[1] == quant[1] and p.where("b")[0] == "dram"
+    assert p.where("a")[1] == quant[1] and p.where("b")[0] == "host"
     # and it is counted so: another 8 MB entry makes "a" take "drop" at 5 MB on top of "q"
     p.put("c", [Form("full", 1.0, 8 * MB, 1.0)], recompute_s=100.0, now=2.0, keep={"c"})
     assert p.where("a")[1] == Form("drop", 0.125, 5 * MB, pytest.approx(0.97 * 0.5))
@@ -356,20 +356,20 @@ def test_a_reopened_stores_entries_keep_the_forms_they_can_still_take_and_get_pr
 def test_adopted_spilled_and_resized_entries_keep_every_tier_within_budget():
     p = AdaptPlacement(tiers(64 * MB, 100 * MB), alpha=1.0)
     stored = Form("stored", 1.0, 40 * MB, 1.0)
-    assert p.adopt("a", [stored], "dram", recompute_s=1.0, now=0.0)
-    assert not p.adopt("b", [stored], "dram", recompute_s=1.0, now=0.0)  # no room
+    assert p.adopt("a", [stored], "host", recompute_s=1.0, now=0.0)
+    assert not p.adopt("b", [stored], "host", recompute_s=1.0, now=0.0)  # no room
     assert not p.adopt("a", [stored], "disk", recompute_s=1.0, now=0.0)  # held already
     m = p.spill("a")
-    assert (m.src, m.dst) == ("dram", "disk") and p.where("a") == ("disk", stored)
+    assert (m.src, m.dst) == ("host", "disk") and p.where("a") == ("disk", stored)
     assert p.spill("a") is None  # no tier below
     p.put("c", forms(40 * MB), recompute_s=1.0, now=1.0)
     assert p.resize("c", 30 * MB, now=2.0) == []  # smaller than estimated: nothing moves
     moves = p.resize("c", 70 * MB, now=2.0)  # larger: the tiers fit again
-    assert moves and p.bytes_used("dram") <= 64 * MB and p.bytes_used("disk") <= 100 * MB
-    p.set_read_rate("disk", 1e6)  # a slow disk: what leaves DRAM now goes out instead
+    assert moves and p.bytes_used("host") <= 64 * MB and p.bytes_used("disk") <= 100 * MB
+    p.set_read_rate("disk", 1e6)  # a slow disk: what leaves host now goes out instead
     disk = p.bytes_used("disk")
     moves = p.put("d", [Form("full", 1.0, 60 * MB, 1.0)], recompute_s=0.5, now=3.0)
-    assert p.bytes_used("dram") <= 64 * MB and p.bytes_used("disk") == disk
+    assert p.bytes_used("host") <= 64 * MB and p.bytes_used("disk") == disk
     assert all(m.dst != "disk" for m in moves)
 
 
@@ -382,8 +382,8 @@ def test_the_store_can_carry_out_its_moves_one_by_one_within_every_tier(sizes, a
     list moves an entry down before the evictions below that make the room)."""
     from jkv.store.adapt_store import AdaptStorePlacement
 
-    caps = {"dram": 6000, "disk": 12000}
-    p = AdaptStorePlacement(Profile.default(), alpha, 0.0, caps["dram"], caps["disk"])
+    caps = {"host": 6000, "disk": 12000}
+    p = AdaptStorePlacement(Profile.default(), alpha, 0.0, caps["host"], caps["disk"])
     p.recompute_token_s = 1.0 if slow else 1e-6
     held: dict[int, tuple[str, int]] = {}  # what the store's tiers hold: key -> (tier, bytes)
     for key, size in enumerate(sizes):
@@ -398,4 +398,4 @@ def test_the_store_can_carry_out_its_moves_one_by_one_within_every_tier(sizes, a
             for tier, cap in caps.items():
                 assert sum(b for t, b in held.values() if t == tier) <= cap, (m, tier)
         assert held == {k: (p.where(k), p.size(k)) for k in held}
-        assert set(held) == set(p.sessions("dram")) | set(p.sessions("disk"))
+        assert set(held) == set(p.sessions("host")) | set(p.sessions("disk"))

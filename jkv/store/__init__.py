@@ -1,4 +1,4 @@
-"""Host and persistent KV tiers: entry codec, DRAM and tensorstore tiers, placement, and the
+"""Host and persistent KV tiers: entry codec, host-memory and tensorstore tiers, placement, and the
 store that puts them together."""
 
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode

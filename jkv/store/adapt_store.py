@@ -21,11 +21,11 @@ from jkv.policies.adaptcache import AdaptPlacement, Form, Tier
 from jkv.policies.adaptcache import Move as AdaptMove
 from jkv.policies.stored_forms import is_row_form, row_form_ways
 from jkv.store.adapt_profile import Profile
-from jkv.store.placement import Move
+from jkv.store.placement import TIERS, Move
 
 FOREIGN = "foreign"  # `adopt`'s form of an entry not of this KV (another model's): opaque
 # read rates assumed until the store has measured its own (bytes per second)
-DEFAULT_READ_BPS = {"dram": 10e9, "disk": 1e9}
+DEFAULT_READ_BPS = {"host": 10e9, "disk": 1e9}
 
 
 class AdaptStorePlacement:
@@ -42,10 +42,10 @@ class AdaptStorePlacement:
 
     policy = "adaptcache"
 
-    def __init__(self, profile: Profile, alpha: float, quality_floor: float, dram_bytes: int,
+    def __init__(self, profile: Profile, alpha: float, quality_floor: float, host_bytes: int,
                  disk_bytes: int, bf16_ratio: float = 1.0, half_life: float | None = None,
                  backend: str = "cpu", whole_rows: bool = False) -> None:
-        self.capacity = {"dram": dram_bytes, "disk": disk_bytes}
+        self.capacity = {"host": host_bytes, "disk": disk_bytes}
         if whole_rows:
             self.methods = tuple(m for m in profile.methods if is_row_form(m))
             if not self.methods:
@@ -101,8 +101,8 @@ class AdaptStorePlacement:
 
     def set_read_rates(self, rates: dict[str, float]) -> None:
         """The store's measured read rates ("host"/"disk", bytes per second; 0: unknown)."""
-        for tier, name in (("dram", "host"), ("disk", "disk")):
-            self.adapt.set_read_rate(tier, rates.get(name, 0.0))
+        for tier in TIERS:
+            self.adapt.set_read_rate(tier, rates.get(tier, 0.0))
 
     def set_recompute_rate(self, token_s: float) -> None:
         """Seconds a recomputed token costs (the scheduler's measure): what a miss costs;

@@ -1,9 +1,9 @@
-"""Which tier holds a conversation's KV between its turns: host DRAM, disk, or none.
+"""Which tier holds a conversation's KV between its turns: host memory, disk, or none.
 
 CachedAttention section 3.3. An item is a whole session (its KV is used all together or not
-at all) of some size in bytes; DRAM and disk have byte capacities that are never exceeded. A
-session's KV is saved to DRAM after each of its turns; a full tier gives up an item, DRAM to
-disk and disk out of the store. Which item goes is the policy:
+at all) of some size in bytes; the host tier and disk have byte capacities that are never
+exceeded. A session's KV is saved to the host tier after each of its turns; a full tier gives
+up an item, the host's to disk and disk's out of the store. Which item goes is the policy:
 
 - ``lru``: the least recently used; ``fifo``: the first placed in the tier.
 - ``scheduler``: the scheduler's queue (sessions of the waiting jobs, in the order they will
@@ -11,7 +11,7 @@ disk and disk out of the store. Which item goes is the policy:
   (C_mem + C_disk) / S_kv jobs (S_kv: the mean item size), are exempt while any other item
   can go (those go least recently used first); when all are in the window, the one whose job
   runs last goes. It also prefetches: a session whose job is in the look-ahead prefetch
-  window, the first C_mem / S_kv jobs, moves from disk to DRAM before its job runs, taking
+  window, the first C_mem / S_kv jobs, moves from disk to host before its job runs, taking
   the place of items whose jobs run later (or not at all).
 
 Pure bookkeeping of sizes: it returns the moves, the store moves the bytes. The simulator
@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from jkv.store_config import EVICTION_POLICIES as POLICIES
 
-TIERS = ("dram", "disk")
+TIERS = ("host", "disk")
 
 
 class Move(NamedTuple):
@@ -48,7 +48,7 @@ class _Item:
 
 
 class Placement:
-    """Sizes of the sessions held in DRAM and on disk, and the policy that moves them.
+    """Sizes of the sessions held in host memory and on disk, and the policy that moves them.
 
     The store drives any placement through this interface; one that weighs more than
     sizes (AdaptCache's, `adapt_store.AdaptStorePlacement`) says so here (`lossy`,
@@ -68,16 +68,16 @@ class Placement:
         """What the placement adds to the store's statistics."""
         return {}
 
-    def __init__(self, policy: str, dram_bytes: int, disk_bytes: int) -> None:
+    def __init__(self, policy: str, host_bytes: int, disk_bytes: int) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        for name, value in (("dram_bytes", dram_bytes), ("disk_bytes", disk_bytes)):
+        for name, value in (("host_bytes", host_bytes), ("disk_bytes", disk_bytes)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         self.policy = policy
-        self.capacity = {"dram": dram_bytes, "disk": disk_bytes}
-        self._tiers: dict[str, dict[Hashable, _Item]] = {"dram": {}, "disk": {}}
-        self._used = {"dram": 0, "disk": 0}
+        self.capacity = {"host": host_bytes, "disk": disk_bytes}
+        self._tiers: dict[str, dict[Hashable, _Item]] = {"host": {}, "disk": {}}
+        self._used = {"host": 0, "disk": 0}
         self._clock = 0
 
     # ------------------------------------------------------------------ queries
@@ -106,15 +106,15 @@ class Placement:
         return sorted(items, key=lambda s: -items[s].used)
 
     def mean_item_bytes(self) -> float:
-        n = len(self._tiers["dram"]) + len(self._tiers["disk"])
-        return (self._used["dram"] + self._used["disk"]) / n if n else 0.0
+        n = len(self._tiers["host"]) + len(self._tiers["disk"])
+        return (self._used["host"] + self._used["disk"]) / n if n else 0.0
 
     def windows(self) -> tuple[int, int]:
         """(prefetch window, eviction window) in jobs: C_mem / S_kv, (C_mem + C_disk) / S_kv."""
         s_kv = self.mean_item_bytes()
         if not s_kv:
             return 0, 0
-        mem, disk = self.capacity["dram"], self.capacity["disk"]
+        mem, disk = self.capacity["host"], self.capacity["disk"]
         return math.floor(mem / s_kv), math.floor((mem + disk) / s_kv)
 
     # ------------------------------------------------------------------ updates
@@ -131,7 +131,7 @@ class Placement:
     def put(self, session: Hashable, size: int, queue: Sequence[Hashable] = (),
             keep: Collection[Hashable] = (), tokens: int = 0,
             form: str | None = None) -> list[Move]:
-        """Save `session`'s KV (now `size` bytes) to DRAM, replacing any older copy, making
+        """Save `session`'s KV (now `size` bytes) to host, replacing any older copy, making
         room by the policy without giving up `keep` (items it needs, e.g. the entries a
         tail continues); `queue` is the scheduler's hint. Returns the moves, this one last
         (its dst None when the item fits in neither tier). (`tokens`, `form`: the entry's
@@ -156,7 +156,7 @@ class Placement:
 
     def prefetch(self, queue: Sequence[Hashable]) -> list[Move]:
         """Scheduler-aware only: move sessions of the jobs in the look-ahead prefetch window
-        from disk to DRAM, in queue order, while items whose jobs run later can make room."""
+        from disk to host, in queue order, while items whose jobs run later can make room."""
         if self.policy != "scheduler":
             return []
         window, _ = self.windows()
@@ -166,14 +166,14 @@ class Placement:
             if self.where(session) != "disk":
                 continue
             size = self._tiers["disk"][session].size
-            if size > self.capacity["dram"]:
+            if size > self.capacity["host"]:
                 continue
-            if not self._make_room("dram", size, queue, moves, protect={session},
+            if not self._make_room("host", size, queue, moves, protect={session},
                                    before=pos[session]):
                 break  # later jobs would need the same room
             item = self._remove("disk", session)
-            self._add("dram", session, size, used=item.used)
-            moves.append(Move(session, "disk", "dram"))
+            self._add("host", session, size, used=item.used)
+            moves.append(Move(session, "disk", "host"))
         return moves
 
     def adopt(self, session: Hashable, size: int, tier: str, tokens: int = 0,
@@ -186,18 +186,18 @@ class Placement:
         return True
 
     def spill(self, session: Hashable, queue: Sequence[Hashable] = ()) -> list[Move]:
-        """Move `session` from DRAM to disk (a store closing keeps what it can), making room
-        on disk by the policy; no moves if it is not in DRAM or cannot fit."""
-        if self.where(session) != "dram":
+        """Move `session` from host to disk (a store closing keeps what it can), making room
+        on disk by the policy; no moves if it is not in the host tier or cannot fit."""
+        if self.where(session) != "host":
             return []
-        size = self._tiers["dram"][session].size
+        size = self._tiers["host"][session].size
         moves: list[Move] = []
         if size > self.capacity["disk"] or not self._make_room("disk", size, queue, moves,
                                                               protect={session}):
             return []
-        item = self._remove("dram", session)
+        item = self._remove("host", session)
         self._add("disk", session, size, used=item.used)
-        return moves + [Move(session, "dram", "disk")]
+        return moves + [Move(session, "host", "disk")]
 
     def resize(self, session: Hashable, size: int) -> list[Move]:
         """`session`'s item now takes `size` bytes where it is (recompressed smaller in
@@ -230,7 +230,7 @@ class Placement:
 
     def _make_room(self, tier: str, size: int, queue: Sequence[Hashable], moves: list[Move],
                    protect: set, before: int | None = None) -> bool:
-        """Free `size` bytes of `tier`: victims of DRAM go to disk (when they fit), victims of
+        """Free `size` bytes of `tier`: victims of host go to disk (when they fit), victims of
         disk are dropped. With `before`, only items whose job runs after queue position
         `before` (or never) may go. False (nothing moved) if that cannot be done."""
         free = self.capacity[tier] - self._used[tier]
@@ -247,10 +247,10 @@ class Placement:
             return False
         for session in victims:
             item = self._remove(tier, session)
-            if tier == "dram" and item.size <= self.capacity["disk"] and self._make_room(
+            if tier == "host" and item.size <= self.capacity["disk"] and self._make_room(
                     "disk", item.size, queue, moves, protect=protect | {session}):
                 self._add("disk", session, item.size, used=item.used)
-                moves.append(Move(session, "dram", "disk"))
+                moves.append(Move(session, "host", "disk"))
             else:
                 moves.append(Move(session, tier, None))
         return True

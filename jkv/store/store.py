@@ -1,4 +1,4 @@
-"""The KV store: finished requests' pages kept in host DRAM and a persistent tier, found
+"""The KV store: finished requests' pages kept in host memory and a persistent tier, found
 again by chained block hash, never served corrupt.
 
 An entry is a run of a request's full blocks, named by the hash of its last block: blocks
@@ -44,14 +44,12 @@ from jkv.store.adapt_store import FOREIGN, AdaptStorePlacement
 from jkv.store.index import Hit, parse_meta
 from jkv.store.loads import Loaded, StoreReader
 from jkv.store.parts import StoreParts, StoreStats
-from jkv.store.placement import Placement
+from jkv.store.placement import TIERS, Placement
 from jkv.store.priority import lower_thread_priority
 from jkv.store.tiers import HostTier, PersistentTier
 from jkv.store.writes import StoreWriter
 
 log = logging.getLogger(__name__)
-
-TIER_NAMES = {"dram": "host", "disk": "disk"}  # placement's tier names -> the store's
 
 
 def _converted(parts: Sequence[tuple[int, str | None]]) -> tuple[tuple[str, int], ...]:
@@ -184,19 +182,19 @@ class KVStore:
             tiers = {k: t for k, t in tiers.items() if t is not None}  # not mid-eviction
             if not tiers:
                 return None
-            key = min(tiers, key=lambda k: (tiers[k] != "dram", k))
+            key = min(tiers, key=lambda k: (tiers[k] != "host", k))
             entry = self.index.entries[key]
             parts = self._chain_parts(key)
             sizes = [size for size, _ in parts]
-            return Hit(key, lo, TIER_NAMES[tiers[key]], sum(sizes),
+            return Hit(key, lo, tiers[key], sum(sizes),
                        sum(sizes[:-1]) + sizes[-1] * (lo - entry.start) // len(entry.hashes),
                        _converted(parts))
 
     def _chain_tier(self, key: str) -> str | None:
-        """Where `key`'s chain is read from (under the lock): "dram" when every entry of it
+        """Where `key`'s chain is read from (under the lock): "host" when every entry of it
         is there, "disk" when one is not, None when one is in no tier (mid-eviction)."""
         tiers = [self.placement.where(k) for k in self.index.chain(key)]
-        return None if None in tiers else "dram" if set(tiers) == {"dram"} else "disk"
+        return None if None in tiers else "host" if set(tiers) == {"host"} else "disk"
 
     def _pending_tier(self, key: str) -> str:
         """The tier a queued save's chain is read from (under the lock): the host's unless
@@ -206,7 +204,7 @@ class KVStore:
             return "host"
         if parent in self.p.pending:
             return self._pending_tier(parent)
-        return "host" if self._chain_tier(parent) == "dram" else "disk"
+        return "host" if self._chain_tier(parent) == "host" else "disk"
 
     def _chain_parts(self, key: str) -> list[tuple[int, str | None]]:
         """(stored bytes, KV format: None for the pool's) of each entry of `key`'s chain,
@@ -321,7 +319,7 @@ class KVStore:
 
     def _spill_all(self) -> None:
         with self.p.lock:
-            keys = self.placement.by_recency("dram")
+            keys = self.placement.by_recency("host")
         for key in keys:
             with self.p.lock:
                 moves = self.placement.spill(key, self.p.queue)
@@ -372,8 +370,8 @@ class KVStore:
     def snapshot(self) -> dict:
         """Entries and bytes per tier and the event counters (`LLM.stats()["store"]`)."""
         with self.p.lock:
-            entries = {TIER_NAMES[t]: len(self.placement.sessions(t)) for t in TIER_NAMES}
-            used = {TIER_NAMES[t]: self.placement.bytes_used(t) for t in TIER_NAMES}
+            entries = {t: len(self.placement.sessions(t)) for t in TIERS}
+            used = {t: self.placement.bytes_used(t) for t in TIERS}
         st = self.stats
         return {"entries": entries, "bytes": used,
                 "capacity_bytes": {"host": self.host.capacity,

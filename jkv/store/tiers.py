@@ -1,4 +1,4 @@
-"""Where entry bytes live: host DRAM and a persistent tensorstore kvstore.
+"""Where entry bytes live: host memory and a persistent tensorstore kvstore.
 
 Both tiers hold opaque entry bytes (`jkv.store.codec`) under string keys, count their bytes
 and refuse a write past their capacity (`TierFull`): the capacity is enforced here, and the

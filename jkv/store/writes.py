@@ -192,11 +192,11 @@ class StoreWriter:
         return encode_aligned(info, {**arrays, HASHES: hashes})
 
     def _tier(self, name: str) -> HostTier | PersistentTier:
-        return self.p.host if name == "dram" else self.p.disk
+        return self.p.host if name == "host" else self.p.disk
 
     def _stored_in(self, key: str, first: str) -> str | None:
         """The tier holding `key`'s bytes (`first` looked in first); None when none does."""
-        for name in (first, "dram", "disk"):
+        for name in (first, "host", "disk"):
             tier = self._tier(name)
             if tier is not None and key in tier:
                 return name
