@@ -195,6 +195,8 @@ def resume_after_preemption(params, prompt: list[int], decode: int, own_prompt: 
         tokens.append(out.token)
     before = held_positions(eng, slot, len(tokens) - 1)
     eng.close(slot, finished=False)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        eng.open(tokens, prompt_tokens=len(tokens) + 1)
     slot, cached = eng.open(tokens, prompt_tokens=len(prompt) if own_prompt else None)
     assert cached == (len(tokens) - 1) // PAGE * PAGE, "the kept row was not found"
     eng.step([Row(slot, tokens[cached:], greedy_params, key)], [])

@@ -217,6 +217,9 @@ class KVCacheManager:
         (default all); returns (slot, tokens found in the prefix cache or, with token tiers,
         in a kept sequence, which the slot now holds; 0 without `use_prefix_cache`, at most
         `max_cached`)."""
+        if prompt_tokens is not None and not 1 <= prompt_tokens <= len(token_ids):
+            raise ValueError(f"prompt_tokens must be in 1..{len(token_ids)} (the tokens opened), "
+                             f"got {prompt_tokens}")
         if not self._free_slots:
             raise RuntimeError("no free sequence slot")
         slot = self._free_slots.pop()
