@@ -7,7 +7,14 @@ dict `LLM.stats()` returns); latency histograms are observed once per finished r
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -37,6 +44,8 @@ _GAUGES = (  # (stats key = metric name without the prefix, help)
     ("num_requests_waiting", "Requests queued for admission."),
     ("kv_pages_used", "Device KV pages held by sequences and the prefix cache."),
     ("kv_pages_total", "Device KV pages in the pool."),
+    ("kv_pages_cached", "Device KV pages kept for reuse (prefix-cache blocks, kept rows), "
+     "counted in kv_pages_used: a filling cache, not a leak."),
     ("kv_bytes_per_token", "KV bytes the pool held per token of context as each sequence "
      "ended, averaged over the sequences."),
 )
@@ -76,6 +85,7 @@ _OFFLOAD_COUNTERS = (  # (key of stats()["layer_offload"], metric name, help)
 
 class Metrics:
     def __init__(self) -> None:
+        disable_created_metrics()  # no `_created` twin of every counter and histogram
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("jkv_time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)

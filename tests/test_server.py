@@ -470,8 +470,9 @@ def test_metrics_endpoint_exports_the_serving_figures(srv):
                  "jkv_e2e_request_latency_seconds_count", "jkv_num_requests_running",
                  "jkv_num_requests_waiting", "jkv_kv_pages_used", "jkv_kv_pages_total",
                  "jkv_prefix_cache_query_tokens_total", "jkv_recomputed_tokens_total",
-                 "jkv_preemptions_total", "jkv_compilations_total"):
+                 "jkv_preemptions_total", "jkv_compilations_total", "jkv_kv_pages_cached"):
         assert name in text, name
+    assert "_created" not in text  # no twin series per counter
     total = [ln for ln in text.splitlines() if ln.startswith("jkv_kv_pages_total ")]
     assert float(total[0].split()[1]) == srv.llm.engine.cache.total_pages
     # the step costs the SLO checks weigh, learned from the decode steps just run
