@@ -130,6 +130,12 @@ def test_health_and_models(srv):
     assert [m.id for m in models.data] == [srv.name]
     assert srv.name == srv.llm.model_name
     assert srv.client.models.retrieve(srv.name).id == srv.name
+    text = srv.http.get(srv.base + "/v1/models").text
+    assert str(srv.llm.model_path) not in text and "/" not in json.loads(text)["data"][0]["root"]
+    base = srv.name.rsplit(".", 1)[0]  # the embedded file's name without ".Q4_1"
+    assert base != srv.name and srv.client.models.retrieve(base).id == srv.name
+    r = srv.client.completions.create(model=base, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.model == srv.name
 
 
 def test_chat_completion(srv):

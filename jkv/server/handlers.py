@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -22,6 +23,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jkv.api import LLM, Truncation
 from jkv.engine.sampling import SamplingParams
 from jkv.server.protocol import APIError, SamplingRequest
+
+# a GGUF file's quantization suffix (`.Q4_1`, `-IQ3_M`, `.F16`, `.BF16`): the model answers
+# to its name without it too
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
 
 try:  # chat templates raise jinja2 errors for conversations they reject
     from jinja2 import TemplateError as _TemplateError
@@ -47,6 +52,7 @@ class Server:
                  tpot_slo_ms: float | None = None) -> None:
         self.llm = llm
         self.name = served_model_name or llm.model_name
+        self.aliases = {self.name, _QUANT_SUFFIX.sub("", self.name)}
         self.max_queue, self.request_timeout = max_queue, request_timeout
         self.ttft_slo_ms, self.tpot_slo_ms = ttft_slo_ms, tpot_slo_ms  # for requests without
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jkv-tokenize")
@@ -142,13 +148,13 @@ class Server:
         return None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
+        if model is not None and model not in self.aliases:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.name}'", param="model", code="model_not_found")
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "jkv",
-                "root": str(self.llm.model_path), "parent": None,
+                "root": self.name, "parent": None,  # (no file path: it is the host's)
                 "max_model_len": self.llm.max_model_len}
 
     async def complete(self, request: Request, body: SamplingRequest, chat: bool,
