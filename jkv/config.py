@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jkv.config_checks import check_choices_and_flags, is_int, is_pow2, require
+from jkv.config_checks import check_choices_and_flags, is_int, is_pow2, parse_bytes, require
 from jkv.kv.format import KV_FORMATS, KVFormat
 from jkv.policies import POLICIES, policy_help
 from jkv.store_config import HOST_CACHE_CAP as HOST_CACHE_CAP  # re-exported: tests read it here
@@ -368,5 +368,7 @@ def split_options(options: Mapping[str, Any], caller: str = "LLM.__init__()"
         if name not in by_name:
             raise TypeError(f"{caller} got an unexpected keyword argument {name!r}; valid "
                             f"ones: {', '.join(by_name)}")
+        if name.endswith("_bytes"):  # sizes as text too: "512MiB", "8GiB"
+            value = parse_bytes(value, f"{by_name[name].config.__name__}.{name}")
         out[by_name[name].config][name] = value
     return out

@@ -4,6 +4,10 @@ read as one line a field and a bad value is worded the same way whichever config
 from __future__ import annotations
 
 import dataclasses
+import re
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
 
 
 def is_int(value: object) -> bool:
@@ -33,3 +37,17 @@ def check_choices_and_flags(config: object) -> None:
                     f"one of {f.metadata['choices']}")
         elif isinstance(f.default, bool):
             require(config, f.name, isinstance(value, bool), "True or False")
+
+
+def parse_bytes(value: object, name: str = "bytes") -> object:
+    """A size as bytes: an int as it is, or text such as `1073741824`, `512MiB`, `8GiB`,
+    `1.5G` (K/M/G/T powers of 1000, KiB/MiB/GiB/TiB of 1024; a trailing B optional). Any
+    other value is returned for its config's check to refuse; bad text is a ValueError
+    naming `name`."""
+    if not isinstance(value, str):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?\s*", value, re.IGNORECASE)
+    if m is None:
+        raise ValueError(f"{name} must be a number of bytes such as 536870912, 512MiB or "
+                         f"8GiB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])

@@ -154,6 +154,23 @@ def test_a_bad_value_raises_a_value_error_naming_the_field(config, name, bad, no
         LLM(**{name: bad})
 
 
+def test_byte_options_take_sizes_as_text_as_keywords_and_flags(no_model_load):
+    """Every `*_bytes` option takes 512MiB / 8GiB / 1.5G as well as an int, from LLM(...)
+    and from its flag; bad text is a ValueError naming the field (a usage error on the
+    command line)."""
+    sizes = [o for o in OPTIONS if o.name.endswith("_bytes")]
+    assert {o.name for o in sizes} >= {"kv_cache_bytes", "host_cache_bytes", "disk_cache_bytes"}
+    for o in sizes:
+        parts = split_options({o.name: "512MiB"})
+        assert parts[o.config] == {o.name: 512 << 20}
+        assert split_options({o.name: "1.5G"})[o.config] == {o.name: 1_500_000_000}
+        assert getattr(build_parser().parse_args([o.flag, "8GiB"]), o.name) == 8 << 30
+        with pytest.raises(ValueError, match=rf"{o.config.__name__}\.{o.name}"):
+            LLM(**{o.name: "lots"})
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([o.flag, "8 gigs"])
+
+
 def test_unknown_keywords_are_type_errors_listing_the_valid_names(no_model_load):
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_model_length'.*"
                                         r"max_model_len"):

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from jkv.config import OPTIONS, Option
+from jkv.config_checks import parse_bytes
 from jkv.models.params_cache import cache_home
 
 _OPTION_REF = re.compile(r"`(\w+)`")  # `name` in an option's help: another option
@@ -36,6 +37,14 @@ def _flag_help(option: Option) -> str:
     return _flag_text(option.help + note)
 
 
+def _bytes_flag(text: str) -> int:
+    """A byte flag's value: an integer or a size such as 512MiB or 8GiB."""
+    try:
+        return parse_bytes(text, "the value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
     """A flag per `jkv.config.OPTIONS` entry, one group per config: --flag-name, its type,
     default, choices and help; a bool is --x/--no-x."""
@@ -48,6 +57,9 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"default": o.default, "help": _flag_help(o)}
         if o.value_type is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif o.name.endswith("_bytes"):
+            kw["type"] = _bytes_flag
+            kw["help"] += " (a size: 536870912, 512MiB or 8GiB)"
         else:
             kw["type"] = o.value_type
             if o.choices is not None:
