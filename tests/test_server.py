@@ -489,23 +489,53 @@ def test_metrics_endpoint_exports_the_serving_figures(srv):
     assert costs["decode"] > 0 and costs["decode_full"] > 0 and costs["offload_layer"] >= 0
 
 
-def test_api_key_guards_v1_routes_only(srv):
+def test_api_key_guards_v1_routes_only_unless_metrics_require_it(srv):
     import asyncio
 
+    def get(app, path: str, key: str | None):
+        async def call():
+            transport = httpx.ASGITransport(app=app)
+            headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                return await c.get(path, headers=headers)
+        return asyncio.run(call())
+
     app = build_app(srv.llm, api_key="sekrit")  # its loop is never started: no generation
-
-    async def get(path: str, key: str | None):
-        transport = httpx.ASGITransport(app=app)
-        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            return await c.get(path, headers=headers)
-
     for key, status in ((None, 401), ("wrong", 401), ("sekrit", 200)):
-        r = asyncio.run(get("/v1/models", key))
+        r = get(app, "/v1/models", key)
         assert r.status_code == status, (key, r.text)
         if status == 401:
             assert r.json()["error"]["code"] == "invalid_api_key"
-    assert asyncio.run(get("/health", None)).status_code == 200
+    assert get(app, "/health", None).status_code == 200
+    assert get(app, "/metrics", None).status_code == 200
+    strict = build_app(srv.llm, api_key="sekrit", metrics_require_key=True)
+    for path in ("/metrics", "/openapi.json", "/docs", "/v1/models"):
+        assert get(strict, path, None).status_code == 401, path
+        assert get(strict, path, "sekrit").status_code == 200, path
+    assert get(strict, "/health", None).status_code == 200  # liveness stays open
+
+
+def test_the_api_key_comes_from_a_flag_a_file_or_the_environment(tmp_path):
+    """--api-key, else --api-key-file's first line, else JKV_API_KEY; conflicting or empty
+    sources, and --metrics-require-key without a key, are usage errors."""
+    from jkv.server.flags import api_key
+
+    def key(*argv: str, env: dict | None = None):
+        return api_key(build_parser().parse_args(list(argv)), env or {})
+
+    secret = tmp_path / "key"
+    secret.write_text("from-file\nignored\n")
+    assert key() is None
+    assert key("--api-key", "flag") == "flag"
+    assert key("--api-key-file", str(secret), env={"JKV_API_KEY": "env"}) == "from-file"
+    assert key(env={"JKV_API_KEY": "env"}) == "env"
+    (tmp_path / "empty").write_text("\n")
+    for argv in (["--api-key", "a", "--api-key-file", str(secret)],
+                 ["--api-key-file", str(tmp_path / "empty")],
+                 ["--api-key-file", str(tmp_path / "missing")], ["--metrics-require-key"]):
+        with pytest.raises(ValueError):
+            key(*argv)
+    assert key("--metrics-require-key", env={"JKV_API_KEY": "env"}) == "env"
 
 
 def test_a_full_queue_is_a_503_with_retry_after(srv, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
@@ -14,7 +15,7 @@ import uvicorn
 from jkv.api import LLM
 from jkv.config import OPTIONS
 from jkv.server.app import build_app
-from jkv.server.flags import build_parser
+from jkv.server.flags import api_key, build_parser
 from jkv.server.handlers import Server
 
 log = logging.getLogger("jkv.server")
@@ -23,6 +24,10 @@ log = logging.getLogger("jkv.server")
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:  # before anything loads: a bad key setting is a usage error at once
+        key = api_key(args, os.environ)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jkv").setLevel(args.log_level.upper())
@@ -45,9 +50,10 @@ def main(argv: list[str] | None = None) -> None:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    app = build_app(llm, args.served_model_name, api_key=args.api_key,
+    app = build_app(llm, args.served_model_name, api_key=key,
                     max_queue=args.max_queue, request_timeout=args.request_timeout,
-                    ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+                    ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+                    metrics_require_key=args.metrics_require_key)
     log.info("serving %r (max_model_len=%d) on http://%s:%d/v1", app.state.served_model_name,
              llm.max_model_len, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -36,7 +36,8 @@ from jkv.server.protocol import (
 
 def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | None = None,
               max_queue: int | None = None, request_timeout: float | None = None,
-              ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None) -> FastAPI:
+              ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
+              metrics_require_key: bool = False) -> FastAPI:
     """The OpenAI-compatible app around a loaded LLM; its scheduler loop runs while the app
     does (the LLM's offline `generate`/`chat` must not be called meanwhile).
 
@@ -45,6 +46,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
     max_queue: requests waiting beyond this are refused with 503 and Retry-After.
     request_timeout: seconds a request may take from arrival to its last token.
     ttft_slo_ms, tpot_slo_ms: the targets of requests that name none.
+    metrics_require_key: the key guards every route but /health (/metrics, /docs, the schema).
     """
     server = Server(llm, served_model_name, max_queue, request_timeout, ttft_slo_ms,
                     tpot_slo_ms)
@@ -64,7 +66,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
     _add_status_routes(app, server)
     _add_completion_routes(app, server)
     app.openapi = _openapi(app, llm)
-    app.add_middleware(Guard, api_key=api_key)
+    app.add_middleware(Guard, api_key=api_key, guard_all=metrics_require_key)
     return app
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from jkv.config import OPTIONS, Option
@@ -91,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "compilation cache), so a restart compiles little; '' turns it off")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 routes (401 otherwise); "
-                        "default: no key")
+                        "visible in ps: prefer --api-key-file or JKV_API_KEY; default: no key")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the API key from this file's first line instead")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="the API key guards /metrics, /docs and /openapi.json too (every "
+                        "route but /health)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="refuse new requests with 503 and Retry-After while this many wait; "
                         "default: no limit")
@@ -114,3 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logging level of the server and of uvicorn")
     add_option_flags(p)
     return p
+
+
+def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The key from --api-key, else --api-key-file's first line, else JKV_API_KEY; None:
+    no key. ValueError for both flags, an unreadable or empty file, or
+    --metrics-require-key without a key."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("--api-key and --api-key-file: give one")
+    key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text().split("\n")[0].strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: the first line is empty")
+    key = key if key is not None else environ.get("JKV_API_KEY") or None
+    if args.metrics_require_key and key is None:
+        raise ValueError("--metrics-require-key needs a key (--api-key-file, JKV_API_KEY)")
+    return key

@@ -29,12 +29,16 @@ class Guard:
     """Outermost layer: API key, body-size limit, a JSON 500 for any unhandled error, one
     log line."""
 
-    def __init__(self, app, max_body: int = MAX_BODY_BYTES, api_key: str | None = None) -> None:
+    def __init__(self, app, max_body: int = MAX_BODY_BYTES, api_key: str | None = None,
+                 guard_all: bool = False) -> None:
         self.app, self.max_body = app, max_body
         self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
+        # /v1 always; with guard_all every route but /health (metrics, docs, the schema)
+        self.guarded = (lambda path: path != "/health") if guard_all else (
+            lambda path: path.startswith("/v1"))
 
     def _authorized(self, scope) -> bool:
-        if self.api_key is None or not scope.get("path", "").startswith("/v1"):
+        if self.api_key is None or not self.guarded(scope.get("path", "")):
             return True
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
         return hmac.compare_digest(given, self.api_key)
