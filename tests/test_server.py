@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -189,6 +190,24 @@ def test_chat_stream_matches_non_stream(srv):
     assert last.choices[0].finish_reason in ("stop", "length")
     assert usage.choices == [] and usage.usage.completion_tokens >= 1
     assert usage.usage.total_tokens == usage.usage.prompt_tokens + usage.usage.completion_tokens
+
+
+def test_usage_reports_the_prompt_tokens_found_cached(srv):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 for a prompt never seen, the
+    reused prefix (whole pages) when it comes again, streamed usage included."""
+    prompt = f"{uuid.uuid4().hex} " + "one two three four five six seven eight " * 6
+    first = srv.client.completions.create(model=srv.name, prompt=prompt, max_tokens=2,
+                                          temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = srv.client.completions.create(model=srv.name, prompt=prompt, max_tokens=2,
+                                          temperature=0)
+    page = srv.llm.engine.cache.page_size
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert page <= cached < again.usage.prompt_tokens and cached % page == 0
+    *_, usage = srv.client.completions.create(
+        model=srv.name, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    assert usage.usage.prompt_tokens_details.cached_tokens == cached
 
 
 def test_completion_stream_matches_non_stream(srv):

@@ -62,6 +62,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # prompt tokens found cached (device prefix cache or store) when first admitted
+    cached_tokens: int | None = None
     cancelled: bool = False  # set from any thread; the loop aborts it at its next step
 
     @property

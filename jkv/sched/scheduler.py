@@ -342,6 +342,8 @@ class Scheduler:
         st.layers_done = 0 if r.request_id in plan.layer_major else None
         self.stats.layer_major_prefills += st.layers_done is not None
         st.num_computed = self.side.open(r)
+        if r.cached_tokens is None:  # (what OpenAI's usage reports as cached_tokens)
+            r.cached_tokens = min(st.num_computed, len(r.prompt))
         if r.admit_time is None:
             r.admit_time = now
         self.stats.recomputed_tokens += max(0, st.computed_before - st.num_computed)

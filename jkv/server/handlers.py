@@ -209,7 +209,7 @@ class Server:
                       "finish_reason": t.finish_reason}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": self.name, "choices": [choice],
-                "usage": _usage(len(ids), len(t.token_ids))}
+                "usage": _usage(len(ids), len(t.token_ids), handle.cached_tokens)}
 
     def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
         """OpenAI's logprobs object for (token id, logprob, top ids, top logprobs) entries."""
@@ -283,7 +283,8 @@ class Server:
             request.state.completion_tokens = len(t.token_ids)
             yield chunk(finish=t.finish_reason, entries=t.take_logprobs())
             if include_usage:
-                yield chunk(usage=_usage(len(ids), len(t.token_ids)), choices=False)
+                yield chunk(usage=_usage(len(ids), len(t.token_ids), handle.cached_tokens),
+                            choices=False)
         except APIError as e:
             request.state.stream_error = e.message
             yield f"data: {json.dumps(e.body())}\n\n"
@@ -296,9 +297,11 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
-def _usage(prompt: int, completion: int) -> dict:
+def _usage(prompt: int, completion: int, cached: int | None) -> dict:
+    """OpenAI's usage, with the prompt tokens whose KV was found cached (device or store)."""
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached or 0}}
 
 
 class _Stream(StreamingResponse):
