@@ -287,6 +287,12 @@ BAD = [
     ("/v1/completions", {"prompt": list(range(1, 1025)), "stream": True}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [1] * 1000, "max_tokens": 30}, 400, "max_tokens"),
+    # what jkv does not do is refused, never silently ignored
+    ("/v1/chat/completions", {"messages": _MSG, "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("/v1/chat/completions", {"messages": _MSG, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": _MSG, "tool_choice": "auto"}, 400, "tool_choice"),
 ]
 
 
@@ -301,6 +307,12 @@ def test_bad_request(srv, path, body, status, param):
     assert err["param"] == param
     if param is not None and param not in ("prompt",):
         assert param in err["message"]
+
+
+def test_plain_text_format_and_no_tools_are_accepted(srv):
+    body = {"messages": _MSG, "max_tokens": 2, "response_format": {"type": "text"},
+            "tools": [], "tool_choice": "none"}
+    assert post(srv, "/v1/chat/completions", body).status_code == 200
 
 
 def test_unknown_model_and_route(srv):

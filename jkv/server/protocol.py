@@ -233,6 +233,10 @@ class SamplingRequest(BaseModel):
         return value
 
 
+class ResponseFormat(BaseModel):
+    type: Literal["text"] = Field(description="only text: jkv has no structured output")
+
+
 class ChatCompletionRequest(SamplingRequest):
     # top_logprobs needs logprobs: true (as OpenAI and vLLM have it)
     model_config = ConfigDict(json_schema_extra={
@@ -245,6 +249,12 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: Flag | None = None
     top_logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                          description="needs `logprobs: true`")
+    # what jkv does not do is refused (a 400 naming the field), never silently ignored
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
+        None, description="tool calls are not supported: null or []")
+    tool_choice: Literal["none"] | None = Field(None, description="tool calls are not "
+                                                "supported: null or \"none\"")
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
