@@ -68,6 +68,11 @@ class KVFormat:
                 f"{'-unrotated' if self.token_keys and not self.rotated else ''}")
 
     @property
+    def page_keys(self) -> bool:
+        """Keys quantized with a scale per (page, channel): a page's tokens share them."""
+        return self.k_bits < 16 and not self.token_keys
+
+    @property
     def quantized(self) -> bool:
         return self.k_bits < 16 or self.v_bits < 16
 
@@ -99,8 +104,7 @@ class KVFormat:
 
     def key_page_overhead_bytes(self, head_dim: int) -> int:
         """Bytes of a page's key scales and zero points (one each per channel)."""
-        return 2 * SCALE_DTYPE.itemsize * head_dim if self.k_bits < 16 and not self.token_keys \
-            else 0
+        return 2 * SCALE_DTYPE.itemsize * head_dim if self.page_keys else 0
 
 
 KV_FORMATS: dict[str, KVFormat] = {

@@ -142,7 +142,7 @@ class KVCacheManager:
         keys quantized per page and channel (a page filled token by token is scaled as it
         grows, a recomputed one at once)."""
         f = self.pool.kv_format
-        return self.layout.lossy_recompute or (f.k_bits < 16 and not f.token_keys)
+        return self.layout.lossy_recompute or f.page_keys
 
     def shared_rows(self, slot: int) -> list[int]:
         """The prefix-cache rows `slot` started from (its first blocks' pages)."""

@@ -282,7 +282,7 @@ class KVPages:
 
     def _check_per_token(self) -> None:
         fmt = self.kv_format
-        if fmt.k_bits < 16 and not fmt.token_keys:
+        if fmt.page_keys:
             raise ValueError(f"tokens of {fmt.name} pages cannot move alone: its keys are "
                              "scaled per page")
 

@@ -18,7 +18,7 @@ def recompute_is_lossy(policy: KVPolicy) -> bool:
     the policy's default format (`KVCacheManager.lossy_recompute`): a row placed per prompt
     chunk, or keys scaled per page (scaled as the page grew, recomputed at once)."""
     fmt = KV_FORMATS.get(policy.default_format or "")
-    return policy.token_tiers or (fmt is not None and fmt.k_bits < 16 and not fmt.token_keys)
+    return policy.token_tiers or (fmt is not None and fmt.page_keys)
 
 
 def composition_rows() -> list[tuple[str, ...]]:
