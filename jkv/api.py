@@ -63,7 +63,16 @@ def _parse_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{i}].role must be one of {ROLES}")
         if not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}].content must be a string")
+        _check_unicode(m["content"], f"messages[{i}].content")
     return messages
+
+
+def _check_unicode(text: str, field: str) -> None:
+    """JSON can carry a lone surrogate (\\ud800) that no tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field} is not valid Unicode: {e.reason} at {e.start}") from None
 
 
 class LLM:
@@ -122,6 +131,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token ids")
+            _check_unicode(prompt, "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)

@@ -75,7 +75,9 @@ def test_chat_applies_the_template(llm):
 
 @pytest.mark.parametrize("messages,field", [([], "messages"),
                                             ([{"role": "wizard", "content": "x"}], "role"),
-                                            ([{"role": "user", "content": 3}], "content")])
+                                            ([{"role": "user", "content": 3}], "content"),
+                                            ([{"role": "user", "content": "\ud800"}],
+                                             r"messages\[0\]\.content is not valid Unicode")])
 def test_chat_rejects_bad_messages(llm, messages, field):
     with pytest.raises(ValueError, match=field):
         llm.chat(messages)
@@ -86,6 +88,8 @@ def test_bad_prompts_raise_value_errors(llm):
         llm.generate([1] * 300)
     with pytest.raises(ValueError, match="empty"):
         llm.generate("")
+    with pytest.raises(ValueError, match="prompt is not valid Unicode"):
+        llm.generate("a\udfff")
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[10**9]])
     with pytest.raises(ValueError, match="sampling_params"):

@@ -283,6 +283,10 @@ BAD = [
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": {"text": "x"}}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    # JSON may escape a lone surrogate, which no tokenizer takes
+    ("/v1/completions", '{"prompt": "a\\ud800"}', 400, "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages"),
     ("/v1/completions", {"prompt": "hello " * 1100}, 400, "prompt"),
     ("/v1/completions", {"prompt": list(range(1, 1025)), "stream": True}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
