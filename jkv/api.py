@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jkv.chat_messages import check_unicode, parse_messages
 from jkv.config import (
     OPTIONS,
     PRESETS,
@@ -50,29 +51,6 @@ def resolve_dtype(dtype: str):
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-ROLES = ("system", "user", "assistant", "tool", "developer")  # chat message roles accepted
-
-
-def _parse_messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {ROLES}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a string")
-        _check_unicode(m["content"], f"messages[{i}].content")
-    return messages
-
-
-def _check_unicode(text: str, field: str) -> None:
-    """JSON can carry a lone surrogate (\\ud800) that no tokenizer can take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{field} is not valid Unicode: {e.reason} at {e.start}") from None
 
 
 class LLM:
@@ -131,7 +109,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token ids")
-            _check_unicode(prompt, "prompt")
+            check_unicode(prompt, "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             ids = list(prompt)
@@ -147,7 +125,7 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` under the model's chat template, ready for the reply."""
-        return self.encode(self._template_ids(_parse_messages(messages)))
+        return self.encode(self._template_ids(parse_messages(messages)))
 
     def _template_ids(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -165,7 +143,7 @@ class LLM:
         from the full history, so the KV stored for that history is reused, re-rotated to
         the new positions, instead of recomputed. None when nothing was dropped (or the cut
         is not a clean token splice, then the prompt is computed as any other)."""
-        messages = _parse_messages(messages)
+        messages = parse_messages(messages)
         full = self._template_ids(messages)
         limit = self.max_model_len - max(reserve, 1)
         if len(full) <= limit:

@@ -18,7 +18,7 @@ from pydantic import (
     field_validator,
 )
 
-from jkv.api import ROLES
+from jkv.chat_messages import ROLES
 from jkv.engine.sampling import MAX_LOGPROBS
 
 MAX_STOP = 4
