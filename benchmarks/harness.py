@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from plots import RESULTS, draw, kind
 
 
 def add_out_argument(ap: argparse.ArgumentParser, benchmark: str) -> None:
@@ -86,15 +86,10 @@ def plot_beside(path: Path, result: dict) -> None:
     """The result's figure as <path>.svg, where plots.py draws its benchmark. Without
     matplotlib (the `bench` extra), or if the figure fails on a partial result, a line says
     so: the measurement goes on (a run writing after each step must not stop for a plot)."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import plots
-
-    if plots.kind(path, result) is None:
+    if kind(path, result) is None:
         return
     try:
-        svg = plots.draw([path], path.with_suffix(".svg"))
+        svg = draw([path], path.with_suffix(".svg"))
     except Exception as e:  # any plotting error: the JSON is written already
         hint = "pip install -e '.[bench]'" if isinstance(e, ImportError) else repr(e)
         print(f"no plot ({hint}); draw it later with: python benchmarks/plots.py {path}")

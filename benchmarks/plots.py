@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import FIGURES  # noqa: E402
-from harness import RESULTS  # noqa: E402
 
+RESULTS = Path(__file__).resolve().parent / "results"  # a folder per script (harness.py)
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 # docs/results/<file>: the results (under benchmarks/results/) it is drawn from
