@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from harness import add_out_argument, write_results
 
 ALIASES = {"k2v2": "kivi"}  # a jkv KV format -> the profile's name of its method
 
@@ -80,7 +81,7 @@ def main() -> None:
                     help="TTFTs closer than this share of the larger are a tie")
     ap.add_argument("--quality-tolerance", type=float, default=0.005,
                     help="qualities closer than this are a tie")
-    ap.add_argument("--out", type=Path, help="also write the comparison here as JSON")
+    add_out_argument(ap, "adapt_orders")
     args = ap.parse_args()
 
     sim = json.loads(args.sim.read_text())
@@ -141,14 +142,12 @@ def main() -> None:
     print("orders agree" if count["differs"] == count["tie"] == 0 else
           f"orders agree on {count['agrees']} pairs, differ on {count['differs']}, "
           f"{count['tie']} tied in the real run")
-    if args.out is not None:
-        args.out.write_text(json.dumps({
-            "serve": [str(p) for p in args.serve], "sim": str(args.sim), "capacity": cap,
-            "names": names, "real_mean_ttft_s": real_ttft, "real_prefix_agreement": real_q,
-            "real_ttft_standard_error_s": ttft_se, "real_quality_standard_error": q_se,
-            "sim_mean_ttft_s": sim_ttft, "sim_quality": sim_q, "pairs": by,
-            "counts": count}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_results(args.out, "adapt_orders", {
+        "serve": [str(p) for p in args.serve], "sim": str(args.sim), "capacity": cap,
+        "names": names, "real_mean_ttft_s": real_ttft, "real_prefix_agreement": real_q,
+        "real_ttft_standard_error_s": ttft_se, "real_quality_standard_error": q_se,
+        "sim_mean_ttft_s": sim_ttft, "sim_quality": sim_q, "pairs": by, "counts": count},
+        args)
     sys.exit(1 if count["differs"] else 0)
 
 

@@ -1,7 +1,8 @@
 """AdaptCache's offline quality profile, from the fidelity harness's measurements.
 
     python benchmarks/kv_fidelity.py                       # measure (SmolLM2, ~1 h on a CPU)
-    python benchmarks/adapt_profile.py benchmarks/results/kv_fidelity-2026-11-26.json
+    python benchmarks/adapt_profile.py \
+        benchmarks/results/kv_fidelity/kv_fidelity-2026-11-26.json
 
 Each configuration of the fidelity run becomes a point of a compression method: `none:<format>`
 is the method <format> (quantized pages) and `kivi` KIVI, all of the family "quantized"
@@ -12,7 +13,8 @@ stored entry does not keep. Rate: the configuration's KV bytes over bf16 pages' 
 harness's `bytes_vs_bf16`; a store holding bf16 entries keeps that fraction of their bytes);
 quality: its teacher-forced top-1 agreement with the uncompressed run (`none:auto`) on each
 document kind (prose, code, chat). Writes the profile
-(`jkv.store.adapt_profile.Profile`) to benchmarks/results/adapt_profile-<model>-<date>.json.
+(`jkv.store.adapt_profile.Profile`) to
+benchmarks/results/adapt_profile/adapt_profile-<model>-<date>.json.
 
 The estimator's decode cost, per JAX backend (the rate a store converts an entry of each
 method back into the pool's format at, the store's own figure until it has measured one):
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from results_io import write_results  # noqa: E402
+from harness import add_out_argument, write_results  # noqa: E402
 
 from jkv.store.adapt_profile import Profile  # noqa: E402
 
@@ -122,8 +124,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16, help="--decode: tokens per page")
     ap.add_argument("--tokens", type=int, default=512, help="--decode: tokens of the entry")
     ap.add_argument("--repeats", type=int, default=15, help="--decode: timed conversions")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                    help="directory for the profile JSON")
+    add_out_argument(ap, "adapt_profile")
     args = ap.parse_args()
     if (args.fidelity is None) == (args.update is None):
         ap.error("give a fidelity result or --update PROFILE (not both)")
@@ -152,7 +153,7 @@ def main() -> None:
         write_results(args.out, f"adapt_decode-{args.model}-{jax.default_backend()}",
                       {"benchmark": "adapt_decode", "device": jax.devices()[0].device_kind,
                        "jax": jax.__version__, "backend": jax.default_backend(),
-                       "decode_bps": rates}, None, args)
+                       "decode_bps": rates}, args)
         if update is not None:  # its other fields (the source it names) kept
             data = json.loads(update.read_text())
             data["decode_bps"] = profile.to_json()["decode_bps"]
@@ -166,7 +167,7 @@ def main() -> None:
                   + "".join(f"{p.quality[k]:>8.3f}" for k in profile.kinds))
     write_results(args.out, f"adapt_profile-{args.model}",
                   {"benchmark": "adapt_profile", "source": Path(args.fidelity).name,
-                   **profile.to_json()}, None, args)
+                   **profile.to_json()}, args)
 
 
 if __name__ == "__main__":

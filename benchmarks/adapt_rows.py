@@ -12,7 +12,8 @@ but the last 512 tokens; that row is taken out of the pool as the store keeps it
 form and restored, and the last 512 tokens are fed teacher-forced after it. Quality: the
 top-1 agreement of each form's predictions with those after the row as it was kept (the
 store's full form); rate: the form's page bytes over the row's. Writes
-benchmarks/results/adapt_rows-<policy>-<date>.json and prints a table; `--update PROFILE`
+benchmarks/results/adapt_rows/adapt_rows-<policy>-<date>.json and prints a table; `--update
+PROFILE`
 writes the profile (`jkv.store.adapt_profile.Profile`, methods = the forms, families
 `rows-<way>`) to PROFILE, keeping a decode_bps it already has.
 """
@@ -33,8 +34,8 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from harness import add_out_argument, write_results  # noqa: E402
 from kv_fidelity import CHUNK, PAGE, TAIL, documents  # noqa: E402
-from results_io import write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine.connector import SavedPages  # noqa: E402
@@ -100,7 +101,7 @@ def main() -> None:
                     help=f"tokens of each document (more than {TAIL + CHUNK})")
     ap.add_argument("--update", metavar="PROFILE",
                     help="also write the profile to PROFILE (its decode_bps kept)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_out_argument(ap, "adapt_rows")
     args = ap.parse_args()
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]
     bad = [f for f in forms if parse_row_form(f) is None]
@@ -131,10 +132,10 @@ def main() -> None:
         q = [row["quality"][k] for k in kinds]
         print(f"| {f} | {row['rate']:.3f} | {' | '.join(f'{x:.3f}' for x in q)} | "
               f"{np.mean(q):.3f} |")
-    write_results(Path(args.out), f"adapt_rows-{args.policy}", {
+    write_results(args.out, f"adapt_rows-{args.policy}", {
         "benchmark": "adapt_rows", "device": jax.devices()[0].device_kind,
         "jax_version": jax.__version__, "policy": args.policy, "doc_tokens": args.doc_tokens,
-        "tail": TAIL, "per_doc": per_doc, "forms": table}, None, args)
+        "tail": TAIL, "per_doc": per_doc, "forms": table}, args)
     if args.update:
         profile = {"model": "smollm2-135m", "metric": "top1_agreement", "kinds": kinds,
                    "methods": {f: [{"rate": row["rate"], "quality": row["quality"],

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-from results_io import svg_legend
 
 from jkv.policies.adaptcache import AdaptPlacement, Tier
 from jkv.store import Placement
@@ -171,41 +170,3 @@ def _best_ratio(adapt: dict[str, dict], fixed: dict[str, dict]) -> dict | None:
     return best
 
 
-def svg_frontier(rows: dict[str, dict[str, dict]], title: str) -> str:
-    """Mean TTFT against mean quality, one panel per capacity setting."""
-    panel, h, pad = 340, 300, 50
-    w = panel * len(rows) + 190
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h + 40}" '
-           'font-family="sans-serif" font-size="11">',
-           f'<text x="{w / 2}" y="16" text-anchor="middle" font-size="13">{title}</text>']
-    colors = {"lru (full)": "#444", "streaming": "#d62728", "kivi": "#9467bd",
-              "other fixed": "#aaa", "adaptcache": "#1f77b4"}
-
-    def color(name: str) -> str:
-        if name == "lru":
-            return colors["lru (full)"]
-        for key in ("streaming", "kivi", "adaptcache"):
-            if name.startswith(key):
-                return colors[key]
-        return colors["other fixed"]
-
-    for i, (cap, by_store) in enumerate(rows.items()):
-        x0, top = i * panel + pad, 30
-        t_max = max(r["mean_ttft_s"] for r in by_store.values()) * 1.05
-        q_min = min(r["mean_quality"] for r in by_store.values())
-        q_lo = max(0.0, q_min - 0.01)
-        out.append(f'<rect x="{x0}" y="{top}" width="{panel - pad - 10}" height="{h - 60}" '
-                   'fill="none" stroke="#999"/>')
-        out.append(f'<text x="{x0 + (panel - pad) / 2}" y="{h - 5}" text-anchor="middle">'
-                   f'{cap}: mean TTFT (s), 0 to {t_max:.2f}</text>')
-        out.append(f'<text x="{x0 - 5}" y="{top + 10}" text-anchor="end">1.0</text>')
-        out.append(f'<text x="{x0 - 5}" y="{top + h - 60}" text-anchor="end">{q_lo:.2f}</text>')
-        for name, r in by_store.items():
-            x = x0 + r["mean_ttft_s"] / t_max * (panel - pad - 10)
-            y = top + (1.0 - r["mean_quality"]) / max(1.0 - q_lo, 1e-9) * (h - 60)
-            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{color(name)}">'
-                       f'<title>{name}</title></circle>')
-    out += svg_legend(colors, w - 180, 30)
-    out.append(f'<text x="10" y="{h + 30}">quality (mean top-1 agreement) up</text>')
-    out.append("</svg>")
-    return "\n".join(out)

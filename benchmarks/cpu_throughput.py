@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_throughput.py [--lengths 512,2048,4096] [--repeats 3]
                                         [--new-tokens 64] [--decode-prompt-tokens 128]
-                                        [--batch 4] [--out benchmarks/results]
+                                        [--batch 4] [--out DIR]
 
 Both run SmolLM2-135M-Instruct (the embedded default, GGUF dequantized to float32) greedily on
 the same token ids. Prefill: the wall time of one prompt of each length up to its first
@@ -13,17 +13,16 @@ over the time of 1 + N tokens minus the time of 1. The two engines are timed alt
 (which goes first alternates too), and each figure is the median of --repeats runs; the ratio
 is jkv's speed over transformers' (above 1: jkv is faster). With --batch N, jkv's decode
 throughput with N streams at once is measured too. Writes
-benchmarks/results/cpu_throughput-<date>.json (-2, -3, ... for later runs that day).
+benchmarks/results/cpu_throughput/cpu_throughput-<date>.json (-2, -3, ... for later runs
+that day; the CPU's model as `lscpu` names it is in the JSON) and its plot.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import add_out_argument, cpu_model, write_results  # noqa: E402
 
 from jkv import LLM, SamplingParams  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
@@ -52,16 +54,6 @@ def prompt_ids(tokenizer, length: int, offset: int = 0) -> list[int]:
     if len(ids) < length + offset:
         raise ValueError(f"the text gives {len(ids)} tokens, {length + offset} asked for")
     return ids[offset: offset + length]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class Transformers:
@@ -125,8 +117,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4,
                     help="also measure jkv's decode throughput with this many streams at once "
                          "(0 or 1: skip)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
-                    help="directory for the JSON result")
+    add_out_argument(ap, "cpu_throughput")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",") if n]
     if not lengths or min(lengths) < 1 or max(lengths) >= MAX_MODEL_LEN:
@@ -192,7 +183,7 @@ def main() -> None:
                      "note": "ratio against transformers' single stream"})
 
     device = jax.devices()[0].device_kind
-    print(f"\nSmolLM2-135M float32, greedy, on {cpu_name()} ({os.cpu_count()} cores, jax "
+    print(f"\nSmolLM2-135M float32, greedy, on {cpu_model()} ({os.cpu_count()} cores, jax "
           f"device {device}); jax {jax.__version__}, torch {hf.versions['torch']} "
           f"({hf.versions['torch_threads']} threads); median of {args.repeats} runs")
     print(f"{'':<28}{'jkv':>10}{'transformers':>14}{'jkv/transformers':>18}")
@@ -201,23 +192,9 @@ def main() -> None:
         print(f"{r['row']:<28}{r['jkv']:>10.2f}{hf_text:>14}{r['speed_ratio']:>17.2f}x")
     print("(jkv/transformers: jkv's speed over transformers'; above 1, jkv is faster)")
 
-    result = {
-        "benchmark": "cpu_throughput", "date": datetime.date.today().isoformat(),
-        "time": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": device, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-        "platform": platform.platform(), "jax": jax.__version__, "numpy": np.__version__,
-        **hf.versions, **jkv.versions, "max_model_len": MAX_MODEL_LEN,
-        "args": {k: v for k, v in vars(args).items() if k != "out"},
-        "rows": rows, "times_s": times,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path, n = out / f"cpu_throughput-{result['date']}.json", 1
-    while path.exists():  # a second run the same day keeps the first
-        n += 1
-        path = out / f"cpu_throughput-{result['date']}-{n}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    result = {"numpy": np.__version__, **hf.versions, **jkv.versions,
+              "max_model_len": MAX_MODEL_LEN, "rows": rows, "times_s": times}
+    write_results(args.out, "cpu_throughput", result, args)
 
 
 if __name__ == "__main__":

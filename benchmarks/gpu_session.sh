@@ -25,10 +25,11 @@
 # nothing written; it now writes after each setting, the acceptance pair first). 9 passed on
 # 2026-11-28 (the float16 rounding fix, compiled: 120 s); 8, 6 and 4 ran on 2026-11-28. Then 10
 # (issue 16: the GPU's decode rates, into the shipped profile's "gpu" entry).
-# Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu/.
+# Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu_session/
+# (each result then moves to its script's folder there, and only what a doc quotes is kept).
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u
-out=${OUT:-benchmarks/results/gpu}
+out=${OUT:-benchmarks/results/gpu_session}
 mkdir -p "$out"
 export TQDM_DISABLE=1 PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1
 step() {

@@ -5,23 +5,22 @@ the xla path, as bytes of KV read per second against the device-to-device copy b
     python benchmarks/kernels.py --smoke         # CPU: tiny sizes, interpret mode
 
 Shapes are one Llama-3-8B layer (32 query heads, 8 KV heads, head_dim 128), pages of 16
-tokens scattered over the pool. Writes benchmarks/results/kernels-<device>-<date>.json.
+tokens scattered over the pool. Writes
+benchmarks/results/kernels/kernels[-sweep]-<device>-<date>.json and its plot.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import add_out_argument, write_results
 from tqdm import tqdm
 
 from jkv.kv.format import KV_FORMATS, KVFormat
@@ -299,8 +298,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     ap.add_argument("--contexts", default="1024,8192,32768", help="comma-separated contexts")
     ap.add_argument("--pages-per-block", type=int, default=8, help="pages per inner iteration")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
-                    help="directory for the JSON result")
+    add_out_argument(ap, "kernels")
     ap.add_argument("--num-warps", type=int, default=4, help="Triton warps per program")
     ap.add_argument("--num-stages", type=int, default=2, help="Triton pipeline stages")
     ap.add_argument("--sweep", action="store_true",
@@ -348,14 +346,11 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     copy_bw = copy_bandwidth(1 << 20 if args.smoke else 2 << 30)
     rng = np.random.default_rng()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = "cpu-smoke" if args.smoke else device.replace(" ", "_")
-    stem = f"kernels{'-sweep' if args.sweep else ''}-{name}-{datetime.date.today().isoformat()}"
-    path = out / f"{stem}.json"
+    stem = f"kernels{'-sweep' if args.sweep else ''}-{name}"
+    path = None
     header = {"benchmark": "kernels-sweep" if args.sweep else "kernels",
-              "date": datetime.date.today().isoformat(), "device": device,
-              "jax": jax.__version__, "copy_bytes_per_s": copy_bw, "shape": {
+              "device": device, "copy_bytes_per_s": copy_bw, "shape": {
                   "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page": PAGE, "group": GROUP,
                   "pages_per_block": None if args.sweep else ppb}}
     results = []
@@ -377,11 +372,10 @@ def main() -> None:
             results += rows
             # written after every shape: a run cut short keeps what it measured
             best = [r for r in results if shown_row(r)]
-            path.write_text(json.dumps(header | {"results": best, "sweep": results},
-                                       indent=2) + "\n")
+            path = write_results(args.out, stem, header | {"results": best, "sweep": results},
+                                 args, over=path)
         print(f"\n{device}, jax {jax.__version__}, copy bandwidth {copy_bw / 1e9:.1f} GB/s")
         summarize_tuning(results, copy_bw)
-        print(f"wrote {path}; plot it with: python benchmarks/plot_kernels.py {path}")
         return
     for batch in tqdm(batches, desc="batch"):
         for context in tqdm(contexts, desc="context", leave=False):
@@ -400,8 +394,7 @@ def main() -> None:
         speed = base[(r["batch"], r["context"])] / r["seconds"]
         print(f"{r['batch']:>5} {r['context']:>6} {r['impl']:<26}{r['seconds'] * 1e6:>10.1f}"
               f"{r['bytes_per_s'] / 1e9:>9.1f}{r['fraction_of_copy']:>9.2f}{speed:>8.2f}x")
-    path.write_text(json.dumps(header | {"results": results}, indent=2) + "\n")
-    print(f"wrote {path}; plot it with: python benchmarks/plot_kernels.py {path}")
+    write_results(args.out, stem, header | {"results": results}, args)
 
 
 if __name__ == "__main__":

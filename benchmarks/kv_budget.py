@@ -17,7 +17,8 @@ the whole run's generated tokens per second, preemptions, and KV bytes per token
 sequences ended. With `--repeats N` the configurations run N times in turn (A B A B ...: a
 slow spell of the machine falls on all of them) and each row is its median run by decode
 throughput (the slower middle one of an even count), every run's figure beside it. Writes
-benchmarks/results/kv_budget-<device>[-<preset>]-<date>.json and prints a table.
+benchmarks/results/kv_budget/kv_budget-<device>[-<preset>]-<date>.json and its plot, and
+prints a table.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import add_model_args, load_model, result_stem  # noqa: E402
-from results_io import write_results  # noqa: E402
+from harness import add_out_argument, write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine.engine import Engine  # noqa: E402
@@ -75,8 +76,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every configuration, in turn; rows report the median run")
     add_model_args(ap)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
-                    help="directory for the JSON result")
+    add_out_argument(ap, "kv_budget")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -142,9 +142,9 @@ def main() -> None:
               f"{' / '.join(f'{x:.1f}' for x in r['decode_tokens_per_s_runs'])} | "
               f"{r['generated_tokens_per_s']:.1f} | {r['preemptions']} | "
               f"{r['kv_bytes_per_token']:.0f} |")
-    write_results(Path(args.out), result_stem("kv_budget", args),
+    write_results(args.out, result_stem("kv_budget", args),
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "model": model, "budget_bf16_bytes": budget, "rows": rows}, None, args)
+                   "model": model, "budget_bf16_bytes": budget, "rows": rows}, args)
 
 
 if __name__ == "__main__":

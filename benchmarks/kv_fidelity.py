@@ -21,8 +21,8 @@ which is where leankv's default thresholds were chosen. For every configuration
 A policy that decides at the prompt's end (snapkv) compresses nothing before it: its
 perplexity and top-1 read the whole prompt, and only greedy agreement and the passkeys
 measure what it dropped.
-Writes benchmarks/results/kv_fidelity-<date>.json and an SVG of bytes against perplexity change
-(the frontier), and prints a table.
+Writes benchmarks/results/kv_fidelity/kv_fidelity-<date>.json and its plot (bytes against
+perplexity change: the frontier), and prints a table.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_io import svg_legend, write_results  # noqa: E402
+from harness import add_out_argument, write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine.engine import Engine  # noqa: E402
@@ -257,41 +257,6 @@ def mirror_pairs(raw: dict, base: dict) -> dict:
     return out
 
 
-def svg_frontier(rows: dict) -> str:
-    """Bytes per token (x) against perplexity change (y), a point per configuration."""
-    w, h, left, top, bottom = 720, 420, 70, 30, 50
-    pts = [(r["bytes_vs_bf16"], 100 * r["perplexity_change"], name) for name, r in rows.items()]
-    x_max = max(p[0] for p in pts) * 1.1
-    y_lo, y_hi = min(0.0, *(p[1] for p in pts)), max(1.0, *(p[1] for p in pts)) * 1.1
-    sx = lambda x: left + x / x_max * (w - left - 160)  # noqa: E731
-    sy = lambda y: top + (y_hi - y) / (y_hi - y_lo) * (h - top - bottom)  # noqa: E731
-    colors = {"none": "#4477aa", "leankv": "#cc3311", "streaming": "#228833",
-              "h2o": "#aa3377", "kivi": "#ccbb44"}
-    spare = iter(("#66ccee", "#ee7733", "#777777", "#009988"))  # policies added later
-    for name in rows:
-        colors.setdefault(name.split(":")[0], next(spare, "#777777"))
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           'font-family="sans-serif" font-size="11">',
-           f'<text x="{left}" y="18" font-size="13">SmolLM2: KV bytes per token vs perplexity '
-           f'change (last {TAIL} tokens)</text>',
-           f'<line x1="{left}" y1="{sy(0)}" x2="{w - 160}" y2="{sy(0)}" stroke="#999"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#000"/>',
-           f'<text x="{(w - 160) / 2}" y="{h - 12}">bytes per token / bf16 pages</text>',
-           f'<text x="12" y="{top + 10}">ppl %</text>']
-    for i in range(6):
-        x = x_max * i / 5
-        out.append(f'<text x="{sx(x) - 10}" y="{h - bottom + 16}">{x:.2f}</text>')
-        y = y_lo + (y_hi - y_lo) * i / 5
-        out.append(f'<text x="{left - 45}" y="{sy(y) + 4}">{y:+.1f}</text>')
-    for x, y, name in pts:
-        c = colors[name.split(":")[0]]
-        out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4" fill="{c}"/>'
-                   f'<text x="{sx(x) + 6:.1f}" y="{sy(y) - 4:.1f}" font-size="9">{name}</text>')
-    out += svg_legend(colors, w - 140, top)
-    out.append("</svg>")
-    return "\n".join(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -307,7 +272,7 @@ def main() -> None:
     ap.add_argument("--passkey", default=",".join(map(str, PASSKEY_LENGTHS)),
                     help="passkey prompt lengths in tokens (empty: none)")
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="the pool's bytes")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_out_argument(ap, "kv_fidelity")
     args = ap.parse_args()
     if args.doc_tokens < TAIL + CHUNK:
         ap.error(f"--doc-tokens must be at least {TAIL + CHUNK}")
@@ -352,7 +317,7 @@ def main() -> None:
               "documents": args.docs, "doc_tokens": {k: len(v) for k, v in docs.items()},
               "tail": TAIL, "chunk": CHUNK, "new_tokens": NEW_TOKENS, "passkeys": keys,
               "rows": rows, "mirror_pairs": pairs}
-    write_results(Path(args.out), "kv_fidelity", result, svg_frontier(rows), args)
+    write_results(args.out, "kv_fidelity", result, args)
 
 
 if __name__ == "__main__":

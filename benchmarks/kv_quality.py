@@ -9,16 +9,15 @@ tokens. Each format then
     mean KL(baseline || format);
   - generates greedily on its own: the fraction of positions where it produces the baseline's
     token, and how many tokens it produces before the first difference.
-Writes benchmarks/results/kv_quality-<backend>-<date>.json and prints a markdown table.
+Writes benchmarks/results/kv_quality/kv_quality-<backend>-<date>.json and prints a markdown
+table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +26,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import add_out_argument, write_results  # noqa: E402
 
 from jkv.attention.layer_kv import LayerKV  # noqa: E402
 from jkv.kv.allocator import init_free, init_tables, reserve  # noqa: E402
@@ -110,8 +112,7 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help="comma-separated KV formats compared with the baseline")
     ap.add_argument("--dtype", default="float32", help="model dtype (float32 or bfloat16)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
-                    help="directory for the JSON result")
+    add_out_argument(ap, "kv_quality")
     args = ap.parse_args()
     cfg, params = load_params(None, jnp.dtype(args.dtype))
     tok = load_tokenizer(default_model_path())
@@ -139,11 +140,10 @@ def main() -> None:
             "greedy_identical_prefix": first_diff,
         })
     bf16_bytes = page_bytes(KV_FORMATS["auto"], PAGE, cfg.head_dim, jnp.bfloat16) / PAGE
-    date = datetime.date.today().isoformat()
     lines = [
         f"SmolLM2-135M-Instruct, {len(prompts)} prompts x {n} tokens, {args.dtype} model, "
         f"{args.backend} attention, page size {PAGE}; baseline: unquantized pages "
-        f"({jax.devices()[0].device_kind}, jax {jax.__version__}, {date}). "
+        f"({jax.devices()[0].device_kind}, jax {jax.__version__}). "
         "Bytes per token and KV head count a full page of a bf16 model, scales included.", "",
         "| format | bytes/token/head (vs bf16) | teacher-forced top-1 | mean KL | max KL "
         "| free greedy agreement | identical prefix per prompt |",
@@ -155,19 +155,10 @@ def main() -> None:
             f"| {r['teacher_forced_top1_agreement']:.3f} | {r['mean_kl']:.4f} "
             f"| {r['max_kl']:.3f} | {r['greedy_token_agreement']:.3f} "
             f"| {r['greedy_identical_prefix']} |")
-    table = "\n".join(lines)
-    print("\n" + table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_quality.md").write_text(
-        "# KV format quality (`python benchmarks/kv_quality.py`)\n\n" + table + "\n")
-    path = out / f"kv_quality-{args.backend}-{date}.json"
-    path.write_text(json.dumps({
-        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-        "python": platform.python_version(), "date": date, "model": "SmolLM2-135M-Instruct",
-        "dtype": args.dtype, "backend": args.backend, "tokens": n, "prompts": PROMPTS,
-        "page_size": PAGE, "rows": rows}, indent=1))
-    print(f"\nwrote {path}")
+    print("\n" + "\n".join(lines))
+    write_results(args.out, f"kv_quality-{args.backend}", {
+        "model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "backend": args.backend,
+        "tokens": n, "prompts": PROMPTS, "page_size": PAGE, "rows": rows}, args)
 
 
 if __name__ == "__main__":

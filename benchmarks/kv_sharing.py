@@ -21,7 +21,7 @@ Against the unmerged restore (bit-exact): perplexity change of the next turn, it
 teacher-forced top-1 agreement, free greedy agreement. Bytes: what the idle conversation's
 entry holds per token in `--bytes-format`, shared pages once plus float16 magnitudes and
 the retained vectors (with an index), over the same entry unshared.
-Writes benchmarks/results/kv_sharing-<date>.json and prints a table.
+Writes benchmarks/results/kv_sharing/kv_sharing-<date>.json and its plot, and prints a table.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from harness import add_out_argument, write_results  # noqa: E402
 from kv_fidelity import documents  # noqa: E402
-from results_io import write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine.connector import SavedPages  # noqa: E402
@@ -208,7 +208,7 @@ def main() -> None:
     ap.add_argument("--bytes-format", default="bf16", choices=sorted(KV_FORMATS),
                     help="the KV format the entry's bytes are counted in")
     ap.add_argument("--docs", choices=("evaluation", "calibration"), default="evaluation")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_out_argument(ap, "kv_sharing")
     args = ap.parse_args()
     if args.history % PAGE or not 0 < args.history < args.doc_tokens:
         ap.error(f"--history must be a positive multiple of {PAGE} below --doc-tokens")
@@ -277,7 +277,7 @@ def main() -> None:
               "documents": args.docs, "history": args.history, "doc_tokens": args.doc_tokens,
               "t": args.t, "stride": args.stride, "bytes_format": args.bytes_format,
               "patterns": patterns, "rows": rows}
-    write_results(Path(args.out), "kv_sharing", result, None, args)
+    write_results(args.out, "kv_sharing", result, args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ them from their numpy copies. With `--trace DIR`, the longest prompt's decode st
 fewest resident layers are traced once more with `jax.profiler` (not timed), for
 `benchmarks/trace_ops.py`: which XLA modules (the layer step, bring_layer, drop_layers,
 copy_layer_out) take a decode step's time, and how much of it no device op covers.
-Writes benchmarks/results/layer_offload-<device>-<date>.json.
+Writes benchmarks/results/layer_offload/layer_offload-<device>-<date>.json and its plot.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from results_io import write_results
+from harness import add_out_argument, write_results
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -142,8 +142,7 @@ def main() -> None:
                          "steps with the fewest resident layers to this directory, after the "
                          "timed runs (for benchmarks/trace_ops.py)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                    help="directory for the JSON results")
+    add_out_argument(ap, "layer_offload")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     max_len = max(lengths) + 2 * args.decode_steps + 16
@@ -209,7 +208,7 @@ def main() -> None:
     write_results(args.out, result_stem("layer_offload", args),
                   {"benchmark": "layer_offload", "device": jax.devices()[0].device_kind,
                    "jax": jax.__version__, "model": name, "layers": cfg.num_layers,
-                   "rows": rows}, None, args)
+                   "rows": rows}, args)
 
 
 if __name__ == "__main__":

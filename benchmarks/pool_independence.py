@@ -11,8 +11,8 @@ makes the scheduler offload layers (LayerKV, block pages), preempt, or run fewer
 once, and each of those must leave every request's tokens as on the large pool. Reported per
 policy: the share of generated positions equal on both pools (position by position), the
 requests whose tokens all agree, and on the small pool the preemptions, layers offloaded and
-compactions the pool was too short for. Writes benchmarks/results/pool_independence-<device>-
-<date>.json and prints a table.
+compactions the pool was too short for. Writes
+benchmarks/results/pool_independence/pool_independence-<device>-<date>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import add_model_args, load_model, result_stem  # noqa: E402
-from results_io import write_results  # noqa: E402
+from harness import add_out_argument, write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from jkv.engine.engine import Engine  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=None,
                     help="tokens per step (default: one prefill chunk, 256, which requests "
                          "share: where a prompt's chunks end then depends on its neighbours)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_out_argument(ap, "pool_independence")
     add_model_args(ap)
     args = ap.parse_args()
     cfg, params, _, make_prompts, model = load_model(args)
@@ -101,7 +101,7 @@ def main() -> None:
               f"{r['preemptions']} | {r['layers_offloaded']} | {r['tier_refusals']} |")
     write_results(args.out, result_stem("pool_independence", args), {
         "model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-        "rows": rows}, None, args)
+        "rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ prompt (history + --new-tokens) is timed to its first token:
   r = 1 recomputes the history through the restore path.
 
 Each is run once untimed first (compilation), then --repeats times; the median is reported.
-Prints a table and writes benchmarks/results/restore-<device>-<date>.json and an SVG.
+Prints a table and writes benchmarks/results/restore/restore-<device>-<date>.json and its plot.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-from results_io import svg_legend, write_results
+from harness import add_out_argument, write_results
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -145,34 +145,6 @@ def host_to_device(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float |
     return out
 
 
-def svg_bars(rows: list[dict], title: str) -> str:
-    colors = {"recompute": "#d62728", "host": "#1f77b4", "disk": "#ff7f0e",
-              "layerwise": "#2ca02c", "load": "#9467bd", "compute": "#8c564b",
-              "compute_lw": "#e377c2"}
-    w, h, left, bottom, top, bar = 120 + 280 * len(rows), 320, 60, 50, 40, 34
-    peak = max(r[f"{k}_ms"] for r in rows for k in colors)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           'font-family="sans-serif" font-size="12">',
-           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>']
-    scale = (h - bottom - top) / peak
-    for frac in (0, 0.25, 0.5, 0.75, 1.0):
-        y = h - bottom - frac * peak * scale
-        out.append(f'<line x1="{left}" x2="{w - 100}" y1="{y}" y2="{y}" stroke="#ddd"/>'
-                   f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">'
-                   f'{frac * peak:.0f} ms</text>')
-    for g, r in enumerate(rows):
-        x0 = left + 15 + g * 280
-        for i, k in enumerate(colors):
-            v = r[f"{k}_ms"] * scale
-            out.append(f'<rect x="{x0 + i * (bar + 4)}" y="{h - bottom - v}" width="{bar}" '
-                       f'height="{v}" fill="{colors[k]}"/>')
-        out.append(f'<text x="{x0 + 130}" y="{h - bottom + 16}" text-anchor="middle">'
-                   f'{r["history_tokens"]} tokens</text>')
-    out += svg_legend(colors, w - 90, top)
-    out.append("</svg>")
-    return "\n".join(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -189,8 +161,7 @@ def main() -> None:
     ap.add_argument("--split-ratios", default="0.25,0.5,0.75,1",
                     help="recompute shares of split restores to time (empty: none)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                    help="directory for the JSON and SVG results")
+    add_out_argument(ap, "restore")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     splits = [float(x) for x in args.split_ratios.split(",") if x]
@@ -220,13 +191,11 @@ def main() -> None:
     tag = "cpu" if device.platform == "cpu" else device.device_kind.replace(" ", "_").lower()
 
     def save(rows: list[dict]) -> None:  # after every length: a run cut short keeps its rows
-        svg = svg_bars(rows, f"TTFT of a follow-up (+{args.new_tokens} tokens), "
-                             f"{args.kv_format} KV, median of {args.repeats}")
         stem = f"restore-{tag}" + (f"-{args.preset}" if args.preset else "")
         write_results(args.out, stem, {
             "benchmark": "restore", "device": device.device_kind, "jax": jax.__version__,
             "model": args.preset or args.model or "smollm2", "host_to_device_bytes_per_s": h2d,
-            "rows": rows}, svg, args)
+            "rows": rows}, args)
 
     rng = np.random.default_rng(args.seed)
     scan = make_engine(enable_prefix_caching=False)

@@ -19,7 +19,7 @@ the turn's arrival to its first token alone (mean and slowest). The restore itse
 into the pool, the new tokens' prefill) runs in steps of the running requests either way;
 what differs is where the disk read, checksum and decode run. Each setting runs once
 untimed first (on CPU a step or copy shape compiles when first used). Prints a table and
-writes benchmarks/results/restore_stall-<device>-<date>.json.
+writes benchmarks/results/restore_stall/restore_stall-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import add_model_args, load_model, result_stem  # noqa: E402
-from results_io import write_results  # noqa: E402
+from harness import add_out_argument, write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig, SchedulerConfig, StoreConfig  # noqa: E402
 from jkv.engine.engine import Engine  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
                     help="timed runs per setting, interleaved, after one untimed run each")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     add_model_args(ap)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_out_argument(ap, "restore_stall")
     args = ap.parse_args()
     cfg, params, dtype, _, _ = load_model(args)
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
@@ -152,10 +152,10 @@ def main() -> None:
               f"{worst['tpot_window_ms']:>11.1f}ms {worst['ratio']:>6.2f} "
               f"{worst['during_mean_ms']:>27.0f}ms {worst['during_max_ms']:>6.0f}ms "
               f"{worst['restored_tokens']:>9}")
-    write_results(Path(args.out), result_stem("restore_stall", args),
+    write_results(args.out, result_stem("restore_stall", args),
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                    "runs": rows, "growth_without_restore": growth, "mean_growth": mean_growth,
-                   "worst": summary}, None, args)
+                   "worst": summary}, args)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ and off under a small device cache: 'store=--device-cache-bytes 50000000;no
 store=--device-cache-bytes 50000000 --host-cache-bytes 0').
 
 Prints TTFT and TPOT p50/p99, throughput and the prefix-cache hit rate per tier (device,
-host, disk) per setting, and writes benchmarks/results/serve-<device>-<date>.json and an SVG
-of the TTFT distributions.
+host, disk) per setting, and writes benchmarks/results/serve/serve-<device>-<date>.json and its
+plot (the TTFT distributions).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shlex
 import signal
@@ -37,12 +36,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import numpy as np
 import sharegpt
-from results_io import write_results
+from harness import add_out_argument, write_results
 from tqdm import tqdm
 
 _WORDS = ("time way year work day part life case point group number world house area "
@@ -271,44 +269,6 @@ def fidelity(results: list[dict], reference: list[dict]) -> dict:
 # ---------------------------------------------------------------------------- plot
 
 
-def svg_cdf(series: dict[str, list[float]], title: str) -> str:
-    """Empirical CDFs of TTFT (log-scaled seconds), one polyline per setting."""
-    w, h, left, bottom, top, right = 640, 360, 60, 40, 30, 20
-    everything = [v for vs in series.values() for v in vs if v > 0]
-    lo, hi = math.log10(min(everything)), math.log10(max(everything))
-    hi = hi if hi > lo else lo + 1
-
-    def x(v: float) -> float:
-        return left + (math.log10(max(v, 10**lo)) - lo) / (hi - lo) * (w - left - right)
-
-    def y(p: float) -> float:
-        return h - bottom - p * (h - bottom - top)
-
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{w / 2}" y="18" text-anchor="middle">{title}</text>',
-           f'<line x1="{left}" y1="{y(0)}" x2="{w - right}" y2="{y(0)}" stroke="black"/>',
-           f'<line x1="{left}" y1="{y(0)}" x2="{left}" y2="{y(1)}" stroke="black"/>',
-           f'<text x="{w / 2}" y="{h - 6}" text-anchor="middle">time to first token (s, '
-           f'log scale)</text>']
-    for e in range(math.floor(lo), math.ceil(hi) + 1):
-        if lo <= e <= hi:
-            out.append(f'<text x="{x(10**e)}" y="{y(0) + 16}" text-anchor="middle">'
-                       f'{10**e:g}</text>')
-    for p in (0, 0.5, 0.99, 1):
-        out.append(f'<text x="{left - 6}" y="{y(p) + 4}" text-anchor="end">{p:g}</text>')
-    for i, (name, vs) in enumerate(series.items()):
-        vs = sorted(vs)
-        pts = " ".join(f"{x(v):.1f},{y((k + 1) / len(vs)):.1f}" for k, v in enumerate(vs))
-        c = colors[i % len(colors)]
-        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{pts}"/>')
-        out.append(f'<text x="{left + 10}" y="{top + 16 * (i + 1)}" fill="{c}">{name}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
 # ---------------------------------------------------------------------------- main
 
 
@@ -339,8 +299,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per HTTP request")
     ap.add_argument("--startup-timeout", type=float, default=300,
                     help="seconds to wait for a server to come up")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
-                    help="directory for the JSON and SVG results")
+    add_out_argument(ap, "serve")
     args = ap.parse_args()
 
     convs = make_workload(args.conversations, args.rate, args.length_scale, args.think_time,
@@ -405,9 +364,8 @@ def main() -> None:
                            "mean_turns": float(np.mean(turns)),
                            "multi_turn_fraction": float(np.mean([t > 1 for t in turns]))},
               "results": rows}
-    svg = svg_cdf({k: v["ttft_all_s"] for k, v in rows.items()},
-                  f"TTFT, multi-turn chat, {device}")
-    write_results(args.out, f"serve-{tag}", result, svg, args)
+    write_results(args.out, f"serve-{tag}", result, args)
+
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
-from results_io import write_results
+from harness import write_results
 from serve import pct
 from serve_slo import make_requests
 from tqdm import tqdm
@@ -96,13 +96,13 @@ class Costs:
 
 
 COSTS = {
-    # H200, Llama-3-8B shape, random weights, bf16, JAX 0.11.2 (benchmarks/results/):
+    # H200, Llama-3-8B shape, random weights, bf16, JAX 0.11.2 (benchmarks/results/<script>/):
     # decode 15.6 ms (2K) / 15.9 ms (8K) at one row, 16.3 / 18.1 ms at 8 / 32 rows
-    # (tier_cost-nvidia_h200-llama3-8b-2026-11-26: none_k8v4t); resident prefill 93 ms (2K)
+    # (tier_cost-nvidia_h200-llama3-8b-2026-11-26.json: none_k8v4t); resident prefill 93 ms (2K)
     # and 429 ms (8K), fitted as a + b x context; decode with every layer offloaded 55.6 ms
     # (2K) / 75.6 ms (8K) and with 16 of 32 37.7 / 43.0 (pinned copies), fitted per layer
     # brought; fetch of 32 layers 32 ms (2K) / 41 ms (8K)
-    # (layer_offload-nvidia_h200-llama3-8b-2026-11-27-pinned). Guesses (not measured there):
+    # (layer_offload-nvidia_h200-llama3-8b-2026-11-27-pinned.json). Guesses (not measured there):
     # a layer-major call's host floor (a layer step's dispatch, 0.45 ms in the 11-27 trace),
     # an offload costing what a fetch does.
     "h200-llama3-8b": Costs(
@@ -116,12 +116,13 @@ COSTS = {
     # This CPU (2 cores), SmolLM2-135M float32, JAX 0.10.2: decode at one row 23.8 ms (1K) /
     # 38.8 ms (4K), with every layer offloaded 39.4 / 66.4 ms, resident prefill 0.77 s (1K) /
     # 4.67 s (4K), fetch of 30 layers 13.7 / 34.7 ms, a layer-major prefill within 3% of a
-    # resident one (layer_offload-cpu-2026-11-27-layer-major); 4 rows 37 ms a step at short
-    # context (cpu_throughput-2026-11-24-2), 32 rows at 512 148 ms (tier_cost-cpu-2026-11-27):
+    # resident one (layer_offload-cpu-2026-11-27-layer-major.json); 4 rows 37 ms a step at short
+    # context (cpu_throughput-2026-11-24-2.json), 32 rows at 512 148 ms
+    # (tier_cost-cpu-2026-11-27.json):
     # rows and context fitted together, within 20% of each: decode 18.8 ms + 3 ms a padded row,
     # prefill 0.63 ms a token. Served (serve_slo's server and its client on the same 2 cores)
     # a step costs more: decode 26 ms + 6 ms a row and prefill 0.8 ms a token replay serve_slo's
-    # no-offload run (serve_slo-cpu-2026-11-27-decode-heavy-24-weighed: TTFT mean / p99 1.85 /
+    # no-offload run (serve_slo-cpu-2026-11-27-decode-heavy-24-weighed.json: TTFT mean / p99 1.85 /
     # 9.1 s and 14.6 / 27.0 s at 0.1 / 0.2 a second, TPOT p50 36 / 60 ms; replayed 1.78 / 8.7,
     # 12.4 / 23.6 s, 38 / 60 ms), so those are the preset's. Guesses: an offload costing a
     # fetch, a layer-major call's floor (hidden in the 3%).
@@ -363,7 +364,8 @@ def main() -> None:
     ap.add_argument("--jitter-seed", type=int, default=0,
                     help="seed of the jitter (each setting sees the same draws)")
     ap.add_argument("--out", default=None,
-                    help="directory for the JSON (default: print only; a replay is modeled)")
+                    help="directory for the JSON (default: print only; a replay is modeled; "
+                         "benchmarks/results/serve_replay holds the ones the docs quote)")
     args = ap.parse_args()
     costs = COSTS[args.costs]
     for item in args.set:
@@ -413,7 +415,7 @@ def main() -> None:
         result = {"benchmark": "serve_replay", "modeled": True, "costs": args.costs,
                   "costs_from": costs.source, "costs_values": dataclasses.asdict(costs),
                   "pool_tokens": pool, "rates": rates, "lengths": lengths, "results": rows}
-        write_results(args.out, f"serve_replay-{args.costs}", result, None, args)
+        write_results(args.out, f"serve_replay-{args.costs}", result, args)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ ignore_eos, so every request decodes `--max-tokens` tokens). Every setting sees 
 requests at each rate. Reported per setting and rate: TTFT mean and p99 (overall and per
 prompt length), TPOT p50/p99, the share of requests that missed either target (the targets
 are the same for all three settings; only the third tells the server), preemptions and layer
-offload counters. Writes benchmarks/results/serve_slo-<device>-<date>.json and an SVG of TTFT
-p99 and the violation rate against the arrival rate, after each setting (the JSON's `complete`
-says whether every setting finished).
+offload counters. Writes benchmarks/results/serve_slo/serve_slo-<device>-<date>.json and its
+plot (TTFT p99, TPOT p99 and the violation rate against the arrival rate), after each
+setting (the JSON's `complete` says whether every setting finished).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from results_io import svg_legend, write_results
+from harness import add_out_argument, write_results
 from serve import device_kind, pct, scrape, start_server, stop_server, timed_stream
 from tqdm import tqdm
 
@@ -115,61 +115,6 @@ def summarize(results: list[dict], reqs: list[dict], args, before: dict, after: 
     }
 
 
-def svg_plots(rows: dict[str, dict[str, dict]], rates: list[float], title: str) -> str:
-    """Two panels against the arrival rate: TTFT p99 (log scale) and the violation rate."""
-    w, h, pad = 860, 360, 60
-    panel = (w - 3 * pad) / 2
-    colors = dict(zip(rows, ["#d62728", "#1f77b4", "#2ca02c", "#9467bd"], strict=False))
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{w / 2}" y="18" text-anchor="middle">{title}</text>']
-    lo_r, hi_r = min(rates), max(rates)
-
-    def x(i: int, rate: float) -> float:
-        span = hi_r - lo_r or 1.0
-        return pad + i * (panel + pad) + (rate - lo_r) / span * panel
-
-    ttfts = [r["ttft_p99_s"] for s in rows.values() for r in s.values() if r["ttft_p99_s"]]
-    lo_t, hi_t = np.log10(min(ttfts)), np.log10(max(ttfts))
-    hi_t = hi_t if hi_t > lo_t else lo_t + 1
-    top, bottom = 40, h - 40
-    for i, (key, label) in enumerate((("ttft_p99_s", "TTFT p99 (s, log)"),
-                                      ("slo_violation_rate", "SLO violation rate"))):
-        x0 = pad + i * (panel + pad)
-        out += [f'<line x1="{x0}" y1="{bottom}" x2="{x0 + panel}" y2="{bottom}" '
-                f'stroke="black"/>',
-                f'<line x1="{x0}" y1="{bottom}" x2="{x0}" y2="{top}" stroke="black"/>',
-                f'<text x="{x0 + panel / 2}" y="{h - 8}" text-anchor="middle">arrival rate '
-                f'(requests/s)</text>',
-                f'<text x="{x0}" y="{top - 8}">{label}</text>']
-        for rate in rates:
-            out.append(f'<text x="{x(i, rate)}" y="{bottom + 14}" text-anchor="middle">'
-                       f'{rate:g}</text>')
-
-        def y(v: float, key=key) -> float:
-            if key == "ttft_p99_s":
-                frac = (np.log10(max(v, 10 ** lo_t)) - lo_t) / (hi_t - lo_t)
-            else:
-                frac = v
-            return bottom - frac * (bottom - top)
-
-        ticks = ([(10 ** e, f"{10 ** e:g}") for e in range(int(np.floor(lo_t)),
-                                                           int(np.ceil(hi_t)) + 1)
-                  if lo_t <= e <= hi_t] if key == "ttft_p99_s"
-                 else [(v, f"{v:.0%}") for v in (0, 0.5, 1)])
-        for v, text in ticks:
-            out.append(f'<text x="{x0 - 4}" y="{y(v) + 4}" text-anchor="end">{text}</text>')
-        for name, by_rate in rows.items():
-            pts = " ".join(f"{x(i, float(r)):.1f},{y(v[key]):.1f}"
-                           for r, v in by_rate.items() if v[key] is not None)
-            out.append(f'<polyline fill="none" stroke="{colors[name]}" stroke-width="2" '
-                       f'points="{pts}"/>')
-    out += svg_legend(colors, pad + 10, top + 4)  # upper left: low rates, low TTFT
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -198,8 +143,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per HTTP request")
     ap.add_argument("--startup-timeout", type=float, default=900,
                     help="seconds to wait for a server to come up (it compiles first)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
-                    help="directory for the JSON and SVG results")
+    add_out_argument(ap, "serve_slo")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     lengths = [int(m) for m in args.lengths.split(",")]
@@ -257,8 +201,7 @@ def report(rows: dict[str, dict[str, dict]], settings: list[str], rates: list[fl
     result = {"benchmark": "serve_slo", "device": device, "jax": jax.__version__,
               "cpu_count": os.cpu_count(), "rates": rates, "lengths": lengths,
               "complete": len(rows) == len(settings), "results": rows}
-    svg = svg_plots(rows, rates, f"LayerKV settings under KV pressure, {device}")
-    return write_results(args.out, f"serve_slo-{tag}", result, svg, args, over=path)
+    return write_results(args.out, f"serve_slo-{tag}", result, args, over=path)
 
 
 if __name__ == "__main__":

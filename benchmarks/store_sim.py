@@ -16,7 +16,7 @@ starts before its prefetch has finished counts as a disk hit. The queue's timing
 depend on the policy, so every policy sees the very same trace.
 
 Prints hit rates per tier for each capacity setting and policy; writes
-benchmarks/results/store_sim-<date>.json and an SVG of the hit rates.
+benchmarks/results/store_sim/store_sim-<date>.json and its plot (the hit rates).
 
 With --profile (an AdaptCache quality profile, `benchmarks/adapt_profile.py`), the same trace
 goes through fixed-method LRU stores (full bf16 entries, and every compression method of the
@@ -26,7 +26,7 @@ quality are averaged (`adapt_sim.py`): writes store_sim-adaptcache-<date>.json a
 TTFT against quality per capacity setting.
 
     python benchmarks/store_sim.py \
-        --profile benchmarks/results/adapt_profile-smollm2-135m-2026-11-29.json
+        --profile benchmarks/results/adapt_profile/adapt_profile-smollm2-135m-2026-11-29.json
 
 `--trace documents` replaces the conversations with AdaptCache's own setting: questions
 about shared long contexts (LongBench-like lengths, Poisson arrivals, optionally
@@ -47,7 +47,7 @@ from pathlib import Path
 import adapt_sim
 import numpy as np
 import sharegpt
-from results_io import svg_legend, write_results
+from harness import add_out_argument, write_results
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -253,38 +253,6 @@ def replay(events: list[tuple], policy: str, host: int, disk: int, read_bps: flo
 # ---------------------------------------------------------------------------- output
 
 
-def svg_bars(rows: dict[str, dict[str, dict]], title: str) -> str:
-    """Stacked bars (host hits, disk hits) per policy, grouped by capacity setting."""
-    colors = {"host": "#1f77b4", "disk": "#ff7f0e"}
-    groups = list(rows)
-    w, h, left, bottom, top = 160 + 170 * len(groups), 320, 50, 60, 40
-    bar = 36
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-           'font-family="sans-serif" font-size="12">',
-           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>']
-    scale = h - bottom - top
-    for frac in (0, 0.25, 0.5, 0.75, 1.0):
-        y = h - bottom - frac * scale
-        out.append(f'<line x1="{left}" x2="{w - 110}" y1="{y}" y2="{y}" stroke="#ddd"/>')
-        out.append(f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">{frac:.0%}</text>')
-    for g, cap in enumerate(groups):
-        x0 = left + 20 + g * 170
-        for i, (policy, r) in enumerate(rows[cap].items()):
-            x, y = x0 + i * (bar + 8), h - bottom
-            for tier in ("host", "disk"):
-                v = r[f"{tier}_hit_rate"] * scale
-                out.append(f'<rect x="{x}" y="{y - v}" width="{bar}" height="{v}" '
-                           f'fill="{colors[tier]}"/>')
-                y -= v
-            out.append(f'<text x="{x + bar / 2}" y="{h - bottom + 14}" '
-                       f'text-anchor="middle">{policy}</text>')
-        out.append(f'<text x="{x0 + 60}" y="{h - bottom + 34}" text-anchor="middle">'
-                   f'{cap}</text>')
-    out += svg_legend({f"{t} hits": c for t, c in colors.items()}, w - 100, top)
-    out.append("</svg>")
-    return "\n".join(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -351,9 +319,7 @@ def main() -> None:
     ap.add_argument("--zipf", type=float, default=0.0,
                     help="with --trace documents: popularity exponent (0: every document alike)")
     ap.add_argument("--seed", type=int, default=0, help="trace seed")
-    ap.add_argument("--out", type=Path,
-                    default=Path(__file__).resolve().parent / "results",
-                    help="directory for the JSON and SVG results")
+    add_out_argument(ap, "store_sim")
     args = ap.parse_args()
     profile = None
     if args.profile is not None:
@@ -410,10 +376,8 @@ def main() -> None:
                   f"{r['hit_rate']:>9.1%}{r['demoted']:>9}{r['dropped']:>9}"
                   f"{r['prefetched']:>11}")
 
-    svg = svg_bars(rows, f"KV hit rates per tier, {args.model} ({args.kv_format}), "
-                         f"{trace['sessions']} sessions")
     write_results(args.out, "store_sim", {"benchmark": "store_sim", "trace": trace,
-                                          "results": rows}, svg, args)
+                                          "results": rows}, args)
 
 
 def compare_compression(events: list[tuple], trace: dict, profile: Profile,
@@ -453,12 +417,10 @@ def compare_compression(events: list[tuple], trace: dict, profile: Profile,
         for name, ok in checks[cap]["beats_streaming_on_quality"].items():
             print(f"{cap}: {name}: {'an' if ok else 'no'} AdaptCache point of equal or lower "
                   "TTFT has higher quality")
-    svg = adapt_sim.svg_frontier(rows, f"TTFT and quality per store, {args.model}, "
-                                       f"{trace['jobs']} jobs ({args.trace})")
     write_results(args.out, "store_sim-adaptcache",
                   {"benchmark": "store_sim", "mode": "compression", "trace": trace,
                    "profile": profile.to_json(), "results": rows, "checks": checks},
-                  svg, args)
+                  args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What LeanKV's tiering costs inside the engine's decode step, on this machine, in one run.
 
     python benchmarks/tier_cost.py [--batches 8,32] [--context 512] [--new-tokens 32]
-                                   [--preset llama3-8b] [--out benchmarks/results]
+                                   [--preset llama3-8b] [--out DIR]
 
 For each batch size, SmolLM2-135M (the embedded default; float32 and xla attention on CPU)
 or random weights of a `--preset`'s shape decodes `--batches` sequences of `--context` prompt
@@ -19,7 +19,7 @@ whole time and that time less the untiered `grow` (what tiers add to a step's pa
 bookkeeping). Means, not medians: placement runs in one step of each interval and its cost
 is spread over all of them. The significance the attention computes on its way is part of
 the leankv step, not of the tiering calls; the two step times side by side show it. Writes
-benchmarks/results/tier_cost-<device>[-<preset>]-<date>.json.
+benchmarks/results/tier_cost/tier_cost-<device>[-<preset>]-<date>.json and its plot.
 
 With `--trace DIR`, one whole placement interval of leankv's decode steps at each batch (one
 `retier` and its steps; left out of the means) is traced with `jax.profiler` into
@@ -44,7 +44,7 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_model import add_model_args, load_model, result_stem  # noqa: E402
-from results_io import write_results  # noqa: E402
+from harness import add_out_argument, write_results  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
 from jkv.engine.engine import Engine  # noqa: E402
@@ -154,8 +154,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32,
                     help="decode steps (all sequences decoding) the means are over")
     add_model_args(ap)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"),
-                    help="directory for the JSON result")
+    add_out_argument(ap, "tier_cost")
     ap.add_argument("--trace", default=None,
                     help="write a jax.profiler trace of one placement interval of leankv's "
                          "steps at each batch under this directory (see "
@@ -189,9 +188,9 @@ def main() -> None:
               f"{lean['tiering_ms']:.2f} ({r['tiering_fraction']:.1%}) | "
               f"{r['tiering_added_ms']:.2f} ({r['tiering_added_fraction']:.1%}) | "
               f"{r['leankv_over_none']:.2f}x |")
-    write_results(Path(args.out), result_stem("tier_cost", args),
+    write_results(args.out, result_stem("tier_cost", args),
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "model": model[4], "rows": rows}, None, args)
+                   "model": model[4], "rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ over the pool), one query per sequence: `xla_attention` at each `block_k` (page 
 block of its loop) for float32 pages, k8v4t pages, and LeanKV's two tiers (a quarter of the
 tokens high in k8v4t, the rest low in k4v2t) with significance, against the default
 (`block_k=None`, the rule in `xla_attention`). Medians over interleaved rounds, so every
-setting sees the same machine. Writes benchmarks/results/xla_blocks-<device>-<date>.json
-and prints a table.
+setting sees the same machine. Writes
+benchmarks/results/xla_blocks/xla_blocks-<device>-<date>.json and prints a table.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results_io import write_results  # noqa: E402
+from harness import add_out_argument, write_results  # noqa: E402
 
 from jkv.attention.xla import xla_attention  # noqa: E402
 from jkv.kv.format import KVFormat  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> None:
                     help="batch x context pairs, comma separated")
     ap.add_argument("--blocks", default="32,64,128,512", help="block_k values to time")
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds per setting")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_out_argument(ap, "xla_blocks")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     blocks: list[int | None] = [None] + [int(b) for b in args.blocks.split(",") if b]
@@ -97,9 +97,9 @@ def main() -> None:
         print(f"| {r['batch']}x{r['context']} | {r['layout']} | "
               + " | ".join(f"{r['ms'][n]:.2f}" for n in names) + " |")
     device = jax.devices()[0].device_kind.replace(" ", "_").lower()
-    write_results(Path(args.out), f"xla_blocks-{device}",
+    write_results(args.out, f"xla_blocks-{device}",
                   {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
-                  None, args)
+                  args)
 
 
 if __name__ == "__main__":
