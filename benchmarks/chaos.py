@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 from chaos_faults import FAULTS
 from chaos_server import ServerProcess
-from results_io import write_results
+from harness import add_out_argument, write_results
 
 RSS_GROWTH = 1.25
 _WORDS = ("time way year work day part life case point group number world house area "
@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="size of the tmpfs holding the store when run as root (0: none)")
     p.add_argument("--server-args", default="", help="more flags for both servers")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "chaos")
+    add_out_argument(p, "chaos")
     args = p.parse_args(argv)
     if not 0 <= args.soak_minutes <= args.minutes:
         p.error("--soak-minutes must be between 0 and --minutes")
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             if tmpfs is not None:
                 subprocess.run(["umount", str(tmpfs)], check=False)
         print_table(result)
-        write_results(args.out, "chaos", result, None, args)
+        write_results(args.out, "chaos", result, args)
     held = result["wrong_replies"] == 0 and result["crashes"] == 0 and result["rss_bounded"]
     return 0 if held else 1
 
