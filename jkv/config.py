@@ -165,11 +165,11 @@ class EngineConfig:
                 "hashes, so a later prompt with the same prefix (the next turn of a chat, "
                 "resent whole) skips recomputing it"})
     device_cache_bytes: int | None = field(default=None, metadata={
-        "help": "most device memory the prefix cache keeps for finished requests; default: "
-                "whatever of `kv_cache_bytes` running requests leave free"})
+        "help": "most device memory the prefix cache keeps (finished requests' pages); "
+                "default: what running requests leave of `kv_cache_bytes`"})
     execution: str = field(default="scan", metadata={
-        "help": "scan: every layer in one compiled call (on CPU layer by layer anyway: "
-                "faster there), restored KV written before the step; layerwise: one "
+        "help": "how layers run: scan: every layer in one compiled call (on CPU layer by "
+                "layer anyway: faster there), restored KV written before the step; layerwise: one "
                 "dispatch per layer, restored KV written layer by layer while earlier layers "
                 "compute (same outputs)",
         "choices": EXECUTIONS})
@@ -226,26 +226,29 @@ class CacheConfig:
     # defaults chosen by measurement (best perplexity and top-1 agreement within a byte
     # budget), see `benchmarks/kv_fidelity.py --docs calibration`
     kv_alpha_high: float = field(default=5.0, metadata={
-        "help": "leankv: a token stays in the high tier while its mean attention is at least "
-                "this many times the uniform share 1/n"})
+        "help": "leankv's high-tier threshold: a token stays in the high tier while its mean "
+                "attention is at least this many times the uniform share 1/n"})
     kv_alpha_low: float = field(default=0.001, metadata={
-        "help": "leankv: below `kv_alpha_high`, a token is kept in the low tier while its mean "
-                "attention is at least this many times 1/n, else pruned (0: never pruned)"})
+        "help": "leankv's low-tier threshold: below `kv_alpha_high`, a token is kept in the low "
+                "tier while its mean attention is at least this many times 1/n, else pruned "
+                "(0: never pruned)"})
     kv_recent_window: int = field(default=64, metadata={
-        "help": "token policies: the newest tokens, kept (at high precision) whatever their "
-                "attention (at least `page_size`); a policy that observes the prompt's end "
-                "reads significance from the prompt's last this many queries"})
+        "help": "recent window of token policies: the newest tokens, kept (at high precision) "
+                "whatever their attention (at least `page_size`); a policy that observes the "
+                "prompt's end reads significance from the prompt's last this many queries"})
     kv_placement_interval: int = field(default=16, metadata={
-        "help": "token policies: decode steps between two placements of the tokens "
-                "that left the recent window (1: every step, as LeanKV's Algorithm 1; more "
-                "spreads the pass over every held token's attention across that many steps, "
-                "and a token may stay that many steps longer at high precision)"})
+        "help": "steps between token placements: token policies' decode steps between two "
+                "placements of the tokens that left the recent window (1: every step, as "
+                "LeanKV's Algorithm 1; more spreads the pass over every held token's "
+                "attention across that many steps, and a token may stay that many steps "
+                "longer at high precision)"})
     kv_sink_tokens: int = field(default=4, metadata={
-        "help": "streaming, leankv: the first tokens, always kept (leankv: at high precision; "
-                "attention sinks, whose 1/i threshold Algorithm 1 would never let them meet)"})
+        "help": "attention sinks: the first tokens, which streaming and leankv always keep "
+                "(leankv: at high precision, as Algorithm 1's 1/i threshold would never let "
+                "them meet theirs)"})
     kv_heavy_ratio: float = field(default=0.2, metadata={
-        "help": "top-k token policies (h2o's heavy hitters): the share of a sequence's tokens "
-                "kept beside the recent window, the same for every head"})
+        "help": "share of heavy hitters: top-k token policies (h2o) keep this share of a "
+                "sequence's tokens beside the recent window, the same for every head"})
 
     def __post_init__(self) -> None:
         require(self, "page_size", is_pow2(self.page_size), "a power of two")
@@ -293,8 +296,8 @@ class SchedulerConfig:
         "help": "tokens per step, decodes and prefill chunks together; default: "
                 "`prefill_chunk`"})
     restore_planning: bool = field(default=True, metadata={
-        "help": "restore a stored KV hit only while loading it is expected to beat "
-                "recomputing it, from measured load and prefill rates; off: restore every hit"})
+        "help": "restore a stored KV hit only where loading beats recomputing, as expected "
+                "from measured load and prefill rates; off: restore every hit"})
     layer_offload: bool = field(default=True, metadata={
         "help": "LayerKV's layer-wise offload: when KV pages run short, admit a prompt with "
                 "only some of its layers' KV on the device (the others written to host memory "
@@ -305,9 +308,9 @@ class SchedulerConfig:
                 "a prompt runs chunk by chunk and each layer on the host is placed while it "
                 "is brought in for its turn"})
     store_read_ahead: bool = field(default=True, metadata={
-        "help": "read (and checksum) a stored KV hit on the store's own thread while its "
-                "request waits, so no step waits on a store tier; off: read at admission, on "
-                "the serving loop (for comparison)"})
+        "help": "read stored KV hits ahead: read (and checksum) a hit on the store's own "
+                "thread while its request waits, so no step waits on a store tier; off: read "
+                "at admission, on the serving loop (for comparison)"})
 
     def __post_init__(self) -> None:
         n = self.max_num_batched_tokens

@@ -40,7 +40,7 @@ class StoreConfig:
     host_cache_bytes: int | None = field(default=None, metadata={
         "help": "host memory for the KV store: finished requests' KV kept off the device, "
                 "restored (not recomputed) when a later turn needs it; 0 turns the host tier "
-                "off; default: a quarter of the memory available at start, at most 8 GiB",
+                "off; default: a quarter of free memory at start, at most 8 GiB",
         "default_note": _host_cache_note})
     disk_cache_bytes: int = field(default=64 << 30, metadata={
         "help": "most bytes the persistent KV tier holds"})
@@ -65,27 +65,30 @@ class StoreConfig:
                 "computes next, marked approximate); one of the kv_format names; default: "
                 "the pool's own"})
     adapt_profile: str | None = field(default=None, metadata={
-        "help": "with eviction_policy adaptcache: the quality profile of the compressed "
-                "forms (JSON, written by benchmarks/adapt_profile.py, or for a token-tier "
-                "engine's rows by benchmarks/adapt_rows.py), with each form's decode rate per "
-                "backend (assumed until the store measures its own); default: the one jkv "
-                "ships, measured on the embedded SmolLM2-135M (measure your model's own)"})
+        "help": "AdaptCache's quality profile (with `eviction_policy` adaptcache): the quality "
+                "of the compressed forms (JSON, written by benchmarks/adapt_profile.py, or for "
+                "a token-tier engine's rows by benchmarks/adapt_rows.py), with each form's "
+                "decode rate per backend (assumed until the store measures its own); "
+                "default: the one jkv ships, measured on the embedded SmolLM2-135M (measure "
+                "your model's own)"})
     adapt_alpha: float = field(default=1.0, metadata={
-        "help": "with eviction_policy adaptcache: seconds of load time a whole unit of "
-                "answer quality is worth (higher keeps entries larger)"})
+        "help": "AdaptCache's quality weight (with `eviction_policy` adaptcache): seconds of "
+                "load time a whole unit of answer quality is worth (higher keeps entries "
+                "larger)"})
     adapt_quality_floor: float = field(default=0.0, metadata={
-        "help": "with eviction_policy adaptcache: a form below this quality is never kept "
-                "(the entry is evicted instead)"})
+        "help": "AdaptCache's quality floor (with `eviction_policy` adaptcache): a form below "
+                "this quality is never kept (the entry is evicted instead)"})
     adapt_half_life: float | None = field(default=None, metadata={
-        "help": "with eviction_policy adaptcache: seconds over which an entry's count of "
-                "uses halves (its expected reuse), so conversations gone quiet stop holding "
-                "room; default: learned, twice the median gap between an entry's uses "
-                "(the users' think time between turns), 600 until one is seen"})
+        "help": "AdaptCache's reuse half-life (with `eviction_policy` adaptcache): seconds over "
+                "which an entry's count of uses halves (its expected reuse), so conversations "
+                "gone quiet stop holding room; default: learned, twice the median gap "
+                "between an entry's uses (the users' think time between turns), 600 until "
+                "one is seen"})
     save_interval_blocks: int = field(default=16, metadata={
-        "help": "while a request decodes, its KV blocks (pages) are queued for the store "
-                "each time this many more have filled, each save only the blocks since the "
-                "last, so a finishing request has little left to save; 0: saved only when "
-                "it finishes or is preempted"})
+        "help": "pages between a decoding request's saves: while a request decodes, its KV "
+                "blocks (pages) are queued for the store each time this many more have "
+                "filled, each save only the blocks since the last, so a finishing request has "
+                "little left to save; 0: saved only when it finishes or is preempted"})
 
     def __post_init__(self) -> None:
         if self.host_cache_bytes is None:

@@ -14,6 +14,7 @@ import uvicorn
 
 from jkv.api import LLM
 from jkv.config import OPTIONS
+from jkv.models.params_cache import cache_home
 from jkv.server.app import build_app
 from jkv.server.flags import api_key, build_parser
 from jkv.server.handlers import Server
@@ -31,8 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jkv").setLevel(args.log_level.upper())
-    if args.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+    cache_dir = args.compilation_cache_dir
+    if cache_dir is None:
+        cache_dir = str(cache_home() / "xla")
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
     if args.store_spec and args.store_spec.lstrip().startswith("{"):
         try:
             args.store_spec = json.loads(args.store_spec)

@@ -11,7 +11,6 @@ from typing import Any
 
 from jkv.config import OPTIONS, Option
 from jkv.config_checks import parse_bytes
-from jkv.models.params_cache import cache_home
 
 _OPTION_REF = re.compile(r"`(\w+)`")  # `name` in an option's help: another option
 
@@ -25,12 +24,16 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _flag_text(text: str) -> str:
-    """Help text for argparse: `name` references to options as --flag-name, % escaped."""
+def flag_names(text: str, quote: str = "") -> str:
+    """`name` references to options in help text as --flag-name (between `quote`s)."""
     names = {o.name for o in OPTIONS}
-    text = _OPTION_REF.sub(lambda m: "--" + m[1].replace("_", "-") if m[1] in names
-                           else m[0], text)
-    return text.replace("%", "%%")  # argparse formats help with %
+    return _OPTION_REF.sub(lambda m: quote + "--" + m[1].replace("_", "-") + quote
+                           if m[1] in names else m[0], text)
+
+
+def _flag_text(text: str) -> str:
+    """Help text for argparse: option references as flags, % escaped."""
+    return flag_names(text).replace("%", "%%")  # argparse formats help with %
 
 
 def _flag_help(option: Option) -> str:
@@ -88,34 +91,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "(about a minute), off on CPU (where the xla backend has several "
                         "times more shapes); compiled shapes persist in "
                         "--compilation-cache-dir either way")
-    p.add_argument("--compilation-cache-dir", default=str(cache_home() / "xla"),
+    p.add_argument("--compilation-cache-dir", default=None,
                    help="where compiled steps persist between runs (JAX's persistent "
-                        "compilation cache), so a restart compiles little; '' turns it off")
+                        "compilation cache), so a restart compiles little; '' turns it off; "
+                        "default: xla in jkv's cache directory ($JKV_CACHE_DIR, default "
+                        "~/.cache/jkv)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1 routes (401 otherwise); "
-                        "visible in ps: prefer --api-key-file or JKV_API_KEY; default: no key")
+                   help="an API key that /v1 routes require (as 'Authorization: Bearer "
+                        "<key>'; 401 otherwise); visible in ps: prefer --api-key-file or "
+                        "JKV_API_KEY; default: no key")
     p.add_argument("--api-key-file", default=None,
-                   help="read the API key from this file's first line instead")
+                   help="file holding the API key (its first line), instead of --api-key")
     p.add_argument("--metrics-require-key", action="store_true",
-                   help="the API key guards /metrics, /docs and /openapi.json too (every "
-                        "route but /health)")
+                   help="the API key guards every route but /health (/metrics, /docs and "
+                        "/openapi.json too)")
     p.add_argument("--max-queue", type=int, default=None,
-                   help="refuse new requests with 503 and Retry-After while this many wait; "
+                   help="most requests waiting; more are refused with 503 and Retry-After; "
                         "default: no limit")
     p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take from arrival to its last token before it "
-                        "is aborted (503); default: no limit")
+                   help="seconds a request may take, arrival to last token, before it is "
+                        "aborted (503); default: no limit")
     p.add_argument("--ttft-slo-ms", type=float, default=None,
-                   help="time-to-first-token target of requests that set no ttft_slo_ms: "
+                   help="time-to-first-token target, for requests that set no ttft_slo_ms: "
                         "the queue is ordered by it, and misses are counted "
                         "(jkv_slo_violations_total{kind=\"ttft\"}); default: none")
     p.add_argument("--tpot-slo-ms", type=float, default=None,
-                   help="time-per-output-token target of requests that set no tpot_slo_ms: "
+                   help="time-per-output-token target, for requests that set no tpot_slo_ms: "
                         "prefill work per step is capped to keep it, and misses are counted "
                         "(jkv_slo_violations_total{kind=\"tpot\"}); default: none")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds to let requests in flight finish before "
-                        "aborting them and exiting (new requests get 503 meanwhile)")
+                   help="seconds to drain on SIGTERM or SIGINT: requests in flight may "
+                        "finish (new ones get 503) before they are aborted and the server "
+                        "exits")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="logging level of the server and of uvicorn")
