@@ -43,7 +43,9 @@ class StoreConfig:
                 "off; default: a quarter of free memory at start, at most 8 GiB",
         "default_note": _host_cache_note})
     disk_cache_bytes: int = field(default=64 << 30, metadata={
-        "help": "most bytes the persistent KV tier holds"})
+        "help": "most bytes the persistent KV tier holds (in a directory also at most a "
+                "third of what its filesystem has room for: evicted entries' bytes stay on "
+                "disk until the store compacts it)"})
     store_dir: str | os.PathLike | None = field(default=None, metadata={
         "help": "directory of the persistent KV tier (tensorstore OCDBT: atomic commits, "
                 "reused by the next process opened on it); default: none"})

@@ -3,6 +3,7 @@ the tokens recomputing gives; the host tier stays within its budget under 200 co
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax.numpy as jnp
@@ -436,4 +437,28 @@ def test_a_conversation_restored_from_a_smaller_form_goes_on_in_it(params):
     read = snap["store"]["read_bytes_per_s"]["host"]
     assert read > 0 and float(exported['jkv_store_read_bytes_per_second{tier="host"}']) == \
         pytest.approx(read)
+    sched.store.close()
+
+
+def test_every_store_counter_is_exported_to_metrics(params, tmp_path):
+    """Each counter of the store's figures (`LLM.stats()["store"]`: the store's, the
+    scheduler's store side's) is a `jkv_store_<name>_total` series of /metrics, so a counter
+    added without its export fails here."""
+    from jkv.metrics import Metrics
+
+    eng = engine(params)
+    sched = Scheduler(eng, SchedulerConfig(), store=kv_store(
+        eng, host_cache_bytes=1 << 20, store_dir=str(tmp_path)))
+    for i, field in enumerate(dataclasses.fields(sched.store.stats)):  # each its own value
+        setattr(sched.store.stats, field.name, i + 1)
+    snap = sched.snapshot()
+    counters = {k for k, v in snap["store"].items() if isinstance(v, int)}
+    assert {"saves", "save_failures", "saves_dropped", "read_failures", "disk_full",
+            "save_retries", "compactions", "disk_resets", "misses"} <= counters
+    metrics = Metrics()
+    metrics.sync(snap)
+    text = metrics.render().decode()
+    missing = [k for k in sorted(counters) if f"jkv_store_{k}_total {float(snap['store'][k])}"
+               not in text]
+    assert not missing, f"store counters not exported to /metrics: {missing}"
     sched.store.close()

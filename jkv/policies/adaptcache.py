@@ -271,6 +271,17 @@ class AdaptPlacement:
         self._fit(now, {key}, moves)
         return moves
 
+    def set_capacity(self, tier: str, capacity: int, now: float) -> list[Move]:
+        """`tier` now holds at most `capacity` bytes: the moves that fit every tier again."""
+        t = self._index[tier]
+        self.tiers = (*self.tiers[:t], dataclasses.replace(self.tiers[t], capacity=capacity),
+                      *self.tiers[t + 1:])
+        for e in self._entries.values():  # (which tiers an entry fits is part of its ways)
+            e.cheapest = False
+        moves: list[Move] = []
+        self._fit(now, set(), moves)
+        return moves
+
     def set_read_rate(self, tier: str, read_bps: float) -> None:
         """`tier`'s entries are read at `read_bps` (measured by the store as it reads)."""
         if read_bps > 0:

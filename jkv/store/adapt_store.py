@@ -99,6 +99,13 @@ class AdaptStorePlacement:
     def stats(self) -> dict:
         return {"adapt_half_life_s": self.adapt.half_life}
 
+    def set_capacity(self, tier: str, capacity: int,
+                     queue: Sequence[Hashable] = ()) -> list[Move]:
+        """`Placement.set_capacity`."""
+        self.capacity[tier] = capacity
+        self.adapt.hint(set(queue))
+        return _in_order(self.adapt.set_capacity(tier, capacity, time.monotonic()))
+
     def set_read_rates(self, rates: dict[str, float]) -> None:
         """The store's measured read rates ("host"/"disk", bytes per second; 0: unknown)."""
         for tier in TIERS:

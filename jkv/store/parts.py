@@ -32,8 +32,10 @@ class PendingSave:
 @dataclasses.dataclass
 class StoreStats:
     saves: int = 0  # entries written
-    saves_dropped: int = 0  # saves refused because the writer was too far behind
+    saves_dropped: int = 0  # saves not stored: the writer too far behind, no room, a full disk
     save_failures: int = 0  # saves that raised (logged; the request was not affected)
+    save_retries: int = 0  # saves the disk refused for want of space, retried once in room made
+    disk_full: int = 0  # disk writes refused for want of space (the disk budget lowered)
     loads: int = 0  # entries read for a restore
     read_failures: int = 0  # reads that raised (a failing tier): misses, recomputed
     corrupt_entries: int = 0  # entries that failed to decode: counted, deleted, recomputed
@@ -42,7 +44,7 @@ class StoreStats:
     offloads: int = 0  # entries moved host -> disk
     prefetches: int = 0  # entries moved disk -> host ahead of their request
     superseded: int = 0  # entries replaced by a longer one of the same prefix
-    disk_resets: int = 0  # persistent tiers found damaged at open, dropped and started empty
+    disk_resets: int = 0  # persistent tiers found damaged at open, set aside and started empty
 
 
 @dataclasses.dataclass(eq=False)

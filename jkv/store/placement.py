@@ -209,6 +209,15 @@ class Placement:
             item.size = size
         return []
 
+    def set_capacity(self, tier: str, capacity: int,
+                     queue: Sequence[Hashable] = ()) -> list[Move]:
+        """`tier` now holds at most `capacity` bytes (its filesystem's room changed): the
+        moves of the items that no longer fit, chosen by the policy (`queue`: its hint)."""
+        self.capacity[tier] = capacity
+        moves: list[Move] = []
+        self._make_room(tier, 0, queue, moves, protect=set())
+        return moves
+
     def drop(self, session: Hashable) -> None:
         """Forget `session` (its entry is gone: corrupt, or deleted by the store)."""
         tier = self.where(session)

@@ -75,25 +75,28 @@ class KVStore:
     bytes in bf16 over its bytes as stored (AdaptCache's profile rates are against bf16).
     backend: the JAX backend conversions run on (AdaptCache's profile decode rates are per
     backend). whole_rows: the engine keeps token tiers (its entries are whole rows, whose
-    smaller forms drop tokens: AdaptCache takes the profile's row forms).
+    smaller forms drop tokens: AdaptCache takes the profile's row forms). free_space: bytes
+    the persistent tier's files may still take on their filesystem (`PersistentTier`;
+    default: measured there).
     """
 
     def __init__(self, config: StoreConfig, *, model: str, kv_format: str,
                  page_size: int, max_pending_bytes: int = 2 << 30,
                  aligned_reads: bool = False,
                  convert: Callable[[dict, str, str], dict] | None = None,
-                 bf16_ratio: float = 1.0, backend: str = "cpu", whole_rows: bool = False) -> None:
+                 bf16_ratio: float = 1.0, backend: str = "cpu", whole_rows: bool = False,
+                 free_space: Callable[[], int] | None = None) -> None:
         if not config.enabled:
             raise ValueError("the store needs host_cache_bytes > 0 or a store_dir/store_spec "
                              "with disk_cache_bytes > 0")
         host = HostTier(config.host_cache_bytes)
         disk = (None if config.persistent is None or not config.disk_cache_bytes
-                else PersistentTier(config.persistent, config.disk_cache_bytes))
+                else PersistentTier(config.persistent, config.disk_cache_bytes, free_space))
         form = (None if config.store_kv_format in (None, kv_format)
                 else config.store_kv_format)  # the format entries are written in
         if form is not None and convert is None:
             raise ValueError("store_kv_format needs the engine's KV format conversion")
-        disk_bytes = 0 if disk is None else config.disk_cache_bytes
+        disk_bytes = 0 if disk is None else disk.capacity  # (fitted to its filesystem)
         if config.eviction_policy == "adaptcache":
             if convert is None or (not whole_rows and kv_format not in ("auto", "bf16")):
                 raise ValueError("eviction_policy adaptcache needs the engine's KV format "
@@ -153,8 +156,8 @@ class KVStore:
         for key in other:  # another model's (or unreadable) entries: evicted like any other
             if not self.placement.adopt(key, self.disk.size(key), "disk", form=FOREIGN):
                 # never deleted at opening; the room they take is not ours to use
-                self.placement.capacity["disk"] = max(
-                    0, self.placement.capacity["disk"] - self.disk.size(key))
+                self.writer.apply(self.placement.set_capacity("disk", max(
+                    0, self.placement.capacity["disk"] - self.disk.size(key))))
 
     # ------------------------------------------------------------------ index
 
@@ -381,6 +384,8 @@ class KVStore:
                 "loads": st.loads, "read_failures": st.read_failures,
                 "superseded": st.superseded,
                 "save_failures": st.save_failures, "saves_dropped": st.saves_dropped,
+                "save_retries": st.save_retries, "disk_full": st.disk_full,
+                "compactions": 0 if self.disk is None else self.disk.compactions,
                 "disk_resets": st.disk_resets, "converted_loads": st.converted_loads,
                 "read_bytes_per_s": dict(self.read_bytes_per_s),
                 "convert_bytes_per_s": dict(self.convert_bytes_per_s),

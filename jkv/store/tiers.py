@@ -13,9 +13,16 @@ value's conversion between Python bytes and tensorstore holds the GIL for long (
 entry stored whole by an earlier jkv is left alone, as are names of other formats). An
 entry may carry a small `meta` record (the store keeps its block hashes there), committed
 with it as `<key>@<bytes>.meta` and read back in one batch by `metas()`; it is not counted
-against the capacity. A database found damaged when it opens (its b-tree cannot be listed:
-tensorstore says DATA_LOSS, or a node does not decode) is dropped and started empty
-(`damaged`), so a bad disk costs recomputation, never a failed start.
+against the capacity. A database found damaged when it opens (its manifest or b-tree cannot
+be read: tensorstore says DATA_LOSS, or a manifest or node does not decode) is started empty
+(`damaged`), so a bad disk costs recomputation, never a failed start; in a directory its files
+are first moved aside to a dated sibling folder (`set_aside_to`), elsewhere they are deleted.
+
+In a directory the tier minds its filesystem (`ocdbt_files.LocalDatabase`: its capacity
+fitted to the space there, compactions giving deleted entries' bytes back). A write refused
+for want of space is `DiskFull`; `on_full` then compacts and lowers the capacity. A spare
+entry (`keep_spare`) is a copy kept on disk of one the store holds in host memory: not the
+store's to count, deleted first whenever its room is needed.
 """
 
 from __future__ import annotations
@@ -23,28 +30,32 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import tensorstore as ts
 
+from jkv.store import ocdbt_files as files
 from jkv.store.codec import aligned, aligned_buffer
+from jkv.store.stored_names import read_listing
 
 log = logging.getLogger(__name__)
 
 PART = 8 << 20  # bytes per stored value (and per read) of an entry
-_NAME = re.compile(r"(?P<key>[0-9A-Za-z_.:-]+)@(?P<size>\d+)(?:(?P<meta>\.meta)|\.(?P<part>\d+))?")
 
 
 class TierFull(ValueError):
     """A write that would take the tier past its capacity."""
 
 
-def _damaged(error: Exception) -> bool:
-    """Whether tensorstore's error says the database's own bytes are damaged (then it is
-    started again), not that it could not be reached."""
-    text = str(error)
-    return "DATA_LOSS" in text or "Error decoding b-tree node" in text
+class DiskError(RuntimeError):
+    """A write the persistent tier's storage refused (nothing changed)."""
+
+
+class DiskFull(DiskError):
+    """A write the persistent tier's storage refused for want of space."""
 
 
 def _part_sizes(size: int) -> list[int]:
@@ -112,70 +123,149 @@ class HostTier:
 class PersistentTier:
     """Entries in a tensorstore kvstore through OCDBT (atomic commits), at most `capacity`
     bytes. `spec`: a local directory, or any tensorstore kvstore spec (a dict or a URL such
-    as ``s3://bucket/prefix/``) to put the OCDBT database in."""
+    as ``s3://bucket/prefix/``) to put the OCDBT database in. In a directory, `free_space`
+    says how many more bytes its files may take on their filesystem (default: what it has
+    free, less a margin: `ocdbt_files.space_probe`); `capacity` is then at most a third of
+    that plus what the files take (the module docstring says why)."""
 
     name = "disk"
 
-    def __init__(self, spec: str | os.PathLike | dict, capacity: int) -> None:
+    def __init__(self, spec: str | os.PathLike | dict, capacity: int,
+                 free_space: Callable[[], int] | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"disk capacity must be >= 0 bytes, got {capacity}")
-        self.capacity = capacity
+        self.configured = self.capacity = capacity
+        self.path: Path | None = None  # the directory, when the tier is in one
+        self._db: files.LocalDatabase | None = None
         if isinstance(spec, (str, os.PathLike)) and "://" not in str(spec):
-            path = Path(spec).expanduser().resolve()
-            path.mkdir(parents=True, exist_ok=True)
-            base: dict | str = {"driver": "file", "path": f"{path}/"}
+            self.path = Path(spec).expanduser().resolve()
+            self._db = files.LocalDatabase(self.path, free_space)
+            self._base: dict | str = {"driver": "file", "path": f"{self.path}/"}
         else:
-            base = spec
+            self._base = spec
+        self._lock = threading.Lock() if self._db is None else self._db.lock
         self.damaged = False  # the database was unreadable at open and was started again
-        try:
-            names = self._open(base)
-        except (ValueError, RuntimeError) as e:
-            if not _damaged(e):  # unreachable, refused, misconfigured: say so
-                raise ValueError(f"cannot open the KV store at {spec!r}: {e}") from e
-            log.warning("the KV store at %r is damaged (%s); its entries are dropped and it "
-                        "starts empty", spec, e)
-            self.damaged = True
-            names = self._reset(base)
-        self._names: dict[str, str] = {}  # key -> stored name
-        self._sizes: dict[str, int] = {}
-        self._has_meta: set[str] = set()  # stored names with a meta record beside them
-        self.bytes_used = 0
-        self.foreign: list[str] = []  # stored names that are not entries (left alone)
-        parts: dict[str, int] = {}  # stored name -> its values beyond the first
-        for n in names:
-            m = _NAME.fullmatch(n)
-            if m is None:
-                self.foreign.append(n)
-            elif m["meta"]:
-                self._has_meta.add(n[: -len(".meta")])
-            elif m["part"]:
-                owner = n[: -len(m["part"]) - 1]
-                parts[owner] = parts.get(owner, 0) + 1
-            else:
-                self._names[m["key"]], self._sizes[m["key"]] = n, int(m["size"])
-                self.bytes_used += int(m["size"])
-        for key, name in list(self._names.items()):
-            # a value missing (or an entry stored whole by an earlier jkv): not an entry
-            if parts.pop(name, 0) != len(_part_sizes(self._sizes[key])) - 1:
-                self.foreign.append(name)
-                self.bytes_used -= self._sizes.pop(key)
-                del self._names[key]
-        self.foreign += [f"{n}.{i + 1}" for n, count in parts.items() for i in range(count)]
-        # a meta record without its entry cannot be left by an atomic commit: not ours
-        self.foreign += [f"{n}.meta" for n in self._has_meta - set(self._names.values())]
+        self.set_aside_to: Path | None = None  # where its damaged files were moved
+        self._index_names(self._open_or_start_again(spec))
+        self._spares: dict[str, None] = {}  # copies of entries held in host memory
+        if self._db is not None:
+            self._db.measure()
+            self.capacity = self._db.fit(capacity)
+            if self.capacity < capacity:
+                log.info("the KV store at %s holds at most %d bytes (not %d): a third of the "
+                         "room its filesystem has for it", self.path, self.capacity, capacity)
 
-    def _open(self, base: dict | str) -> list[str]:
-        self._kv = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+    def _open_or_start_again(self, spec: str | os.PathLike | dict) -> list[str]:
+        """The stored names of the database, opened; a damaged one is set aside (deleted
+        where it is not in a directory) and started empty."""
+        try:
+            return self._open()
+        except (ValueError, RuntimeError) as e:
+            if not files.damaged(e):  # unreachable, refused, misconfigured: say so
+                raise ValueError(f"cannot open the KV store at {spec!r}: {e}") from e
+            self.damaged = True
+            if self.path is None:
+                log.warning("the KV store at %r is damaged (%s); its entries are deleted and "
+                            "it starts empty", spec, e)
+                return self._reset()
+            self.set_aside_to = files.set_aside(self.path)
+            log.warning("the KV store at %s is damaged (%s); its files were moved to %s and "
+                        "it starts empty", self.path, e, self.set_aside_to)
+            return self._open()
+
+    def _index_names(self, names: list[str]) -> None:
+        """Entries (key, stored name, size), meta records and foreign names from a listing."""
+        got = read_listing(names, lambda size: len(_part_sizes(size)))
+        self._names, self._sizes, self._has_meta = got.names, got.sizes, got.has_meta
+        self.bytes_used, self.foreign = got.bytes_used, got.foreign
+
+    def _open(self) -> list[str]:
+        self._kv = (ts.KvStore.open({"driver": "ocdbt", "base": self._base}).result()
+                    if self._db is None else files.open_db(self.path))
         return [n.decode() for n in self._kv.list().result()]
 
-    def _reset(self, base: dict | str) -> list[str]:
+    def _reset(self) -> list[str]:
         """Delete the OCDBT database's own files (its manifest and data files under ``d/``),
-        nothing else under `base`, and open it again, empty. A damaged b-tree cannot be
-        listed, so its entries could never be found again: dropping them is a miss for each."""
-        raw = ts.KvStore.open(base).result()
+        nothing else under its base, and open it again, empty (a miss for each entry)."""
+        raw = ts.KvStore.open(self._base).result()
         raw.delete_range(ts.KvStore.KeyRange("d/", "d0")).result()
         raw.delete_range(ts.KvStore.KeyRange("manifest.ocdbt", "manifest.ocdbt\0")).result()
-        return self._open(base)
+        return self._open()
+
+    # ------------------------------------------------------------------ room on the filesystem
+
+    @property
+    def compactions(self) -> int:
+        return 0 if self._db is None else self._db.compactions
+
+    def compact(self) -> bool:
+        """Compact the database (in a directory: `ocdbt_files.LocalDatabase.compact`), then
+        fit the capacity to the filesystem again; False when nothing changed."""
+        if self._db is None or not self._db.compact(self._kv, self._stored(), self._install):
+            return False
+        self.capacity = self._db.fit(self.configured)
+        self._drop_spares(self.bytes_used - self.capacity, keep="")
+        return True
+
+    def _install(self, kv: ts.KvStore) -> None:
+        self._kv = kv
+
+    def _stored(self) -> list[str]:
+        """Every stored name: the entries' values and meta records, and the foreign ones."""
+        out = list(self.foreign)
+        for key, name in self._names.items():
+            out += [_part(name, i) for i in range(len(_part_sizes(self._sizes[key])))]
+            out += [f"{name}.meta"] if name in self._has_meta else []
+        return out
+
+    def tidy(self) -> bool:
+        """Compact when deleted entries' bytes take room and the copy fits beside them."""
+        if self._db is None:
+            return False
+        self._db.measure()  # (with what a failed write left)
+        deleted = self._db.footprint - self.bytes_used
+        return deleted > 0 and self._db.free_space() >= self.bytes_used and self.compact()
+
+    def on_full(self) -> int:
+        """After `DiskFull`: drop the spare copies, compact if that fits, and lower the
+        capacity to fit the filesystem (while a compaction does not fit, to half the room
+        left, so that evictions make room for one); the new capacity."""
+        for key in list(self._spares):
+            self.delete(key)
+        if self._db is not None:
+            self.tidy()
+            free, capacity = self._db.free_space(), self._db.fit(self.capacity)
+            if self._db.footprint > self.bytes_used and free < self.bytes_used:
+                capacity = min(capacity, free // 2)
+            self.capacity = capacity
+        return self.capacity
+
+    # ------------------------------------------------------------------ spare copies
+
+    def keep_spare(self, key: str) -> None:
+        """Keep `key`'s bytes as a spare copy of an entry the store now holds elsewhere."""
+        if key in self._names:
+            self._spares[key] = None
+
+    def is_spare(self, key: str) -> bool:
+        return key in self._spares
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(self._sizes[k] for k in self._spares)
+
+    def claim(self, key: str) -> None:
+        """`key`'s spare copy is the store's entry again (the one elsewhere leaves)."""
+        self._spares.pop(key, None)
+
+    def _drop_spares(self, over: int, keep: str) -> None:
+        """Delete spare copies, oldest first, until `over` bytes are freed."""
+        for key in list(self._spares):
+            if over <= 0:
+                return
+            if key != keep:
+                over -= self._sizes[key]
+                self.delete(key)
 
     def __contains__(self, key: str) -> bool:
         return key in self._names
@@ -187,12 +277,37 @@ class PersistentTier:
         return self._sizes[key]
 
     def put(self, key: str, data: bytes | memoryview, meta: bytes = b"") -> None:
+        """Store `key` (replacing it atomically); spare copies make way first. TierFull past
+        the capacity; DiskFull when the storage is out of space, DiskError when it refused
+        otherwise (nothing changed)."""
         _check_key(key)
         old = self._sizes.get(key, 0)
+        self._drop_spares(self.bytes_used - old + len(data) - self.capacity, keep=key)
         if self.bytes_used - old + len(data) > self.capacity:
             raise TierFull(f"disk tier: {len(data)} more bytes would exceed its capacity of "
                            f"{self.capacity} ({self.bytes_used} used)")
+        if self._db is not None and self._db.wants_compaction(self.bytes_used, len(data),
+                                                              self.capacity):
+            self.compact()
         name = f"{key}@{len(data)}"
+        try:
+            self._commit(key, name, data, meta)
+        except (ValueError, RuntimeError) as e:
+            if files.out_of_space(e):
+                raise DiskFull(f"disk tier: no space for {len(data)} bytes: {e}") from e
+            raise DiskError(f"disk tier: cannot write {len(data)} bytes: {e}") from e
+        self._has_meta.discard(self._names.get(key))
+        if meta:
+            self._has_meta.add(name)
+        self._names[key], self._sizes[key] = name, len(data)
+        self.bytes_used += len(data) - old
+        if self._db is not None:
+            self._db.footprint += len(data) + len(meta)
+        self._spares.pop(key, None)
+
+    def _commit(self, key: str, name: str, data: bytes | memoryview, meta: bytes) -> None:
+        """Write an entry's values (and meta record) under `name`, its old ones removed, in
+        one atomic commit."""
         txn = ts.Transaction(atomic=True)  # the new names and the old ones' removal together
         kv = self._kv.with_transaction(txn)
         if key in self._names:
@@ -204,15 +319,11 @@ class PersistentTier:
         if meta:
             kv.write(f"{name}.meta", bytes(meta)).result()
         txn.commit_async().result()
-        self._has_meta.discard(self._names.get(key))
-        if meta:
-            self._has_meta.add(name)
-        self._names[key], self._sizes[key] = name, len(data)
-        self.bytes_used += len(data) - old
 
     def _read(self, name: str) -> bytes | None:
         try:
-            r = self._kv.read(name).result()
+            with self._lock:
+                r = self._kv.read(name).result()
         except (ValueError, RuntimeError):
             return None
         return bytes(r.value) if r.state == "value" else None
@@ -224,16 +335,17 @@ class PersistentTier:
     def metas(self) -> dict[str, bytes]:
         """Every entry's meta record, read in one batch of concurrent reads (entries without
         one, or whose record cannot be read, are left out)."""
-        futures = {k: self._kv.read(f"{n}.meta") for k, n in self._names.items()
-                   if n in self._has_meta}
         out = {}
-        for key, future in futures.items():
-            try:
-                r = future.result()
-            except (ValueError, RuntimeError):
-                continue
-            if r.state == "value":
-                out[key] = bytes(r.value)
+        with self._lock:
+            futures = {k: self._kv.read(f"{n}.meta") for k, n in self._names.items()
+                       if n in self._has_meta}
+            for key, future in futures.items():
+                try:
+                    r = future.result()
+                except (ValueError, RuntimeError):
+                    continue
+                if r.state == "value":
+                    out[key] = bytes(r.value)
         return out
 
     def get(self, key: str) -> memoryview | None:
@@ -248,25 +360,32 @@ class PersistentTier:
         sizes = _part_sizes(self._sizes[key])
         out = aligned_buffer(sum(sizes))
         try:
-            reads = [self._kv.read(_part(name, i)) for i in range(len(sizes))]
-            at = 0
-            for future, size in zip(reads, sizes, strict=True):
-                r = future.result()
-                if r.state != "value" or len(r.value) != size:
-                    return None
-                out[at:at + size] = np.frombuffer(r.value, np.uint8)
-                at += size
+            with self._lock:  # (a compaction swaps the files only between reads)
+                reads = [self._kv.read(_part(name, i)) for i in range(len(sizes))]
+                at = 0
+                for future, size in zip(reads, sizes, strict=True):
+                    r = future.result()
+                    if r.state != "value" or len(r.value) != size:
+                        return None
+                    out[at:at + size] = np.frombuffer(r.value, np.uint8)
+                    at += size
         except (ValueError, RuntimeError):
             return None
         out.flags.writeable = False
         return memoryview(out)
 
     def delete(self, key: str) -> None:
+        """Forget `key` and delete its values; where the storage refuses (a full disk: a
+        deletion is a commit too) they stay, unlisted, until a compaction leaves them out."""
         name = self._names.pop(key, None)
+        self._spares.pop(key, None)
         if name is not None:
             self.bytes_used -= self._sizes.pop(key)
             self._has_meta.discard(name)
-            self._delete_name(name)
+            try:
+                self._delete_name(name)
+            except (ValueError, RuntimeError) as e:
+                log.debug("could not delete KV entry %s: %s", key, e)
 
     def _delete_name(self, name: str, txn: ts.Transaction | None = None) -> None:
         """Delete an entry's values and its meta record (one range: name, name.1, ...,

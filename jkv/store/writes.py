@@ -18,10 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
+from jkv.store.disk_room import DiskRoom
 from jkv.store.index import Entry, meta_record
 from jkv.store.parts import PendingSave, StoreParts
 from jkv.store.placement import Move
-from jkv.store.tiers import HostTier, PersistentTier, TierFull
+from jkv.store.tiers import DiskError, DiskFull, HostTier, PersistentTier, TierFull
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 
@@ -37,6 +38,7 @@ class StoreWriter:
     def __init__(self, parts: StoreParts, submit: Callable[[Callable[[], None]], bool],
                  reachable: Callable[[str], bool], flush: Callable[[], None]) -> None:
         self.p, self._submit, self._reachable, self.flush = parts, submit, reachable, flush
+        self.room = DiskRoom(parts, self.apply)
 
     @property
     def keeps_approximate(self) -> bool:
@@ -114,17 +116,43 @@ class StoreWriter:
         data = self._encode(host, src, fmt, n * self.p.page_size, key, digests)
         if not self._supersede(entry, key, len(data), whole):
             return
+        for retry in (False, True):  # a write the disk refused: once more, in the room made
+            try:
+                stored = self._place(key, entry, data, host, src, fmt, digests, form)
+            except DiskFull as e:
+                self.room.full(e)
+                if retry:
+                    self.p.stats.saves_dropped += 1
+                    return
+                self.p.stats.save_retries += 1
+                continue
+            except DiskError as e:  # (not for want of room: eviction would not help)
+                self.room.failed(e)
+                self.p.stats.save_failures += 1
+                return
+            if stored:
+                self._index_written(key, entry)
+            elif retry:  # the room was not made after all
+                self.p.stats.saves_dropped += 1
+            return
+
+    def _place(self, key: str, entry: Entry, data: memoryview, host: Mapping[str, np.ndarray],
+               src: str, fmt: str, digests: np.ndarray, form: str | None) -> bool:
+        """Have the placement make room for an encoded entry and put it in the tier it
+        chose (in the smaller form chosen for it, if any): whether it was stored. DiskFull
+        or DiskError (nothing stored) when the disk refused it."""
+        n = len(entry.hashes)
         with self.p.lock:  # the entries it continues are not given up to make its room
             keep = [] if entry.parent is None or entry.parent not in self.p.index else \
                 self.p.index.chain(entry.parent)
             self.p.placement.observe(self.p.read_bytes_per_s, self.p.convert_bytes_per_s)
             moves = self.p.placement.put(key, len(data), self.p.queue, keep,
-                                       tokens=n * self.p.page_size, form=form)
+                                         tokens=n * self.p.page_size, form=form)
         try:
             if not self.apply(moves[:-1]) or moves[-1].dst is None:
                 with self.p.lock:
                     self.p.placement.drop(key)  # no room was made (or fits nowhere): not stored
-                return
+                return False
             if moves[-1].form not in (None, fmt):  # written in the smaller form chosen for it
                 fmt = moves[-1].form
                 data = self._encode(host, src, fmt, n * self.p.page_size, key, digests)
@@ -134,7 +162,7 @@ class StoreWriter:
             if not self.apply(more) or self.p.placement.where(key) != moves[-1].dst:
                 with self.p.lock:
                     self.p.placement.drop(key)  # the room was not made after all
-                return
+                return False
             self._tier(moves[-1].dst).put(key, data,
                                           meta_record(self.p.model, entry.session, entry))
         except TierFull:  # (the placement's count and the tier's disagree: not stored)
@@ -142,12 +170,14 @@ class StoreWriter:
             with self.p.lock:
                 self.p.placement.drop(key)
                 self.p.stats.saves_dropped += 1
-            return
+            return False
         except BaseException:
             with self.p.lock:
                 self.p.placement.drop(key)
             raise
-        self._index_written(key, entry)
+        if moves[-1].dst == "disk":
+            self.room.wrote()
+        return True
 
     def _supersede(self, entry: Entry, key: str, size: int, whole: bool) -> bool:
         """Whether `_write` goes on with an entry of `size` bytes (not stored yet, fits a
@@ -236,26 +266,42 @@ class StoreWriter:
                 if at is None:
                     continue
                 m = m._replace(src=at)
-            if m.src == m.dst:
-                continue
-            src, dst = self._tier(m.src), self._tier(m.dst)
+            if m.src != m.dst and not self._move(m):
+                ok = False
+        return ok
+
+    def _move(self, m: Move) -> bool:
+        """Move an entry's bytes between tiers: False if that failed (it is then deleted).
+        An entry promoted from disk keeps its disk copy (a spare: a process that dies
+        before the host tier gives it back still finds it there), which an entry going
+        back to disk becomes again instead of being written."""
+        src, dst, disk = self._tier(m.src), self._tier(m.dst), self.p.disk
+        if m.dst == "disk" and disk.is_spare(m.session):
+            disk.claim(m.session)
+        else:
             data, meta = src.get(m.session), src.meta(m.session)
             try:
                 if data is None:
                     raise KeyError(f"entry {m.session} vanished from the {m.src} tier")
                 dst.put(m.session, data, meta or b"")
             except Exception as e:  # an I/O error of the tier as much as TierFull
-                log.warning("could not move KV entry %s %s -> %s: %s", m.session, m.src,
-                            m.dst, e)
+                if isinstance(e, DiskFull):
+                    self.room.full(e)  # (logged there, once)
+                elif isinstance(e, DiskError):
+                    self.room.failed(e)
+                else:
+                    log.warning("could not move KV entry %s %s -> %s: %s", m.session, m.src,
+                                m.dst, e)
                 self.delete(m.session)
-                ok = False
-                continue
+                return False
+        if m.dst == "disk":
             src.delete(m.session)
-            if m.dst == "disk":
-                self.p.stats.offloads += 1
-            else:
-                self.p.stats.prefetches += 1
-        return ok
+            self.room.wrote()
+            self.p.stats.offloads += 1
+        else:
+            disk.keep_spare(m.session)
+            self.p.stats.prefetches += 1
+        return True
 
     def delete(self, key: str) -> None:
         """Forget an entry and every entry that continues it, and delete their bytes from
@@ -328,6 +374,8 @@ class StoreWriter:
         except Exception as e:  # an I/O error: the old bytes stay
             log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
             return False
+        if tier == "host" and self.p.disk is not None and self.p.disk.is_spare(key):
+            self.p.disk.delete(key)  # its spare copy holds the old form
         with self.p.lock:
             if entry is not None:
                 entry.form = None if kv_format == self.p.kv_format else kv_format
