@@ -12,6 +12,7 @@ from typing import Any
 from jkv.config import OPTIONS, Option
 from jkv.config_checks import parse_bytes
 from jkv.models.params_cache import cache_home
+from jkv.server.admission import MAX_MESSAGES, MAX_PROMPT_CHARS
 
 _OPTION_REF = re.compile(r"`(\w+)`")  # `name` in an option's help: another option
 
@@ -69,12 +70,33 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         groups[o.config].add_argument(o.flag, **kw)
 
 
+def _add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """What a request may ask and how long it may wait: checked before any expensive work."""
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="refuse new requests with 503 and Retry-After while this many wait, "
+                        "to be tokenized or in the scheduler's queue (GET /ready answers 503 "
+                        "queue_full meanwhile); default: no limit")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival to its last token, "
+                        "tokenizing included, before it is aborted (503); default: no limit")
+    p.add_argument("--max-messages", type=int, default=MAX_MESSAGES,
+                   help="a chat with more messages is refused (400 naming messages) before "
+                        "any is rendered or tokenized; a long session's client drops its "
+                        "oldest turns itself past this")
+    p.add_argument("--max-prompt-chars", type=int, default=MAX_PROMPT_CHARS,
+                   help="a completion prompt, or a chat's text as its template renders it "
+                        "(the whole history in session mode), with more characters is "
+                        "refused (400 naming prompt or messages) before it is tokenized: "
+                        "this bounds the tokenizer's work per request")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The server's command line: its own flags, then one per LLM option (`add_option_flags`)."""
     p = argparse.ArgumentParser(
         prog="python -m jkv.server",
         description="Serve a model over an OpenAI-compatible HTTP API "
-                    "(/v1/chat/completions, /v1/completions, /v1/models, /health).",
+                    "(/v1/chat/completions, /v1/completions, /v1/models; /health for liveness, "
+                    "/ready for readiness, /metrics).",
         formatter_class=_HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -98,13 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read the API key from this file's first line instead")
     p.add_argument("--metrics-require-key", action="store_true",
                    help="the API key guards /metrics, /docs and /openapi.json too (every "
-                        "route but /health)")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="refuse new requests with 503 and Retry-After while this many wait; "
-                        "default: no limit")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take from arrival to its last token before it "
-                        "is aborted (503); default: no limit")
+                        "route but /health and /ready)")
+    _add_admission_flags(p)
     p.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="time-to-first-token target of requests that set no ttft_slo_ms: "
                         "the queue is ordered by it, and misses are counted "
