@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jkv.chat_messages import check_unicode, parse_messages
 from jkv.config import (
     OPTIONS,
     PRESETS,
@@ -36,6 +35,7 @@ from jkv.models.loaders import default_model_path, random_params
 from jkv.models.params_cache import load_params
 from jkv.models.tokenizer import eos_token_ids, load_tokenizer
 from jkv.outputs import RequestOutput, Tracker
+from jkv.prompts import check_unicode, parse_messages, render, session_ids
 from jkv.sched.scheduler import Request, Scheduler, Truncation, generate_all
 
 log = logging.getLogger(__name__)
@@ -123,50 +123,35 @@ class LLM:
                              f"{self.max_model_len} and at least one token must be generated")
         return ids
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` under the model's chat template, ready for the reply."""
-        return self.encode(self._template_ids(parse_messages(messages)))
+    def chat_prompt(self, messages: list[dict], *, max_chars: int | None = None) -> list[int]:
+        """Token ids of `messages` under the model's chat template, ready for the reply; a
+        ValueError naming `messages` if the template's text has more than `max_chars`
+        characters (checked before tokenizing)."""
+        return self.encode(self._template_ids(parse_messages(messages), max_chars))
 
-    def _template_ids(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use generate() with a prompt")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+    def _template_ids(self, messages: list[dict], max_chars: int | None = None) -> list[int]:
+        text = render(self.tokenizer, messages, max_chars)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def session_prompt(self, messages: list[dict], reserve: int = 1
+    def session_prompt(self, messages: list[dict], reserve: int = 1, *,
+                       max_chars: int | None = None,
+                       cancelled: Callable[[], bool] | None = None
                        ) -> tuple[list[int], Truncation | None]:
         """Token ids of a session's `messages` (session mode). When they and `reserve` tokens
         to generate exceed max_model_len, the oldest turns after the leading system messages
-        are dropped, whole, until the prompt fits and starts its kept turns with a user
-        message (CachedAttention 3.4); the `Truncation` then says how the prompt was cut
-        from the full history, so the KV stored for that history is reused, re-rotated to
-        the new positions, instead of recomputed. None when nothing was dropped (or the cut
-        is not a clean token splice, then the prompt is computed as any other)."""
+        are dropped, whole, as few as let the prompt fit and start its kept turns with a user
+        message (CachedAttention 3.4), found in a number of renders logarithmic in the turns
+        (`jkv.prompts.session_ids`); the `Truncation` then says how the prompt was cut from
+        the full history, so the KV stored for that history is reused, re-rotated to the new
+        positions, instead of recomputed. None when nothing was dropped (or the cut is not a
+        clean token splice, then the prompt is computed as any other).
+
+        max_chars: as in `chat_prompt`, for the full history's text. cancelled: polled
+        between renders; once true, `jkv.prompts.Cancelled` is raised."""
         messages = parse_messages(messages)
-        full = self._template_ids(messages)
-        limit = self.max_model_len - max(reserve, 1)
-        if len(full) <= limit:
-            return self.encode(full), None
-        head = 0
-        while head < len(messages) and messages[head]["role"] in ("system", "developer"):
-            head += 1
-        for start in range(head + 1, len(messages)):
-            if messages[start]["role"] != "user":
-                continue
-            ids = self._template_ids(messages[:head] + messages[start:])
-            if len(ids) <= limit:
-                break
-        else:
-            raise ValueError(f"the conversation's last turn and system prompt alone do not fit "
-                             f"max_model_len={self.max_model_len} with {reserve} tokens to "
-                             f"generate")
-        keep = 0
-        while keep < len(ids) and ids[keep] == full[keep]:
-            keep += 1
-        drop = len(full) - len(ids)
-        spliced = full[keep + drop:] == ids[keep:]
-        return self.encode(ids), Truncation(tuple(full), keep, drop) if spliced else None
+        ids, truncation = session_ids(messages, lambda m: self._template_ids(m, max_chars),
+                                      self.max_model_len - max(reserve, 1), cancelled)
+        return self.encode(ids), truncation
 
     # ------------------------------------------------------------------ generation
 
@@ -202,17 +187,21 @@ class LLM:
                session_id: str | None = None, priority: int = 0,
                ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
                timeout_s: float | None = None,
-               truncation: Truncation | None = None) -> Request:
+               truncation: Truncation | None = None,
+               arrival: float | None = None) -> Request:
         """Queue one token-id prompt for the serving loop (`start_serving`); returns its
         handle for `abort`. on_delta(text, logprob entries) streams text with the entries
         of the tokens since the last call (empty unless params.logprobs is set);
         on_finish(tracker) gets the result (text, token_ids, finish_reason, logprobs). Both
-        run on the loop's thread."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        run on the loop's thread. arrival: when the request arrived (`time.monotonic()`,
+        default now), from which `timeout_s`, its TTFT and its queueing count, so that the
+        time its prompt took to make is in them."""
+        arrival = time.monotonic() if arrival is None else arrival
+        deadline = None if timeout_s is None else arrival + timeout_s
         request = self._request(ids, self._tracker(params), on_delta, on_finish,
                                 session_id=session_id, priority=priority,
                                 ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms,
-                                deadline=deadline, truncation=truncation)
+                                deadline=deadline, truncation=truncation, arrival=arrival)
         self.scheduler.add(request)
         return request
 
@@ -268,6 +257,11 @@ class LLM:
         self._loop = threading.Thread(target=self.scheduler.serve, args=(self._stop,),
                                       name="jkv-scheduler", daemon=True)
         self._loop.start()
+
+    @property
+    def serving(self) -> bool:
+        """Whether the serving loop runs (`start_serving`, and its thread is alive)."""
+        return self._loop is not None and self._loop.is_alive()
 
     def stop_serving(self, timeout: float = 30.0) -> None:
         """Stop the loop; requests still in flight finish with reason "abort"."""

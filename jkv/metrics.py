@@ -116,12 +116,18 @@ class Metrics:
         self.e2e = Histogram("jkv_e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("jkv_request_queue_time_seconds", "Arrival to admission (the "
-                               "queueing part of TTFT).", buckets=_LATENCY_BUCKETS, registry=r)
+                               "queueing part of TTFT, tokenizing included).",
+                               buckets=_LATENCY_BUCKETS, registry=r)
         self.slo_violations = Counter("jkv_slo_violations", "Requests that missed their "
                                       "TTFT or TPOT target, by kind.", ["kind"], registry=r)
         for kind in ("ttft", "tpot"):
             self.slo_violations.labels(kind=kind)
         self.gauges = {key: Gauge(f"jkv_{key}", doc, registry=r) for key, doc in _GAUGES}
+        # the server's, not the scheduler's: its /metrics route sets it
+        self.tokenizing = Gauge("jkv_num_requests_tokenizing", "Requests waiting for or "
+                                "under tokenization (the server's tokenizer pool); with "
+                                "num_requests_waiting, what the server's queue limit counts.",
+                                registry=r)
         self.hits = Counter("jkv_prefix_cache_hit_tokens", "Prompt tokens found cached, "
                             "by tier.", ["tier"], registry=r)
         self.counters = {key: Counter(name, doc, registry=r) for key, name, doc in _COUNTERS}

@@ -548,6 +548,7 @@ def test_api_key_guards_v1_routes_only_unless_metrics_require_it(srv):
         assert get(strict, path, None).status_code == 401, path
         assert get(strict, path, "sekrit").status_code == 200, path
     assert get(strict, "/health", None).status_code == 200  # liveness stays open
+    assert get(strict, "/ready", None).status_code == 200  # and so does readiness
 
 
 def test_the_api_key_comes_from_a_flag_a_file_or_the_environment(tmp_path):
@@ -574,7 +575,7 @@ def test_the_api_key_comes_from_a_flag_a_file_or_the_environment(tmp_path):
 
 
 def test_a_full_queue_is_a_503_with_retry_after(srv, monkeypatch):
-    monkeypatch.setattr(srv.app.state.server, "max_queue", 0)  # always full
+    monkeypatch.setattr(srv.app.state.server.admission, "max_queue", 0)  # always full
     r = post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "queue_full"

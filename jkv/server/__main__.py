@@ -50,14 +50,16 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         n = llm.warmup()
         log.info("compiled %d step shapes in %.1f s", n, time.perf_counter() - t0)
-    for flag in ("max_queue", "request_timeout", "drain_timeout", "ttft_slo_ms", "tpot_slo_ms"):
+    for flag in ("max_queue", "request_timeout", "drain_timeout", "ttft_slo_ms", "tpot_slo_ms",
+                 "max_messages", "max_prompt_chars"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive, got {value}")
     app = build_app(llm, args.served_model_name, api_key=key,
                     max_queue=args.max_queue, request_timeout=args.request_timeout,
                     ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
-                    metrics_require_key=args.metrics_require_key)
+                    metrics_require_key=args.metrics_require_key,
+                    max_messages=args.max_messages, max_prompt_chars=args.max_prompt_chars)
     log.info("serving %r (max_model_len=%d) on http://%s:%d/v1", app.state.served_model_name,
              llm.max_model_len, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

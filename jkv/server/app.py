@@ -1,11 +1,12 @@
 """The OpenAI-compatible application over `jkv.LLM` (`build_app`).
 
-Endpoints: GET /health, GET /v1/models, GET /metrics, POST /v1/chat/completions,
+Endpoints: GET /health (liveness), GET /ready (readiness: 503 with the reason while new
+work would be refused), GET /v1/models, GET /metrics, POST /v1/chat/completions,
 POST /v1/completions (both with SSE streaming). The routes here are thin: each hands its
-request to `jkv.server.handlers.Server`, which tokenizes on a small thread pool and submits to
-the LLM's scheduler loop, which runs on its own thread and batches every request in flight
-continuously. `python -m jkv.server` (`jkv/server/__main__.py`) builds it from the command
-line.
+request to `jkv.server.handlers.Server`, which admits it (`jkv.server.admission`: body
+limits, queue limit, a small tokenizer pool) and submits to the LLM's scheduler loop, which
+runs on its own thread and batches every request in flight continuously.
+`python -m jkv.server` (`jkv/server/__main__.py`) builds it from the command line.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jkv.api import LLM, Truncation
+from jkv.server.admission import MAX_MESSAGES, MAX_PROMPT_CHARS, Limits
 from jkv.server.guard import Guard
 from jkv.server.handlers import Server
 from jkv.server.protocol import (
@@ -28,6 +30,7 @@ from jkv.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    Readiness,
     error_responses,
     json_schema_bounds,
     validation_error,
@@ -37,19 +40,24 @@ from jkv.server.protocol import (
 def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | None = None,
               max_queue: int | None = None, request_timeout: float | None = None,
               ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
-              metrics_require_key: bool = False) -> FastAPI:
+              metrics_require_key: bool = False, max_messages: int | None = MAX_MESSAGES,
+              max_prompt_chars: int | None = MAX_PROMPT_CHARS) -> FastAPI:
     """The OpenAI-compatible app around a loaded LLM; its scheduler loop runs while the app
     does (the LLM's offline `generate`/`chat` must not be called meanwhile).
 
     served_model_name: the model id clients ask for (default `llm.model_name`).
     api_key: when set, /v1 routes want `Authorization: Bearer <api_key>` (401 otherwise).
-    max_queue: requests waiting beyond this are refused with 503 and Retry-After.
+    max_queue: requests waiting (to be tokenized or in the scheduler's queue) beyond this are
+    refused with 503 and Retry-After.
     request_timeout: seconds a request may take from arrival to its last token.
     ttft_slo_ms, tpot_slo_ms: the targets of requests that name none.
-    metrics_require_key: the key guards every route but /health (/metrics, /docs, the schema).
+    metrics_require_key: the key guards every route but /health and /ready (/metrics, /docs,
+    the schema).
+    max_messages, max_prompt_chars: a chat with more messages, or a prompt (a chat's
+    template text) with more characters, is a 400 naming the field; None: no limit.
     """
     server = Server(llm, served_model_name, max_queue, request_timeout, ttft_slo_ms,
-                    tpot_slo_ms)
+                    tpot_slo_ms, Limits(max_messages, max_prompt_chars))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -93,7 +101,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_status_routes(app: FastAPI, server: Server) -> None:
-    """The routes that report on the server rather than generate: health, metrics, models."""
+    """The routes that report on the server rather than generate: health (the process is
+    alive), readiness (it takes new work), metrics, models."""
     llm = server.llm
 
     @app.get("/health", responses={503: {
@@ -104,10 +113,21 @@ def _add_status_routes(app: FastAPI, server: Server) -> None:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
+    @app.get("/ready", response_model=Readiness, responses={503: {
+        "model": Readiness, "description": "new work would be refused now: draining, the "
+                                           "scheduler loop not running, or the queue full"}})
+    async def ready():
+        status, reason = server.admission.readiness()
+        if reason is not None:
+            return JSONResponse(Readiness(status=status, reason=reason).model_dump(),
+                                status_code=503)
+        return Readiness(status=status)
+
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus metrics (text exposition format)"}})
     async def metrics() -> Response:
         llm.metrics.sync(llm.stats())
+        llm.metrics.tokenizing.set(server.admission.tokenizing)
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=error_responses(401))
@@ -131,17 +151,25 @@ def _add_completion_routes(app: FastAPI, server: Server) -> None:
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
 
-        def make_ids(reserve: int) -> tuple[list[int], Truncation | None]:
+        server.admission.check_chat(messages)
+        max_chars = server.admission.limits.max_prompt_chars
+
+        def make_ids(reserve: int, cancelled: Callable[[], bool]
+                     ) -> tuple[list[int], Truncation | None]:
             if body.session_id is None:
-                return llm.chat_prompt(messages), None
-            return llm.session_prompt(messages, reserve)  # session mode: may truncate
+                return llm.chat_prompt(messages, max_chars=max_chars), None
+            # session mode: may truncate, checking `cancelled` between renders
+            return llm.session_prompt(messages, reserve, max_chars=max_chars,
+                                      cancelled=cancelled)
 
         return await server.complete(request, body, True, make_ids, max_tokens)
 
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
+        server.admission.check_prompt(body.prompt)
         return await server.complete(request, body, False,
-                                     lambda _reserve: (llm.encode(body.prompt), None),
+                                     lambda _reserve, _cancelled: (llm.encode(body.prompt),
+                                                                   None),
                                      body.max_tokens)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from jkv.config import OPTIONS, Option
 from jkv.config_checks import parse_bytes
+from jkv.server.admission import MAX_MESSAGES, MAX_PROMPT_CHARS
 
 _OPTION_REF = re.compile(r"`(\w+)`")  # `name` in an option's help: another option
 
@@ -72,12 +73,33 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
         groups[o.config].add_argument(o.flag, **kw)
 
 
+def _add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """What a request may ask and how long it may wait: checked before any expensive work."""
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="most requests waiting, to be tokenized or in the scheduler's queue; "
+                        "more are refused with 503 and Retry-After (GET /ready answers 503 "
+                        "queue_full meanwhile); default: no limit")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take, arrival to last token (tokenizing "
+                        "included), before it is aborted (503); default: no limit")
+    p.add_argument("--max-messages", type=int, default=MAX_MESSAGES,
+                   help="most messages in a chat; more are refused (400 naming messages) "
+                        "before any is rendered or tokenized, so a long session's client drops "
+                        "its oldest turns itself past this")
+    p.add_argument("--max-prompt-chars", type=int, default=MAX_PROMPT_CHARS,
+                   help="most characters of a prompt or rendered chat (a chat as its "
+                        "template renders it, the whole history in session mode); more are "
+                        "refused (400 naming prompt or messages) before tokenizing, which "
+                        "bounds the tokenizer's work per request")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The server's command line: its own flags, then one per LLM option (`add_option_flags`)."""
     p = argparse.ArgumentParser(
         prog="python -m jkv.server",
         description="Serve a model over an OpenAI-compatible HTTP API "
-                    "(/v1/chat/completions, /v1/completions, /v1/models, /health).",
+                    "(/v1/chat/completions, /v1/completions, /v1/models; /health for liveness, "
+                    "/ready for readiness, /metrics).",
         formatter_class=_HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -103,14 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default=None,
                    help="file holding the API key (its first line), instead of --api-key")
     p.add_argument("--metrics-require-key", action="store_true",
-                   help="the API key guards every route but /health (/metrics, /docs and "
-                        "/openapi.json too)")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="most requests waiting; more are refused with 503 and Retry-After; "
-                        "default: no limit")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take, arrival to last token, before it is "
-                        "aborted (503); default: no limit")
+                   help="the API key guards every route but /health and /ready (/metrics, "
+                        "/docs and /openapi.json too)")
+    _add_admission_flags(p)
     p.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="time-to-first-token target, for requests that set no ttft_slo_ms: "
                         "the queue is ordered by it, and misses are counted "

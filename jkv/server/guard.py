@@ -15,6 +15,7 @@ from jkv.server.protocol import APIError
 log = logging.getLogger("jkv.server")
 
 MAX_BODY_BYTES = 1 << 20  # larger request bodies get 413
+_PROBES = ("/health", "/ready")  # liveness and readiness: never behind the key, logged quietly
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -33,8 +34,8 @@ class Guard:
                  guard_all: bool = False) -> None:
         self.app, self.max_body = app, max_body
         self.api_key = None if api_key is None else f"Bearer {api_key}".encode()
-        # /v1 always; with guard_all every route but /health (metrics, docs, the schema)
-        self.guarded = (lambda path: path != "/health") if guard_all else (
+        # /v1 always; with guard_all every route but the probes (metrics, docs, the schema)
+        self.guarded = (lambda path: path not in _PROBES) if guard_all else (
             lambda path: path.startswith("/v1"))
 
     def _authorized(self, scope) -> bool:
@@ -120,7 +121,7 @@ class Guard:
     def _log(scope, status: int | None, seconds: float) -> None:
         state = scope.get("state") or {}
         path = scope.get("path", "")
-        level = logging.DEBUG if path == "/health" and status == 200 else logging.INFO
+        level = logging.DEBUG if path in _PROBES and status == 200 else logging.INFO
         if not log.isEnabledFor(level):
             return
         client = scope.get("client") or ("-", 0)

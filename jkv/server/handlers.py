@@ -1,8 +1,8 @@
-"""The request handlers' logic behind the app's routes (`Server`): a request is tokenized on a
-small thread pool and submitted to the LLM's scheduler loop, which runs on its own thread;
-the handler waits on an asyncio queue the loop's callbacks feed and answers with OpenAI's
-response bodies, whole or streamed as SSE. Kept apart from the routes (`jkv.server.app`)
-so these can be read as the HTTP surface alone."""
+"""The request handlers' logic behind the app's routes (`Server`): a request is admitted and
+tokenized (`jkv.server.admission`) and submitted to the LLM's scheduler loop, which runs on
+its own thread; the handler waits on an asyncio queue the loop's callbacks feed and answers
+with OpenAI's response bodies, whole or streamed as SSE. Kept apart from the routes
+(`jkv.server.app`) so these can be read as the HTTP surface alone."""
 
 from __future__ import annotations
 
@@ -11,17 +11,16 @@ import contextlib
 import json
 import logging
 import re
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from jkv.api import LLM, Truncation
 from jkv.engine.sampling import SamplingParams
+from jkv.server.admission import Admission, ClientGone, Limits, deadline_error
 from jkv.server.protocol import APIError, SamplingRequest
 
 # a GGUF file's quantization suffix (`.Q4_1`, `-IQ3_M`, `.F16`, `.BF16`): the model answers
@@ -38,25 +37,28 @@ log = logging.getLogger("jkv.server")
 CHAT_MAX_TOKENS = 512  # chat default for max_tokens, when the room left allows it
 COMPLETION_MAX_TOKENS = 16  # completions default for max_tokens (OpenAI's)
 _END = object()  # end of a stream's deltas
+# a route's prompt maker: (tokens to reserve for the reply, cancelled) -> ids, truncation
+MakeIds = Callable[[int, Callable[[], bool]], tuple[list[int], Truncation | None]]
 
 
 class Server:
     """The request handlers' logic around an LLM whose scheduler loop runs on its own thread.
 
-    Handlers tokenize on a small thread pool, `submit` to the loop, and wait on an asyncio
-    queue that the loop's callbacks feed. A client that goes away aborts its request (its
-    pages are freed at the loop's next step)."""
+    Handlers are admitted and tokenize on a small thread pool (`Admission`), `submit` to
+    the loop, and wait on an asyncio queue that the loop's callbacks feed. A client that goes
+    away cancels its tokenization or aborts its request (its pages are freed at the loop's
+    next step). A request's deadline counts from its arrival, tokenizing included."""
 
     def __init__(self, llm: LLM, served_model_name: str | None, max_queue: int | None,
                  request_timeout: float | None, ttft_slo_ms: float | None = None,
-                 tpot_slo_ms: float | None = None) -> None:
+                 tpot_slo_ms: float | None = None, limits: Limits | None = None) -> None:
         self.llm = llm
         self.name = served_model_name or llm.model_name
         self.aliases = {self.name, _QUANT_SUFFIX.sub("", self.name)}
-        self.max_queue, self.request_timeout = max_queue, request_timeout
+        self.request_timeout = request_timeout
         self.ttft_slo_ms, self.tpot_slo_ms = ttft_slo_ms, tpot_slo_ms  # for requests without
-        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jkv-tokenize")
-        self.closing = threading.Event()
+        self.admission = Admission(llm, max_queue, limits or Limits())
+        self.closing = self.admission.closing
         self.created = int(time.time())
         self.in_flight: set = set()
 
@@ -64,23 +66,23 @@ class Server:
         self.llm.start_serving()
 
     def close(self) -> None:
-        self.closing.set()
+        self.admission.close()
         self.llm.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def abort_all(self) -> None:
+        self.admission.cancel_all()
         for r in list(self.in_flight):
             self.llm.abort(r)
 
     # ------------------------------------------------------------ on the tokenizer pool
 
-    def _prepare(self, make_ids: Callable[[int], tuple[list[int], Truncation | None]],
-                 body: SamplingRequest, max_tokens: int | None, default_max: int, param: str
+    def _prepare(self, make_ids: MakeIds, body: SamplingRequest, max_tokens: int | None,
+                 default_max: int, param: str, cancelled: Callable[[], bool]
                  ) -> tuple[list[int], SamplingParams, Truncation | None]:
         # room a session's prompt keeps for the reply when its oldest turns must go
         reserve = max_tokens or min(default_max, self.llm.max_model_len // 4)
         try:
-            ids, truncation = make_ids(reserve)
+            ids, truncation = make_ids(reserve, cancelled)
         except (ValueError, _TemplateError) as e:
             raise APIError(400, str(e), param=param) from e
         room = self.llm.max_model_len - len(ids)
@@ -108,16 +110,8 @@ class Server:
 
     # ------------------------------------------------------------ on the event loop
 
-    def _refuse_if_busy(self) -> None:
-        if self.closing.is_set():
-            raise APIError(503, "the server is shutting down", type="server_error")
-        if self.max_queue is not None and self.llm.scheduler.num_waiting >= self.max_queue:
-            raise APIError(503, f"the queue is full ({self.max_queue} requests waiting); "
-                                f"retry later", type="server_error", code="queue_full",
-                           headers={"Retry-After": "1"})
-
     def _submit(self, ids: list[int], params: SamplingParams, body: SamplingRequest,
-                queue: asyncio.Queue, truncation: Truncation | None):
+                queue: asyncio.Queue, truncation: Truncation | None, arrival: float):
         loop = asyncio.get_running_loop()
 
         def put(item) -> None:  # from the scheduler's thread
@@ -130,17 +124,14 @@ class Server:
             session_id=body.session_id, priority=body.priority or 0,
             ttft_slo_ms=self.ttft_slo_ms if body.ttft_slo_ms is None else body.ttft_slo_ms,
             tpot_slo_ms=self.tpot_slo_ms if body.tpot_slo_ms is None else body.tpot_slo_ms,
-            truncation=truncation,
-            timeout_s=self.request_timeout)
+            truncation=truncation, timeout_s=self.request_timeout, arrival=arrival)
         self.in_flight.add(request)
         return request
 
     def _failed(self, tracker) -> APIError | None:
         reason = tracker.finish_reason
         if reason == "timeout":
-            return APIError(503, f"the request ran past its deadline of "
-                                 f"{self.request_timeout} s", type="server_error",
-                            code="deadline_exceeded", headers={"Retry-After": "1"})
+            return deadline_error(self.request_timeout)
         if reason == "error":
             return APIError(500, "internal server error while generating", type="server_error")
         if reason == "abort" and self.closing.is_set():
@@ -158,43 +149,33 @@ class Server:
                 "max_model_len": self.llm.max_model_len}
 
     async def complete(self, request: Request, body: SamplingRequest, chat: bool,
-                       make_ids: Callable[[int], tuple[list[int], Truncation | None]],
-                       max_tokens: int | None):
+                       make_ids: MakeIds, max_tokens: int | None):
+        arrival = time.monotonic()
+        timeout = self.request_timeout
         self.check_model(body.model)
-        self._refuse_if_busy()
-        ids, params, truncation = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self._prepare, make_ids, body, max_tokens,
-            CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, "messages" if chat else "prompt")
-        self._refuse_if_busy()
-        request.state.prompt_tokens = len(ids)
+        self.admission.refuse_if_busy()
+        default_max = CHAT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            ids, params, truncation = await self.admission.prepare(
+                request, lambda cancelled: self._prepare(
+                    make_ids, body, max_tokens, default_max, "messages" if chat else "prompt",
+                    cancelled),
+                None if timeout is None else arrival + timeout, timeout)
+        except ClientGone:
+            log.info("client went away while its prompt was made; dropped %s", rid)
+            return JSONResponse({}, status_code=499)
+        if self.closing.is_set():
+            raise APIError(503, "the server is shutting down", type="server_error")
+        request.state.prompt_tokens = len(ids)
         created = int(time.time())
         queue: asyncio.Queue = asyncio.Queue()
-        handle = self._submit(ids, params, body, queue, truncation)
+        handle = self._submit(ids, params, body, queue, truncation, arrival)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _Stream(self._stream(request, chat, rid, created, ids, handle, queue,
                                         include_usage), lambda: self._abort(handle))
-        try:
-            checked = time.monotonic()
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout=0.5)
-                except TimeoutError:
-                    item = None
-                # every half second, tokens arriving or not: a client gone stops generation
-                if time.monotonic() - checked >= 0.5 or item is None:
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        log.info("client went away; aborting %s", rid)
-                        self._abort(handle)
-                if item is None:
-                    continue
-                if item[0] is _END:
-                    t = item[1]
-                    break
-        finally:
-            self._abort(handle)  # a no-op once finished
+        t = await self._finished(request, rid, handle, queue)
         if (err := self._failed(t)) is not None:
             raise err
         if t.finish_reason == "abort":
@@ -210,6 +191,27 @@ class Server:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": self.name, "choices": [choice],
                 "usage": _usage(len(ids), len(t.token_ids), handle.cached_tokens)}
+
+    async def _finished(self, request: Request, rid: str, handle,
+                        queue: asyncio.Queue):
+        """The tracker of a non-streamed request once it ends; a client gone (looked for
+        every half second, tokens arriving or not) aborts it."""
+        try:
+            checked = time.monotonic()
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    item = None
+                if time.monotonic() - checked >= 0.5 or item is None:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        log.info("client went away; aborting %s", rid)
+                        self._abort(handle)
+                if item is not None and item[0] is _END:
+                    return item[1]
+        finally:
+            self._abort(handle)  # a no-op once finished
 
     def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
         """OpenAI's logprobs object for (token id, logprob, top ids, top logprobs) entries."""

@@ -18,8 +18,8 @@ from pydantic import (
     field_validator,
 )
 
-from jkv.chat_messages import ROLES
 from jkv.engine.sampling import MAX_LOGPROBS
+from jkv.prompts import ROLES
 
 MAX_STOP = 4
 _INT64 = 1 << 63
@@ -52,6 +52,13 @@ class APIError(Exception):
         return cls(500, f"internal server error: {type(e).__name__}: {e}", type="server_error")
 
 
+class Readiness(BaseModel):
+    """GET /ready's body: whether new work is taken now, and if not, why."""
+
+    status: Literal["ready", "draining", "starting", "queue_full"]
+    reason: str | None = None
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -69,7 +76,8 @@ _ERRORS = {400: "the request is invalid; the message names the field (`param`)",
            401: "a missing or wrong API key (the server was started with --api-key)",
            404: "no such model, or no such route",
            413: "the request body is too large",
-           503: "the queue is full (Retry-After) or the server is shutting down"}
+           503: "the queue is full (Retry-After), the request ran past its deadline "
+                "(Retry-After), or the server is shutting down"}
 
 
 _BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
