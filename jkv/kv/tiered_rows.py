@@ -5,16 +5,14 @@ fill; tokens leaving the recent window are placed (high, low or pruned) by a tok
 fates (`TierPolicy`).
 
 A tiered row holds no block's every token, so it is not shared by blocks: with prefix caching
-on, an ended sequence is kept whole (`tier_entries`) and a prompt extending exactly its tokens
-opens with a copy of it. The store keeps it whole too, and LayerKV moves a layer of it
-to the host and back (`row_moves`).
+on, an ended sequence is kept whole (`tier_entries`) and a prompt starting with its first
+blocks opens with a copy of it, cut to those blocks. The store keeps it whole too, and
+LayerKV moves a layer of it to the host and back (`row_moves`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +20,7 @@ import numpy as np
 
 from jkv.kv import tier_step
 from jkv.kv.allocator import release
+from jkv.kv.buckets import bucket
 from jkv.kv.kv_state import KVState, read_only
 from jkv.kv.page_cost import PageCost
 from jkv.kv.pages import KVPages
@@ -34,38 +33,10 @@ from jkv.kv.tier_entries import (
     forget,
     init_entries,
     move_row,
+    truncate,
 )
+from jkv.kv.tier_step import Placement, TierPolicy
 from jkv.kv.token_tiers import init_counts, init_meta
-
-
-class Placement(NamedTuple):
-    """A model call's placement: the rows (slot per row, scratch for none) that grew from
-    `n_prev` to `n` tokens, by at most `max_moves`; by decode steps if `generation`."""
-
-    index: np.ndarray
-    n_prev: np.ndarray
-    n: np.ndarray
-    max_moves: int
-    generation: bool
-
-
-@dataclass(frozen=True)
-class TierPolicy:
-    """What this layout runs for a token policy (`jkv.policies`' `KVPolicy.tier_policy`):
-    `fates` (static under jit) decides each token's tier as it leaves the newest
-    `recent_window`, with `knobs` (traced); decode steps are placed every `interval` steps.
-    `observation_window` > 0: significance comes from a prompt's last that many queries.
-    `whole_row_moves`: a prompt chunk's placement may move every token of a row (else as
-    many as the chunk's and the interval's)."""
-
-    name: str
-    fates: Callable
-    recent_window: int
-    interval: int = 1
-    knobs: tuple[float, ...] = ()
-    observation_window: int = 0
-    sinks: int = 0  # first tokens a stored row's smaller forms keep (`row_forms`)
-    whole_row_moves: bool = False
 
 
 class _TierState:
@@ -173,8 +144,8 @@ class TieredRows:
         return {"high": int(self._t.high[slot].sum()), "low": int(self._t.low[slot].sum())}
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
-        """(tokens of the longest kept row ending at one of `hashes`, pages a copy of it
-        takes)."""
+        """(tokens of `hashes`' longest run of blocks that a kept row holds, pages a copy
+        of the row takes before it is cut to them)."""
         found = None if self.entries is None else self.entries.lookup(hashes)
         if found is None:
             return 0, 0
@@ -203,10 +174,10 @@ class TieredRows:
     # ------------------------------------------------------------------ sequences
 
     def open(self, slot: int, hashes: Sequence[bytes], prompt_tokens: int) -> int:
-        """Start the empty `slot` for a prompt of `prompt_tokens` from the longest kept row
-        ending at one of `hashes` (the prompt's block hashes), if one is kept: a copy of it,
-        or when its pages cannot be had besides it, the row itself (it is no longer kept).
-        Returns the tokens held."""
+        """Start the empty `slot` for a prompt of `prompt_tokens` from the kept row holding
+        the longest run of `hashes` (the prompt's block hashes), if one is kept: a copy of
+        it, or when its pages cannot be had besides it, the row itself (it is no longer
+        kept), cut to that run. Returns the tokens held."""
         self.prompt_end[slot] = prompt_tokens
         if self.policy.observation_window:  # (sent once here, not at every model call)
             self.observe_from = jax.device_put(
@@ -216,7 +187,7 @@ class TieredRows:
         if found is None:
             return 0
         kv, t = self.kv, self._t
-        row, _ = found
+        row, blocks = found
         entry = self.entries.get(row)
         self.entries.touch(row)
         others = self.evictable_pages - entry.pages  # evictable besides it
@@ -235,7 +206,29 @@ class TieredRows:
                                    "allowed it")
             kv.free_pages -= entry.pages
         t.high[slot], t.low[slot] = entry.high, entry.low
-        return entry.tokens
+        tokens = blocks * self.page_size
+        if tokens < entry.tokens:
+            self._cut(slot, tokens, entry.tokens - tokens)
+        return tokens
+
+    def cut_moves(self, drop: int) -> int:
+        """`truncate`'s max_moves for a row losing `drop` tokens: a few buckets."""
+        return bucket(drop, 4 * self.page_size, 4)
+
+    def _cut(self, slot: int, tokens: int, drop: int) -> None:
+        """Cut the row opened in `slot` to its first `tokens` positions (`truncate`), the
+        last `drop` of its tokens going; its tier counts and the pages it frees read back."""
+        kv, t = self.kv, self._t
+        (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = truncate(
+            kv.pool, t.meta, kv.free, kv.tables, t.counts, np.int32(slot), np.int32(tokens),
+            max_moves=self.cut_moves(drop))
+        ok, high, low = jax.device_get((ok, t.counts.high[slot], t.counts.low[slot]))
+        if not bool(ok):
+            raise RuntimeError("cutting a kept sequence failed although it lost no more "
+                               "tokens than it held")
+        held = self.pages_held(slot)
+        t.high[slot], t.low[slot] = high.astype(np.int64), low.astype(np.int64)
+        kv.free_pages += held - self.pages_held(slot)
 
     def grow(self, new_lengths: dict[int, int], need: int) -> jax.Array:
         """The tokens of pages the step fills join the high tiers (`need` pages, made room
@@ -277,8 +270,8 @@ class TieredRows:
         spare; then the oldest while the kept pages exceed the device cache's budget."""
         kv, t = self.kv, self._t
         n = len(kv.slot_tokens[slot]) // self.page_size * self.page_size
-        key = block_hashes(kv.slot_tokens[slot], self.page_size, self.hash_seed)[-1]
-        same = self.entries.row_of(key)
+        hashes = tuple(block_hashes(kv.slot_tokens[slot], self.page_size, self.hash_seed))
+        same = self.entries.row_of(hashes[-1])
         if same is not None:  # the same tokens kept before: the newer compression replaces it
             self._drop_entry(same)
         if self.entries.spare_row() is None:
@@ -287,7 +280,7 @@ class TieredRows:
         kv.tables, t.counts, t.entry_tables, t.entry_counts = move_row(
             kv.tables, t.counts, t.entry_tables, t.entry_counts, np.int32(slot),
             np.int32(row), np.int32(n))
-        self.entries.add(row, Entry(key, n, self.pages_held(slot), t.high[slot].copy(),
+        self.entries.add(row, Entry(hashes, n, self.pages_held(slot), t.high[slot].copy(),
                                     t.low[slot].copy()))
         while self.entries.pages > self.max_entry_pages:
             self._drop_entry(self.entries.oldest())
