@@ -61,8 +61,8 @@ class Engine:
                      # k8v4t etc. were unrotated before: their stored entries must not match
                      f"{'|rotated' if cache.kv_format.rotated else ''}").encode()
         self.kv_format = cache.kv_format.name
-        self.kv_dtype = dtype  # (a 16-bit side's)
-        self.kv_bf16_ratio = 2 / jnp.dtype(dtype).itemsize  # (bf16 bytes over a pool's)
+        self.kv_dtype = dtype  # (a 16-bit side's, unless the format says bfloat16)
+        self.kv_bf16_ratio = 2 / cache.kv_format.float_dtype(dtype).itemsize  # over a pool's
         self.cache = KVCacheManager(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             dtype=dtype, kv_format=cache.kv_format, page_size=cache.page_size,
