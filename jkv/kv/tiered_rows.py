@@ -367,8 +367,16 @@ class TieredRows:
         kv.free_pages = int(num_free)
 
     def warmup(self) -> None:
-        """Compile the calls that keep, copy and drop tiered sequences, on empty rows (the
-        scratch slot and a spare entry row): nothing changes. Then read back the counts."""
+        """Compile the calls that grow, end, keep, copy, cut and drop tiered sequences, on
+        empty rows (the scratch slot and a spare entry row): nothing changes. Then read back
+        the counts."""
+        kv, t, none = self.kv, self._t, np.zeros(self.max_num_seqs + 1, bool)
+        self.grow({}, 0)
+        kv.free, kv.tables = release(kv.free, kv.tables, jnp.asarray(none))
+        t.counts = tier_step.clear(t.counts, jnp.asarray(none))
+        (kv.pool, t.meta, kv.free, kv.tables, t.counts, _) = truncate(
+            kv.pool, t.meta, kv.free, kv.tables, t.counts, np.int32(self.scratch), np.int32(0),
+            max_moves=self.cut_moves(0))
         if self.entries is not None and self.entries.spare_row() is not None:
             kv, t = self.kv, self._t
             row, slot = np.int32(self.entries.spare_row()), np.int32(self.scratch)

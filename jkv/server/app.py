@@ -37,7 +37,7 @@ from jkv.server.protocol import (
 def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | None = None,
               max_queue: int | None = None, request_timeout: float | None = None,
               ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
-              metrics_require_key: bool = False) -> FastAPI:
+              metrics_require_key: bool = False, warm: bool = False) -> FastAPI:
     """The OpenAI-compatible app around a loaded LLM; its scheduler loop runs while the app
     does (the LLM's offline `generate`/`chat` must not be called meanwhile).
 
@@ -47,9 +47,11 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
     request_timeout: seconds a request may take from arrival to its last token.
     ttft_slo_ms, tpot_slo_ms: the targets of requests that name none.
     metrics_require_key: the key guards every route but /health (/metrics, /docs, the schema).
+    warm: once the loop starts, it compiles the step shapes a lone request takes while it
+    has no work (`LLM.start_serving(warm=True)`).
     """
     server = Server(llm, served_model_name, max_queue, request_timeout, ttft_slo_ms,
-                    tpot_slo_ms)
+                    tpot_slo_ms, warm=warm)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
