@@ -1,6 +1,6 @@
 """Tiered sequences kept for their conversation's next turn (`tier_entries`): a follow-up
 opens with a bit-for-bit copy of the kept tiers (cut to the blocks it shares, when it shares
-only the first), two follow-ups from one kept sequence start
+all but the last few), two follow-ups from one kept sequence start
 alike, a pool too short for a copy takes the kept sequence over, a tiered row saved to the
 store comes back bit for bit (and a damaged one is refused), and the pages stay exact
 throughout."""
@@ -21,6 +21,7 @@ from jkv.engine.sampling import SamplingParams
 from jkv.kv.format import KV_FORMATS
 from jkv.kv.page_pool import page_bytes
 from jkv.kv.prefix_cache import block_hashes
+from jkv.kv.tier_entries import CUT_BLOCKS
 from jkv.models.loaders import random_params
 from jkv.sched.scheduler import Request, Scheduler
 from jkv.store import KVStore
@@ -134,9 +135,10 @@ def held_tokens(engine: Engine, tables, counts, row: int) -> dict[tuple, tuple]:
 
 
 def test_a_prompt_sharing_the_first_blocks_opens_with_a_cut_copy(tiny_params):
-    """A prompt that shares only the kept sequence's first blocks (a client resending a
-    reply cut by max_tokens re-tokenized) opens with a copy holding exactly the kept tokens
-    before the first block it does not share, bit for bit, and the pages stay exact."""
+    """A prompt that shares all but the last few blocks of the kept sequence (a client
+    resending a reply cut by max_tokens re-tokenized) opens with a copy holding exactly the
+    kept tokens before the first block it does not share, bit for bit, and the pages stay
+    exact; one that shares fewer finds nothing."""
     eng, follow_up = kept_conversation(tiny_params)
     c = eng.cache
     row, _ = c.layout.entries.lookup(c.prompt_hashes(follow_up))
@@ -145,6 +147,8 @@ def test_a_prompt_sharing_the_first_blocks_opens_with_a_cut_copy(tiny_params):
     diverged = follow_up[:45] + [7] * 30  # the kept 56 tokens' first 5 blocks, then others
     pages = c.layout.entries.get(row).pages
     assert c.lookup(c.prompt_hashes(diverged)) == (40, pages)
+    # sharing 2 of its 7 blocks, more than CUT_BLOCKS short of its end: computed
+    assert 7 - 2 > CUT_BLOCKS and c.lookup(c.prompt_hashes(follow_up[:20] + [7] * 40)) == (0, 0)
     for prompt, max_cached, want in ((diverged, None, 40), (follow_up, 48, 48)):
         free = c.free_pages
         slot, cached = eng.open(prompt, max_cached=max_cached)

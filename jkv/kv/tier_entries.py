@@ -12,11 +12,13 @@ pruning never touch the entry. Two requests opened from one entry therefore star
 same tiers. An entry covers the sequence's full pages only; the tokens of its filling page
 are computed again.
 
-A prompt that shares only the entry's first blocks (a chat client resends a reply cut by
-max_tokens re-tokenized, or with its end token where the model had gone on) opens with the
-copy cut back to those blocks (`truncate`: every token at a later position pruned from both
-tiers), so every block hash of an entry finds it, not only its last. The tokens kept were
-placed knowing the later ones' attention, as in the entry.
+A prompt that shares all but the last few of the entry's blocks (`CUT_BLOCKS`: a chat
+client resends a reply cut by max_tokens re-tokenized, or with its end token where the model
+had gone on) opens with the copy cut back to the blocks it shares (`truncate`: every token at
+a later position pruned from both tiers), so an entry is found by its last blocks' hashes,
+not only its last. The tokens kept were placed knowing the later ones' attention, as in the
+entry. A prompt sharing less is computed: a larger cut costs more (and compiles for its
+size), and is seldom a conversation's own next turn.
 
 Entries are evictable like unreferenced prefix-cache blocks: their pages count as available
 and are released, least recently used first, when pages run short. This module holds the
@@ -47,6 +49,8 @@ from jkv.kv.token_tiers import (
     move_tokens,
     read_rows,
 )
+
+CUT_BLOCKS = 4  # the most blocks a copy of an entry is cut by
 
 
 @dataclass
@@ -92,12 +96,13 @@ class TierEntries:
     def get(self, row: int) -> Entry:
         return self._entries[row]
 
-    def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int] | None:
+    def lookup(self, hashes: Sequence[bytes], slack: int = 0) -> tuple[int, int] | None:
         """(row, blocks): an entry holding the most of a prompt's leading blocks (chained
-        hashes: one that holds block i holds blocks 0..i), the shortest such, which has the
-        fewest tokens to cut; None without one."""
+        hashes: one that holds block i holds blocks 0..i) and at most `slack` blocks more,
+        the shortest such; None without one."""
         for i in range(len(hashes) - 1, -1, -1):
-            rows = self._holders.get(hashes[i])
+            rows = [r for r in self._holders.get(hashes[i], ())
+                    if len(self._entries[r].hashes) <= i + 1 + slack]
             if rows:
                 return min(rows, key=lambda r: (self._entries[r].tokens, r)), i + 1
         return None

@@ -5,9 +5,9 @@ fill; tokens leaving the recent window are placed (high, low or pruned) by a tok
 fates (`TierPolicy`).
 
 A tiered row holds no block's every token, so it is not shared by blocks: with prefix caching
-on, an ended sequence is kept whole (`tier_entries`) and a prompt starting with its first
-blocks opens with a copy of it, cut to those blocks. The store keeps it whole too, and
-LayerKV moves a layer of it to the host and back (`row_moves`).
+on, an ended sequence is kept whole (`tier_entries`) and a prompt sharing all but its last
+few blocks opens with a copy of it, cut to the blocks it shares. The store keeps it whole
+too, and LayerKV moves a layer of it to the host and back (`row_moves`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import numpy as np
 
 from jkv.kv import tier_step
 from jkv.kv.allocator import release
-from jkv.kv.buckets import bucket
 from jkv.kv.kv_state import KVState, read_only
 from jkv.kv.page_cost import PageCost
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
 from jkv.kv.row_moves import RowMoves
 from jkv.kv.tier_entries import (
+    CUT_BLOCKS,
     Entry,
     TierEntries,
     adopt,
@@ -144,9 +144,9 @@ class TieredRows:
         return {"high": int(self._t.high[slot].sum()), "low": int(self._t.low[slot].sum())}
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
-        """(tokens of `hashes`' longest run of blocks that a kept row holds, pages a copy
-        of the row takes before it is cut to them)."""
-        found = None if self.entries is None else self.entries.lookup(hashes)
+        """(tokens of `hashes`' longest run of blocks that a kept row holds, at most
+        `CUT_BLOCKS` short of its end; pages a copy of the row takes before it is cut)."""
+        found = None if self.entries is None else self.entries.lookup(hashes, CUT_BLOCKS)
         if found is None:
             return 0, 0
         row, blocks = found
@@ -175,15 +175,15 @@ class TieredRows:
 
     def open(self, slot: int, hashes: Sequence[bytes], prompt_tokens: int) -> int:
         """Start the empty `slot` for a prompt of `prompt_tokens` from the kept row holding
-        the longest run of `hashes` (the prompt's block hashes), if one is kept: a copy of
-        it, or when its pages cannot be had besides it, the row itself (it is no longer
-        kept), cut to that run. Returns the tokens held."""
+        the longest run of `hashes` (the prompt's block hashes; `lookup`), if one is kept: a
+        copy of it, or when its pages cannot be had besides it, the row itself (it is no
+        longer kept), cut to that run. Returns the tokens held."""
         self.prompt_end[slot] = prompt_tokens
         if self.policy.observation_window:  # (sent once here, not at every model call)
             self.observe_from = jax.device_put(
                 np.maximum(self.prompt_end - self.policy.observation_window, 0),
                 self.observe_from.sharding)
-        found = None if self.entries is None else self.entries.lookup(hashes)
+        found = None if self.entries is None else self.entries.lookup(hashes, CUT_BLOCKS)
         if found is None:
             return 0
         kv, t = self.kv, self._t
@@ -208,20 +208,16 @@ class TieredRows:
         t.high[slot], t.low[slot] = entry.high, entry.low
         tokens = blocks * self.page_size
         if tokens < entry.tokens:
-            self._cut(slot, tokens, entry.tokens - tokens)
+            self._cut(slot, tokens)
         return tokens
 
-    def cut_moves(self, drop: int) -> int:
-        """`truncate`'s max_moves for a row losing `drop` tokens: a few buckets."""
-        return bucket(drop, 4 * self.page_size, 4)
-
-    def _cut(self, slot: int, tokens: int, drop: int) -> None:
-        """Cut the row opened in `slot` to its first `tokens` positions (`truncate`), the
-        last `drop` of its tokens going; its tier counts and the pages it frees read back."""
+    def _cut(self, slot: int, tokens: int) -> None:
+        """Cut the row opened in `slot` to its first `tokens` positions (`truncate`); its
+        tier counts and the pages it frees read back."""
         kv, t = self.kv, self._t
         (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = truncate(
             kv.pool, t.meta, kv.free, kv.tables, t.counts, np.int32(slot), np.int32(tokens),
-            max_moves=self.cut_moves(drop))
+            max_moves=CUT_BLOCKS * self.page_size)
         ok, high, low = jax.device_get((ok, t.counts.high[slot], t.counts.low[slot]))
         if not bool(ok):
             raise RuntimeError("cutting a kept sequence failed although it lost no more "
@@ -376,7 +372,7 @@ class TieredRows:
         t.counts = tier_step.clear(t.counts, jnp.asarray(none))
         (kv.pool, t.meta, kv.free, kv.tables, t.counts, _) = truncate(
             kv.pool, t.meta, kv.free, kv.tables, t.counts, np.int32(self.scratch), np.int32(0),
-            max_moves=self.cut_moves(0))
+            max_moves=CUT_BLOCKS * self.page_size)
         if self.entries is not None and self.entries.spare_row() is not None:
             kv, t = self.kv, self._t
             row, slot = np.int32(self.entries.spare_row()), np.int32(self.scratch)
