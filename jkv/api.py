@@ -30,6 +30,7 @@ from jkv.config import (
 )
 from jkv.engine.engine import Engine
 from jkv.engine.sampling import SamplingParams
+from jkv.engine.warmup import Warmup
 from jkv.metrics import Metrics
 from jkv.models.loaders import default_model_path, random_params
 from jkv.models.params_cache import load_params
@@ -100,6 +101,7 @@ class LLM:
         weakref.finalize(self, self.scheduler.close)
         self.metrics = Metrics()
         self._loop: threading.Thread | None = None
+        self.warming: Warmup | None = None  # the loop's warm-up (`start_serving(warm=True)`)
         self.eos_ids = frozenset(eos_token_ids(self.tokenizer))
 
     # ------------------------------------------------------------------ prompts
@@ -248,13 +250,17 @@ class LLM:
         with bar:
             return self.engine.warmup(lambda done, total: bar.update(done - bar.n))
 
-    def start_serving(self) -> None:
+    def start_serving(self, warm: bool = False) -> None:
         """Run the scheduler loop on a background thread (for `submit`); `run`, `generate`
-        and `chat` must not be called until `stop_serving`."""
+        and `chat` must not be called until `stop_serving`. `warm`: the loop compiles the
+        step shapes a lone request takes while it has no work (`self.warming`, a `Warmup`:
+        its progress logged, `done` set at the end)."""
         if self._loop is not None:
             return
         self._stop = threading.Event()
-        self._loop = threading.Thread(target=self.scheduler.serve, args=(self._stop,),
+        self.warming = Warmup(self.engine) if warm else None
+        self._loop = threading.Thread(target=self.scheduler.serve,
+                                      args=(self._stop, self.warming),
                                       name="jkv-scheduler", daemon=True)
         self._loop.start()
 

@@ -211,7 +211,8 @@ class CacheConfig:
     kv_cache_bytes: int = field(default=512 * 1024 * 1024, metadata={
         "help": "device memory for the KV cache, in bytes"})
     kv_format: KVFormat | str = field(default="auto", metadata={
-        "help": "how KV pages are stored: auto/bf16 = the model dtype; int8, int4 (= k8v8, "
+        "help": "how KV pages are stored: auto = the model dtype; bf16 = bfloat16 whatever "
+                "the model dtype (half a float32 model's bytes); int8, int4 (= k8v8, "
                 "k4v4); k8v4, k4v2 = keys finer than values; k8v4t, k4v2t (k4v8t, k2v4t: "
                 "controls) = keys scaled per token, so tokens move alone (LeanKV's tiers), "
                 "keys and values kept under a Hadamard rotation. Full pages are quantized, "

@@ -159,6 +159,22 @@ def test_kernel_matches_float64_reference(k_bits, v_bits, token_keys, gqa, d):
         assert err < 1e-5, f"k{k_bits}v{v_bits} gqa={gqa} d={d} t={t}: {err:.2e}"
 
 
+def test_float32_queries_over_bf16_pages():
+    """kv_format bf16 under a float32 model: bfloat16 pages, float32 queries and window, read
+    upcast, as near the float64 attention over the very same pages as float32 pages are."""
+    rng = np.random.default_rng()
+    args = make_case(rng, gqa=4, d=64, t=16, k_bits=16, v_bits=16)
+    pages = KVPages.from_dense(*args[1].dense(), KV_FORMATS["bf16"])
+    assert pages.k.dtype == pages.v.dtype == jnp.bfloat16
+    args = (args[0], pages, *args[2:])
+    want = float64_reference(args)
+    for got in (chunked_prefill_attention(*args, block_q=8, pages_per_block=2, block_w=8,
+                                          interpret=INTERPRET),
+                xla_attention(*args, block_q=8, block_k=16, block_w=8)):
+        assert got.dtype == jnp.float32
+        assert rel_err(got, want) < 1e-5
+
+
 def test_query_that_sees_nothing_gives_zero():
     rng = np.random.default_rng()
     args = make_case(rng, gqa=2, d=64, t=8, k_bits=16, v_bits=16)

@@ -69,6 +69,27 @@ def test_a_rotated_format_attends_as_the_model_does(tiny_params):
     assert rotated.max() < 0.05 and rotated.mean() < 2 * plain.mean() + 1e-4
 
 
+def test_bf16_pages_take_two_bytes_per_element_under_a_float32_model(tiny_params):
+    """kv_format bf16 stores bfloat16 pages whatever the model dtype: half the bytes of a
+    float32 model's own ("auto"), twice the pages in the same budget, and the prompt's
+    logprobs within bfloat16's rounding of float32 pages'."""
+    engines = {fmt: make_engine(TINY, tiny_params, fmt, "xla") for fmt in ("auto", "bf16")}
+    pool = engines["bf16"].cache.pool
+    assert pool.k.dtype == pool.v.dtype == jnp.bfloat16
+    elements = 8 * 2 * TINY.head_dim  # a page: 8 tokens' keys and values
+    assert engines["bf16"].cache.one_page == 2 * elements
+    assert engines["auto"].cache.one_page == 4 * elements
+    assert engines["bf16"].cache.total_pages >= 2 * engines["auto"].cache.total_pages
+    prompt = np.random.default_rng().integers(0, TINY.vocab_size, 60).tolist()
+    got = {}
+    for fmt, engine in engines.items():
+        r = Request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))
+        generate_all(Scheduler(engine), [r])
+        got[fmt] = np.array([e[0] for e in r.prompt_logprobs[1:]])
+    diff = np.abs(got["bf16"] - got["auto"])
+    assert 0 < diff.max() < 0.05  # rounded to bfloat16, and only that
+
+
 def test_unknown_backend_is_a_value_error(tiny_params):
     with pytest.raises(ValueError, match="attention_backend"):
         make_engine(TINY, tiny_params, "auto", "triton")

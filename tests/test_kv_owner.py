@@ -12,7 +12,7 @@ import pytest
 from jkv.kv.format import KVFormat
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.page_pool import page_bytes
-from jkv.kv.tiered_rows import TierPolicy
+from jkv.kv.tier_step import TierPolicy
 from jkv.policies.leankv import leankv_fates
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jkv"

@@ -126,6 +126,20 @@ def test_bf16_pages():
     assert rel_err(out, float64_reference(q, pages, table, lengths)) < 2e-2
 
 
+def test_float32_queries_over_bf16_pages():
+    """kv_format bf16 under a float32 model: bfloat16 pages read upcast, as near the float64
+    attention over the very same pages as float32 pages are."""
+    rng = np.random.default_rng()
+    q, pages, table, lengths = make_case(rng, b=2, hkv=2, gqa=4, d=64, width=4,
+                                         lengths=[[5, 32], [17, 1]], k_bits=16, v_bits=16)
+    pages = KVPages.from_dense(*pages.dense(), KV_FORMATS["bf16"])
+    assert pages.k.dtype == pages.v.dtype == jnp.bfloat16
+    out = paged_decode_attention(q, pages, table, lengths, pages_per_block=2,
+                                 interpret=INTERPRET)
+    assert out.dtype == jnp.float32
+    assert rel_err(out, float64_reference(q, pages, table, lengths)) < 1e-5
+
+
 @pytest.mark.parametrize("k_bits,v_bits", PAIRS)
 def test_quantization_error_per_format(k_bits, v_bits):
     """Reported, and ordered: fewer bits never reconstruct better."""

@@ -1,5 +1,6 @@
 """Tiered sequences kept for their conversation's next turn (`tier_entries`): a follow-up
-opens with a bit-for-bit copy of the kept tiers, two follow-ups from one kept sequence start
+opens with a bit-for-bit copy of the kept tiers (cut to the blocks it shares, when it shares
+all but the last few), two follow-ups from one kept sequence start
 alike, a pool too short for a copy takes the kept sequence over, a tiered row saved to the
 store comes back bit for bit (and a damaged one is refused), and the pages stay exact
 throughout."""
@@ -19,6 +20,8 @@ from jkv.engine.engine import Engine
 from jkv.engine.sampling import SamplingParams
 from jkv.kv.format import KV_FORMATS
 from jkv.kv.page_pool import page_bytes
+from jkv.kv.prefix_cache import block_hashes
+from jkv.kv.tier_entries import CUT_BLOCKS
 from jkv.models.loaders import random_params
 from jkv.sched.scheduler import Request, Scheduler
 from jkv.store import KVStore
@@ -95,12 +98,9 @@ def test_a_follow_up_opens_with_a_copy_of_the_kept_sequence(tiny_params):
         slots.append(slot)
     assert c.free_pages == free - 2 * c.layout.entries.get(row).pages
     assert eng.stats.prefix_hit_tokens == 2 * 56
-    # a prompt that does not extend the kept tokens finds nothing, nor one that may take
-    # fewer tokens from the device than the entry holds (what the scheduler planned)
-    assert c.lookup(c.prompt_hashes(follow_up[:40] + [7] * 30)) == (0, 0)
-    slot, cached = eng.open(follow_up, max_cached=48)
-    assert cached == 0
-    eng.close(slot)
+    # a prompt that does not start with the kept tokens finds nothing (one sharing only
+    # their first blocks: `test_a_prompt_sharing_the_first_blocks_opens_with_a_cut_copy`)
+    assert c.lookup(c.prompt_hashes([7] * 30 + follow_up)) == (0, 0)
     # a sequence whose KV is suspect (a failed step) is not kept
     slot, _ = eng.open(follow_up)
     eng.close(slot, keep=False)
@@ -109,6 +109,59 @@ def test_a_follow_up_opens_with_a_copy_of_the_kept_sequence(tiny_params):
         eng.close(slot)
         check_pages(eng)
     assert len(c.layout.entries) == 1  # the same tokens are kept once
+    check_nothing_leaked(eng)
+
+
+def held_tokens(engine: Engine, tables, counts, row: int) -> dict[tuple, tuple]:
+    """Each token a (slot or entry) row holds, by (layer, KV head, tier, position): its
+    score and the bytes of each of its arrays in its tier's format."""
+    c = engine.cache
+    pages, high, low = jax.device_get((tables.pages[row], counts.high[row], counts.low[row]))
+    score, pos = jax.device_get((c.layout.meta.score, c.layout.meta.pos))
+    w, out = pages.shape[-1], {}
+    views = {"high": (c.pool, PAGE, high),
+             "low": (c.pool.as_format(c.pool.kv_format.halved()), 2 * PAGE, low)}
+    for tier, (view, per, count) in views.items():
+        at = [(lh, pages[lh][j // per if tier == "high" else w - 1 - j // per], j % per)
+              for lh, n in np.ndenumerate(count) for j in range(n)]
+        if not at:
+            continue
+        ids, offs = (jnp.asarray([a[i] for a in at]) for i in (1, 2))
+        arrays = jax.device_get(view.take_tokens(ids, offs).arrays())
+        for i, ((layer, head), page, off) in enumerate(at):
+            out[layer, head, tier, int(pos[page, off])] = (
+                float(score[page, off]), *(a[i].tobytes() for a in arrays.values()))
+    return out
+
+
+def test_a_prompt_sharing_the_first_blocks_opens_with_a_cut_copy(tiny_params):
+    """A prompt that shares all but the last few blocks of the kept sequence (a client
+    resending a reply cut by max_tokens re-tokenized) opens with a copy holding exactly the
+    kept tokens before the first block it does not share, bit for bit, and the pages stay
+    exact; one that shares fewer finds nothing."""
+    eng, follow_up = kept_conversation(tiny_params)
+    c = eng.cache
+    row, _ = c.layout.entries.lookup(c.prompt_hashes(follow_up))
+    kept = held_tokens(eng, c.layout.entry_tables, c.layout.entry_counts, row)
+    assert {k[2] for k in kept} == {"high", "low"}
+    diverged = follow_up[:45] + [7] * 30  # the kept 56 tokens' first 5 blocks, then others
+    pages = c.layout.entries.get(row).pages
+    assert c.lookup(c.prompt_hashes(diverged)) == (40, pages)
+    # sharing 2 of its 7 blocks, more than CUT_BLOCKS short of its end: computed
+    assert 7 - 2 > CUT_BLOCKS and c.lookup(c.prompt_hashes(follow_up[:20] + [7] * 40)) == (0, 0)
+    for prompt, max_cached, want in ((diverged, None, 40), (follow_up, 48, 48)):
+        free = c.free_pages
+        slot, cached = eng.open(prompt, max_cached=max_cached)
+        assert cached == want
+        got = held_tokens(eng, c.tables, c.layout.counts, slot)
+        assert got == {k: v for k, v in kept.items() if k[3] < want}
+        check_pages(eng)
+        assert 0 < free - c.free_pages < pages  # a copy, less what the cut freed
+        eng.close(slot, keep=False)
+    # and the cut sequence goes on: the scheduler reports the reused tokens
+    second = request(diverged, 6)
+    run(eng, [second])
+    assert second.cached_tokens == 40 and len(second.output) == 6
     check_nothing_leaked(eng)
 
 
@@ -121,8 +174,12 @@ def test_two_follow_ups_of_a_kept_sequence_generate_alike(tiny_params):
     # one after the other: batched together, when each is placed would depend on the
     # other's schedule (decode steps are placed once any row has `interval` of them)
     twins = [request(follow_up, 12) for _ in range(2)]
+    layout = eng.cache.layout
     for twin in twins:
         sched = run(eng, [twin])
+        # what the twin kept (its whole prompt) dropped: the next opens from the first's
+        fed = block_hashes(follow_up + twin.output[:-1], PAGE, eng.cache.hash_seed)
+        layout._drop_entry(layout.entries.row_of(fed[-1]))
     assert twins[0].output == twins[1].output
     assert eng.stats.prefix_hit_tokens == 2 * 48  # 30 + 25 tokens fed: 6 full pages
     assert sched.snapshot()["kv_tiers"]["pruned"] > 0

@@ -26,7 +26,7 @@ from jkv.engine.layer_major import LayerMajor
 from jkv.engine.records import EngineStats, Sampled, check_row_sizes, sampled_rows
 from jkv.engine.row_connector import RowConnector
 from jkv.engine.runner import ModelRunner, Row, unchanged_layer
-from jkv.engine.sampling import SamplingParams, seed_key
+from jkv.engine.sampling import SamplingParams, counter_key, seed_key
 from jkv.kv.layer_offload import LayerOffload, resident_layers
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.row_layer_offload import RowLayerOffload
@@ -61,8 +61,8 @@ class Engine:
                      # k8v4t etc. were unrotated before: their stored entries must not match
                      f"{'|rotated' if cache.kv_format.rotated else ''}").encode()
         self.kv_format = cache.kv_format.name
-        self.kv_dtype = dtype  # (a 16-bit side's)
-        self.kv_bf16_ratio = 2 / jnp.dtype(dtype).itemsize  # (bf16 bytes over a pool's)
+        self.kv_dtype = dtype  # (a 16-bit side's, unless the format says bfloat16)
+        self.kv_bf16_ratio = 2 / cache.kv_format.float_dtype(dtype).itemsize  # over a pool's
         self.cache = KVCacheManager(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             dtype=dtype, kv_format=cache.kv_format, page_size=cache.page_size,
@@ -109,9 +109,8 @@ class Engine:
     def request_key(self, seed: int | None) -> np.ndarray:
         """A request's PRNG key: from its seed, or the engine's seed and a request counter."""
         if seed is None:
-            key = jax.random.fold_in(jax.random.PRNGKey(self._seed), self._requests_seen)
             self._requests_seen += 1
-            return np.asarray(key, np.uint32)
+            return counter_key(self._seed, self._requests_seen - 1)
         return seed_key(seed)
 
     # ------------------------------------------------------------------ sequences
@@ -370,31 +369,32 @@ class Engine:
         c.layout.after_call(plan) if plans is None else plans.append(plan)
         return out
 
-    # ------------------------------------------------------------------ shapes
-
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, tokens) a step's calls can have (`ModelRunner.shapes`)."""
         return self.runner.shapes()
 
-    def warmup(self, progress=None) -> int:
-        """Compile every step shape now, so serving never waits on a compilation (padding
-        rows only: what they write is never read), the store's block copies and the
-        layout's own calls (a whole row's store copies compile on first use).
-        `progress(done, total)` after each shape. Returns how many shapes were new."""
+    def warmup(self, progress=lambda done, total: None) -> int:
+        """Compile every step shape now (`warm_call`), so serving never waits on one, then
+        `warm_own`. `progress(done, total)` after each shape. Returns how many were new."""
         todo, new = self.shapes(), 0
-        # a step with offloaded layers goes layer by layer: compiled too where steps scan
-        layered = not self.runner.layer_by_layer
-        for i, (b, t) in enumerate(todo):
+        for i, (rows, tokens) in enumerate(todo):
             before = self.num_compiles
-            jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t))
-            if layered:
-                jax.block_until_ready(self._call([], padded_rows=b, padded_tokens=t,
-                                                 layered=True))
+            self.warm_call(rows, tokens)
             new += self.num_compiles > before
-            if progress is not None:
-                progress(i + 1, len(todo))
-        self.cache.warmup()
-        self.layers.warmup()
-        self.layer_major.warmup()
-        self.connector.warmup()
+            progress(i + 1, len(todo))
+        self.warm_own()
         return new
+
+    def warm_call(self, rows: int, tokens: int) -> None:
+        """Compile step shape rows x tokens: a call of padding rows (what they write is never
+        read), and where steps scan, one layer by layer (as with offloaded layers)."""
+        for layered in (False, True)[: 1 + (not self.runner.layer_by_layer)]:
+            jax.block_until_ready(self._call([], padded_rows=rows, padded_tokens=tokens,
+                                             layered=layered))
+
+    def warm_own(self) -> None:
+        """Compile what opens, grows, ends and saves a sequence beside its steps: a request's
+        key without a seed, the layout's, layer offload's and connector's own calls."""
+        counter_key(self._seed, 0)
+        for part in (self.cache, self.layers, self.layer_major, self.connector):
+            part.warmup()

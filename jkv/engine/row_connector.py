@@ -93,6 +93,12 @@ class RowConnector(KVConnector):
             self._pending[slot] = PendingRestore(approx_from=0, form=saved.form)
         return tokens
 
+    def warmup(self) -> None:
+        """The block copies (`KVConnector.warmup`), and a whole row's save for every bucket
+        of pages (`RowMoves.warmup`; its restore compiles on first use)."""
+        super().warmup()
+        self.cache.layout.moves.warmup()
+
     def approximate_row(self, slot: int) -> bool:
         """Whether `slot`'s token-tier row was restored from a smaller stored form (or one saved
         approximate): it is not kept on the device (exact-hash lookups), and only a lossy

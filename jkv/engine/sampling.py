@@ -133,6 +133,11 @@ def position_logprobs(params, x, targets, *, family: ModelFamily, cfg: ModelConf
     return tuple(o.swapaxes(0, 1).reshape(b, t, *o.shape[3:]) for o in out)
 
 
+def counter_key(seed: int, count: int) -> np.ndarray:
+    """The PRNG key of the `count`-th request without a seed of an engine seeded `seed`."""
+    return np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), count), np.uint32)
+
+
 def seed_key(seed: int) -> np.ndarray:
     """A request's PRNG key from its seed: threefry's seeding of a 64-bit seed, for any int."""
     s = seed % (1 << 64)

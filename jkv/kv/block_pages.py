@@ -265,7 +265,16 @@ class BlockPages:
         """Nothing to read back after a step."""
 
     def warmup(self) -> None:
-        """Nothing to compile beyond the step and the copies."""
+        """Compile what a sequence's opening, growth and close call, on the scratch slot
+        (empty): nothing changes."""
+        kv, slot = self.kv, np.int32(self.max_num_seqs)  # (the scratch slot)
+        none = jnp.asarray(np.full(self.max_pages, -1, np.int32))
+        self.grow({}, 0)
+        kv.free, kv.tables = import_blocks(kv.free, kv.tables, self.blocks, slot, none,
+                                           np.int32(0), np.int32(0))
+        kv.free, self._blocks = export_blocks(kv.free, kv.tables, self.blocks, slot, none)
+        kv.free, kv.tables = release(kv.free, kv.tables,
+                                     jnp.asarray(np.zeros(self.max_num_seqs + 1, bool)))
 
     # ------------------------------------------------------------------ layers on the host
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 # Scales and zero points of quantized pages are computed in float32 and stored in float16:
@@ -15,7 +16,8 @@ SCALE_DTYPE = np.dtype(np.float16)
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How one page stores keys and values. Bits in {16, 8, 4, 2}; 16 means the model dtype.
+    """How one page stores keys and values. Bits in {16, 8, 4, 2}; 16 means the model dtype,
+    or bfloat16 with `bfloat16` whatever the model's (written cast, read back upcast).
 
     Quantized keys carry a scale and zero point per (page, channel), or with `token_keys`
     per (token, group of `group` channels) like values, so a token can move between pages
@@ -35,6 +37,7 @@ class KVFormat:
     group: int = 64
     token_keys: bool = False
     rotated: bool = False
+    bfloat16: bool = False
 
     def __post_init__(self) -> None:
         for name in ("k_bits", "v_bits"):
@@ -48,11 +51,13 @@ class KVFormat:
         if self.rotated and not self.token_keys:
             raise ValueError("KVFormat.rotated needs token_keys: a rotation would spread "
                              "the outlier channels that per-channel key scales isolate")
+        if self.bfloat16 and 16 not in (self.k_bits, self.v_bits):
+            raise ValueError("KVFormat.bfloat16 needs a 16-bit side (k_bits or v_bits 16)")
 
     @classmethod
     def parse(cls, name: str) -> KVFormat:
-        """A format by name: auto/bf16 (model dtype), int8, int4, k8v8, k4v4, k8v4, k4v2, and
-        with per-token key scales (rotated) k8v4t, k4v2t, k4v8t, k2v4t."""
+        """A format by name: auto (model dtype), bf16 (bfloat16), int8, int4, k8v8, k4v4,
+        k8v4, k4v2, and with per-token key scales (rotated) k8v4t, k4v2t, k4v8t, k2v4t."""
         if name not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)}, got {name!r}")
         return KV_FORMATS[name]
@@ -65,7 +70,12 @@ class KVFormat:
                 return name
         return (f"k{self.k_bits}v{self.v_bits}{'t' if self.token_keys else ''}"
                 f"{'' if self.group == 64 else f'g{self.group}'}"
-                f"{'-unrotated' if self.token_keys and not self.rotated else ''}")
+                f"{'-unrotated' if self.token_keys and not self.rotated else ''}"
+                f"{'-bf16' if self.bfloat16 else ''}")
+
+    def float_dtype(self, model_dtype) -> np.dtype:
+        """The dtype a 16-bit side is stored in, for a model computing in `model_dtype`."""
+        return np.dtype(ml_dtypes.bfloat16) if self.bfloat16 else np.dtype(model_dtype)
 
     @property
     def page_keys(self) -> bool:
@@ -92,8 +102,10 @@ class KVFormat:
                         rotated=self.rotated)
 
     def bytes_per_token(self, head_dim: int, dtype_bytes: int) -> float:
-        """Bytes one token of one KV head takes in a full page, scales and zeros included."""
+        """Bytes one token of one KV head takes in a full page, scales and zeros included
+        (`dtype_bytes`: the model dtype's)."""
         group = min(self.group, head_dim)
+        dtype_bytes = 2 if self.bfloat16 else dtype_bytes
         k = head_dim * dtype_bytes if self.k_bits == 16 else head_dim * self.k_bits / 8
         v = head_dim * dtype_bytes if self.v_bits == 16 else head_dim * self.v_bits / 8
         if self.v_bits < 16:
@@ -108,7 +120,7 @@ class KVFormat:
 
 
 KV_FORMATS: dict[str, KVFormat] = {
-    "auto": KVFormat(16, 16), "bf16": KVFormat(16, 16),
+    "auto": KVFormat(16, 16), "bf16": KVFormat(16, 16, bfloat16=True),
     "int8": KVFormat(8, 8), "k8v8": KVFormat(8, 8),
     "int4": KVFormat(4, 4), "k4v4": KVFormat(4, 4),
     "k8v4": KVFormat(8, 4), "k4v2": KVFormat(4, 2), "k2v2": KVFormat(2, 2, 32),  # KIVI's

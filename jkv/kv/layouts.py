@@ -6,7 +6,8 @@ from __future__ import annotations
 from jkv.kv.block_pages import BlockPages
 from jkv.kv.kv_state import KVState
 from jkv.kv.layout import Layout
-from jkv.kv.tiered_rows import TieredRows, TierPolicy
+from jkv.kv.tier_step import TierPolicy
+from jkv.kv.tiered_rows import TieredRows
 
 
 def layout_class(tiers: TierPolicy | None) -> type[BlockPages] | type[TieredRows]:

@@ -1,6 +1,7 @@
 """`KVPages`: the arrays of a KV format's pages, the one place their layout is written.
 
-A side (keys or values) kept at 16 bits is one array in model dtype; a quantized side is
+A side (keys or values) kept at 16 bits is one array in model dtype (bfloat16 in a
+`bfloat16` format, cast as it is written, upcast where attention reads it); a quantized side is
 packed uint8 codes with a scale and a zero point array beside them (`kv_quant`), keys per
 (page, channel) or, in a `token_keys` format, per (token, group of channels) like values.
 Every array has the same leading shape before its per-page dims: the pool is [P, page, ...],
@@ -89,7 +90,7 @@ def _dtype(kv_format: KVFormat, name: str, dtype):
     """The dtype array `name` is stored in, for model dtype `dtype`."""
     if _is_stat(name):
         return SCALE_DTYPE
-    return dtype if _bits(kv_format, name) == 16 else jnp.dtype(jnp.uint8)
+    return kv_format.float_dtype(dtype) if _bits(kv_format, name) == 16 else jnp.dtype(jnp.uint8)
 
 
 @struct.dataclass
@@ -110,7 +111,8 @@ class KVPages:
     @classmethod
     def zeros(cls, num_pages: int, page_size: int, head_dim: int, dtype,
               kv_format: KVFormat) -> KVPages:
-        """An empty pool of `num_pages` pages, 16-bit sides in model dtype `dtype`;
+        """An empty pool of `num_pages` pages, 16-bit sides in model dtype `dtype` (or
+        bfloat16: `KVFormat.float_dtype`);
         ValueError when the format cannot lay out head_dim channels."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -122,7 +124,9 @@ class KVPages:
     def from_dense(cls, k: jax.Array, v: jax.Array, kv_format: KVFormat,
                    dtype=None) -> KVPages:
         """Whole pages of keys and values k, v [..., page, D] in `kv_format`: quantized sides
-        as `kv_quant` quantizes them, 16-bit sides cast to `dtype` (None: kept as they are)."""
+        as `kv_quant` quantizes them, 16-bit sides cast to `dtype` (None: kept as they are),
+        or to bfloat16 in a `bfloat16` format."""
+        dtype = jnp.bfloat16 if kv_format.bfloat16 else dtype
         out = {"k": k, "v": v} if dtype is None else {"k": k.astype(dtype), "v": v.astype(dtype)}
         group = min(kv_format.group, v.shape[-1])
         if kv_format.k_bits < 16:
@@ -177,7 +181,7 @@ class KVPages:
 
     @property
     def dtype(self) -> np.dtype | None:
-        """The model dtype of a side kept at 16 bits; None when both sides are quantized."""
+        """The dtype of a side kept at 16 bits; None when both sides are quantized."""
         fmt = self.kv_format
         return self.k.dtype if fmt.k_bits == 16 else self.v.dtype if fmt.v_bits == 16 else None
 
@@ -306,7 +310,7 @@ class KVPages:
             if x is None:
                 continue
             want = (*lead, *layout[field])
-            dt = _dtype(fmt, field, x.dtype)  # a 16-bit side may be in any model dtype
+            dt = _dtype(fmt, field, x.dtype)  # a 16-bit side: any model dtype (or bfloat16)
             if x.shape != want or x.dtype != dt:
                 raise ValueError(f"{name}.{field} is {x.dtype}{list(x.shape)}; head_dim "
                                  f"{head_dim} at {_bits(fmt, field)} bits needs "

@@ -11,7 +11,7 @@ import numpy as np
 
 from jkv.kv.layer_offload import check_reservations, settle_host_copies
 from jkv.kv.manager import KVCacheManager
-from jkv.kv.tiered_rows import Placement
+from jkv.kv.tier_step import Placement
 
 
 class RowLayerOffload:

@@ -192,6 +192,19 @@ class RowMoves:
                                                self.num_kv_heads)
         return padded, pages, score, pos
 
+    def warmup(self) -> None:
+        """Compile `tier_pages`' gather for every bucket of pages a row can hold, reading the
+        null page only (head -1)."""
+        kv, t = self.kv, self.t
+        most, n = kv.tables.pages[0].size, 1  # (a slot's every column of every layer)
+        while True:
+            none = jnp.asarray(np.full(n, -1, np.int32))
+            jax.block_until_ready(gather_row(kv.pool, t.meta, kv.tables, np.int32(0), none,
+                                             none, none))
+            if n >= most:
+                break
+            n *= 2
+
     def place_tiers(self, slot: int, layout: dict[str, np.ndarray], pages: KVPages,
                     score: np.ndarray, pos: np.ndarray, high: np.ndarray, low: np.ndarray,
                     tokens: int) -> bool:

@@ -12,6 +12,14 @@ pruning never touch the entry. Two requests opened from one entry therefore star
 same tiers. An entry covers the sequence's full pages only; the tokens of its filling page
 are computed again.
 
+A prompt that shares all but the last few of the entry's blocks (`CUT_BLOCKS`: a chat
+client resends a reply cut by max_tokens re-tokenized, or with its end token where the model
+had gone on) opens with the copy cut back to the blocks it shares (`truncate`: every token at
+a later position pruned from both tiers), so an entry is found by its last blocks' hashes,
+not only its last. The tokens kept were placed knowing the later ones' attention, as in the
+entry. A prompt sharing less is computed: a larger cut costs more (and compiles for its
+size), and is seldom a conversation's own next turn.
+
 Entries are evictable like unreferenced prefix-cache blocks: their pages count as available
 and are released, least recently used first, when pages run short. This module holds the
 host index (`TierEntries`) and the device calls on whole arrays.
@@ -31,19 +39,35 @@ from jax import lax
 
 from jkv.kv.allocator import FreeList, PageTables, allocate
 from jkv.kv.pages import NULL_PAGE, KVPages
-from jkv.kv.token_tiers import TierCounts, TokenMeta
+from jkv.kv.token_tiers import (
+    KEEP,
+    PRUNE,
+    TierCounts,
+    TokenMeta,
+    compact,
+    move_pages,
+    move_tokens,
+    read_rows,
+)
+
+CUT_BLOCKS = 4  # the most blocks a copy of an entry is cut by
 
 
 @dataclass
 class Entry:
-    """One kept sequence: its key (the chained hash of its last full block), its tokens
-    (full pages only), the pages it holds and its tier counts [layers, KV heads]."""
+    """One kept sequence: the chained hashes of its full pages' blocks, its tokens (full
+    pages only), the pages it holds and its tier counts [layers, KV heads]."""
 
-    key: bytes
+    hashes: tuple[bytes, ...]
     tokens: int
     pages: int
     high: np.ndarray
     low: np.ndarray
+
+    @property
+    def key(self) -> bytes:
+        """The hash of its last block: names its tokens (one entry per key)."""
+        return self.hashes[-1]
 
 
 class TierEntries:
@@ -55,6 +79,7 @@ class TierEntries:
         self.rows = rows
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self._by_key: dict[bytes, int] = {}
+        self._holders: dict[bytes, set[int]] = {}  # block hash -> the rows holding it
         self._spare = list(range(rows - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -71,13 +96,15 @@ class TierEntries:
     def get(self, row: int) -> Entry:
         return self._entries[row]
 
-    def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int] | None:
-        """(row, blocks) of the longest entry whose key is one of a prompt's block hashes
-        (chained: its tokens are the prompt's first `blocks` blocks); None without one."""
+    def lookup(self, hashes: Sequence[bytes], slack: int = 0) -> tuple[int, int] | None:
+        """(row, blocks): an entry holding the most of a prompt's leading blocks (chained
+        hashes: one that holds block i holds blocks 0..i) and at most `slack` blocks more,
+        the shortest such; None without one."""
         for i in range(len(hashes) - 1, -1, -1):
-            row = self._by_key.get(hashes[i])
-            if row is not None:
-                return row, i + 1
+            rows = [r for r in self._holders.get(hashes[i], ())
+                    if len(self._entries[r].hashes) <= i + 1 + slack]
+            if rows:
+                return min(rows, key=lambda r: (self._entries[r].tokens, r)), i + 1
         return None
 
     def row_of(self, key: bytes) -> int | None:
@@ -100,11 +127,18 @@ class TierEntries:
         self._spare.remove(row)
         self._entries[row] = entry
         self._by_key[entry.key] = row
+        for h in entry.hashes:
+            self._holders.setdefault(h, set()).add(row)
 
     def remove(self, row: int) -> Entry:
         entry = self._entries.pop(row)
         if self._by_key.get(entry.key) == row:
             del self._by_key[entry.key]
+        for h in entry.hashes:
+            rows = self._holders[h]
+            rows.discard(row)
+            if not rows:
+                del self._holders[h]
         self._spare.append(row)
         return entry
 
@@ -198,6 +232,34 @@ def adopt(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
         high=counts.high.at[slot].set(jnp.where(ok, entry_counts.high[row], 0)),
         low=counts.low.at[slot].set(jnp.where(ok, entry_counts.low[row], 0)))
     return pool, TokenMeta(score=score, pos=pos), free, tables, counts, ok
+
+
+@partial(jax.jit, static_argnames=("max_moves",), donate_argnums=(0, 1, 2, 3, 4))
+def truncate(pool: KVPages, meta: TokenMeta, free: FreeList, tables: PageTables,
+             counts: TierCounts, slot: jax.Array, tokens: jax.Array, *, max_moves: int
+             ) -> tuple[KVPages, TokenMeta, FreeList, PageTables, TierCounts, jax.Array]:
+    """The row in `slot` cut to its first `tokens` positions: each token at a later one
+    pruned from both tiers, which end dense, their emptied pages freed (`compact`). At most
+    `max_moves` (static) tokens may leave a tier of a (layer, KV head). (pool, meta, free,
+    tables, counts, ok); ok False: nothing changed (a tier would lose more)."""
+    page = free.page_size
+    sub = PageTables(pages=tables.pages[slot][None], num_pages=tables.num_pages[slot][None],
+                     lengths=tables.lengths[slot][None],
+                     low_pages=tables.low_pages[slot][None])
+    rows = TierCounts(high=counts.high[slot][None], low=counts.low[slot][None])
+    held = read_rows(meta, sub.pages, rows, tokens, tokens, page=page, recent=0)
+    fate_hi = jnp.where(held["hi_pos"] >= tokens, PRUNE, KEEP)
+    fate_lo = jnp.where(held["lo_pos"] >= tokens, PRUNE, KEEP)
+    free, sub, rows, moves, ok = compact(free, sub, rows, fate_hi, fate_lo, page, max_moves)
+    pool, meta = move_pages(pool, moves, page), move_tokens(meta, moves)
+    tables = PageTables(pages=tables.pages.at[slot].set(sub.pages[0]),
+                        num_pages=tables.num_pages.at[slot].set(sub.num_pages[0]),
+                        lengths=tables.lengths.at[slot].set(
+                            jnp.where(ok, tokens, tables.lengths[slot])),
+                        low_pages=tables.low_pages.at[slot].set(sub.low_pages[0]))
+    counts = TierCounts(high=counts.high.at[slot].set(rows.high[0]),
+                        low=counts.low.at[slot].set(rows.low[0]))
+    return pool, meta, free, tables, counts, ok
 
 
 # ---------------------------------------------------------------------- the store's form

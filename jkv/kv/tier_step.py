@@ -11,11 +11,13 @@ slots. `clear` empties the tiers of ended sequences.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jkv.kv.allocator import FreeList, PageTables
 from jkv.kv.pages import KVPages
@@ -29,6 +31,36 @@ from jkv.kv.token_tiers import (
     move_tokens,
     read_rows,
 )
+
+
+class Placement(NamedTuple):
+    """A model call's placement: the rows (slot per row, scratch for none) that grew from
+    `n_prev` to `n` tokens, by at most `max_moves`; by decode steps if `generation`."""
+
+    index: np.ndarray
+    n_prev: np.ndarray
+    n: np.ndarray
+    max_moves: int
+    generation: bool
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """What the tiered-rows layout runs for a token policy (`jkv.policies`' `KVPolicy.tier_policy`):
+    `fates` (static under jit) decides each token's tier as it leaves the newest
+    `recent_window`, with `knobs` (traced); decode steps are placed every `interval` steps.
+    `observation_window` > 0: significance comes from a prompt's last that many queries.
+    `whole_row_moves`: a prompt chunk's placement may move every token of a row (else as
+    many as the chunk's and the interval's)."""
+
+    name: str
+    fates: Callable
+    recent_window: int
+    interval: int = 1
+    knobs: tuple[float, ...] = ()
+    observation_window: int = 0
+    sinks: int = 0  # first tokens a stored row's smaller forms keep (`row_forms`)
+    whole_row_moves: bool = False
 
 
 class Placing(NamedTuple):

@@ -5,16 +5,14 @@ fill; tokens leaving the recent window are placed (high, low or pruned) by a tok
 fates (`TierPolicy`).
 
 A tiered row holds no block's every token, so it is not shared by blocks: with prefix caching
-on, an ended sequence is kept whole (`tier_entries`) and a prompt extending exactly its tokens
-opens with a copy of it. The store keeps it whole too, and LayerKV moves a layer of it
-to the host and back (`row_moves`).
+on, an ended sequence is kept whole (`tier_entries`) and a prompt sharing all but its last
+few blocks opens with a copy of it, cut to the blocks it shares. The store keeps it whole
+too, and LayerKV moves a layer of it to the host and back (`row_moves`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,44 +26,17 @@ from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
 from jkv.kv.row_moves import RowMoves
 from jkv.kv.tier_entries import (
+    CUT_BLOCKS,
     Entry,
     TierEntries,
     adopt,
     forget,
     init_entries,
     move_row,
+    truncate,
 )
+from jkv.kv.tier_step import Placement, TierPolicy
 from jkv.kv.token_tiers import init_counts, init_meta
-
-
-class Placement(NamedTuple):
-    """A model call's placement: the rows (slot per row, scratch for none) that grew from
-    `n_prev` to `n` tokens, by at most `max_moves`; by decode steps if `generation`."""
-
-    index: np.ndarray
-    n_prev: np.ndarray
-    n: np.ndarray
-    max_moves: int
-    generation: bool
-
-
-@dataclass(frozen=True)
-class TierPolicy:
-    """What this layout runs for a token policy (`jkv.policies`' `KVPolicy.tier_policy`):
-    `fates` (static under jit) decides each token's tier as it leaves the newest
-    `recent_window`, with `knobs` (traced); decode steps are placed every `interval` steps.
-    `observation_window` > 0: significance comes from a prompt's last that many queries.
-    `whole_row_moves`: a prompt chunk's placement may move every token of a row (else as
-    many as the chunk's and the interval's)."""
-
-    name: str
-    fates: Callable
-    recent_window: int
-    interval: int = 1
-    knobs: tuple[float, ...] = ()
-    observation_window: int = 0
-    sinks: int = 0  # first tokens a stored row's smaller forms keep (`row_forms`)
-    whole_row_moves: bool = False
 
 
 class _TierState:
@@ -173,9 +144,9 @@ class TieredRows:
         return {"high": int(self._t.high[slot].sum()), "low": int(self._t.low[slot].sum())}
 
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
-        """(tokens of the longest kept row ending at one of `hashes`, pages a copy of it
-        takes)."""
-        found = None if self.entries is None else self.entries.lookup(hashes)
+        """(tokens of `hashes`' longest run of blocks that a kept row holds, at most
+        `CUT_BLOCKS` short of its end; pages a copy of the row takes before it is cut)."""
+        found = None if self.entries is None else self.entries.lookup(hashes, CUT_BLOCKS)
         if found is None:
             return 0, 0
         row, blocks = found
@@ -203,20 +174,20 @@ class TieredRows:
     # ------------------------------------------------------------------ sequences
 
     def open(self, slot: int, hashes: Sequence[bytes], prompt_tokens: int) -> int:
-        """Start the empty `slot` for a prompt of `prompt_tokens` from the longest kept row
-        ending at one of `hashes` (the prompt's block hashes), if one is kept: a copy of it,
-        or when its pages cannot be had besides it, the row itself (it is no longer kept).
-        Returns the tokens held."""
+        """Start the empty `slot` for a prompt of `prompt_tokens` from the kept row holding
+        the longest run of `hashes` (the prompt's block hashes; `lookup`), if one is kept: a
+        copy of it, or when its pages cannot be had besides it, the row itself (it is no
+        longer kept), cut to that run. Returns the tokens held."""
         self.prompt_end[slot] = prompt_tokens
         if self.policy.observation_window:  # (sent once here, not at every model call)
             self.observe_from = jax.device_put(
                 np.maximum(self.prompt_end - self.policy.observation_window, 0),
                 self.observe_from.sharding)
-        found = None if self.entries is None else self.entries.lookup(hashes)
+        found = None if self.entries is None else self.entries.lookup(hashes, CUT_BLOCKS)
         if found is None:
             return 0
         kv, t = self.kv, self._t
-        row, _ = found
+        row, blocks = found
         entry = self.entries.get(row)
         self.entries.touch(row)
         others = self.evictable_pages - entry.pages  # evictable besides it
@@ -235,7 +206,25 @@ class TieredRows:
                                    "allowed it")
             kv.free_pages -= entry.pages
         t.high[slot], t.low[slot] = entry.high, entry.low
-        return entry.tokens
+        tokens = blocks * self.page_size
+        if tokens < entry.tokens:
+            self._cut(slot, tokens)
+        return tokens
+
+    def _cut(self, slot: int, tokens: int) -> None:
+        """Cut the row opened in `slot` to its first `tokens` positions (`truncate`); its
+        tier counts and the pages it frees read back."""
+        kv, t = self.kv, self._t
+        (kv.pool, t.meta, kv.free, kv.tables, t.counts, ok) = truncate(
+            kv.pool, t.meta, kv.free, kv.tables, t.counts, np.int32(slot), np.int32(tokens),
+            max_moves=CUT_BLOCKS * self.page_size)
+        ok, high, low = jax.device_get((ok, t.counts.high[slot], t.counts.low[slot]))
+        if not bool(ok):
+            raise RuntimeError("cutting a kept sequence failed although it lost no more "
+                               "tokens than it held")
+        held = self.pages_held(slot)
+        t.high[slot], t.low[slot] = high.astype(np.int64), low.astype(np.int64)
+        kv.free_pages += held - self.pages_held(slot)
 
     def grow(self, new_lengths: dict[int, int], need: int) -> jax.Array:
         """The tokens of pages the step fills join the high tiers (`need` pages, made room
@@ -277,8 +266,8 @@ class TieredRows:
         spare; then the oldest while the kept pages exceed the device cache's budget."""
         kv, t = self.kv, self._t
         n = len(kv.slot_tokens[slot]) // self.page_size * self.page_size
-        key = block_hashes(kv.slot_tokens[slot], self.page_size, self.hash_seed)[-1]
-        same = self.entries.row_of(key)
+        hashes = tuple(block_hashes(kv.slot_tokens[slot], self.page_size, self.hash_seed))
+        same = self.entries.row_of(hashes[-1])
         if same is not None:  # the same tokens kept before: the newer compression replaces it
             self._drop_entry(same)
         if self.entries.spare_row() is None:
@@ -287,7 +276,7 @@ class TieredRows:
         kv.tables, t.counts, t.entry_tables, t.entry_counts = move_row(
             kv.tables, t.counts, t.entry_tables, t.entry_counts, np.int32(slot),
             np.int32(row), np.int32(n))
-        self.entries.add(row, Entry(key, n, self.pages_held(slot), t.high[slot].copy(),
+        self.entries.add(row, Entry(hashes, n, self.pages_held(slot), t.high[slot].copy(),
                                     t.low[slot].copy()))
         while self.entries.pages > self.max_entry_pages:
             self._drop_entry(self.entries.oldest())
@@ -374,8 +363,16 @@ class TieredRows:
         kv.free_pages = int(num_free)
 
     def warmup(self) -> None:
-        """Compile the calls that keep, copy and drop tiered sequences, on empty rows (the
-        scratch slot and a spare entry row): nothing changes. Then read back the counts."""
+        """Compile the calls that grow, end, keep, copy, cut and drop tiered sequences, on
+        empty rows (the scratch slot and a spare entry row): nothing changes. Then read back
+        the counts."""
+        kv, t, none = self.kv, self._t, np.zeros(self.max_num_seqs + 1, bool)
+        self.grow({}, 0)
+        kv.free, kv.tables = release(kv.free, kv.tables, jnp.asarray(none))
+        t.counts = tier_step.clear(t.counts, jnp.asarray(none))
+        (kv.pool, t.meta, kv.free, kv.tables, t.counts, _) = truncate(
+            kv.pool, t.meta, kv.free, kv.tables, t.counts, np.int32(self.scratch), np.int32(0),
+            max_moves=CUT_BLOCKS * self.page_size)
         if self.entries is not None and self.entries.spare_row() is not None:
             kv, t = self.kv, self._t
             row, slot = np.int32(self.entries.spare_row()), np.int32(self.scratch)

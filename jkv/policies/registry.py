@@ -22,8 +22,7 @@ import jax.numpy as jnp
 
 from jkv.kv.format import KVFormat
 from jkv.kv.row_forms import Merit
-from jkv.kv.tier_step import Placing
-from jkv.kv.tiered_rows import TierPolicy
+from jkv.kv.tier_step import Placing, TierPolicy
 from jkv.kv.token_tiers import KEEP, PRUNE
 
 Fates = Callable[[Placing, jax.Array], tuple[jax.Array, jax.Array]]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -126,14 +126,17 @@ class Scheduler:
         with self._lock:
             return len(self.waiting) + len(self._incoming)
 
-    def serve(self, stop: threading.Event) -> None:
-        """Step while there is work, sleep while there is none, until `stop` is set. An
-        error in a step fails the requests in flight, not the loop."""
+    def serve(self, stop: threading.Event, idle: Callable[[], bool] | None = None) -> None:
+        """Step while there is work; with none, call `idle` until it returns False (a
+        warm-up), else sleep; until `stop` is set. A failed step fails the requests in flight."""
         while not stop.is_set():
             with self._wake:
-                if not (self._incoming or self.waiting or self.running):
+                busy = bool(self._incoming or self.waiting or self.running)
+                if not busy and idle is None:
                     self._wake.wait(0.5)
-                    continue
+            if not busy:
+                idle = idle if idle is not None and idle() else None
+                continue
             try:
                 self.step()
             except Exception:

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(**{o.name: getattr(args, o.name) for o in OPTIONS})
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    if args.precompile or args.precompile is None and jax.default_backend() != "cpu":
+    cpu = jax.default_backend() == "cpu"
+    if args.precompile or args.precompile is None and not cpu:
         t0 = time.perf_counter()
         n = llm.warmup()
         log.info("compiled %d step shapes in %.1f s", n, time.perf_counter() - t0)
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
                     max_queue=args.max_queue, request_timeout=args.request_timeout,
                     ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
                     metrics_require_key=args.metrics_require_key,
-                    max_messages=args.max_messages, max_prompt_chars=args.max_prompt_chars)
+                    max_messages=args.max_messages, max_prompt_chars=args.max_prompt_chars,
+                    warm=args.precompile is None and cpu)  # in the background, listening
     log.info("serving %r (max_model_len=%d) on http://%s:%d/v1", app.state.served_model_name,
              llm.max_model_len, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -41,7 +41,7 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
               max_queue: int | None = None, request_timeout: float | None = None,
               ttft_slo_ms: float | None = None, tpot_slo_ms: float | None = None,
               metrics_require_key: bool = False, max_messages: int | None = MAX_MESSAGES,
-              max_prompt_chars: int | None = MAX_PROMPT_CHARS) -> FastAPI:
+              max_prompt_chars: int | None = MAX_PROMPT_CHARS, warm: bool = False) -> FastAPI:
     """The OpenAI-compatible app around a loaded LLM; its scheduler loop runs while the app
     does (the LLM's offline `generate`/`chat` must not be called meanwhile).
 
@@ -55,9 +55,11 @@ def build_app(llm: LLM, served_model_name: str | None = None, *, api_key: str | 
     the schema).
     max_messages, max_prompt_chars: a chat with more messages, or a prompt (a chat's
     template text) with more characters, is a 400 naming the field; None: no limit.
+    warm: once the loop starts, it compiles the step shapes a lone request takes while it
+    has no work (`LLM.start_serving(warm=True)`).
     """
     server = Server(llm, served_model_name, max_queue, request_timeout, ttft_slo_ms,
-                    tpot_slo_ms, Limits(max_messages, max_prompt_chars))
+                    tpot_slo_ms, Limits(max_messages, max_prompt_chars), warm=warm)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -110,8 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile every step shape before listening (with a progress bar), so "
                         "no request waits on a compilation; --no-precompile starts at once and "
                         "compiles each shape when it first occurs. Default: on with a GPU "
-                        "(about a minute), off on CPU (where the xla backend has several "
-                        "times more shapes); compiled shapes persist in "
+                        "(about a minute); on CPU (where the xla backend has several times "
+                        "more shapes) the server listens at once and warms the shapes a first "
+                        "request takes in the background, while no request runs (logged: "
+                        "'warming step shapes k/n'), so a request arriving meanwhile waits "
+                        "for one shape's compilation at most. Compiled shapes persist in "
                         "--compilation-cache-dir either way")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="where compiled steps persist between runs (JAX's persistent "

@@ -51,8 +51,9 @@ class Server:
 
     def __init__(self, llm: LLM, served_model_name: str | None, max_queue: int | None,
                  request_timeout: float | None, ttft_slo_ms: float | None = None,
-                 tpot_slo_ms: float | None = None, limits: Limits | None = None) -> None:
-        self.llm = llm
+                 tpot_slo_ms: float | None = None, limits: Limits | None = None,
+                 warm: bool = False) -> None:
+        self.llm, self.warm = llm, warm
         self.name = served_model_name or llm.model_name
         self.aliases = {self.name, _QUANT_SUFFIX.sub("", self.name)}
         self.request_timeout = request_timeout
@@ -63,7 +64,7 @@ class Server:
         self.in_flight: set = set()
 
     def start(self) -> None:
-        self.llm.start_serving()
+        self.llm.start_serving(warm=self.warm)
 
     def close(self) -> None:
         self.admission.close()
