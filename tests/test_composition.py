@@ -94,6 +94,7 @@ def run_cell(params, conversations, policy: str, prefix: bool, store: str,
     return [[r.output for r in first], [r.output for r in second]], hits
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_composes_with_the_store_and_prefix_caching(params, conversations,
                                                                  policy, tmp_path):
@@ -160,6 +161,7 @@ def serve(params, policy: str, pool_pages: int | None, offload: bool,
     return [r.output for r in requests], snap, [cut.get(i) for i in range(len(requests))]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_composes_with_layer_offload_and_preemption(params, policy):
     """On a pool of 100 pages (a sequence of max_model_len takes 48 or more): where it

@@ -817,6 +817,7 @@ def test_sigterm_drains_then_exits(tmp_path):
 # ---------------------------------------------------------------------------- the schema
 
 
+@pytest.mark.long
 def test_the_published_schema_is_what_the_server_does(tmp_path):
     """schemathesis over the served /openapi.json with every check: documented statuses,
     content types and bodies, schema-violating bodies refused, no 5xx, the server up
