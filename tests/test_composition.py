@@ -23,6 +23,9 @@ from jkv.sched.scheduler import Request, Scheduler, generate_all
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
 PAGE = 8
+# the store cells' pool and the large pool layer offload is compared with: one size, so a
+# policy's two tests run the same step programs (each pool shape compiles its own)
+POOL_BYTES = 1 << 20
 KNOBS = dict(kv_recent_window=PAGE, kv_alpha_high=1.0, kv_alpha_low=0.5, kv_heavy_ratio=0.3,
              kv_placement_interval=2)  # small enough that every token policy drops tokens
 
@@ -41,8 +44,7 @@ def conversations():
 
 
 def engine(params, policy: str, prefix: bool) -> Engine:
-    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=256 * PAGE * 64 * 4 * 2,
-                        kv_policy=policy, **KNOBS)
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=POOL_BYTES, kv_policy=policy, **KNOBS)
     return Engine(TINY, params, cache=cache, config=EngineConfig(
         max_model_len=96, max_num_seqs=8, prefill_chunk=16, enable_prefix_caching=prefix))
 
@@ -92,6 +94,7 @@ def run_cell(params, conversations, policy: str, prefix: bool, store: str,
     return [[r.output for r in first], [r.output for r in second]], hits
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_composes_with_the_store_and_prefix_caching(params, conversations,
                                                                  policy, tmp_path):
@@ -129,7 +132,7 @@ def serve(params, policy: str, pool_pages: int | None, offload: bool,
     """Six requests decoding 40 tokens each at once, on a pool of `pool_pages` pages of the
     policy's own format (None: a large one): (outputs, the scheduler's snapshot, each
     request's output length when first preempted, None if never)."""
-    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=1 << 22, kv_policy=policy, **KNOBS)
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=POOL_BYTES, kv_policy=policy, **KNOBS)
     if pool_pages is not None:
         one = engine(params, policy, False).cache.one_page
         cache = dataclasses.replace(cache, kv_cache_bytes=pool_pages * one + 1)
@@ -158,6 +161,7 @@ def serve(params, policy: str, pool_pages: int | None, offload: bool,
     return [r.output for r in requests], snap, [cut.get(i) for i in range(len(requests))]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_composes_with_layer_offload_and_preemption(params, policy):
     """On a pool of 100 pages (a sequence of max_model_len takes 48 or more): where it
@@ -169,6 +173,7 @@ def test_every_policy_composes_with_layer_offload_and_preemption(params, policy)
     what it does on a large pool; else what it sampled before the preemption stands and
     the rest is the policy's on its KV placed anew."""
     want, big, _ = serve(params, policy, None, False)
+    assert big["preemptions"] == 0  # a large pool
     preempted, without, cut = serve(params, policy, 100, False)
     got, snap, _ = serve(params, policy, 100, True)
     assert got == want

@@ -20,6 +20,8 @@ from jkv.kv.pages import KVPages  # noqa: E402
 from jkv.models import forward, lm_head, load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 
+pytestmark = pytest.mark.long
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",

@@ -818,6 +818,7 @@ def test_sigterm_drains_then_exits(tmp_path):
 # ---------------------------------------------------------------------------- the schema
 
 
+@pytest.mark.long
 def test_the_published_schema_is_what_the_server_does(tmp_path):
     """schemathesis over the served /openapi.json with every check: documented statuses,
     content types and bodies, schema-violating bodies refused, no 5xx, the server up
@@ -842,10 +843,23 @@ def test_the_published_schema_is_what_the_server_does(tmp_path):
         port = sock.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"  # (a pipe would fill with the request log and stall it)
+    # Hundreds of requests of a real model, whose steps cost more to run than to compile: the
+    # server's XLA optimizes (the run's setting without optimizations is for tiny models). What
+    # it compiles goes to the run's cache, not the user's; the code it runs is the jkv this
+    # test imported (not an installed copy elsewhere).
+    import jkv
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_backend_optimization_level")]
+    path = os.pathsep.join(filter(None, [str(Path(jkv.__file__).parents[1]),
+                                         os.environ.get("PYTHONPATH")]))
     with open(log, "w") as out:
         server = subprocess.Popen(
             [sys.executable, "-m", "jkv.server", "--port", str(port), "--max-model-len", "40",
-             "--max-num-seqs", "4"], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+             "--max-num-seqs", "4", "--compilation-cache-dir",
+             os.environ.get("JAX_COMPILATION_CACHE_DIR", "")],
+            stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+            env={**os.environ, "XLA_FLAGS": " ".join(flags), "PYTHONPATH": path})
     try:
         wait_until_healthy(base, lambda: None if server.poll() is None
                            else log.read_text()[-3000:], 300)
