@@ -355,10 +355,11 @@ class KVStore:
 
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
              session: str | None = None, rows: int | None = None, start: int = 0,
-             exact_blocks: int | None = None, form: str | None = None) -> bool:
+             exact_blocks: int | None = None, form: str | None = None,
+             mark: tuple | None = None) -> bool:
         """`StoreWriter.save`."""
         return self.writer.save(num_blocks, arrays, hashes, session, rows, start,
-                                exact_blocks, form)
+                                exact_blocks, form, mark)
 
     def clear(self) -> None:
         """`StoreWriter.clear`."""
