@@ -88,7 +88,8 @@ def kill_idle(run) -> dict:
 
 
 def disk_fills(run) -> dict:
-    """Fill the store's filesystem to DISK_HEADROOM, run turns, then free it: saves resume."""
+    """Fill the store's filesystem to DISK_HEADROOM, run turns, then free it: entries reach
+    the disk again (held)."""
     if run.tmpfs is None:
         return {"skipped": "the store is not on a size-limited filesystem (needs root)"}
     ballast = run.tmpfs / "ballast"
@@ -110,16 +111,21 @@ def disk_fills(run) -> dict:
         run.one_turn(run.pick_chat())
     ballast.unlink()
     mid = run.server.metrics()
-    for _ in range(run.args.concurrency * 2):
-        run.one_turn(run.pick_chat())
-    time.sleep(2)
-    after = run.server.metrics()
-    saves = "jkv_store_saves_total"
+    after, written = mid, "jkv_store_offloads_total"  # entries the host tier moved to disk
+    for _ in range(4):  # turns until one reaches the disk again (the host tier fills first)
+        for _ in range(run.args.concurrency * 2):
+            run.one_turn(run.pick_chat())
+        time.sleep(2)
+        after = run.server.metrics()
+        if after.get(written, 0) > mid.get(written, 0):
+            break
     failures = {k: after.get(k, 0) - full.get(k, 0) for k in after
                 if k.startswith("jkv_store_") and ("fail" in k or "dropped" in k)}
-    resumed = after.get(saves, 0) > mid.get(saves, 0)
-    return {"held": resumed, "saves_while_full": mid.get(saves, 0) - full.get(saves, 0),
-            "saves_after_freeing": after.get(saves, 0) - mid.get(saves, 0),
+    return {"held": after.get(written, 0) > mid.get(written, 0),
+            "disk_full_events": mid.get("jkv_store_disk_full_total", 0)
+            - full.get("jkv_store_disk_full_total", 0),
+            "to_disk_while_full": mid.get(written, 0) - full.get(written, 0),
+            "to_disk_after_freeing": after.get(written, 0) - mid.get(written, 0),
             "failure_counters": failures}
 
 

@@ -29,8 +29,8 @@ from statistics import median
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kv_fidelity import documents
 from harness import write_results
+from kv_fidelity import documents
 
 import jkv.engine.runner as runner_module
 import jkv.sched.store_side as store_side

@@ -12,12 +12,15 @@ succeeds again, and counted (`disk_full`, `save_failures`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from jkv.store.parts import StoreParts
 from jkv.store.placement import Move
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
+
+RECHECK_S = 5.0  # how often a lowered disk budget looks for room the filesystem has again
 
 
 class DiskRoom:
@@ -27,6 +30,7 @@ class DiskRoom:
         self.p, self._apply = parts, apply
         self._capacity = 0 if parts.disk is None else parts.disk.capacity  # as followed
         self._reported = False  # the current full-disk event was logged
+        self._checked = 0.0  # when `recheck` last looked
 
     def follow(self) -> None:
         """Move the placement's disk capacity by as much as the tier's moved since last
@@ -41,6 +45,18 @@ class DiskRoom:
                                            self.p.queue)
         self._capacity = disk.capacity
         self._apply(moves)  # what no longer fits goes
+
+    def recheck(self) -> None:
+        """After a full disk lowered the budget, look (every `RECHECK_S` at most) for room
+        freed since on the filesystem, and give it back to the placement."""
+        disk, now = self.p.disk, time.monotonic()
+        if disk is None or disk.capacity >= disk.configured or now - self._checked < RECHECK_S:
+            return
+        self._checked = now
+        if disk.refit():
+            log.info("the KV store's disk has room again; its budget is now %d bytes",
+                     disk.capacity)
+            self.follow()
 
     def full(self, error: Exception) -> None:
         """A disk write was refused for want of space: the tier compacts and lowers its

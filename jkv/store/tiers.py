@@ -226,6 +226,18 @@ class PersistentTier:
         deleted = self._db.footprint - self.bytes_used
         return deleted > 0 and self._db.free_space() >= self.bytes_used and self.compact()
 
+    def refit(self) -> bool:
+        """Raise a capacity a full disk lowered (`on_full`) as far as the filesystem's room
+        allows now (as when opened); whether it rose."""
+        if self._db is None or self.capacity >= self.configured:
+            return False
+        self._db.measure()
+        capacity = self._db.fit(self.configured)
+        if capacity <= self.capacity:
+            return False
+        self.capacity = capacity
+        return True
+
     def on_full(self) -> int:
         """After `DiskFull`: drop the spare copies, compact if that fits, and lower the
         capacity to fit the filesystem (while a compaction does not fit, to half the room

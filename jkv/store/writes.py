@@ -118,6 +118,7 @@ class StoreWriter:
         fmt = src if self.p.form is None or whole else self.p.form  # (store_kv_format)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
         data = self._encode(host, src, fmt, n * self.p.page_size, key, digests, mark)
+        self.room.recheck()  # (room a full disk has again since)
         if not self._supersede(entry, key, len(data), whole):
             return
         for retry in (False, True):  # a write the disk refused: once more, in the room made
