@@ -67,7 +67,7 @@ _STORE_COUNTERS = (  # (key of stats()["store"], metric name, help)
     ("restores_unverified", "jkv_store_restores_unverified",
      "Restores not checked: the entry keeps no state of the token after it, the prompt goes "
      "on with another token, or the KV format's tolerance was not measured."),
-    ("quarantined", "jkv_store_quarantined_entries",
+    ("quarantined", "jkv_store_quarantined",
      "Stored KV entries never served again after a restore of them failed its check "
      "(with every entry sharing their chain; deleted)."),
 )

@@ -89,7 +89,7 @@ def test_a_restore_of_another_conversations_kv_is_caught_and_recomputed(params):
     metrics.sync(sched.snapshot())
     text = metrics.render().decode()
     assert "jkv_store_verify_failures_total 1.0" in text
-    assert "jkv_store_quarantined_entries_total 1.0" in text
+    assert "jkv_store_quarantined_total 1.0" in text
     store.close()
 
 

@@ -79,6 +79,5 @@ def snapshot(s: Serving) -> dict:
                         # verified restores (`jkv.sched.restore_checks`)
                         "restores_verified": s.stats.restores_verified,
                         "restores_unverified": s.stats.restores_unverified,
-                        "verify_failures": s.stats.verify_failures,
-                        "quarantined": s.store.stats.quarantined}
+                        "verify_failures": s.stats.verify_failures}
     return out

@@ -388,6 +388,7 @@ class KVStore:
                 "save_retries": st.save_retries, "disk_full": st.disk_full,
                 "compactions": 0 if self.disk is None else self.disk.compactions,
                 "disk_resets": st.disk_resets, "converted_loads": st.converted_loads,
+                "quarantined": st.quarantined,
                 "read_bytes_per_s": dict(self.read_bytes_per_s),
                 "convert_bytes_per_s": dict(self.convert_bytes_per_s),
                 **self.placement.stats()}
