@@ -5,6 +5,7 @@ overlaps the restore with compute.
     python benchmarks/restore.py                       # SmolLM2 (embedded), 1K/2K/4K histories
     python benchmarks/restore.py --lengths 2048 --kv-format k8v4 --repeats 5
     python benchmarks/restore.py --preset llama3-8b --lengths 1024,4096,16384   # GPU
+    python benchmarks/restore.py --verify   # verified restores (restore_verify.py)
 
 The host-to-device copy rate is measured first (pageable numpy buffers, and pinned host
 buffers where the backend has them), so the load times can be read against it.
@@ -46,6 +47,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import restore_verify  # noqa: E402
 
 from jkv.config import PRESETS, CacheConfig, EngineConfig, StoreConfig  # noqa: E402
 from jkv.engine.engine import Engine, Row, SavedPages  # noqa: E402
@@ -75,7 +77,7 @@ def restore(eng: Engine, store: KVStore, prompt: list[int], recompute: float = 0
     """Look the prompt up in `store`, load the hit and open a slot with it (`recompute`:
     that share split off and recomputed)."""
     hit = store.lookup(eng.cache.prompt_hashes(prompt))
-    arrays, hashes, _ = store.load(hit)
+    arrays, hashes, *_ = store.load(hit)
     return eng.open(prompt, restore=SavedPages(hit.blocks, arrays, hashes),
                     recompute=recompute)
 
@@ -161,8 +163,11 @@ def main() -> None:
     ap.add_argument("--split-ratios", default="0.25,0.5,0.75,1",
                     help="recompute shares of split restores to time (empty: none)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    restore_verify.add_arguments(ap)  # --verify: verified restores measured instead
     add_out_argument(ap, "restore")
     args = ap.parse_args()
+    if args.verify:
+        return restore_verify.verify(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     splits = [float(x) for x in args.split_ratios.split(",") if x]
     dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32

@@ -59,6 +59,17 @@ _STORE_COUNTERS = (  # (key of stats()["store"], metric name, help)
      "Store hits recomputed because that was measured to be faster than loading them."),
     ("restores_abandoned", "jkv_store_restores_abandoned",
      "Store hits whose read outlasted recomputing them: recomputed."),
+    ("verify_failures", "jkv_store_verify_failures",
+     "Restores whose first computed token's state was further from the one stored with the "
+     "entry than the KV format's tolerance: discarded, recomputed, the entry quarantined."),
+    ("restores_verified", "jkv_store_restores_verified",
+     "Restores whose first computed token's state matched the one stored with the entry."),
+    ("restores_unverified", "jkv_store_restores_unverified",
+     "Restores not checked: the entry keeps no state of the token after it, the prompt goes "
+     "on with another token, or the KV format's tolerance was not measured."),
+    ("quarantined", "jkv_store_quarantined",
+     "Stored KV entries never served again after a restore of them failed its check "
+     "(with every entry sharing their chain; deleted)."),
 )
 _GAUGES = (  # (stats key = metric name without the prefix, help)
     ("num_requests_running", "Requests holding a sequence slot."),

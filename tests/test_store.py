@@ -64,7 +64,7 @@ def test_any_leading_run_of_an_entry_is_found_and_a_longer_one_replaces_it():
     assert not s.save(3, data, hashes)  # nothing new
     hit = s.lookup(hashes)
     assert hit is not None and hit.blocks == 4 and hit.tier == "host"
-    arrays, got, _ = s.load(hit)
+    arrays, got, *_ = s.load(hit)
     assert got == hashes[:4]
     for f in data:
         np.testing.assert_array_equal(arrays[f], data[f][:4])
@@ -98,7 +98,7 @@ def test_tiered_rows_are_found_whole_only_and_replace_nothing():
     for n, rows in ((3, 2), (5, 9)):
         hit = s.lookup(hashes[:n] + chain(tokens[:n * PAGE] + [7] * PAGE)[n:], whole=True)
         assert hit is not None and hit.blocks == n
-        arrays, got, _ = s.load(hit)
+        arrays, got, *_ = s.load(hit)
         assert got == hashes[:n] and all(len(x) == rows for x in arrays.values())
     assert s.lookup(hashes[:4], whole=True).blocks == 3  # the longest whole row
     assert s.lookup(hashes[:2], whole=True) is None
@@ -323,7 +323,7 @@ def assert_read_ahead(s: KVStore, hit, hashes: list[bytes], data: dict) -> None:
     the host tier."""
     s.wait_reads(5.0)
     assert s.read_ahead(hit)
-    (arrays, got, exact), tier = s.take(hit)
+    (arrays, got, exact, _), tier = s.take(hit)
     assert exact is None  # stored in the pool's own format
     assert got == hashes and tier == "host"
     for f in data:
@@ -465,7 +465,7 @@ def test_tail_entries_continue_a_run_and_are_read_along_their_chain(tmp_path):
     def read(store_, n_tokens: int, want_blocks: int) -> None:
         hit = store_.lookup(chain(tokens[:n_tokens]))
         assert hit is not None and hit.blocks == want_blocks
-        arrays, got, _ = store_.load(hit)
+        arrays, got, *_ = store_.load(hit)
         assert got == hashes[:want_blocks]
         for f in data:
             np.testing.assert_array_equal(arrays[f], data[f][:want_blocks], err_msg=f)

@@ -224,7 +224,7 @@ def test_a_saved_tiered_row_restores_bit_for_bit_through_the_store(tiny_params):
     assert store.lookup(hashes[:5], whole=True) is None  # a tiered row is used whole or not
     hit = store.lookup(hashes, whole=True)
     assert hit is not None and hit.blocks == 7
-    arrays, stored_hashes, _ = store.load(hit)
+    arrays, stored_hashes, *_ = store.load(hit)
     restored = SavedPages(hit.blocks, arrays, stored_hashes)
 
     bad = dict(arrays, tier_tokens=np.asarray(arrays["tier_tokens"]) + 1)

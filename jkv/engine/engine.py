@@ -82,7 +82,7 @@ class Engine:
         self.runner = ModelRunner(cfg, params, family, backend=self.attention_backend,
                                   layer_by_layer=self.execution == "layerwise",
                                   max_rows=self.max_num_seqs, scratch_slot=self.cache.scratch,
-                                  prefill_chunk=self.prefill_chunk,
+                                  prefill_chunk=self.prefill_chunk, page_size=self.page_size,
                                   # only significance reads it: others share compilations
                                   max_tokens=self.max_model_len if layout.filling_scores
                                   else None, shape_step=shape_step)

@@ -22,6 +22,8 @@ class Sampled(NamedTuple):
     top_logprobs: np.ndarray  # float32 [MAX_LOGPROBS]
     # with Row.targets: per fed token (target logprob, top ids, top logprobs) [m], [m, K]
     positions: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # the row's block starts' fingerprints: (positions [2], -1 none; [2, SKETCH_DIMS])
+    marks: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -48,19 +50,21 @@ def sampled_rows(groups: Sequence[Sequence[Row]], outs: Sequence[tuple],
                  layered: Sequence[Row], outs_layered: Sequence[tuple | None]
                  ) -> dict[int, Sampled | None]:
     """Each row's `Sampled`, by `id(row)`, from a step's host outputs: each call's (tokens,
-    logprobs, top ids, top logprobs, and per position with targets), and each layer-major
-    row's (None before its last layer)."""
+    logprobs, top ids, top logprobs, fingerprints' positions and fingerprints, and per
+    position with targets), and each layer-major row's (None before its last layer; its
+    fingerprints: its last call's)."""
     sampled: dict[int, Sampled | None] = {}
     for r, out in zip(layered, outs_layered, strict=True):
         sampled[id(r)] = None if out is None else Sampled(
-            int(out[0][0]), float(out[1][0]), out[2][0], out[3][0])
-    for group, (tokens, logprob, top_ids, top_lp, *at) in zip(groups, outs, strict=True):
+            int(out[0][0]), float(out[1][0]), out[2][0], out[3][0], marks=(out[4][0], out[5][0]))
+    for group, (tokens, logprob, top_ids, top_lp, mark_at, mark, *at) in zip(groups, outs,
+                                                                           strict=True):
         for i, r in enumerate(group):
             m = len(r.tokens)
             positions = (tuple(x[i, :m] for x in at)
                          if at and r.targets is not None else None)
             sampled[id(r)] = Sampled(int(tokens[i]), float(logprob[i]), top_ids[i],
-                                     top_lp[i], positions)
+                                     top_lp[i], positions, (mark_at[i], mark[i]))
     return sampled
 
 

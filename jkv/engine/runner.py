@@ -32,6 +32,7 @@ import numpy as np
 
 from jkv.attention.layer_kv import LayerKV, LayerTiers
 from jkv.config import ModelConfig
+from jkv.engine.fingerprints import marks, sketch_matrix
 from jkv.engine.sampling import SamplingParams, position_logprobs, sample, token_logprobs
 from jkv.kv.buckets import bucket, decode_bucket
 from jkv.kv.page_pool import FillingPages
@@ -131,14 +132,16 @@ def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
 
 
 def _step(params, pool, filling, meta, table_pages, slot_tiers, slots, tokens, positions, valid,
-          last_idx, keys, num_generated, temperature, top_p, top_k, want_top, *,
-          family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int | None):
+          last_idx, keys, num_generated, temperature, top_p, top_k, want_top, sketch, *,
+          family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int | None,
+          page_size: int):
     kv = _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens)
     hidden, kv = family.forward(params, cfg, tokens, positions, valid, kv, backend)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     out = _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k,
                   want_top)
-    return (out, *_put_rows(filling, slots, kv))
+    return ((*out, *marks(hidden, positions, valid, sketch, page_size)),
+            *_put_rows(filling, slots, kv))
 
 
 def _embed(params, tokens, positions, *, family: ModelFamily, cfg: ModelConfig):
@@ -161,12 +164,12 @@ def _take_layer(params, index, *, family: ModelFamily):
     return family.layer_weights(params, index)
 
 
-def _head(params, x, last_idx, keys, num_generated, temperature, top_p, top_k, want_top, *,
-          family: ModelFamily, cfg: ModelConfig):
-    h_last = jnp.take_along_axis(family.final_norm(params, cfg, x), last_idx[:, None, None],
-                                 axis=1)
-    return _sample(family, params, h_last[:, 0], keys, num_generated, temperature, top_p,
-                   top_k, want_top)
+def _head(params, x, positions, valid, sketch, last_idx, keys, num_generated, temperature, top_p,
+          top_k, want_top, *, family: ModelFamily, cfg: ModelConfig, page_size: int):
+    hidden = family.final_norm(params, cfg, x)
+    h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)
+    return (*_sample(family, params, h_last[:, 0], keys, num_generated, temperature, top_p,
+                     top_k, want_top), *marks(hidden, positions, valid, sketch, page_size))
 
 
 def _layer_views(layers: Params, num_layers: int) -> list[Params] | None:
@@ -184,17 +187,18 @@ def _layer_views(layers: Params, num_layers: int) -> list[Params] | None:
 
 @functools.lru_cache(maxsize=4)
 def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str,
-              max_tokens: int | None) -> tuple:
-    """The jitted step, embed, layer and head functions of one model, backend and (with token
-    tiers) longest sequence, shared by every runner in the process: a second engine over the
-    same model reuses what the first compiled. A few models at most, so compilations of
-    models no longer served are freed."""
+              max_tokens: int | None, page_size: int) -> tuple:
+    """The jitted step, embed, layer and head functions of one model, backend, page size
+    and (with token tiers) longest sequence, shared by every runner in the process: a second
+    engine over the same model reuses what the first compiled. A few models at most, so
+    compilations of models no longer served are freed."""
     static = dict(family=family, cfg=cfg)
     kv = dict(backend=backend, max_tokens=max_tokens)
-    return (jax.jit(partial(_step, **static, **kv), donate_argnums=(1, 2, 3)),
+    return (jax.jit(partial(_step, **static, **kv, page_size=page_size),
+                    donate_argnums=(1, 2, 3)),
             jax.jit(partial(_embed, **static)),
             jax.jit(partial(_layer_step, **static, **kv), donate_argnums=(1, 2, 3)),
-            jax.jit(partial(_head, **static)),
+            jax.jit(partial(_head, **static, page_size=page_size)),
             jax.jit(partial(position_logprobs, **static)),
             jax.jit(partial(_take_layer, family=family)))
 
@@ -204,7 +208,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, family: ModelFamily, *,
                  backend: str, layer_by_layer: bool, max_rows: int, scratch_slot: int,
-                 prefill_chunk: int, max_tokens: int | None,
+                 prefill_chunk: int, max_tokens: int | None, page_size: int,
                  shape_step: int | None = None) -> None:
         self.cfg, self.params, self.family = cfg, params, family
         self.max_rows, self.scratch_slot, self.prefill_chunk = max_rows, scratch_slot, prefill_chunk
@@ -226,7 +230,8 @@ class ModelRunner:
         self.indices = [jnp.asarray(np.int32(i)) for i in range(cfg.num_layers)]
         self.layer_by_layer = layer_by_layer or self.views is not None
         (self._step, self._embed, self._layer, self._head, self._positions,
-         self._take) = _compiled(family, cfg, backend, max_tokens)
+         self._take) = _compiled(family, cfg, backend, max_tokens, page_size)
+        self.sketch = jnp.asarray(sketch_matrix(cfg.hidden_size))  # (`fingerprints.marks`)
 
     @property
     def num_compiles(self) -> int:
@@ -315,8 +320,9 @@ class ModelRunner:
             tiers: tuple[TokenMeta, TierCounts, jax.Array | None] | None = None,
             after_layer: LayerHook | None = None
             ) -> tuple[tuple, KVPages, FillingPages, TokenMeta | None]:
-        """One call: returns ((tokens, logprobs, top ids, top logprobs), pool, filling, meta),
-        dispatched, not awaited; with `batch.targets`, the first part also has each
+        """One call: returns ((tokens, logprobs, top ids, top logprobs, fingerprint positions,
+        fingerprints: `fingerprints.marks`), pool, filling, meta), dispatched, not awaited;
+        with `batch.targets`, the first part also has each
         position's (target logprob, top ids, top logprobs). `before_layer` and `after_layer`
         (either makes the call go layer by layer) may write into the pool and change the
         page tables before and after layer `index` runs. `tiers`: the layout's `model_tiers`
@@ -326,7 +332,7 @@ class ModelRunner:
         if not self.layer_by_layer and batch.targets is None and not hooked:
             out, pool, filling, meta = self._step(
                 self.params, pool, filling, meta, table_pages, slot_tiers, batch.slots,
-                batch.tokens, batch.positions, batch.valid, *batch.sampling)
+                batch.tokens, batch.positions, batch.valid, *batch.sampling, self.sketch)
             return out, pool, filling, meta
         x, pool, filling, meta = self._layers(pool, filling, meta, table_pages, slot_tiers, batch,
                                               self.cfg.num_layers, before_layer, after_layer)
@@ -389,4 +395,5 @@ class ModelRunner:
     def head(self, x: jax.Array, batch: Batch) -> tuple:
         """A call's last part after its layers: the tokens sampled (as `run`'s first part,
         without targets); dispatched."""
-        return self._head(self.params, x, *batch.sampling)
+        return self._head(self.params, x, batch.positions, batch.valid, self.sketch,
+                          *batch.sampling)

@@ -83,6 +83,8 @@ class KVCacheManager:
         self.max_num_seqs, self.scratch = max_num_seqs, max_num_seqs
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed = hash_seed + kind.seed_tag(tiers)
+        # the token policy placing its tokens ("none": block pages, whatever the policy)
+        self.token_policy = "none" if tiers is None else tiers.name
         device = jax.devices()[0]
         s = self._s = KVState()
         s.free_pages = self.total_pages  # host mirror of free.num_free

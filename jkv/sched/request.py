@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jkv.engine.sampling import SamplingParams
+from jkv.sched.restore_checks import RestoreCheck
 from jkv.store.index import Hit
 
 
@@ -109,6 +110,10 @@ class Tracked:
     held: bool = False  # an admission with layers on the host was held back (counted once)
     layers_done: int | None = None  # its prompt fed layer-major: the layers run (None: not)
     saved: int = 0  # blocks of its run last queued for the store (decode saves by interval)
+    # its latest block starts' fingerprints and whether pooled, by position
+    # (`restore_checks.record`)
+    marks: dict[int, tuple[np.ndarray, bool]] = field(default_factory=dict)
+    check: RestoreCheck | None = None  # its restore's check, until its first step gives it
 
     def plan_restore(self, decision: object, cached: int) -> None:
         """This step's plan for its admission: the store hit it restores (`decision`, a
@@ -126,6 +131,7 @@ class Tracked:
         self.computed_before = self.num_computed
         self.slot, self.num_computed, self.hashes, self.saved = None, 0, None, 0
         self.read_since, self.abandoned, self.layers_done = None, False, None
+        self.marks, self.check = {}, None
 
 
 @dataclass
@@ -139,6 +145,11 @@ class SchedulerStats:
     restores_declined: int = 0  # store hits recomputed because that was expected faster
     rebased_tokens: int = 0  # restored tokens re-rotated for a truncated conversation
     restores_abandoned: int = 0  # hits whose read outlasted recomputing them: recomputed
+    # restores checked against their entry's fingerprint (`restore_checks`): passed; failed
+    # (discarded, recomputed, the entry quarantined); not checked (no fingerprint to compare)
+    restores_verified: int = 0
+    verify_failures: int = 0
+    restores_unverified: int = 0
     layers_offloaded: int = 0  # running requests' layers moved to the host (LayerKV)
     layer_fetches: int = 0  # running requests whose offloaded layers came back
     admitted_offloaded: int = 0  # requests admitted with some layers on the host

@@ -194,7 +194,7 @@ class Scheduler:
         st = self._state.pop(r, None)  # none yet for a request `stop_all` took from incoming
         if st is not None and st.slot is not None:
             if self.store is not None and reason != "error":
-                self.side.save(r, st.slot)
+                self.side.save(r, st.slot, st.marks)
             # after a failed step its KV is suspect: nothing of it is kept
             self.engine.close(st.slot, keep=reason != "error")
         r.finish_reason, r.finish_time = reason, time.monotonic()
@@ -331,7 +331,7 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         st = self._state[r]
         if self.store is not None:  # what it holds, saved before its pages are reused
-            self.side.save(r, st.slot)
+            self.side.save(r, st.slot, st.marks)
         self.engine.close(st.slot, finished=False)
         st.preempted()
         r.num_preemptions += 1
@@ -368,9 +368,12 @@ class Scheduler:
         return out_p, out_d
 
     def _update(self, prefill: list, decode: list, out_p: list, out_d: list) -> None:
-        """Each request from what its row gave: tokens computed, the token sampled (and its
-        finish), prompt logprobs; decoding requests' saves."""
+        """Each request from what its row gave (none where its restore failed its check,
+        `StoreSide.after_step`): tokens computed, the token sampled (and its finish), prompt
+        logprobs; decoding requests' saves."""
         now = time.monotonic()
+        prefill, out_p, decode, out_d = self.side.after_step(prefill, out_p, decode, out_d,
+                                                             self.running, self.waiting)
         for (r, row), sampled in zip(prefill, out_p, strict=True):
             st = self._state[r]
             if row.layer_span is not None:

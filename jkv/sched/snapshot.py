@@ -75,5 +75,9 @@ def snapshot(s: Serving) -> dict:
         out["store"] = {**s.store.snapshot(), "misses": s.stats.store_misses,
                         "restores_declined": s.stats.restores_declined,
                         "rebased_tokens": s.stats.rebased_tokens,
-                        "restores_abandoned": s.stats.restores_abandoned}
+                        "restores_abandoned": s.stats.restores_abandoned,
+                        # verified restores (`jkv.sched.restore_checks`)
+                        "restores_verified": s.stats.restores_verified,
+                        "restores_unverified": s.stats.restores_unverified,
+                        "verify_failures": s.stats.verify_failures}
     return out

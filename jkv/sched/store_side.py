@@ -9,6 +9,12 @@ request waits. A finishing or preempted request's full blocks, and a decoding on
 `save_interval_blocks`, are handed to the store's write-behind. Under token tiers a kept or
 stored row is whole: a stored one is restored only into an empty slot, never past a device
 hit.
+
+A restore is verified where its entry keeps a fingerprint of the token just past its blocks
+(`restore_checks`): the request's first step computes that token over the restored KV, and
+a state further from the stored one than the KV format's tolerance (`jkv.store.verify`)
+means the KV is not what the model computed: the slot is closed keeping nothing, the request
+queued again to recompute, the entry's chain quarantined and the failure counted.
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ import logging
 from collections.abc import Callable, Sequence
 
 from jkv.config import SchedulerConfig
-from jkv.engine.engine import Engine, SavedPages
+from jkv.engine.engine import Engine, Sampled, SavedPages
 from jkv.policies.stored_forms import is_row_form
 from jkv.sched.plan_records import Candidate
 from jkv.sched.request import Request, SchedulerStats, Tracked
+from jkv.sched.restore_checks import for_save, plan_check, record
 from jkv.sched.restore_planning import RestoreDecision, RestoreRates, plan_restore
 from jkv.sched.step_costs import StepCosts
 from jkv.store.store import Hit, KVStore
+from jkv.store.verify import distance, tolerance
 
 log = logging.getLogger("jkv.sched.scheduler")
 
@@ -107,7 +115,7 @@ class StoreSide:
         """Give `r` a slot; its held prefix comes from the device prefix cache and, for a
         store hit, from the store (a hit that cannot be loaded is recomputed)."""
         eng, st = self.engine, self._state[r]
-        hit, restore = st.hit, None
+        hit, restore, mark = st.hit, None, None
         if hit is not None:
             try:
                 if self.config.store_read_ahead:
@@ -116,7 +124,7 @@ class StoreSide:
                     loaded = self.store.load(hit)
                     loaded = None if loaded is None else (loaded, hit.tier)
                 if loaded is not None:
-                    (arrays, hashes, exact), tier = loaded
+                    (arrays, hashes, exact, mark), tier = loaded
                     hit = hit._replace(tier=tier)  # counted where it was read from
                     # a row stored in a smaller form goes on in it (as looked up)
                     form = next((f for f, _ in hit.converted if is_row_form(f)), None)
@@ -151,14 +159,22 @@ class StoreSide:
             self.stats.restored_tokens[hit.tier] += restored
             if st.rebase:
                 self.stats.rebased_tokens += restored
+            if restored:
+                tol = tolerance(eng.cache.token_policy, eng.kv_format,
+                                [f for f, _ in hit.converted], mark is not None and mark.pooled)
+                st.check = plan_check(None if st.rebase else mark, r.tokens, cached, tol,
+                                      hit.key, hit.tier, restored)
+                self.stats.restores_unverified += st.check is None
         st.admitted()
         return cached
 
-    def save(self, r: Request, slot: int) -> None:
+    def save(self, r: Request, slot: int, marks: dict | None = None) -> None:
         """Hand `r`'s full blocks to the store's write-behind, only those after the run the
         store already has or has queued (never fails the request). A lossy store (one that
         keeps smaller forms) is handed the approximate blocks too, marked: a conversation
-        restored from a small form goes on in it instead of losing its later turns."""
+        restored from a small form goes on in it instead of losing its later turns. The
+        entry keeps the fingerprint of the token just past its blocks, where `marks` (`r`'s
+        latest, `Tracked.marks`) has it."""
         try:
             approximate = self.store.keeps_approximate
             hashes = self.engine.saved_hashes(slot, approximate)
@@ -170,7 +186,9 @@ class StoreSide:
                 return  # a row restored from a smaller form: a lossless store never has it
             self.store.save(saved.num_blocks, saved.arrays, saved.hashes, r.session_id,
                             rows=saved.rows, start=saved.start,
-                            exact_blocks=saved.exact_blocks, form=saved.form)
+                            exact_blocks=saved.exact_blocks, form=saved.form,
+                            mark=for_save(marks or {}, saved.num_blocks,
+                                          self.engine.page_size, r.tokens))
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
 
@@ -189,5 +207,56 @@ class StoreSide:
                 # tried again only after another interval, whatever this save covered (a
                 # restored history's moved blocks are saved to a lossy store only; a failure
                 # is logged)
-                self.save(r, st.slot)
+                self.save(r, st.slot, st.marks)
                 st.saved = full
+
+    def after_step(self, prefill: list, out_p: list, decode: list, out_d: list,
+                   running: list[Request], waiting: list[Request]) -> tuple[list, ...]:
+        """After a step: each request's fingerprints kept (`prefill` and `decode`: the
+        step's (request, row) pairs; `out_p`, `out_d`: what each sampled, None for a
+        layer-major prompt part way), and a restored request's first one checked against
+        its entry's. A request whose check failed has its slot closed keeping nothing and
+        moves from `running` to the front of `waiting` (recomputed from scratch); returns
+        the four lists without its rows."""
+        if self.store is None:
+            return prefill, out_p, decode, out_d
+        failed = self._check(list(zip(prefill + decode, out_p + out_d, strict=True)))
+        running[:] = [r for r in running if r not in failed]
+        waiting[:0] = failed
+        return (*_without(prefill, out_p, failed), *_without(decode, out_d, failed))
+
+    def _check(self, rows: Sequence[tuple[tuple[Request, object], Sampled | None]]
+               ) -> list[Request]:
+        """`after_step`'s fingerprints and checks: the requests whose check failed."""
+        failed = []
+        for (r, _), sampled in rows:
+            st = self._state[r]
+            if sampled is None:
+                continue
+            record(st.marks, *sampled.marks, st.num_computed)
+            check, st.check = st.check, None
+            got = None if check is None else st.marks.get(check.position)
+            if check is None or got is None:  # (not computed by its first step: its prompt
+                self.stats.restores_unverified += check is not None  # layer-major)
+                continue
+            far = distance(check.vector, got[0])
+            if far <= check.tolerance:
+                self.stats.restores_verified += 1
+                continue
+            log.warning("request %s: its restored KV fails its check (distance %.3g, at most "
+                        "%.3g); recomputing, entry %s quarantined", r.request_id, far,
+                        check.tolerance, check.key)
+            self.stats.verify_failures += 1
+            self.stats.restored_tokens[check.tier] -= check.restored  # (recomputed now)
+            self.store.reader.quarantine(check.key)
+            self.engine.close(st.slot, finished=False, keep=False)
+            st.preempted()
+            st.computed_before, st.abandoned, r.cached_tokens = 0, True, None
+            failed.append(r)
+        return failed
+
+
+def _without(rows: list, out: list, failed: list[Request]) -> tuple[list, list]:
+    """A step's (request, row) pairs and their outputs, but those of `failed` requests."""
+    kept = [i for i, (r, _) in enumerate(rows) if r not in failed]
+    return [rows[i] for i in kept], [out[i] for i in kept]

@@ -21,6 +21,7 @@ from jkv.store.codec import CorruptEntry, EntryMismatch, decode
 from jkv.store.index import Hit
 from jkv.store.parts import StoreParts
 from jkv.store.reads import ReadAhead
+from jkv.store.verify import Mark, pop_mark
 from jkv.store.writes import HASHES, log
 
 
@@ -28,23 +29,27 @@ class Loaded(NamedTuple):
     """What `load` read: `arrays` [blocks, ...] in the pool's format and their block
     `hashes`; blocks from `exact_blocks` on (None: none) were stored in another form and
     converted, so they hold approximate KV (usable by the prompt, never shared under their
-    tokens' hashes)."""
+    tokens' hashes); `mark`: the fingerprint of the token just past the blocks, where the
+    entry ending there keeps one (`jkv.store.verify`)."""
 
     arrays: dict
     hashes: list[bytes]
     exact_blocks: int | None = None
+    mark: Mark | None = None
 
 
 class _Part(NamedTuple):
     """One entry of a chain as read: its arrays in the pool's format, block hashes, stored
     bytes, first approximate block in the run (None: exact; its first block when it was
-    stored in another form and converted) and the seconds converting it took."""
+    stored in another form and converted), the seconds converting it took and its
+    fingerprint."""
 
     arrays: dict
     hashes: list[bytes]
     nbytes: int
     approx_from: int | None
     convert_s: float
+    mark: Mark | None = None
 
 
 class StoreReader:
@@ -79,7 +84,7 @@ class StoreReader:
             return None
         parts, nbytes, exact, convert_s = [], 0, None, 0.0
         for key in chain:
-            part = self._load_one(key, hit.tier)
+            part = last = self._load_one(key, hit.tier)
             if part is None:
                 return None
             if exact is None:  # the chain's first approximate block (root first)
@@ -96,15 +101,17 @@ class StoreReader:
         self.p.read_bytes_per_s[hit.tier] = moving_average(self.p.read_bytes_per_s[hit.tier], rate)
         n = hit.blocks
         exact = None if exact is None or exact >= n else exact
+        # the last entry's fingerprint is of the token after the whole chain's blocks
+        mark = last.mark if n == sum(len(hs) for _, hs in parts) else None
         if len(parts) == 1:
             arrays, hashes = parts[0]
             if n == len(hashes):  # the whole entry (a whole row's arrays are not blocks)
-                return Loaded(dict(arrays), list(hashes), exact)
-            return Loaded({f: x[:n] for f, x in arrays.items()}, hashes[:n], exact)
+                return Loaded(dict(arrays), list(hashes), exact, mark)
+            return Loaded({f: x[:n] for f, x in arrays.items()}, hashes[:n], exact, mark)
         hashes = [h for _, hs in parts for h in hs][:n]
         # a chain is handed over in its parts: a restore writes runs inside each, uncopied
         return Loaded({f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]},
-                      hashes, exact)
+                      hashes, exact, mark)
 
     def _load_one(self, key: str, tier: str) -> _Part | None:
         """One entry, validated against its index record (`_Part`); None on a miss (a
@@ -124,7 +131,7 @@ class StoreReader:
             info, arrays = decode(data, model=self.p.model,
                                   kv_format=None if self.p.convert else self.p.kv_format,
                                   page_size=self.p.page_size, align=self.p.aligned_reads)
-            stored = arrays.pop(HASHES, None)
+            stored, mark = arrays.pop(HASHES, None), pop_mark(arrays)
             if stored is None or [r.tobytes() for r in stored] != entry.hashes:
                 raise CorruptEntry("the entry's block hashes differ from its index record")
             exact = info.kv_format == self.p.kv_format
@@ -151,7 +158,7 @@ class StoreReader:
             with self.p.lock:                  # a recorded one is the writer's to change)
                 entry.form = info.kv_format
         return _Part(arrays, entry.hashes, len(data),
-                     entry.approx_from if exact else entry.start, convert_s)
+                     entry.approx_from if exact else entry.start, convert_s, mark)
 
     def _measure_conversion(self, kv_format: str, nbytes: int, blocks: int,
                             seconds: float) -> None:
@@ -166,6 +173,18 @@ class StoreReader:
             rates = self.p.convert_bytes_per_s
             rates[kv_format] = moving_average(rates.get(kv_format, 0.0),
                                               nbytes / max(seconds, 1e-9))
+
+    def quarantine(self, key: str) -> int:
+        """Never serve `key`'s chain again (a restore of it failed its check, `jkv.store.verify`;
+        the wrong blocks may be in any entry of it): its root and every entry continuing the
+        root leave the index now, their bytes deleted by the writer; returns how many."""
+        with self.p.lock:
+            removed = (self.p.index.remove(self.p.index.chain(key)[0])
+                       if key in self.p.index else [])
+            self.p.stats.quarantined += len(removed)
+        for k in removed:
+            self._submit(lambda k=k: self._delete(k))
+        return len(removed)
 
     def read_ahead(self, hit: Hit) -> bool:
         """Have `hit` loaded (`load`) on the store's reader thread unless it is under way

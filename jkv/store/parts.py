@@ -45,6 +45,7 @@ class StoreStats:
     prefetches: int = 0  # entries moved disk -> host ahead of their request
     superseded: int = 0  # entries replaced by a longer one of the same prefix
     disk_resets: int = 0  # persistent tiers found damaged at open, set aside and started empty
+    quarantined: int = 0  # entries whose restore failed its check: never served, deleted
 
 
 @dataclasses.dataclass(eq=False)

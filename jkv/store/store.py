@@ -355,10 +355,11 @@ class KVStore:
 
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
              session: str | None = None, rows: int | None = None, start: int = 0,
-             exact_blocks: int | None = None, form: str | None = None) -> bool:
+             exact_blocks: int | None = None, form: str | None = None,
+             mark: tuple | None = None) -> bool:
         """`StoreWriter.save`."""
         return self.writer.save(num_blocks, arrays, hashes, session, rows, start,
-                                exact_blocks, form)
+                                exact_blocks, form, mark)
 
     def clear(self) -> None:
         """`StoreWriter.clear`."""
@@ -387,6 +388,7 @@ class KVStore:
                 "save_retries": st.save_retries, "disk_full": st.disk_full,
                 "compactions": 0 if self.disk is None else self.disk.compactions,
                 "disk_resets": st.disk_resets, "converted_loads": st.converted_loads,
+                "quarantined": st.quarantined,
                 "read_bytes_per_s": dict(self.read_bytes_per_s),
                 "convert_bytes_per_s": dict(self.convert_bytes_per_s),
                 **self.placement.stats()}

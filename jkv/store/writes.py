@@ -23,6 +23,7 @@ from jkv.store.index import Entry, meta_record
 from jkv.store.parts import PendingSave, StoreParts
 from jkv.store.placement import Move
 from jkv.store.tiers import DiskError, DiskFull, HostTier, PersistentTier, TierFull
+from jkv.store.verify import mark_arrays, pop_mark
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 
@@ -48,7 +49,8 @@ class StoreWriter:
 
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
              session: str | None = None, rows: int | None = None, start: int = 0,
-             exact_blocks: int | None = None, form: str | None = None) -> bool:
+             exact_blocks: int | None = None, form: str | None = None,
+             mark: tuple | None = None) -> bool:
         """Queue blocks [start, num_blocks) of a request for the writer (`arrays`: host or
         device arrays with >= num_blocks - start rows, the first being block `start`, as
         `Engine.gather` returns them; a whole row's arrays with >= `rows` rows; `hashes`:
@@ -59,7 +61,8 @@ class StoreWriter:
         KV (`keeps_approximate` stores only; ValueError otherwise): the entry is restored
         marked approximate from there. `form`: a whole row's arrays are in this smaller
         form (a row restored from it, `SavedPages.form`; with `exact_blocks` 0): written so,
-        only smaller forms after it."""
+        only smaller forms after it. `mark`: (position, token, fingerprint) of the token just
+        past the blocks, kept with the entry (`jkv.store.verify`)."""
         approx = (None if exact_blocks is None or exact_blocks >= num_blocks
                   else max(exact_blocks, start))
         if approx is not None and not self.keeps_approximate:
@@ -95,7 +98,7 @@ class StoreWriter:
         def job() -> None:
             try:
                 self._write(Entry(hashes[start:], session, parent, start, approx), arrays,
-                            rows, form)
+                            rows, form, mark)
             finally:
                 done()
 
@@ -105,7 +108,8 @@ class StoreWriter:
         return True
 
     def _write(self, entry: Entry, arrays: Mapping[str, object],
-               rows: int | None = None, form: str | None = None) -> None:
+               rows: int | None = None, form: str | None = None,
+               mark: tuple | None = None) -> None:
         n = len(entry.hashes)
         whole, rows = rows is not None, n if rows is None else rows
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
@@ -113,13 +117,13 @@ class StoreWriter:
         src = form or self.p.kv_format  # the form the arrays are in
         fmt = src if self.p.form is None or whole else self.p.form  # (store_kv_format)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
-        data = self._encode(host, src, fmt, n * self.p.page_size, key, digests)
+        data = self._encode(host, src, fmt, n * self.p.page_size, key, digests, mark)
         self.room.recheck()  # (room a full disk has again since)
         if not self._supersede(entry, key, len(data), whole):
             return
         for retry in (False, True):  # a write the disk refused: once more, in the room made
             try:
-                stored = self._place(key, entry, data, host, src, fmt, digests, form)
+                stored = self._place(key, entry, data, host, src, fmt, digests, form, mark)
             except DiskFull as e:
                 self.room.full(e)
                 if retry:
@@ -138,7 +142,8 @@ class StoreWriter:
             return
 
     def _place(self, key: str, entry: Entry, data: memoryview, host: Mapping[str, np.ndarray],
-               src: str, fmt: str, digests: np.ndarray, form: str | None) -> bool:
+               src: str, fmt: str, digests: np.ndarray, form: str | None,
+               mark: tuple | None = None) -> bool:
         """Have the placement make room for an encoded entry and put it in the tier it
         chose (in the smaller form chosen for it, if any): whether it was stored. DiskFull
         or DiskError (nothing stored) when the disk refused it."""
@@ -156,7 +161,7 @@ class StoreWriter:
                 return False
             if moves[-1].form not in (None, fmt):  # written in the smaller form chosen for it
                 fmt = moves[-1].form
-                data = self._encode(host, src, fmt, n * self.p.page_size, key, digests)
+                data = self._encode(host, src, fmt, n * self.p.page_size, key, digests, mark)
             entry.form = None if fmt == self.p.kv_format else fmt
             with self.p.lock:  # its bytes as encoded (a form's size was an estimate)
                 more = self.p.placement.resize(key, len(data))
@@ -214,13 +219,13 @@ class StoreWriter:
         self.p.stats.saves += 1
 
     def _encode(self, arrays: Mapping[str, np.ndarray], src: str, fmt: str, num_tokens: int,
-                key: str, hashes: np.ndarray) -> memoryview:
+                key: str, hashes: np.ndarray, mark: tuple | None = None) -> memoryview:
         """An entry's bytes in KV format `fmt`, its pages converted from `src` where that
-        differs (a smaller form), with its block hashes."""
+        differs (a smaller form), with its block hashes and fingerprint."""
         if fmt != src:
             arrays = self.p.convert(arrays, src, fmt)
         info = EntryInfo(self.p.model, fmt, self.p.page_size, num_tokens, key)
-        return encode_aligned(info, {**arrays, HASHES: hashes})
+        return encode_aligned(info, {**arrays, HASHES: hashes, **mark_arrays(mark)})
 
     def _tier(self, name: str) -> HostTier | PersistentTier:
         return self.p.host if name == "host" else self.p.disk
@@ -357,10 +362,10 @@ class StoreWriter:
             return False  # (a read finds, counts and deletes it)
         if kv_format in (info.kv_format, self.p.kv_format):
             return None  # already so; the pool's own form is never made (that is a load's)
-        hashes = arrays.pop(HASHES)
+        hashes, mark = arrays.pop(HASHES), pop_mark(arrays)
         try:
             out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key,
-                               hashes)
+                               hashes, mark)
         except ValueError:  # no such form from this one (a row form no smaller than it)
             return None
         if len(out) >= len(data):
