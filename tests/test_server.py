@@ -210,6 +210,35 @@ def test_usage_reports_the_prompt_tokens_found_cached(srv):
     assert usage.usage.prompt_tokens_details.cached_tokens == cached
 
 
+def test_a_chats_second_turn_reports_its_first_turn_as_cached(srv):
+    """The acceptance's second turn through the `openai` client (by the model's base name):
+    the next turn's cached_tokens are the whole pages it shares with what the first turn
+    computed (its prompt and reply), as many as the prefix cache's hit counter moved."""
+    base = srv.name.rsplit(".", 1)[0]
+    chat = [{"role": "user", "content": f"{uuid.uuid4().hex}: name three colors of the "
+                                        "rainbow, then say which is your favourite."}]
+    first = srv.client.chat.completions.create(model=base, messages=chat, max_tokens=24,
+                                               temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    p1 = srv.llm.chat_prompt(chat)
+    reply = through_loop(srv, p1, 24)  # the same greedy reply, its token ids
+    assert reply.text == first.choices[0].message.content
+    turn = [*chat, {"role": "assistant", "content": reply.text},
+            {"role": "user", "content": "Why that one?"}]
+    hits = srv.llm.stats()["prefix_hit_tokens"]["device"]
+    second = srv.client.chat.completions.create(model=base, messages=turn, max_tokens=2,
+                                                temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == srv.llm.stats()["prefix_hit_tokens"]["device"] - hits
+    p2 = srv.llm.chat_prompt(turn)
+    fed = p1 + reply.token_ids[:-1]  # (the last token sampled is not fed)
+    common = next((i for i, (a, b) in enumerate(zip(p2, fed, strict=False)) if a != b),
+                  min(len(p2), len(fed)))
+    page = srv.llm.engine.cache.page_size
+    assert p2[:len(p1)] == p1 and cached % page == 0
+    assert len(p1) // page * page <= cached == common // page * page
+
+
 def test_completion_stream_matches_non_stream(srv):
     expected = library(srv, PROMPT)
     stream = srv.client.completions.create(model=srv.name, prompt=PROMPT,
