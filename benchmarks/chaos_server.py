@@ -50,7 +50,9 @@ class ServerProcess:
         deadline = time.monotonic() + self.start_timeout
         while not self._answers():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited at start-up; see {self.log}")
+                tail = self.log.read_text(errors="replace").splitlines()[-25:]
+                raise RuntimeError(f"{self.name} exited at start-up ({self.log}):\n"
+                                   + "\n".join(tail))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not come up in {self.start_timeout} s")
             time.sleep(0.5)

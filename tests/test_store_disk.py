@@ -248,6 +248,26 @@ def test_a_damaged_manifest_is_moved_aside_and_the_store_starts_empty(tmp_path, 
     reopened.close()
 
 
+def test_data_files_cut_short_set_the_store_aside(tmp_path):
+    """A kill or a full disk can leave OCDBT's data files shorter than its b-tree says
+    (tensorstore: OUT_OF_RANGE, not DATA_LOSS): opening sets the store aside and starts
+    empty, as for a damaged manifest, instead of refusing to start."""
+    rng = np.random.default_rng()
+    path = tmp_path / "kv"
+    s = disk_store(path)
+    runs = [chain(rng.integers(0, 1000, 2 * PAGE).tolist()) for _ in range(4)]
+    for hashes in runs:
+        s.save(2, blocks(2, rng), hashes)
+    s.close()
+    for p in (path / "d").iterdir():
+        with open(p, "r+b") as f:
+            f.truncate(p.stat().st_size // 2)
+    again = disk_store(path)
+    assert again.disk.damaged and again.snapshot()["disk_resets"] == 1
+    assert all(again.lookup(h) is None for h in runs)
+    again.close()
+
+
 def test_a_promoted_entry_keeps_its_disk_copy_until_the_host_gives_it_back(tmp_path):
     """An entry the scheduler-aware policy promotes from disk to host memory (its request is
     next) keeps its disk copy: a process that dies with it in host memory leaves it on disk

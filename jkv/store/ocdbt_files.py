@@ -32,7 +32,8 @@ def damaged(error: Exception) -> bool:
     """Whether tensorstore's error says an OCDBT database's own bytes are damaged (then it
     is started again), not that it could not be reached."""
     text = str(error)
-    return "DATA_LOSS" in text or "Error decoding" in text
+    return ("DATA_LOSS" in text or "Error decoding" in text  # flipped bytes
+            or ("OUT_OF_RANGE" in text and "byte range" in text.lower()))  # a file cut short
 
 
 def out_of_space(error: Exception) -> bool:
