@@ -7,13 +7,12 @@ requests; each `step` runs in three phases:
   `jkv.sched.restore_planning`; then the plan's moves carried out (slots, preemption,
   layers to and from the host);
 - execute: the engine's step over the plan's rows;
-- update: each request from its row's output (tokens, finishes, saves).
+- update: each request from its row's output (tokens, finishes, saves, restore checks).
 
 `Request` is what a caller gives and reads; what the scheduler keeps about a request it holds
 is its own `Tracked` record (both in `jkv.sched.request`), reset in one place when a run ends.
-Lookups, restores and saves go through `jkv.sched.store_side.StoreSide`, a part it composes;
-what planning weighs is read by `jkv.sched.plan_inputs`, and the plan turned into the engine's
-rows by `jkv.sched.step_rows`.
+Lookups, restores (and their checks) and saves go through `jkv.sched.store_side.StoreSide`;
+planning's inputs are read by `jkv.sched.plan_inputs`, the plan made rows by `step_rows`.
 """
 
 from __future__ import annotations
@@ -127,8 +126,8 @@ class Scheduler:
             return len(self.waiting) + len(self._incoming)
 
     def serve(self, stop: threading.Event, idle: Callable[[], bool] | None = None) -> None:
-        """Step while there is work; with none, call `idle` until it returns False (a
-        warm-up), else sleep; until `stop` is set. A failed step fails the requests in flight."""
+        """Step while there is work, else call `idle` until it returns False (a warm-up), then
+        sleep; until `stop` is set. A failed step fails the requests in flight."""
         while not stop.is_set():
             with self._wake:
                 busy = bool(self._incoming or self.waiting or self.running)
@@ -172,9 +171,8 @@ class Scheduler:
     def requests_offloaded(self) -> int:
         """Running requests with layers on the host (read from other threads: a request may
         have just finished, its state gone while the loop still lists it)."""
-        return sum(1 for r in list(self.running)
-                   if (t := self._state.get(r)) is not None and t.slot is not None
-                   and self.engine.offloaded_layers(t.slot))
+        return sum(1 for r in list(self.running) if (t := self._state.get(r)) is not None
+                   and t.slot is not None and self.engine.offloaded_layers(t.slot))
 
     # ------------------------------------------------------------------ one step
 
@@ -368,9 +366,8 @@ class Scheduler:
         return out_p, out_d
 
     def _update(self, prefill: list, decode: list, out_p: list, out_d: list) -> None:
-        """Each request from what its row gave (none where its restore failed its check,
-        `StoreSide.after_step`): tokens computed, the token sampled (and its finish), prompt
-        logprobs; decoding requests' saves."""
+        """Each request from what its row gave (a failed restore check: nothing,
+        `StoreSide.after_step`): tokens computed, the token sampled, logprobs; saves."""
         now = time.monotonic()
         prefill, out_p, decode, out_d = self.side.after_step(prefill, out_p, decode, out_d,
                                                              self.running, self.waiting)

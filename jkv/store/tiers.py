@@ -1,28 +1,27 @@
 """Where entry bytes live: host memory and a persistent tensorstore kvstore.
 
 Both tiers hold opaque entry bytes (`jkv.store.codec`) under string keys, count their bytes
-and refuse a write past their capacity (`TierFull`): the capacity is enforced here, and the
-store decides what to evict (`jkv.store.placement`) before it writes.
+and refuse a write past their capacity (`TierFull`); the store decides what to evict
+(`jkv.store.placement`) before it writes.
 
 The persistent tier is a tensorstore kvstore wrapped in the OCDBT driver, so every write is
-an atomic commit: a process killed mid-write leaves the previous state. Its index (keys and
-sizes) is rebuilt from the kvstore's listing when it opens: an entry's size is part of its
-stored name, `<key>@<bytes>`, so opening reads no entry. A long entry is stored as values of
-`PART` bytes, `<key>@<bytes>`, `<key>@<bytes>.1`, ... committed together, so no single
-value's conversion between Python bytes and tensorstore holds the GIL for long (a long
-entry stored whole by an earlier jkv is left alone, as are names of other formats). An
-entry may carry a small `meta` record (the store keeps its block hashes there), committed
-with it as `<key>@<bytes>.meta` and read back in one batch by `metas()`; it is not counted
-against the capacity. A database found damaged when it opens (its manifest or b-tree cannot
-be read: tensorstore says DATA_LOSS, or a manifest or node does not decode) is started empty
-(`damaged`), so a bad disk costs recomputation, never a failed start; in a directory its files
-are first moved aside to a dated sibling folder (`set_aside_to`), elsewhere they are deleted.
+an atomic commit: a process killed mid-write leaves the previous state. Its index is rebuilt
+from the listing when it opens: an entry's size is part of its stored name, `<key>@<bytes>`,
+so opening reads no entry. A long entry is stored as values of `PART` bytes (`<key>@<bytes>`,
+`<key>@<bytes>.1`, ...) committed together, so no one conversion between Python bytes and
+tensorstore holds the GIL for long (other names are left alone). An entry may carry a small
+`meta` record (its block hashes), committed with it as `<key>@<bytes>.meta`, read back in one
+batch by `metas()`, not counted against the capacity. A database found damaged when it opens
+(a manifest or b-tree node that does not decode, or a data file cut short) is started empty
+(`damaged`): a bad disk costs recomputation, never a failed start; in a directory its files
+are first moved to a dated sibling folder (`set_aside_to`), elsewhere deleted.
 
 In a directory the tier minds its filesystem (`ocdbt_files.LocalDatabase`: its capacity
 fitted to the space there, compactions giving deleted entries' bytes back). A write refused
-for want of space is `DiskFull`; `on_full` then compacts and lowers the capacity. A spare
-entry (`keep_spare`) is a copy kept on disk of one the store holds in host memory: not the
-store's to count, deleted first whenever its room is needed.
+for want of space is `DiskFull`: `on_full` compacts and lowers the capacity, `refit` raises
+it again once the filesystem has room. A spare entry (`keep_spare`) is a copy kept on disk of
+one the store holds in host memory: not the store's to count, deleted first when its room is
+needed.
 """
 
 from __future__ import annotations
@@ -194,9 +193,7 @@ class PersistentTier:
 
     # ------------------------------------------------------------------ room on the filesystem
 
-    @property
-    def compactions(self) -> int:
-        return 0 if self._db is None else self._db.compactions
+    compactions = property(lambda self: 0 if self._db is None else self._db.compactions)
 
     def compact(self) -> bool:
         """Compact the database (in a directory: `ocdbt_files.LocalDatabase.compact`), then
@@ -227,16 +224,13 @@ class PersistentTier:
         return deleted > 0 and self._db.free_space() >= self.bytes_used and self.compact()
 
     def refit(self) -> bool:
-        """Raise a capacity a full disk lowered (`on_full`) as far as the filesystem's room
-        allows now (as when opened); whether it rose."""
-        if self._db is None or self.capacity >= self.configured:
-            return False
-        self._db.measure()
-        capacity = self._db.fit(self.configured)
-        if capacity <= self.capacity:
-            return False
-        self.capacity = capacity
-        return True
+        """Raise a capacity `on_full` lowered as far as the filesystem allows now: whether
+        it rose."""
+        before = self.capacity
+        if self._db is not None and before < self.configured:
+            self._db.measure()
+            self.capacity = max(before, self._db.fit(self.configured))
+        return self.capacity > before
 
     def on_full(self) -> int:
         """After `DiskFull`: drop the spare copies, compact if that fits, and lower the
