@@ -88,11 +88,12 @@ def kill_idle(run) -> dict:
 
 
 def disk_fills(run) -> dict:
-    """Fill the store's filesystem to DISK_HEADROOM, run turns, then free it: entries reach
-    the disk again (held)."""
+    """Fill the store's filesystem to DISK_HEADROOM, run turns, then free it: held when
+    entries reach the disk again or its budget is back (the host tier may need no room)."""
     if run.tmpfs is None:
         return {"skipped": "the store is not on a size-limited filesystem (needs root)"}
     ballast = run.tmpfs / "ballast"
+    before = run.server.metrics()
     free = os.statvfs(run.tmpfs).f_bavail * os.statvfs(run.tmpfs).f_frsize
     with open(ballast, "wb") as f:
         f.truncate(0)
@@ -121,7 +122,10 @@ def disk_fills(run) -> dict:
             break
     failures = {k: after.get(k, 0) - full.get(k, 0) for k in after
                 if k.startswith("jkv_store_") and ("fail" in k or "dropped" in k)}
-    return {"held": after.get(written, 0) > mid.get(written, 0),
+    budget = 'jkv_store_capacity_bytes{tier="disk"}'  # lowered when full, back once freed
+    return {"held": (after.get(written, 0) > mid.get(written, 0)
+                     or after.get(budget, 0) >= before.get(budget, 0) > 0),
+            "disk_budget": [before.get(budget, 0), mid.get(budget, 0), after.get(budget, 0)],
             "disk_full_events": mid.get("jkv_store_disk_full_total", 0)
             - full.get("jkv_store_disk_full_total", 0),
             "to_disk_while_full": mid.get(written, 0) - full.get(written, 0),
