@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from harness import write_results
 from kv_fidelity import documents
+from plots import RESULTS
 
 import jkv.engine.runner as runner_module
 import jkv.sched.store_side as store_side
@@ -303,7 +304,8 @@ def verify(args: argparse.Namespace) -> None:
     device = jax.devices()[0]
     tag = "cpu" if device.platform == "cpu" else device.device_kind.replace(" ", "_").lower()
     result = verify_main(cfg, params, args)
-    write_results(args.out, f"restore_verify-{tag}-{dtype.name}",
+    out = RESULTS / "restore_verify" if args.out == RESULTS / "restore" else args.out
+    write_results(out, f"restore_verify-{tag}-{dtype.name}",
                   {"model": args.model or "smollm2", "dtype": dtype.name, **result}, args)
 
 

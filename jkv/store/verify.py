@@ -24,15 +24,15 @@ MARK_AT = "verify_at"  # the entry array holding the fingerprint's position, tok
 MARK = "verify_mark"  # the entry array holding the fingerprint
 
 # By "<token policy>:<KV format>" (block pages: "none", whatever their policy), (pooled, in
-# a chunk): the largest distance between a restore's fingerprint and its entry's that
-# `benchmarks/restore.py --verify` measured over the fidelity documents and chats, times
-# the margin it applies, for a fingerprint computed over the pool's KV alone (its token the
-# first its row fed: decoded, or a chunk's first; a restore gives that KV as it was, so
-# only rounding and, under a token policy, placements since differ) and for one computed
-# inside a prefill chunk (it read the chunk's earlier tokens in the model dtype, which the
-# restore gives as the pool stores them; converted forms are counted so too). None is
-# below what rounding alone gives the model in bfloat16 (none:auto's, measured in both
-# dtypes; the others in float32).
+# a chunk): the largest distance between a restore's fingerprint and its entry's that runs
+# of `benchmarks/restore.py --verify` measured over the fidelity documents and chats
+# (benchmarks/results/restore_verify/), times its margin, for a fingerprint computed over
+# the pool's KV alone (its token the first its row fed: decoded, or a chunk's first; a
+# restore gives that KV as it was, so only rounding and, under a token policy, placements
+# since differ) and for one computed inside a prefill chunk (it read the chunk's earlier
+# tokens in the model dtype, which the restore gives as the pool stores them; converted
+# forms are counted so too). None is below 0.024, room for a bfloat16 model's rounding
+# (float32 restores of block pages measure about 2e-6).
 TOLERANCE: dict[str, tuple[float, float]] = {
     "none:auto": (0.024, 0.024),
     "none:int8": (0.024, 0.024),
@@ -41,14 +41,14 @@ TOLERANCE: dict[str, tuple[float, float]] = {
     "none:k4v2": (0.024, 0.24),
     "none:k2v2": (0.024, 0.37),
     "none:k8v4t": (0.024, 0.041),
-    "none:k4v2t": (0.024, 0.22),
-    "none:k4v8t": (0.024, 0.099),
+    "none:k4v2t": (0.024, 0.24),
+    "none:k4v8t": (0.024, 0.23),
     "none:k2v4t": (0.024, 0.48),
     "leankv:k8v4t": (0.039, 0.091),
     "leankv:k4v8t": (0.06, 0.3),
-    "streaming:auto": (0.11, 0.59),
+    "streaming:auto": (0.12, 0.59),
     "h2o:auto": (0.079, 0.088),
-    "snapkv:auto": (0.024, 0.25),
+    "snapkv:auto": (0.069, 0.25),
 }
 
 
