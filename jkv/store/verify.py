@@ -32,7 +32,10 @@ MARK = "verify_mark"  # the entry array holding the fingerprint
 # since differ) and for one computed inside a prefill chunk (it read the chunk's earlier
 # tokens in the model dtype, which the restore gives as the pool stores them; converted
 # forms are counted so too). None is below 0.024, room for a bfloat16 model's rounding
-# (float32 restores of block pages measure about 2e-6).
+# (float32 restores of block pages measure about 2e-6). Token policies are not verified: a
+# restored row's tokens were placed (kept, evicted, demoted) after the fingerprint was
+# taken, so an honest distance depends on the model (on SmolLM2 streaming's reached 0.058,
+# on a tiny random model 0.29) and no one tolerance separates it from a wrong restore's.
 TOLERANCE: dict[str, tuple[float, float]] = {
     "none:auto": (0.024, 0.024),
     "none:int8": (0.024, 0.024),
@@ -44,11 +47,6 @@ TOLERANCE: dict[str, tuple[float, float]] = {
     "none:k4v2t": (0.024, 0.24),
     "none:k4v8t": (0.024, 0.23),
     "none:k2v4t": (0.024, 0.48),
-    "leankv:k8v4t": (0.039, 0.091),
-    "leankv:k4v8t": (0.06, 0.3),
-    "streaming:auto": (0.12, 0.59),
-    "h2o:auto": (0.079, 0.088),
-    "snapkv:auto": (0.069, 0.25),
 }
 
 
