@@ -14,7 +14,11 @@ over the time of 1 + N tokens minus the time of 1. The two engines are timed alt
 is jkv's speed over transformers' (above 1: jkv is faster). With --batch N, jkv's decode
 throughput with N streams at once is measured too. Writes
 benchmarks/results/cpu_throughput/cpu_throughput-<date>.json (-2, -3, ... for later runs
-that day; the CPU's model as `lscpu` names it is in the JSON) and its plot.
+that day; the CPU's model as `lscpu` names it is in the JSON) and its plot. XLA_FLAGS is
+recorded too: on a part where jkv is the slower, compare runs under candidates such as
+`XLA_FLAGS=--xla_cpu_use_onednn=true`, `--xla_cpu_use_xnnpack=true` or
+`--xla_cpu_prefer_vector_width=512` (on the AMD EPYC of the committed runs none of them moved
+the 2K prefill beyond run-to-run noise).
 """
 
 from __future__ import annotations
@@ -193,6 +197,7 @@ def main() -> None:
     print("(jkv/transformers: jkv's speed over transformers'; above 1, jkv is faster)")
 
     result = {"numpy": np.__version__, **hf.versions, **jkv.versions,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "max_model_len": MAX_MODEL_LEN, "rows": rows, "times_s": times}
     write_results(args.out, "cpu_throughput", result, args)
 
