@@ -318,6 +318,21 @@ def test_bad_configuration_is_a_value_error(tmp_path):
         store(host_cache_bytes=0)
 
 
+def test_an_entry_larger_than_every_tier_is_a_counted_drop_and_keeps_the_shorter_run():
+    rng = np.random.default_rng()
+    s = store(host_cache_bytes=entry_bytes(2) + 64)
+    tokens = rng.integers(0, 1000, 4 * PAGE).tolist()
+    hashes, data = chain(tokens), blocks(4, rng)
+    assert s.save(2, data, hashes)
+    s.flush()
+    assert s.save(4, data, hashes)  # queued; the writer finds it fits no tier
+    s.flush()
+    assert s.snapshot()["saves_dropped"] == 1
+    hit = s.lookup(hashes)
+    assert hit is not None and hit.blocks == 2
+    s.close()
+
+
 def assert_read_ahead(s: KVStore, hit, hashes: list[bytes], data: dict) -> None:
     """Once the reader is done, `hit`'s read is ready and gives `hashes` and `data` from
     the host tier."""

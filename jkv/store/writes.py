@@ -190,8 +190,11 @@ class StoreWriter:
         tier, its parent still stored); if so, the shorter runs it replaces are deleted
         before the placement makes its room."""
         with self.p.lock:
-            if key in self.p.index or size > max(self.p.placement.capacity.values()):
-                return False  # already stored, or fits no tier (then the shorter runs stay)
+            if key in self.p.index:
+                return False  # already stored
+            if size > max(self.p.placement.capacity.values()):
+                self.p.stats.saves_dropped += 1  # fits no tier (the shorter runs stay)
+                return False
             if entry.parent is not None and entry.parent not in self.p.index:
                 self.p.stats.saves_dropped += 1  # its parent was evicted meanwhile: unreachable
                 return False
