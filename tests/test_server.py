@@ -877,9 +877,8 @@ def test_the_published_schema_is_what_the_server_does(tmp_path):
     random model with the embedded one's tokenizer (the schema is the API's, not the
     model's), a short context (40 tokens: a chat's template takes 30, so a reply is short),
     5 examples per operation, a fixed seed, no background warm-up competing with the
-    requests. One
-    check is left out: positive_data_acceptance, because a schema cannot state the one limit
-    that depends on the prompt's tokenization (prompt tokens + max_tokens within
+    requests. One check is left out: positive_data_acceptance, because a schema cannot state
+    the one limit that depends on the prompt's tokenization (prompt tokens + max_tokens within
     max_model_len: a documented 400); the 400s of schema constraints are checked from the
     other side by negative_data_rejection."""
     import shutil
