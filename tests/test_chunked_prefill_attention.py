@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from covering import rotated_cover
 from paged_inputs import paged_attention_inputs
 
 from jkv.attention.xla import xla_attention
@@ -35,8 +36,7 @@ PAGE, GROUP, WIDTH, POISON = 8, 32, 8, 1e4
 # of the shapes, rotated so that every shape meets three formats; per-token key scales (the
 # values' arithmetic on the key side) over one.
 SHAPES = [(1, 64), (3, 128), (4, 64), (8, 128)]
-FORMAT_SHAPES = [(*f, *SHAPES[(i + 2 * j) % len(SHAPES)])
-                 for i, f in enumerate(f for f in FORMATS if not f[2]) for j in range(2)]
+FORMAT_SHAPES = rotated_cover([f for f in FORMATS if not f[2]], SHAPES, 2, stride=2)
 FORMAT_SHAPES += [(*f, *SHAPES[1]) for f in FORMATS if f[2]]
 FORMAT_DTYPES = [(*f, dt) for f in FORMATS
                  for dt in ([jnp.bfloat16, jnp.float32] if not f[2] else [jnp.bfloat16])]

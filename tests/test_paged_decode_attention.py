@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from covering import rotated_cover
 
 from jkv.kv.format import KV_FORMATS, KVFormat
 from jkv.kv.pages import KVPages
@@ -33,8 +34,7 @@ PAIRS = sorted({(k, v) for k, v, _ in FORMATS}, reverse=True)
 # and a shape's tiling fail apart); per-token key scales (the values' arithmetic on the key
 # side) over one.
 SHAPES = [(gqa, d) for gqa in (1, 3, 4, 8) for d in (64, 128)]
-FORMAT_SHAPES = [(*f, *SHAPES[(i + 3 * j) % len(SHAPES)])
-                 for i, f in enumerate(f for f in FORMATS if not f[2]) for j in range(3)]
+FORMAT_SHAPES = rotated_cover([f for f in FORMATS if not f[2]], SHAPES, 3, stride=3)
 FORMAT_SHAPES += [(*f, 3, 128) for f in FORMATS if f[2]]
 FORMAT_DTYPES = [(*f, dt) for f in FORMATS
                  for dt in ([jnp.bfloat16, jnp.float32] if not f[2] else [jnp.bfloat16])]

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from covering import rotated_cover
 
 from jkv.kv.format import KV_FORMATS, SCALE_DTYPE, KVFormat
 from jkv.kv.pages import KVPages
@@ -177,8 +178,7 @@ WRITE_SHAPES = [(64, 8, 32, 5), (128, 16, 64, 1), (64, 16, 64, 3), (128, 8, 32, 
                 (64, 8, 128, 2)]  # (d, page, group, pages written)
 # a covering design that keeps the suite's time in bounds: each format over three of the
 # shapes, rotated so that every shape meets three or four formats
-FORMAT_WRITE_SHAPES = [(*f, *WRITE_SHAPES[(i + 2 * j) % len(WRITE_SHAPES)])
-                       for i, f in enumerate(FORMATS) for j in range(3)]
+FORMAT_WRITE_SHAPES = rotated_cover(FORMATS, WRITE_SHAPES, 3, stride=2)
 
 
 @pytest.mark.parametrize("k_bits,v_bits,d,page,group,n", FORMAT_WRITE_SHAPES)
