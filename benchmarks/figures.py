@@ -289,8 +289,45 @@ def kv_sharing(results: list[dict]) -> Figure:
     return fig
 
 
+def frontier_label(family: str) -> str:
+    """`g1` -> per-layer low rank, `g3` -> groups of 3, `chosen:pre` -> chosen per
+    conversation (pre-RoPE keys)."""
+    if family == "g1":
+        return "low rank per layer"
+    if family.startswith("g"):
+        return f"shared bases, groups of {family[1:]}"
+    keys = family.split(":")[1]
+    return f"shared bases, groups chosen per conversation ({keys}-RoPE keys)"
+
+
+def kv_frontier(results: list[dict]) -> Figure:
+    """Shared bases against quantized formats: bytes over bf16 pages against the next turn's
+    perplexity change (log; below 0.01% drawn at 0.01%), a line per grouping."""
+    fig, axes = grid(results, 1, size=(7.0, 4.6))
+    for r, (ax,) in zip(results, axes, strict=True):
+        lines: dict[str, list] = {}
+        for name, row in r["rows"].items():
+            if "@" in name:
+                lines.setdefault(name.split("@")[0], []).append(
+                    (row["rate"], max(100 * row["perplexity_change"], 0.01)))
+        for i, (family, points) in enumerate(sorted(lines.items())):
+            ax.plot(*zip(*sorted(points), strict=True), marker="o", markersize=3,
+                    color=COLORS[(i + 1) % len(COLORS)], label=frontier_label(family))
+        for name, row in r["rows"].items():
+            if "@" not in name:
+                x, y = row["rate"], max(100 * row["perplexity_change"], 0.01)
+                ax.scatter([x], [y], color=COLORS[0], marker="s", s=24, zorder=3)
+                ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        log_scale(ax)
+        ax.set_xlabel("stored bytes / bf16 pages' bytes (squares: jkv's KV formats)")
+        ax.set_ylabel("next turn's perplexity change (%)")
+        ax.legend(fontsize=7)
+    return fig
+
+
 FIGURES: dict[str, Callable[[list[dict]], Figure]] = {
     "kernels": kernels, "kv_fidelity": kv_fidelity, "kv_budget": kv_budget,
     "tier_cost": tier_cost, "layer_offload": layer_offload, "restore": restore,
     "serve": serve, "serve_slo": serve_slo, "serve_replay": serve_slo, "store_sim": store_sim,
-    "adapt_orders": adapt_orders, "cpu_throughput": cpu_throughput, "kv_sharing": kv_sharing}
+    "adapt_orders": adapt_orders, "cpu_throughput": cpu_throughput, "kv_sharing": kv_sharing,
+    "kv_frontier": kv_frontier}

@@ -66,6 +66,18 @@ class StoreConfig:
                 "hashes in the device cache, and keeps what a conversation restored from it "
                 "computes next, marked approximate); one of the kv_format names; default: "
                 "the pool's own"})
+    kv_sharing: str = field(default="none", metadata={
+        "help": "cross-layer shared KV in the store (Krul): none, or krul, which keeps each stored "
+                "conversation as one basis per group of adjacent layers and per-token quantized "
+                "coefficients, the groups and ranks chosen from its own KV on the store's "
+                "writer thread, at `kv_sharing_rate`; an entry that form would keep poorly "
+                "stays in the pool's format. Restores approximate KV like store_kv_format. It "
+                "pays where a model's adjacent layers share a KV subspace; on SmolLM2-135M no "
+                "shared form beats the quantized formats at equal bytes (docs/results.md)",
+        "choices": ("none", "krul")})
+    kv_sharing_rate: float = field(default=0.3, metadata={
+        "help": "bytes of a shared-layer entry (with kv_sharing krul) over the same tokens' "
+                "bfloat16 pages, bases and scales included"})
     adapt_profile: str | None = field(default=None, metadata={
         "help": "AdaptCache's quality profile (with `eviction_policy` adaptcache): the quality "
                 "of the compressed forms (JSON, written by benchmarks/adapt_profile.py, or for "
@@ -120,6 +132,17 @@ class StoreConfig:
         require(self, "store_kv_format", self.store_kv_format is None
                 or self.eviction_policy != "adaptcache",
                 "None with eviction_policy adaptcache (it picks each entry's format)")
+        require(self, "kv_sharing_rate", isinstance(self.kv_sharing_rate, int | float)
+                and not isinstance(self.kv_sharing_rate, bool)
+                and 0 < self.kv_sharing_rate < 1, "a number in (0, 1)")
+        if self.kv_sharing != "none" and self.store_kv_format is not None:
+            raise ValueError(f"StoreConfig.kv_sharing {self.kv_sharing!r} and "
+                             f"StoreConfig.store_kv_format {self.store_kv_format!r} both set "
+                             "the store's form: give one")
+        if self.kv_sharing != "none" and self.eviction_policy == "adaptcache":
+            raise ValueError(f"StoreConfig.kv_sharing {self.kv_sharing!r} and "
+                             "StoreConfig.eviction_policy 'adaptcache' both choose entries' "
+                             "forms: give one")
         require(self, "adapt_profile", self.adapt_profile is None
                 or self.eviction_policy == "adaptcache",
                 "None unless eviction_policy is adaptcache")

@@ -119,6 +119,7 @@ BAD = [(LoadConfig, "model", 3), (LoadConfig, "dtype", "fp8"),
        (StoreConfig, "eviction_policy", "random"), (StoreConfig, "adapt_alpha", -1.0),
        (StoreConfig, "adapt_quality_floor", 1.5),
        (StoreConfig, "adapt_half_life", 0), (StoreConfig, "store_kv_format", "k9v9"),
+       (StoreConfig, "kv_sharing", "xkv"), (StoreConfig, "kv_sharing_rate", 0.0),
        (StoreConfig, "adapt_profile", "p.json")]  # (without eviction_policy adaptcache)
 
 

@@ -28,10 +28,9 @@ import jax
 import numpy as np
 
 from jkv.averages import moving_average
+from jkv.engine.stored_kv import convert_stored
 from jkv.kv.block_runs import BlockRuns, power_of_two_runs
 from jkv.kv.buckets import bucket
-from jkv.kv.format import KVFormat
-from jkv.kv.kv_forms import convert_pages
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
@@ -204,8 +203,9 @@ class KVConnector:
         return True
 
     def convert_stored(self, arrays: dict, src: str, dst: str, dtype) -> dict[str, np.ndarray]:
-        """A stored entry's pages in KV format `src` as pages of `dst` (`kv_forms`)."""
-        return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), dtype)
+        """A stored entry's arrays in form `src` as those of `dst` (`stored_kv`)."""
+        return convert_stored(arrays, src, dst, dtype, rotate=self._rotate,
+                              heads=self.num_kv_heads, page=self.cache.page_size)
 
     def write_due(self, slot: int) -> None:
         """Write `slot`'s queued restore now unless its next step stages it layer by layer

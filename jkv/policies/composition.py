@@ -32,7 +32,8 @@ def composition_rows() -> list[tuple[str, ...]]:
             f"`{policy.name}`", f"`{layout.__name__}`",
             "layers placed while brought in for their turn" if policy.token_tiers
             else "blocks sent out as they fill",
-            "whole rows, compression kept" if policy.token_tiers else "blocks, tail entries",
+            "whole rows, compression kept (`kv_sharing` refused: heads keep their own tokens)"
+            if policy.token_tiers else "blocks, tail entries (`kv_sharing`: shared-layer form)",
             "ended rows kept whole" if policy.token_tiers else "shared full blocks",
             "only where layer offload cannot make room; what no cache or store gives back "
             "is recomputed and placed (or scaled) anew: tokens sampled before stand, later "

@@ -46,6 +46,10 @@ class StoreStats:
     superseded: int = 0  # entries replaced by a longer one of the same prefix
     disk_resets: int = 0  # persistent tiers found damaged at open, set aside and started empty
     quarantined: int = 0  # entries whose restore failed its check: never served, deleted
+    shared_entries: int = 0  # entries written in the shared-layer form (kv_sharing)
+    shared_groups: int = 0  # their groups of more than one layer sharing a basis
+    shared_bytes_saved: int = 0  # their bytes fewer than in the pool's format
+    shared_refused: int = 0  # entries the shared form would keep poorly: the pool's format
 
 
 @dataclasses.dataclass(eq=False)

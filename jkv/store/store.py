@@ -41,6 +41,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from jkv.config import StoreConfig
 from jkv.store.adapt_profile import Profile
 from jkv.store.adapt_store import FOREIGN, AdaptStorePlacement
+from jkv.store.entry_forms import store_form
 from jkv.store.index import Hit, parse_meta
 from jkv.store.loads import Loaded, StoreReader
 from jkv.store.parts import StoreParts, StoreStats
@@ -92,10 +93,10 @@ class KVStore:
         host = HostTier(config.host_cache_bytes)
         disk = (None if config.persistent is None or not config.disk_cache_bytes
                 else PersistentTier(config.persistent, config.disk_cache_bytes, free_space))
-        form = (None if config.store_kv_format in (None, kv_format)
-                else config.store_kv_format)  # the format entries are written in
+        form = store_form(config, kv_format, whole_rows)  # entries are written in
         if form is not None and convert is None:
-            raise ValueError("store_kv_format needs the engine's KV format conversion")
+            raise ValueError(f"the store's form {form} needs the engine's KV format "
+                             "conversion")
         disk_bytes = 0 if disk is None else disk.capacity  # (fitted to its filesystem)
         if config.eviction_policy == "adaptcache":
             if convert is None or (not whole_rows and kv_format not in ("auto", "bf16")):
@@ -389,6 +390,9 @@ class KVStore:
                 "compactions": 0 if self.disk is None else self.disk.compactions,
                 "disk_resets": st.disk_resets, "converted_loads": st.converted_loads,
                 "quarantined": st.quarantined,
+                "shared_entries": st.shared_entries, "shared_groups": st.shared_groups,
+                "shared_bytes_saved": st.shared_bytes_saved,
+                "shared_refused": st.shared_refused,
                 "read_bytes_per_s": dict(self.read_bytes_per_s),
                 "convert_bytes_per_s": dict(self.convert_bytes_per_s),
                 **self.placement.stats()}

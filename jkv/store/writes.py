@@ -17,17 +17,17 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jkv.store.codec import CorruptEntry, EntryInfo, EntryMismatch, decode, encode_aligned
+from jkv.store.codec import CorruptEntry, EntryMismatch, decode
 from jkv.store.disk_room import DiskRoom
+from jkv.store.entry_forms import HASHES, count_shared, encode_entry
 from jkv.store.index import Entry, meta_record
 from jkv.store.parts import PendingSave, StoreParts
 from jkv.store.placement import Move
 from jkv.store.tiers import DiskError, DiskFull, HostTier, PersistentTier, TierFull
-from jkv.store.verify import mark_arrays, pop_mark
+from jkv.store.verify import pop_mark
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 
-HASHES = "block_hashes"  # the entry array holding its chained block hashes
 
 
 class StoreWriter:
@@ -115,9 +115,10 @@ class StoreWriter:
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
         key = entry.hashes[-1].hex()
         src = form or self.p.kv_format  # the form the arrays are in
-        fmt = src if self.p.form is None or whole else self.p.form  # (store_kv_format)
+        fmt = src if self.p.form is None or whole else self.p.form  # (the store's own form)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
-        data = self._encode(host, src, fmt, n * self.p.page_size, key, digests, mark)
+        data, fmt, shared = encode_entry(self.p, host, src, fmt, n * self.p.page_size, key,
+                                         digests, mark)
         self.room.recheck()  # (room a full disk has again since)
         if not self._supersede(entry, key, len(data), whole):
             return
@@ -137,6 +138,8 @@ class StoreWriter:
                 return
             if stored:
                 self._index_written(key, entry)
+                if shared is not None:
+                    count_shared(self.p.stats, *shared)
             elif retry:  # the room was not made after all
                 self.p.stats.saves_dropped += 1
             return
@@ -161,7 +164,8 @@ class StoreWriter:
                 return False
             if moves[-1].form not in (None, fmt):  # written in the smaller form chosen for it
                 fmt = moves[-1].form
-                data = self._encode(host, src, fmt, n * self.p.page_size, key, digests, mark)
+                data, fmt, _ = encode_entry(self.p, host, src, fmt, n * self.p.page_size, key,
+                                            digests, mark)
             entry.form = None if fmt == self.p.kv_format else fmt
             with self.p.lock:  # its bytes as encoded (a form's size was an estimate)
                 more = self.p.placement.resize(key, len(data))
@@ -220,15 +224,6 @@ class StoreWriter:
             self.delete(key)
             return
         self.p.stats.saves += 1
-
-    def _encode(self, arrays: Mapping[str, np.ndarray], src: str, fmt: str, num_tokens: int,
-                key: str, hashes: np.ndarray, mark: tuple | None = None) -> memoryview:
-        """An entry's bytes in KV format `fmt`, its pages converted from `src` where that
-        differs (a smaller form), with its block hashes and fingerprint."""
-        if fmt != src:
-            arrays = self.p.convert(arrays, src, fmt)
-        info = EntryInfo(self.p.model, fmt, self.p.page_size, num_tokens, key)
-        return encode_aligned(info, {**arrays, HASHES: hashes, **mark_arrays(mark)})
 
     def _tier(self, name: str) -> HostTier | PersistentTier:
         return self.p.host if name == "host" else self.p.disk
@@ -367,10 +362,12 @@ class StoreWriter:
             return None  # already so; the pool's own form is never made (that is a load's)
         hashes, mark = arrays.pop(HASHES), pop_mark(arrays)
         try:
-            out = self._encode(arrays, info.kv_format, kv_format, info.num_tokens, info.key,
-                               hashes, mark)
+            out, written, _ = encode_entry(self.p, arrays, info.kv_format, kv_format,
+                                           info.num_tokens, info.key, hashes, mark)
         except ValueError:  # no such form from this one (a row form no smaller than it)
             return None
+        if written != kv_format:
+            return None  # the form refused it
         if len(out) >= len(data):
             return None  # forms only shrink
         with self.p.lock:
@@ -391,3 +388,4 @@ class StoreWriter:
             more = self.p.placement.resize(key, len(out))
         self.apply(more)
         return True
+

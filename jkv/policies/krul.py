@@ -1,0 +1,95 @@
+"""Krul's shared-layer KV as a stored form (`kv_sharing="krul"`): which layers of a stored
+conversation share a basis, and how many ranks each group keeps, chosen from its own KV.
+
+A conversation's keys (rotated back by their place in the entry) and values are each split into
+groups of adjacent layers, at most `max_group`, by the least truncation error at the form's
+rate (dynamic programming over the groups' spectra: `shared_basis.choose_groups`); the entry's
+byte budget (the rate times its bf16 bytes) is then spent on ranks greedily across every group
+of both sides, up to the directions that hold less than `LEAST_ENERGY` of a layer's energy (a
+conversation whose KV is of low rank is stored in fewer bytes), and the coefficients' bits are
+whichever of `BITS` reconstructs this conversation's KV best. A plan whose mean relative error
+per layer exceeds `max_error` is refused (None): the store then keeps the entry in the pool's
+format, since a history that short, or that unlike a low-rank one, is not worth its quality.
+Pure decisions on arrays; `jkv.kv.shared_form` carries them out.
+
+An entry's first `SINKS` tokens are kept whole: where they are a conversation's first, they are
+its attention sinks, whose small reconstruction error costs much (SmolLM2, prose, rate 0.3:
+the next turn's perplexity +2.5% with them whole, +40% without; `benchmarks/kv_frontier.py
+--sinks 0`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from jkv.kv import shared_basis as sb
+from jkv.kv.shared_form import BLOCK, SIDES, Plan
+
+BITS = (8, 4)  # coefficient bits tried
+MAX_GROUP = 3  # layers one basis may serve
+MAX_ERROR = 0.05  # mean relative squared error per layer above which the form is refused
+LEAST_ENERGY = 1e-4  # a direction holding less of a layer's energy is not worth its bytes
+SINKS = 4  # an entry's first tokens kept whole: attention sinks, whose small error costs much
+
+
+def spectra(x: np.ndarray, max_group: int) -> dict[tuple[int, int], sb.Spectrum]:
+    """The spectrum of every adjacent group of at most `max_group` layers of x [L, T, F]."""
+    layers = x.shape[0]
+    return {(s, g): sb.spectrum(x[s:s + g]) for g in range(1, max_group + 1)
+            for s in range(layers - g + 1)}
+
+
+def plan_for(specs: Mapping[str, Mapping[tuple[int, int], sb.Spectrum]], layers: int,
+             tokens: int, features: int, rate: float, bits: int, max_group: int,
+             sinks: int) -> Plan:
+    """Groups per side by least truncation error at `rate` (`specs`: of the tokens after the
+    `sinks`), then ranks for what the budget leaves after the sinks."""
+    rest = tokens - sinks
+    groups = {side: sb.choose_groups(sb.grouping_costs(specs[side], rate, rest, features,
+                                                       bits, BLOCK), layers, max_group)
+              for side in SIDES}
+    order = [(side, grp) for side in SIDES for grp in groups[side]]
+    budget = int(rate * len(SIDES) * layers * tokens * features * 2)
+    budget -= len(SIDES) * layers * sinks * features * 2
+    ranks = sb.allocate_ranks([specs[side][grp] for side, grp in order], rest, features,
+                              bits, BLOCK, budget, LEAST_ENERGY)
+    per_side = {side: [r for (s, _), r in zip(order, ranks, strict=True) if s == side]
+                for side in SIDES}
+    return Plan(groups, per_side, bits, sinks)
+
+
+def plan_error(sides: Mapping[str, np.ndarray], plan: Plan) -> float:
+    """Mean relative squared error per layer (each layer's centered energy) of `plan`'s
+    reconstruction of `sides` [L, T, F] after its sinks, quantization included."""
+    errors = []
+    for side in SIDES:
+        x = sides[side][:, plan.sinks:]
+        for (first, size), rank in zip(plan.groups[side], plan.ranks[side], strict=True):
+            part = sb.fit(x[first:first + size], rank, plan.bits, BLOCK)
+            y = sb.reconstruct(part, BLOCK)
+            block = x[first:first + size]
+            centered = block - block.mean(axis=1, keepdims=True)
+            errors += list(np.sum(np.square(block - y), axis=(1, 2))
+                           / np.maximum(np.sum(np.square(centered), axis=(1, 2)), 1e-30))
+    return float(np.mean(errors))
+
+
+def choose(sides: Mapping[str, np.ndarray], rate: float, max_group: int = MAX_GROUP,
+           max_error: float = MAX_ERROR) -> tuple[Plan, float] | None:
+    """The plan of the shared form at `rate` for these sides [L, T, F] (keys rotated back)
+    and its error; None when no plan keeps the error within `max_error`."""
+    layers, tokens, features = sides["k"].shape
+    max_group, sinks = min(max_group, layers), min(SINKS, tokens)
+    specs = {side: spectra(sides[side][:, sinks:], max_group) for side in SIDES}
+    best = None
+    for bits in BITS:
+        plan = plan_for(specs, layers, tokens, features, rate, bits, max_group, sinks)
+        err = plan_error(sides, plan)
+        if best is None or err < best[1]:
+            best = (plan, err)
+    return best if best[1] <= max_error else None
+
+
+__all__ = ["BITS", "MAX_ERROR", "MAX_GROUP", "choose", "plan_error", "plan_for", "spectra"]

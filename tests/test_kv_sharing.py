@@ -1,0 +1,213 @@
+"""Shared-layer KV in the store (`kv_sharing="krul"`): the stored form's round trip with rotary
+keys at any offset, the Krul policy's choice and refusal, the store's handling of both, the
+settings it refuses, and the acceptance targets on a model whose layers share a KV subspace."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.config import CacheConfig, EngineConfig, ModelConfig, StoreConfig
+from jkv.engine.engine import Engine
+from jkv.kv import shared_form as sf
+from jkv.kv.format import KV_FORMATS
+from jkv.kv.pages import KVPages
+from jkv.models.loaders import random_params
+from jkv.models.rope import apply_rope, inv_frequencies
+from jkv.policies import krul
+from jkv.store.store import KVStore
+
+L, T, H, D, PAGE = 6, 256, 2, 16, 16
+ROTATE = partial(apply_rope, inv_freq=jnp.asarray(inv_frequencies(D, 10000.0)))
+
+
+def as_pages(x: np.ndarray) -> np.ndarray:
+    """[L, T, H, D] as pages [T // PAGE, L, H, PAGE, D]."""
+    return np.moveaxis(x.reshape(L, T // PAGE, PAGE, H, D), (1, 2), (0, 3)).astype(np.float32)
+
+
+def planted_entry(rng, offset: int, groups=(3, 3), rank=4) -> dict[str, np.ndarray]:
+    """Pages whose layers share a rank-`rank` token subspace per group (pre-RoPE keys and
+    values), keys rotated to positions offset + t."""
+    k, v = [], []
+    for size in groups:
+        c = rng.standard_normal((T, rank))
+        for _ in range(size):
+            k.append((c @ rng.standard_normal((rank, H * D))).reshape(T, H, D) + 0.5)
+            v.append((c @ rng.standard_normal((rank, H * D))).reshape(T, H, D))
+    pos = jnp.broadcast_to(offset + jnp.arange(T), (L, T))
+    return {"k": as_pages(np.asarray(ROTATE(jnp.asarray(np.stack(k)), pos))),
+            "v": as_pages(np.stack(v))}
+
+
+def test_form_names():
+    assert sf.parse_form(sf.form_name(0.3)) == 0.3 == sf.parse_form("krul@0.3")
+    for name in ("krul", "krul@0", "krul@1.5", "krul@x", "k8v4", "h2o@0.3", "krul@nan"):
+        assert sf.parse_form(name) is None
+
+
+@pytest.mark.parametrize("offset", [0, 1000])
+def test_a_shared_subspace_round_trips_at_any_offset_in_far_fewer_bytes(offset):
+    arrays = planted_entry(np.random.default_rng(), offset)
+    sides = sf.dense_sides(arrays, KV_FORMATS["auto"], ROTATE)
+    plan, err = krul.choose(sides, 0.2)
+    assert plan.groups == {"k": [(0, 3), (3, 3)], "v": [(0, 3), (3, 3)]}
+    assert plan.ranks == {"k": [4, 4], "v": [4, 4]} and err < 1e-3
+    stored = sf.encode(sides, plan, H)
+    assert sf.shared_groups(stored) == 4
+    assert sum(x.nbytes for x in stored.values()) * 10 < sum(x.nbytes for x in arrays.values())
+    back = sf.decode(stored, KV_FORMATS["auto"], jnp.float32, ROTATE, PAGE)
+    for side in ("k", "v"):
+        scale = np.abs(arrays[side]).max()
+        assert np.abs(back[side] - arrays[side]).max() < 0.01 * scale
+        # the sinks are whole (float16)
+        assert np.allclose(back[side][0, :, :, :krul.SINKS], arrays[side][0, :, :, :krul.SINKS],
+                           rtol=1e-3, atol=1e-3 * scale)
+
+
+def test_it_decodes_into_a_quantized_pool():
+    arrays = planted_entry(np.random.default_rng(), 5)
+    sides = sf.dense_sides(arrays, KV_FORMATS["auto"], ROTATE)
+    stored = sf.encode(sides, krul.choose(sides, 0.2)[0], H)
+    fmt = KV_FORMATS["k8v4"]
+    back = sf.decode(stored, fmt, jnp.float32, ROTATE, PAGE)
+    want = KVPages.from_dense(jnp.asarray(arrays["k"]), jnp.asarray(arrays["v"]), fmt)
+    assert sorted(back) == sorted(want.arrays())
+    k, v = KVPages.from_arrays(fmt, {n: jnp.asarray(x) for n, x in back.items()}).dense()
+    assert np.abs(np.asarray(k) - arrays["k"]).max() < 0.05 * np.abs(arrays["k"]).max()
+
+
+def test_kv_without_low_rank_structure_is_refused_at_a_low_rate():
+    rng = np.random.default_rng()
+    arrays = {"k": as_pages(rng.standard_normal((L, T, H, D))),
+              "v": as_pages(rng.standard_normal((L, T, H, D)))}
+    sides = sf.dense_sides(arrays, KV_FORMATS["auto"], ROTATE)
+    assert krul.choose(sides, 0.05) is None
+
+
+def test_arrays_that_are_not_a_shared_entry_are_a_value_error():
+    arrays = planted_entry(np.random.default_rng(), 0)
+    sides = sf.dense_sides(arrays, KV_FORMATS["auto"], ROTATE)
+    stored = sf.encode(sides, krul.choose(sides, 0.2)[0], H)
+    for broken in ({n: x for n, x in stored.items() if n != "g1.basis"},
+                   {**stored, "layout": stored["layout"][:1]}):
+        with pytest.raises(ValueError, match="shared form"):
+            sf.reconstruct(broken)
+
+
+# ---------------------------------------------------------------------------- the store
+
+TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=L,
+                   num_heads=4, num_kv_heads=H, head_dim=D, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=1 << 22)
+    return Engine(TINY, random_params(TINY, seed=1, dtype=jnp.float32), cache=cache,
+                  config=EngineConfig(max_model_len=512, max_num_seqs=2, prefill_chunk=64))
+
+
+def store_for(engine, **kw) -> KVStore:
+    return KVStore(StoreConfig(host_cache_bytes=1 << 26, **kw), model=engine.fingerprint,
+                   kv_format=engine.kv_format, page_size=PAGE, convert=engine.convert_stored)
+
+
+def test_the_store_writes_the_shared_form_and_restores_its_reconstruction(engine):
+    arrays = planted_entry(np.random.default_rng(), 0)
+    hashes = [bytes([i]) * 16 for i in range(T // PAGE)]
+    plain, shared = store_for(engine), store_for(engine, kv_sharing="krul")
+    for store in (plain, shared):
+        assert store.save(T // PAGE, arrays, hashes)
+        store.flush()
+    snap = shared.snapshot()
+    assert snap["shared_entries"] == 1 and snap["shared_groups"] == 4
+    assert snap["bytes"]["host"] * 10 < plain.snapshot()["bytes"]["host"]
+    assert snap["shared_bytes_saved"] > 0
+    loaded = shared.load(shared.lookup(hashes))
+    assert loaded.exact_blocks == 0  # approximate from its first block
+    for side in ("k", "v"):
+        assert np.abs(loaded.arrays[side] - arrays[side]).max() < 0.01 * np.abs(
+            arrays[side]).max()
+    plain.close()
+    shared.close()
+
+
+def test_an_entry_the_form_refuses_is_stored_in_the_pools_format(engine):
+    rng = np.random.default_rng()
+    arrays = {"k": as_pages(rng.standard_normal((L, T, H, D))),
+              "v": as_pages(rng.standard_normal((L, T, H, D)))}
+    hashes = [bytes([i]) * 16 for i in range(T // PAGE)]
+    store = store_for(engine, kv_sharing="krul", kv_sharing_rate=0.05)
+    assert store.save(T // PAGE, arrays, hashes)
+    store.flush()
+    snap = store.snapshot()
+    assert [snap[f"shared_{k}"] for k in ("entries", "groups", "bytes_saved", "refused")] == [
+        0, 0, 0, 1]
+    loaded = store.load(store.lookup(hashes))
+    assert loaded.exact_blocks is None  # stored as it was: an exact restore
+    for side in ("k", "v"):
+        assert np.array_equal(loaded.arrays[side], arrays[side])
+    store.close()
+
+
+@pytest.mark.parametrize("kw, names", [
+    ({"kv_sharing": "krul", "store_kv_format": "k4v2t"}, ("kv_sharing", "store_kv_format")),
+    ({"kv_sharing": "krul", "eviction_policy": "adaptcache"}, ("kv_sharing", "eviction_policy")),
+    ({"kv_sharing_rate": 1.0}, ("kv_sharing_rate",)),
+    ({"kv_sharing": "xkv"}, ("kv_sharing",)),
+])
+def test_settings_it_cannot_meet_are_refused_by_name(kw, names):
+    with pytest.raises(ValueError) as e:
+        StoreConfig(host_cache_bytes=1 << 20, **kw)
+    assert all(n in str(e.value) for n in names)
+
+
+def test_a_token_tier_policys_rows_are_refused():
+    with pytest.raises(ValueError, match="kv_sharing.*token-tier kv_policy"):
+        KVStore(StoreConfig(host_cache_bytes=1 << 20, kv_sharing="krul"), model="m",
+                kv_format="auto", page_size=PAGE, convert=lambda a, s, d: a, whole_rows=True)
+
+
+# ---------------------------------------------------------------------------- acceptance
+
+@pytest.fixture(scope="module")
+def shared_subspace_model(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).parent))
+    import shared_subspace
+
+    return shared_subspace.build(tmp_path_factory.mktemp("shared_subspace"))
+
+
+@pytest.mark.smollm2
+def test_on_a_model_whose_layers_share_a_subspace_chats_meet_the_targets(
+        shared_subspace_model):
+    """Multi-turn chats (serve.py's workload) through the store with and without sharing,
+    as benchmarks/kv_sharing_store.py plays them: at least 1.3x fewer stored bytes, the turns
+    after restored histories at least 0.95 top-1 agreement and at most 1% perplexity change,
+    and the groups found are the model's."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import kv_sharing_store as bench
+
+    cfg, params, tokenizer = bench.load_model(str(shared_subspace_model), "")
+    convs = bench.chats(tokenizer, 2, 1024, seed=0)
+    eng = bench.make_engine(cfg, params, 1024 + 2 * bench.PAGE)
+    runs = {}
+    for sharing in ("none", "krul"):
+        store = KVStore(StoreConfig(host_cache_bytes=1 << 30, kv_sharing=sharing),
+                        model=eng.fingerprint, kv_format=eng.kv_format, page_size=bench.PAGE,
+                        convert=eng.convert_stored)
+        scored = [s for c in convs for s in bench.play(eng, store, c)]
+        runs[sharing] = (np.array(scored), store.snapshot())
+        store.close()
+    (base, plain), (shared, snap) = runs["none"], runs["krul"]
+    assert plain["bytes"]["host"] >= 1.3 * snap["bytes"]["host"]
+    assert snap["shared_entries"] == snap["saves"] and snap["shared_refused"] == 0
+    assert snap["shared_groups"] == 4 * snap["saves"]  # (0-2) and (3-5), both sides
+    assert np.mean(base[:, 1] == shared[:, 1]) >= 0.95
+    assert abs(np.exp(-shared[:, 0].mean()) / np.exp(-base[:, 0].mean()) - 1) <= 0.01
