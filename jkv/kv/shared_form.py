@@ -31,6 +31,7 @@ from jkv.kv.format import KVFormat
 from jkv.kv.pages import KVPages
 from jkv.kv.quant import pack, unpack
 from jkv.kv.rotation import rotate as basis_rotate
+from jkv.pallas_kernels.shared_reconstruct import shared_reconstruct
 
 FORM = "krul"
 BLOCK = 64  # tokens per coefficient scale and zero point
@@ -118,30 +119,60 @@ def _even(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.pad(codes, ((0, 0), (0, pad))) if pad else codes
 
 
-def reconstruct(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def reconstruct(arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """The sides [L, T, F] float32 an entry in the shared form holds (keys still rotated back
-    by their place in the entry). ValueError when the arrays are not such an entry."""
+    by their place in the entry), on the device: one kernel per group (`rebuild`). ValueError
+    when the arrays are not such an entry."""
     try:
         layers, tokens, heads, d = (int(x) for x in arrays["shape"])
-        out = {side: np.full((layers, tokens, heads * d), np.nan, np.float32) for side in SIDES}
-        for side in SIDES:
-            sinks = np.asarray(arrays[f"sinks.{side}"], np.float32)
-            out[side][:, :sinks.shape[1]] = sinks
+        parts: dict[str, list] = {side: [None] * layers for side in SIDES}
         for i, (s, first, size, rank, bits) in enumerate(np.asarray(arrays["layout"])):
-            codes = np.asarray(arrays[f"g{i}.codes"])
-            if bits < 16:
-                codes = np.asarray(unpack(jnp.asarray(codes), int(bits)))[:, :rank]
-            part = sb.SharedSide(
-                np.asarray(arrays[f"g{i}.mean"]), np.asarray(arrays[f"g{i}.basis"]), codes,
-                *(np.asarray(arrays[f"g{i}.{n}"]) if bits < 16 else np.zeros((0, rank))
-                  for n in ("scale", "zero")))
-            out[SIDES[s]][first:first + size, tokens - codes.shape[0]:] = sb.reconstruct(
-                part, BLOCK)
+            group = rebuild(*group_operands(arrays, i, int(rank), int(bits)))  # [T', G * F]
+            for j in range(size):
+                parts[SIDES[s]][first + j] = group[:, j * heads * d:(j + 1) * heads * d]
+        out = {}
+        for side in SIDES:
+            if any(p is None for p in parts[side]):
+                raise ValueError(f"no group holds a layer of side {side}")
+            sinks = jnp.asarray(arrays[f"sinks.{side}"], jnp.float32)  # [L, S, F]
+            out[side] = jnp.concatenate([sinks, jnp.stack(parts[side])], axis=1)
+            if out[side].shape != (layers, tokens, heads * d):
+                raise ValueError(f"side {side} holds {out[side].shape}, the entry's shape "
+                                 f"{[layers, tokens, heads * d]}")
     except (KeyError, ValueError, TypeError, IndexError) as e:
         raise ValueError(f"arrays are not an entry in the shared form: {e}") from e
-    if any(np.isnan(x).any() for x in out.values()):
-        raise ValueError("arrays are not an entry in the shared form: a layer is missing")
     return out
+
+
+def group_operands(arrays: Mapping[str, np.ndarray], i: int, rank: int, bits: int) -> tuple:
+    """Group i's (codes [T', r], scale, zero [ceil(T' / BLOCK), r], basis [r, N], mean [N])."""
+    codes = jnp.asarray(arrays[f"g{i}.codes"])
+    mean = jnp.asarray(arrays[f"g{i}.mean"], jnp.float32).reshape(-1)
+    basis = jnp.asarray(arrays[f"g{i}.basis"])
+    if bits == 16:
+        n = -(-codes.shape[0] // BLOCK)
+        return (codes, jnp.ones((n, rank), jnp.float16), jnp.zeros((n, rank), jnp.float16),
+                basis, mean)
+    return (unpack(codes, bits)[:, :rank], jnp.asarray(arrays[f"g{i}.scale"]),
+            jnp.asarray(arrays[f"g{i}.zero"]), basis, mean)
+
+
+def rebuild(codes: jax.Array, scale: jax.Array, zero: jax.Array, basis: jax.Array,
+            mean: jax.Array) -> jax.Array:
+    """A group's KV [T', N] from its operands: the Pallas kernel on a GPU, XLA elsewhere."""
+    if jax.default_backend() == "gpu":
+        return shared_reconstruct(codes, scale, zero, basis, mean, block=BLOCK)
+    return rebuild_xla(codes, scale, zero, basis, mean)
+
+
+@jax.jit
+def rebuild_xla(codes: jax.Array, scale: jax.Array, zero: jax.Array, basis: jax.Array,
+                mean: jax.Array) -> jax.Array:
+    """`rebuild` in XLA: each block's scale and zero repeated over its tokens."""
+    t = codes.shape[0]
+    s = jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=0)[:t]
+    z = jnp.repeat(zero.astype(jnp.float32), BLOCK, axis=0)[:t]
+    return (codes.astype(jnp.float32) * s + z) @ basis.astype(jnp.float32) + mean
 
 
 def decode(arrays: Mapping[str, np.ndarray], dst: KVFormat, dtype,
@@ -149,9 +180,9 @@ def decode(arrays: Mapping[str, np.ndarray], dst: KVFormat, dtype,
     """An entry in the shared form as pages [T // page, L, H, page, ...] of format `dst`
     (16-bit sides in `dtype`), keys rotated to their places."""
     sides = reconstruct(arrays)
-    layers, tokens, heads, d = (int(x) for x in arrays["shape"])
-    return _pages(jnp.asarray(sides["k"]), jnp.asarray(sides["v"]), heads=heads, page=page,
-                  dst=dst, dtype=jnp.dtype(dtype), rotate=rotate)
+    heads = int(arrays["shape"][2])
+    return _pages(sides["k"], sides["v"], heads=heads, page=page, dst=dst,
+                  dtype=jnp.dtype(dtype), rotate=rotate)
 
 
 def _pages(k: jax.Array, v: jax.Array, *, heads: int, page: int, dst: KVFormat, dtype,
@@ -173,4 +204,4 @@ def shared_groups(arrays: Mapping[str, np.ndarray]) -> int:
 
 
 __all__ = ["BLOCK", "FORM", "FormRefused", "Plan", "decode", "dense_sides", "encode",
-           "form_name", "parse_form", "reconstruct", "shared_groups"]
+           "form_name", "parse_form", "rebuild", "rebuild_xla", "reconstruct", "shared_groups"]
