@@ -39,10 +39,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from harness import add_out_argument, write_results  # noqa: E402
-from kv_sharing import PAGE, make_engine, prefill  # noqa: E402
+from kv_sharing import CHUNK, PAGE, prefill  # noqa: E402
 
-from jkv.config import StoreConfig  # noqa: E402
+from jkv.config import CacheConfig, EngineConfig, StoreConfig  # noqa: E402
 from jkv.engine.connector import SavedPages  # noqa: E402
+from jkv.engine.engine import Engine  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
@@ -100,6 +101,13 @@ def play(engine, store: KVStore, chat: list) -> list[tuple[float, int]]:
     return scored
 
 
+def make_engine(cfg, params, max_len: int, kv_format: str = "auto") -> Engine:
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=256 << 20, kv_format=kv_format)
+    return Engine(cfg, params, cache=cache, config=EngineConfig(
+        max_model_len=max_len, max_num_seqs=1, prefill_chunk=CHUNK, attention_backend="xla",
+        enable_prefix_caching=False))
+
+
 def load_model(name: str, tmp: str):
     if name == "smollm2":
         path = None
@@ -124,6 +132,8 @@ def main() -> None:
                     help="a chat's turns up to this many tokens")
     ap.add_argument("--rate", type=float, default=0.3,
                     help="kv_sharing_rate: shared entries' bytes over their bf16 bytes")
+    ap.add_argument("--kv-format", default="auto",
+                    help="the pool's KV format, which the store without sharing keeps")
     ap.add_argument("--seed", type=int, default=0, help="serve.py workload's seed")
     add_out_argument(ap, "kv_sharing_store")
     args = ap.parse_args()
@@ -131,7 +141,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg, params, tokenizer = load_model(args.model, tmp)
         convs = chats(tokenizer, args.chats, args.max_chat_tokens, args.seed)
-        engine = make_engine(cfg, params, args.max_chat_tokens + 2 * PAGE)
+        engine = make_engine(cfg, params, args.max_chat_tokens + 2 * PAGE, args.kv_format)
         runs = {}
         for name, sharing in (("pool format", "none"), ("krul", "krul")):
             store = KVStore(StoreConfig(host_cache_bytes=1 << 34, kv_sharing=sharing,
@@ -154,14 +164,16 @@ def main() -> None:
                "top1_agreement": float(np.mean(top0 == top1)), "positions": len(lp0),
                "stored_bytes": {"pool format": base["bytes"], "krul": shared["bytes"]},
                "kv_sharing": shared["kv_sharing"]}
-    print(f"\n{args.model}, {len(convs)} chats, rate {args.rate}: stored bytes "
-          f"{base['bytes']:,} -> {shared['bytes']:,} ({summary['bytes_ratio']:.2f}x fewer); "
+    print(f"\n{args.model}, {args.kv_format} pool, {len(convs)} chats, rate {args.rate}: "
+          f"stored bytes {base['bytes']:,} -> {shared['bytes']:,} "
+          f"({summary['bytes_ratio']:.2f}x fewer); "
           f"over {len(lp0)} positions after restored histories: perplexity change "
           f"{100 * summary['perplexity_change']:+.2f}%, top-1 agreement "
           f"{summary['top1_agreement']:.3f}; kv_sharing {shared['kv_sharing']}")
-    write_results(args.out, f"kv_sharing_store-{args.model.replace('/', '_')}", {
+    write_results(args.out, f"kv_sharing_store-{args.model.replace('/', '_')}-{args.kv_format}", {
         "benchmark": "kv_sharing_store", "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__, "model": args.model, "rate": args.rate, "chats": len(convs),
+        "jax": jax.__version__, "model": args.model, "kv_format": args.kv_format,
+        "rate": args.rate, "chats": len(convs),
         **summary}, args)
 
 

@@ -211,3 +211,46 @@ def test_on_a_model_whose_layers_share_a_subspace_chats_meet_the_targets(
     assert snap["shared_groups"] == 4 * snap["saves"]  # (0-2) and (3-5), both sides
     assert np.mean(base[:, 1] == shared[:, 1]) >= 0.95
     assert abs(np.exp(-shared[:, 0].mean()) / np.exp(-base[:, 0].mean()) - 1) <= 0.01
+
+
+@pytest.mark.smollm2
+def test_the_scheduler_restores_a_chat_from_the_shared_form(shared_subspace_model):
+    """Through the serving loop (restores forced: no planning, no read ahead): turn 2 restores
+    turn 1's history from the shared form, its own save continues it, turn 3 restores both,
+    and the replies are a store-less run's."""
+    from jkv.config import SchedulerConfig
+    from jkv.engine.sampling import SamplingParams
+    from jkv.models import load_params
+    from jkv.sched.scheduler import Request, Scheduler, generate_all
+
+    cfg, params = load_params(str(shared_subspace_model), jnp.float32)
+
+    def serve(store):
+        eng = Engine(cfg, params, cache=CacheConfig(page_size=PAGE, kv_cache_bytes=1 << 24),
+                     config=EngineConfig(max_model_len=1024, max_num_seqs=2,
+                                         prefill_chunk=128, enable_prefix_caching=False))
+        return Scheduler(eng, SchedulerConfig(restore_planning=False, store_read_ahead=False),
+                         store=store)
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(3)
+    turns = [rng.integers(100, 40000, n).tolist() for n in (300, 40, 40)]
+    replies = {}
+    for sharing in ("none", "krul"):
+        sched = serve(StoreConfig(host_cache_bytes=1 << 28, kv_sharing=sharing))
+        history, out = [], []
+        for turn in turns:
+            r = Request(history + turn, greedy)
+            generate_all(sched, [r])
+            sched.store.flush()
+            history = r.prompt + r.output
+            out.append(r.output)
+        replies[sharing] = out
+        snap = sched.snapshot()
+        if sharing == "krul":
+            # turn 3's restore converts a chain of two entries
+            assert snap["store"]["shared_entries"] == 3 and snap["store"]["converted_loads"] == 3
+            restored = snap["prefix_hit_tokens"]["host"]
+            assert restored == (len(turns[0]) + 7) // PAGE * PAGE + (
+                len(turns[0]) + len(turns[1]) + 15) // PAGE * PAGE
+    assert replies["krul"] == replies["none"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.kv import shared_basis as sb
+from jkv.kv.buckets import bucket
 from jkv.kv.format import KVFormat
 from jkv.kv.pages import KVPages
 from jkv.kv.quant import pack, unpack
@@ -159,10 +161,17 @@ def group_operands(arrays: Mapping[str, np.ndarray], i: int, rank: int, bits: in
 
 def rebuild(codes: jax.Array, scale: jax.Array, zero: jax.Array, basis: jax.Array,
             mean: jax.Array) -> jax.Array:
-    """A group's KV [T', N] from its operands: the Pallas kernel on a GPU, XLA elsewhere."""
+    """A group's KV [T', N] from its operands: the Pallas kernel on a GPU, XLA elsewhere.
+    Tokens are padded to a power of two of blocks and the rank to a power of two (zero
+    codes, scales and zero points: nothing added), so few shapes compile."""
+    t, r = codes.shape
+    blocks, rank = bucket(scale.shape[0]), bucket(r)
+    codes = jnp.pad(codes, ((0, blocks * BLOCK - t), (0, rank - r)))
+    scale, zero = (jnp.pad(x, ((0, blocks - x.shape[0]), (0, rank - r))) for x in (scale, zero))
+    basis = jnp.pad(basis, ((0, rank - r), (0, 0)))
     if jax.default_backend() == "gpu":
-        return shared_reconstruct(codes, scale, zero, basis, mean, block=BLOCK)
-    return rebuild_xla(codes, scale, zero, basis, mean)
+        return shared_reconstruct(codes, scale, zero, basis, mean, block=BLOCK)[:t]
+    return rebuild_xla(codes, scale, zero, basis, mean)[:t]
 
 
 @jax.jit
@@ -180,13 +189,16 @@ def decode(arrays: Mapping[str, np.ndarray], dst: KVFormat, dtype,
     """An entry in the shared form as pages [T // page, L, H, page, ...] of format `dst`
     (16-bit sides in `dtype`), keys rotated to their places."""
     sides = reconstruct(arrays)
-    heads = int(arrays["shape"][2])
-    return _pages(sides["k"], sides["v"], heads=heads, page=page, dst=dst,
-                  dtype=jnp.dtype(dtype), rotate=rotate)
+    heads, tokens = int(arrays["shape"][2]), int(arrays["shape"][1])
+    n = tokens // page  # padded to a power of two of pages: few compiled shapes
+    k, v = (jnp.pad(sides[s], ((0, 0), (0, (bucket(n) - n) * page), (0, 0))) for s in SIDES)
+    pages = _pages(k, v, heads=heads, page=page, dst=dst, dtype=jnp.dtype(dtype), rotate=rotate)
+    return {name: np.asarray(x)[:n] for name, x in jax.device_get(pages.arrays()).items()}
 
 
+@partial(jax.jit, static_argnames=("heads", "page", "dst", "dtype", "rotate"))
 def _pages(k: jax.Array, v: jax.Array, *, heads: int, page: int, dst: KVFormat, dtype,
-           rotate: Rotate) -> dict[str, np.ndarray]:
+           rotate: Rotate) -> KVPages:
     layers, tokens, f = k.shape
     k, v = (x.reshape(layers, tokens, heads, f // heads) for x in (k, v))
     k = rotate(k, jnp.broadcast_to(jnp.arange(tokens), (layers, tokens)))
@@ -194,8 +206,7 @@ def _pages(k: jax.Array, v: jax.Array, *, heads: int, page: int, dst: KVFormat, 
                          (0, 3)) for x in (k, v))
     if dst.rotated:
         k, v = basis_rotate(k), basis_rotate(v)
-    pages = KVPages.from_dense(k, v, dst, dtype)
-    return {name: np.asarray(x) for name, x in jax.device_get(pages.arrays()).items()}
+    return KVPages.from_dense(k, v, dst, dtype)
 
 
 def shared_groups(arrays: Mapping[str, np.ndarray]) -> int:
