@@ -12,7 +12,7 @@ again (those past the ones stored), as the server does. Once with a store that k
 the pool's format (its restores equal recomputation), once with `kv_sharing="krul"`: over every
 position after a restored history, the perplexity change and the top-1 agreement; stored
 bytes of both stores at the end; the store's kv_sharing counters (entries shared, groups,
-bytes saved, refused).
+bytes saved, refused); the writer's median seconds per save (the shared form is made there).
 
 `--model shared-subspace` builds tests/shared_subspace.py's tiny model (adjacent layers share
 a KV subspace, random weights) in a temporary folder: the machinery where sharing pays.
@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,9 +76,10 @@ def chats(tokenizer, n: int, max_tokens: int, seed: int) -> list[list[int]]:
                      f"{max_tokens} tokens, not {n}")
 
 
-def play(engine, store: KVStore, chat: list) -> list[tuple[float, int]]:
+def play(engine, store: KVStore, chat: list, waits: list | None = None
+         ) -> list[tuple[float, int]]:
     """Every turn of `chat` through `engine` and `store`: (logprob, top-1) of each position
-    after a restored history."""
+    after a restored history; `waits` gets the seconds each save took the writer."""
     *ends, ids = chat
     scored = []
     for end in ends:
@@ -94,9 +96,12 @@ def play(engine, store: KVStore, chat: list) -> list[tuple[float, int]]:
         approximate = store.keeps_approximate  # the blocks after those stored, as served
         start = store.tail_start(engine.saved_hashes(slot, approximate))
         saved = engine.gather(slot, start, approximate)
+        t0 = time.perf_counter()
         store.save(saved.num_blocks, saved.arrays, saved.hashes, start=saved.start,
                    exact_blocks=saved.exact_blocks)
         store.flush()
+        if waits is not None:
+            waits.append(time.perf_counter() - t0)
         engine.close(slot, keep=False)
     return scored
 
@@ -148,10 +153,12 @@ def main() -> None:
                                         kv_sharing_rate=args.rate),
                             model=engine.fingerprint, kv_format=engine.kv_format,
                             page_size=PAGE, convert=engine.convert_stored)
+            waits: list[float] = []
             scored = [s for c in tqdm(convs, desc=name, unit="chat")
-                      for s in play(engine, store, c)]
+                      for s in play(engine, store, c, waits)]
             snap = store.snapshot()
             runs[name] = {"scored": scored, "bytes": snap["bytes"]["host"],
+                          "writer_seconds_per_save": float(np.median(waits)),
                           "saves": snap["saves"],
                           "kv_sharing": {k: snap[f"shared_{k}"] for k in
                                          ("entries", "groups", "bytes_saved", "refused")}}
@@ -163,13 +170,17 @@ def main() -> None:
                "perplexity_change": math.exp(-lp1.mean()) / math.exp(-lp0.mean()) - 1,
                "top1_agreement": float(np.mean(top0 == top1)), "positions": len(lp0),
                "stored_bytes": {"pool format": base["bytes"], "krul": shared["bytes"]},
-               "kv_sharing": shared["kv_sharing"]}
+               "kv_sharing": shared["kv_sharing"],
+               "writer_seconds_per_save": {"pool format": base["writer_seconds_per_save"],
+                                           "krul": shared["writer_seconds_per_save"]}}
     print(f"\n{args.model}, {args.kv_format} pool, {len(convs)} chats, rate {args.rate}: "
           f"stored bytes {base['bytes']:,} -> {shared['bytes']:,} "
           f"({summary['bytes_ratio']:.2f}x fewer); "
           f"over {len(lp0)} positions after restored histories: perplexity change "
           f"{100 * summary['perplexity_change']:+.2f}%, top-1 agreement "
-          f"{summary['top1_agreement']:.3f}; kv_sharing {shared['kv_sharing']}")
+          f"{summary['top1_agreement']:.3f}; kv_sharing {shared['kv_sharing']}; the writer's "
+          f"median seconds per save {base['writer_seconds_per_save']:.3f} -> "
+          f"{shared['writer_seconds_per_save']:.3f}")
     write_results(args.out, f"kv_sharing_store-{args.model.replace('/', '_')}-{args.kv_format}", {
         "benchmark": "kv_sharing_store", "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "model": args.model, "kv_format": args.kv_format,

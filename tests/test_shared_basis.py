@@ -145,3 +145,23 @@ def test_a_rank_of_equal_energy_goes_to_the_group_whose_rank_costs_fewer_bytes()
     floor = sb.side_bytes(64, 3, 4, 0, 8, 16) + sb.side_bytes(64, 1, 4, 0, 8, 16)
     one = sb.side_bytes(64, 3, 4, 1, 8, 16) - sb.side_bytes(64, 3, 4, 0, 8, 16)
     assert sb.allocate_ranks([big, small], 64, 4, 8, 16, floor + one) == [0, 1]
+
+
+def test_group_spectra_are_each_groups_own_spectrum():
+    """From cross products computed once per layer pair: the same energies and fits."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((5, 80, 6)) * rng.random((5, 1, 6)) * 5 + rng.standard_normal(
+        (5, 1, 6))).astype(np.float32)
+    groups = [(0, 1), (1, 3), (2, 2), (0, 5)]
+    spectra = sb.GroupSpectra(x)
+    values = {grp: spectra(grp) for grp in groups}
+    full = {grp: spectra(grp, vectors=True) for grp in groups}
+    for s, g in groups:
+        own = sb.spectrum(x[s:s + g])
+        assert values[(s, g)].vecs is None
+        assert np.allclose(values[(s, g)].energy, own.energy, atol=1e-9)
+        assert np.allclose(full[(s, g)].norm, own.norm) and np.allclose(full[(s, g)].mean,
+                                                                        own.mean)
+        mine, theirs = (sb.reconstruct(sb.fit(x[s:s + g], 3, 16, 16, spec), 16)
+                        for spec in (full[(s, g)], own))
+        assert np.allclose(mine, theirs, atol=1e-2 * np.abs(theirs).max())

@@ -32,7 +32,7 @@ class Spectrum(NamedTuple):
 
     mean: np.ndarray    # [G, F] float32: each layer's feature means
     norm: np.ndarray    # [G] float32: each centered layer block's Frobenius norm
-    vecs: np.ndarray    # [G * F, G * F] float64: directions, columns by descending energy
+    vecs: np.ndarray | None  # [G * F, G * F] float64: directions by descending energy
     energy: np.ndarray  # [G * F] float64: each direction's share of the G unit-norm blocks
 
 
@@ -59,6 +59,45 @@ def spectrum(x: np.ndarray) -> Spectrum:
     order = np.argsort(energy)[::-1]
     return Spectrum(mean.astype(np.float32), norm.astype(np.float32), vecs[:, order],
                     np.maximum(energy[order], 0.0))
+
+
+class GroupSpectra:
+    """The spectra of adjacent groups of layers x [L, T, F], as `spectrum` gives them, from
+    each layer pair's cross products computed once and kept, as are the spectra asked for
+    (energies alone, `vectors` False: cheaper, for choosing groups)."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        x = np.asarray(x, np.float64)
+        self.mean = x.mean(axis=1)
+        centered = x - self.mean[:, None]
+        norm = np.sqrt(np.sum(np.square(centered), axis=(1, 2)))
+        self.norm = np.where(norm > 0, norm, 1.0)
+        self.z = centered / self.norm[:, None, None]
+        self._cross: dict[tuple[int, int], np.ndarray] = {}
+        self._spectra: dict[tuple[int, int, bool], Spectrum] = {}
+
+    def __call__(self, group: tuple[int, int], vectors: bool = False) -> Spectrum:
+        s, g = group
+        if (s, g, vectors) in self._spectra:
+            return self._spectra[(s, g, vectors)]
+        gram = np.block([[self._block(a, b) for b in range(s, s + g)] for a in range(s, s + g)])
+        if vectors:
+            energy, vecs = np.linalg.eigh(gram)
+            order = np.argsort(energy)[::-1]
+            energy, vecs = energy[order], vecs[:, order]
+        else:
+            energy, vecs = np.linalg.eigvalsh(gram)[::-1], None
+        spec = Spectrum(self.mean[s:s + g].astype(np.float32),
+                        self.norm[s:s + g].astype(np.float32), vecs, np.maximum(energy, 0.0))
+        self._spectra[(s, g, vectors)] = spec
+        return spec
+
+    def _block(self, a: int, b: int) -> np.ndarray:
+        if a > b:
+            return self._block(b, a).T
+        if (a, b) not in self._cross:
+            self._cross[(a, b)] = self.z[a].T @ self.z[b]
+        return self._cross[(a, b)]
 
 
 def truncation_error(spec: Spectrum, rank: int) -> float:
@@ -107,7 +146,7 @@ def fit(x: np.ndarray, rank: int, bits: int, block: int,
     g, t, f = x.shape
     if not 0 <= rank <= g * f:
         raise ValueError(f"rank must be in [0, {g * f}], got {rank}")
-    spec = spectrum(x) if spec is None else spec
+    spec = spectrum(x) if spec is None or spec.vecs is None else spec
     directions = spec.vecs[:, :rank]  # [G * F, r]
     centered = (x - spec.mean[:, None]) / spec.norm[:, None, None]
     coefs = np.moveaxis(centered, 0, 1).reshape(t, g * f) @ directions  # [T, r]

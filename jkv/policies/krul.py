@@ -34,42 +34,45 @@ LEAST_ENERGY = 1e-4  # a direction holding less of a layer's energy is not worth
 SINKS = 4  # an entry's first tokens kept whole: attention sinks, whose small error costs much
 
 
-def spectra(x: np.ndarray, max_group: int) -> dict[tuple[int, int], sb.Spectrum]:
-    """The spectrum of every adjacent group of at most `max_group` layers of x [L, T, F]."""
-    layers = x.shape[0]
-    return {(s, g): sb.spectrum(x[s:s + g]) for g in range(1, max_group + 1)
-            for s in range(layers - g + 1)}
+def candidates(layers: int, max_group: int) -> list[tuple[int, int]]:
+    """Every adjacent group (first layer, layers) of at most `max_group` of `layers`."""
+    return [(s, g) for g in range(1, max_group + 1) for s in range(layers - g + 1)]
 
 
-def plan_for(specs: Mapping[str, Mapping[tuple[int, int], sb.Spectrum]], layers: int,
-             tokens: int, features: int, rate: float, bits: int, max_group: int,
-             sinks: int) -> Plan:
+def plan_for(specs: Mapping[str, sb.GroupSpectra], shape: tuple[int, int, int], tokens: int,
+             rate: float, bits: int, max_group: int, sinks: int
+             ) -> tuple[Plan, dict[str, dict[tuple[int, int], sb.Spectrum]]]:
     """Groups per side by least truncation error at `rate` (`specs`: of the tokens after the
-    `sinks`), then ranks for what the budget leaves after the sinks."""
-    rest = tokens - sinks
-    groups = {side: sb.choose_groups(sb.grouping_costs(specs[side], rate, rest, features,
-                                                       bits, BLOCK), layers, max_group)
+    `sinks`, `shape` theirs [L, T - sinks, F]), then ranks for what the budget leaves after
+    the sinks; with the chosen groups' spectra (their directions) for the fit."""
+    layers, rest, features = shape
+    groups = {side: sb.choose_groups(sb.grouping_costs(
+        {grp: specs[side](grp) for grp in candidates(layers, max_group)}, rate, rest,
+        features, bits, BLOCK), layers, max_group) for side in SIDES}
+    chosen = {side: {grp: specs[side](grp, vectors=True) for grp in groups[side]}
               for side in SIDES}
     order = [(side, grp) for side in SIDES for grp in groups[side]]
     budget = int(rate * len(SIDES) * layers * tokens * features * 2)
     budget -= len(SIDES) * layers * sinks * features * 2
-    ranks = sb.allocate_ranks([specs[side][grp] for side, grp in order], rest, features,
+    ranks = sb.allocate_ranks([chosen[side][grp] for side, grp in order], rest, features,
                               bits, BLOCK, budget, LEAST_ENERGY)
     per_side = {side: [r for (s, _), r in zip(order, ranks, strict=True) if s == side]
                 for side in SIDES}
-    return Plan(groups, per_side, bits, sinks)
+    return Plan(groups, per_side, bits, sinks), chosen
 
 
-def plan_error(sides: Mapping[str, np.ndarray], plan: Plan) -> float:
+def plan_error(sides: Mapping[str, np.ndarray], plan: Plan,
+               specs: Mapping[str, Mapping[tuple[int, int], sb.Spectrum]]) -> float:
     """Mean relative squared error per layer (each layer's centered energy) of `plan`'s
-    reconstruction of `sides` [L, T, F] after its sinks, quantization included."""
+    reconstruction of `sides` [L, T, F] (the tokens after its sinks), quantization included;
+    `specs`: the plan's groups' spectra."""
     errors = []
     for side in SIDES:
-        x = sides[side][:, plan.sinks:]
+        x = sides[side]
         for (first, size), rank in zip(plan.groups[side], plan.ranks[side], strict=True):
-            part = sb.fit(x[first:first + size], rank, plan.bits, BLOCK)
-            y = sb.reconstruct(part, BLOCK)
             block = x[first:first + size]
+            part = sb.fit(block, rank, plan.bits, BLOCK, specs[side][(first, size)])
+            y = sb.reconstruct(part, BLOCK)
             centered = block - block.mean(axis=1, keepdims=True)
             errors += list(np.sum(np.square(block - y), axis=(1, 2))
                            / np.maximum(np.sum(np.square(centered), axis=(1, 2)), 1e-30))
@@ -80,16 +83,17 @@ def choose(sides: Mapping[str, np.ndarray], rate: float, max_group: int = MAX_GR
            max_error: float = MAX_ERROR) -> tuple[Plan, float] | None:
     """The plan of the shared form at `rate` for these sides [L, T, F] (keys rotated back)
     and its error; None when no plan keeps the error within `max_error`."""
-    layers, tokens, features = sides["k"].shape
+    layers, tokens, _ = sides["k"].shape
     max_group, sinks = min(max_group, layers), min(SINKS, tokens)
-    specs = {side: spectra(sides[side][:, sinks:], max_group) for side in SIDES}
+    rest = {side: sides[side][:, sinks:] for side in SIDES}
+    specs = {side: sb.GroupSpectra(rest[side]) for side in SIDES}
     best = None
     for bits in BITS:
-        plan = plan_for(specs, layers, tokens, features, rate, bits, max_group, sinks)
-        err = plan_error(sides, plan)
+        plan, chosen = plan_for(specs, rest["k"].shape, tokens, rate, bits, max_group, sinks)
+        err = plan_error(rest, plan, chosen)
         if best is None or err < best[1]:
             best = (plan, err)
     return best if best[1] <= max_error else None
 
 
-__all__ = ["BITS", "MAX_ERROR", "MAX_GROUP", "choose", "plan_error", "plan_for", "spectra"]
+__all__ = ["BITS", "MAX_ERROR", "MAX_GROUP", "candidates", "choose", "plan_error", "plan_for"]
