@@ -72,8 +72,8 @@ class StoreConfig:
                 "coefficients, the groups and ranks chosen from its own KV on the store's "
                 "writer thread, at `kv_sharing_rate`; an entry that form would keep poorly "
                 "stays in the pool's format. Restores approximate KV like store_kv_format. It "
-                "pays where a model's adjacent layers share a KV subspace; on SmolLM2-135M no "
-                "shared form beats the quantized formats at equal bytes (docs/results.md)",
+                "pays where a model's adjacent layers share a KV subspace; on SmolLM2-135M it is "
+                "at best on par with the quantized formats at equal bytes (docs/results.md)",
         "choices": ("none", "krul")})
     kv_sharing_rate: float = field(default=0.3, metadata={
         "help": "bytes of a shared-layer entry (with kv_sharing krul) over the same tokens' "

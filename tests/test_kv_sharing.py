@@ -55,10 +55,10 @@ def test_form_names():
 def test_a_shared_subspace_round_trips_at_any_offset_in_far_fewer_bytes(offset):
     arrays = planted_entry(np.random.default_rng(), offset)
     sides = sf.dense_sides(arrays, KV_FORMATS["auto"], ROTATE)
-    plan, err = krul.choose(sides, 0.2)
+    plan, err, spectra = krul.choose(sides, 0.2)
     assert plan.groups == {"k": [(0, 3), (3, 3)], "v": [(0, 3), (3, 3)]}
     assert plan.ranks == {"k": [4, 4], "v": [4, 4]} and err < 1e-3
-    stored = sf.encode(sides, plan, H)
+    stored = sf.encode(sides, plan, H, spectra)
     assert sf.shared_groups(stored) == 4
     assert sum(x.nbytes for x in stored.values()) * 10 < sum(x.nbytes for x in arrays.values())
     back = sf.decode(stored, KV_FORMATS["auto"], jnp.float32, ROTATE, PAGE)
@@ -154,6 +154,28 @@ def test_an_entry_the_form_refuses_is_stored_in_the_pools_format(engine):
     for side in ("k", "v"):
         assert np.array_equal(loaded.arrays[side], arrays[side])
     store.close()
+
+
+@pytest.mark.parametrize("outcome", ["larger", "fails"])
+def test_a_shared_form_that_is_no_smaller_or_fails_leaves_the_entry_as_it_came(outcome):
+    """A pool already in few bits can make the shared form larger; a conversion may fail:
+    either way the entry is written in its own form and counted refused."""
+    from types import SimpleNamespace
+
+    from jkv.store.entry_forms import encode_entry
+    from jkv.store.parts import StoreStats
+
+    arrays = {"k": np.zeros((4, 2, 2, 8, 4), np.uint8), "v": np.zeros((4, 2, 2, 8, 4), np.uint8)}
+
+    def convert(a, src, dst):
+        if outcome == "fails":
+            raise np.linalg.LinAlgError("eigh did not converge")
+        return {"layout": np.zeros((1, 5), np.int32), "g0.basis": np.zeros(1000, np.float16)}
+
+    p = SimpleNamespace(convert=convert, stats=StoreStats(), model="m", page_size=8)
+    data, fmt, shared = encode_entry(p, arrays, "k4v2", "krul@0.3", 32, "ab",
+                                     np.zeros((4, 16), np.uint8))
+    assert fmt == "k4v2" and shared is None and p.stats.shared_refused == 1
 
 
 @pytest.mark.parametrize("kw, names", [

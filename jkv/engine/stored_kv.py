@@ -26,7 +26,8 @@ def convert_stored(arrays: dict, src: str, dst: str, dtype, *, rotate: Callable,
         if chosen is None:
             raise FormRefused(f"the shared form at rate {rate:g} would keep this entry's "
                               f"{sides['k'].shape[1]} tokens beyond the error allowed")
-        return shared_form.encode(sides, chosen[0], heads)
+        plan, _, spectra = chosen
+        return shared_form.encode(sides, plan, heads, spectra)
     if parse_form(src) is not None:
         return shared_form.decode(arrays, KVFormat.parse(dst), dtype, rotate, page)
     return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), dtype)

@@ -160,7 +160,8 @@ def fit(x: np.ndarray, rank: int, bits: int, block: int,
     return SharedSide(mean, basis, codes, scale, zero)
 
 
-def quantize_columns(c: np.ndarray, bits: int, block: int):
+def quantize_columns(c: np.ndarray, bits: int, block: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes [T, r] uint8 and float16 scale and zero [ceil(T / block), r] of c [T, r],
     asymmetric per (block of tokens, column), codes against the stored scale and zero."""
     t, r = c.shape

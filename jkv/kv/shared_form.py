@@ -13,7 +13,7 @@ out and reads it back. Entry arrays:
     sinks.k, sinks.v   float16 [L, S, F]: the first S tokens whole (attention sinks)
     g<i>.mean     float16 [G, F]           g<i>.basis  float16 [r, G * F]
     g<i>.codes    uint8 [T - S, r * bits / 8] (float16 [T - S, r] at 16 bits)
-    g<i>.scale, g<i>.zero  float16 [ceil(T / BLOCK), r] (quantized coefficients only)
+    g<i>.scale, g<i>.zero  float16 [ceil((T - S) / BLOCK), r] (quantized coefficients only)
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def parse_form(name: str) -> float | None:
 
 
 def form_name(rate: float) -> str:
+    """The shared form's name at `rate` (`parse_form`'s inverse)."""
     return f"{FORM}@{rate:g}"
 
 
@@ -91,8 +92,11 @@ def dense_sides(arrays: Mapping[str, np.ndarray], src: KVFormat,
             "v": np.asarray(v, np.float32).reshape(layers, n * page, heads * d)}
 
 
-def encode(sides: Mapping[str, np.ndarray], plan: Plan, heads: int) -> dict[str, np.ndarray]:
-    """The entry arrays of `sides` [L, T, F] kept as `plan` says."""
+def encode(sides: Mapping[str, np.ndarray], plan: Plan, heads: int,
+           spectra: Mapping[str, Mapping[tuple[int, int], sb.Spectrum]] | None = None
+           ) -> dict[str, np.ndarray]:
+    """The entry arrays of `sides` [L, T, F] kept as `plan` says (`spectra`: its groups',
+    of the tokens after the sinks, where the plan computed them already)."""
     layers, tokens, features = sides["k"].shape
     out: dict[str, np.ndarray] = {f"sinks.{side}": sides[side][:, :plan.sinks].astype(np.float16)
                                   for side in SIDES}
@@ -100,8 +104,9 @@ def encode(sides: Mapping[str, np.ndarray], plan: Plan, heads: int) -> dict[str,
     for s, side in enumerate(SIDES):
         for (first, size), rank in zip(plan.groups[side], plan.ranks[side], strict=True):
             i = len(layout)
+            spec = None if spectra is None else spectra[side][(first, size)]
             part = sb.fit(sides[side][first:first + size, plan.sinks:], rank, plan.bits,
-                          BLOCK)
+                          BLOCK, spec)
             out[f"g{i}.mean"], out[f"g{i}.basis"] = part.mean, part.basis
             out[f"g{i}.codes"] = (part.codes if plan.bits == 16 else
                                   np.asarray(pack(jnp.asarray(_even(part.codes, plan.bits)),

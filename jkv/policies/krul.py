@@ -13,9 +13,9 @@ format, since a history that short, or that unlike a low-rank one, is not worth 
 Pure decisions on arrays; `jkv.kv.shared_form` carries them out.
 
 An entry's first `SINKS` tokens are kept whole: where they are a conversation's first, they are
-its attention sinks, whose small reconstruction error costs much (SmolLM2, prose, rate 0.3:
-the next turn's perplexity +2.5% with them whole, +40% without; `benchmarks/kv_frontier.py
---sinks 0`).
+its attention sinks, whose small reconstruction error costs much (SmolLM2, prose, groups chosen
+per conversation at rate 0.3: the next turn's perplexity +2.1% with them whole, +39.6%
+without; `benchmarks/kv_frontier.py` and its `--sinks 0`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ from jkv.kv.shared_form import BLOCK, SIDES, Plan
 
 BITS = (8, 4)  # coefficient bits tried
 MAX_GROUP = 3  # layers one basis may serve
-MAX_ERROR = 0.05  # mean relative squared error per layer above which the form is refused
+# mean relative squared error per layer above which the form is refused: the frontier's plans
+# at rate 0.2 (quality still on par with k4v2t on SmolLM2) had errors near 0.04
+# (benchmarks/kv_frontier.py); a plan far past them keeps too few ranks for its entry
+MAX_ERROR = 0.05
 LEAST_ENERGY = 1e-4  # a direction holding less of a layer's energy is not worth its bytes
 SINKS = 4  # an entry's first tokens kept whole: attention sinks, whose small error costs much
 
@@ -80,9 +83,11 @@ def plan_error(sides: Mapping[str, np.ndarray], plan: Plan,
 
 
 def choose(sides: Mapping[str, np.ndarray], rate: float, max_group: int = MAX_GROUP,
-           max_error: float = MAX_ERROR) -> tuple[Plan, float] | None:
-    """The plan of the shared form at `rate` for these sides [L, T, F] (keys rotated back)
-    and its error; None when no plan keeps the error within `max_error`."""
+           max_error: float = MAX_ERROR
+           ) -> tuple[Plan, float, dict[str, dict[tuple[int, int], sb.Spectrum]]] | None:
+    """The plan of the shared form at `rate` for these sides [L, T, F] (keys rotated back),
+    its error and its groups' spectra (what `shared_form.encode` fits with); None when no plan
+    keeps the error within `max_error`."""
     layers, tokens, _ = sides["k"].shape
     max_group, sinks = min(max_group, layers), min(SINKS, tokens)
     rest = {side: sides[side][:, sinks:] for side in SIDES}
@@ -91,9 +96,9 @@ def choose(sides: Mapping[str, np.ndarray], rate: float, max_group: int = MAX_GR
     for bits in BITS:
         plan, chosen = plan_for(specs, rest["k"].shape, tokens, rate, bits, max_group, sinks)
         err = plan_error(rest, plan, chosen)
-        if best is None or err < best[1]:
-            best = (plan, err)
-    return best if best[1] <= max_error else None
+        if np.isfinite(err) and (best is None or err < best[1]):
+            best = (plan, err, chosen)
+    return best if best is not None and best[1] <= max_error else None
 
 
 __all__ = ["BITS", "MAX_ERROR", "MAX_GROUP", "candidates", "choose", "plan_error", "plan_for"]

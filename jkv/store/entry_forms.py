@@ -2,11 +2,13 @@
 `kv_sharing`), and an entry's bytes in a form, made on the writer thread.
 
 The shared-layer form (`krul@<rate>`) may refuse an entry it would keep poorly
-(`FormRefused`): the entry is then written in the form it came in, and counted.
+(`FormRefused`), fail on it, or not make it smaller (a pool already in few bits): the entry is
+then written in the form it came in, and counted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import numpy as np
@@ -17,6 +19,7 @@ from jkv.store.codec import EntryInfo, encode_aligned
 from jkv.store.parts import StoreParts, StoreStats
 from jkv.store.verify import mark_arrays
 
+log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 HASHES = "block_hashes"  # the entry array holding its chained block hashes
 
 
@@ -41,20 +44,34 @@ def encode_entry(p: StoreParts, arrays: Mapping[str, np.ndarray], src: str, fmt:
     the shared-layer form refused the entry) and, for that form, its groups of several
     layers and the bytes it saved."""
     shared = None
-    if fmt != src:
-        try:
-            converted = p.convert(arrays, src, fmt)
-        except FormRefused:
-            p.stats.shared_refused += 1
-            converted, fmt = arrays, src
-        if parse_form(fmt) is not None:
-            shared = (shared_groups(converted), _nbytes(arrays) - _nbytes(converted))
-        arrays = converted
+    if parse_form(fmt) is not None:
+        arrays, fmt, shared = _shared(p, arrays, src, fmt)
+    elif fmt != src:
+        arrays = p.convert(arrays, src, fmt)
     info = EntryInfo(p.model, fmt, p.page_size, num_tokens, key)
     return encode_aligned(info, {**arrays, HASHES: hashes, **mark_arrays(mark)}), fmt, shared
 
 
+def _shared(p: StoreParts, arrays: Mapping[str, np.ndarray], src: str, fmt: str
+            ) -> tuple[Mapping[str, np.ndarray], str, tuple[int, int] | None]:
+    """The entry in the shared-layer form `fmt`, or as it came (`src`, counted refused) where
+    the form refuses it, would not be smaller, or fails (logged: the save goes on)."""
+    try:
+        converted = p.convert(arrays, src, fmt)
+    except FormRefused:
+        converted = None
+    except (ValueError, ArithmeticError, np.linalg.LinAlgError) as e:
+        log.warning("the shared-layer form failed on an entry (%s); stored as it was", e)
+        converted = None
+    saved = 0 if converted is None else _nbytes(arrays) - _nbytes(converted)
+    if converted is None or saved <= 0:
+        p.stats.shared_refused += 1
+        return arrays, src, None
+    return converted, fmt, (shared_groups(converted), saved)
+
+
 def count_shared(stats: StoreStats, groups: int, saved: int) -> None:
+    """A written shared-layer entry into the store's counters."""
     stats.shared_entries += 1
     stats.shared_groups += groups
     stats.shared_bytes_saved += saved

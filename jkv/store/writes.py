@@ -29,7 +29,6 @@ from jkv.store.verify import pop_mark
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 
 
-
 class StoreWriter:
     """Saving, writing, moving, deleting and recompressing entries, over the store's shared
     `StoreParts`; `submit` queues a job for the store's writer thread, `reachable` says
@@ -388,4 +387,3 @@ class StoreWriter:
             more = self.p.placement.resize(key, len(out))
         self.apply(more)
         return True
-
