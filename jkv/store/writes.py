@@ -116,6 +116,11 @@ class StoreWriter:
         src = form or self.p.kv_format  # the form the arrays are in
         fmt = src if self.p.form is None or whole else self.p.form  # (the store's own form)
         digests = np.frombuffer(b"".join(entry.hashes), np.uint8).reshape(n, -1)
+        with self.p.lock:  # stored already, or its parent gone: not encoded (a slow form)
+            moot = key in self.p.index or (entry.parent is not None
+                                           and entry.parent not in self.p.index)
+        if moot and not self._supersede(entry, key, 0, whole):  # (which counts it)
+            return
         data, fmt, shared = encode_entry(self.p, host, src, fmt, n * self.p.page_size, key,
                                          digests, mark)
         self.room.recheck()  # (room a full disk has again since)
