@@ -276,3 +276,48 @@ def test_the_scheduler_restores_a_chat_from_the_shared_form(shared_subspace_mode
             assert restored == (len(turns[0]) + 7) // PAGE * PAGE + (
                 len(turns[0]) + len(turns[1]) + 15) // PAGE * PAGE
     assert replies["krul"] == replies["none"]
+
+
+@pytest.mark.smollm2
+def test_a_split_restore_of_a_shared_entry_recomputes_its_front_and_loads_the_rest(
+        shared_subspace_model):
+    """Krul's split (6.2) over a restore from the shared form: layers recompute a front share
+    of the history while the rest is loaded from the reconstruction; the next tokens are a
+    store-less run's."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import kv_sharing_store as bench
+
+    from jkv.engine.connector import SavedPages
+
+    cfg, params, _ = bench.load_model(str(shared_subspace_model), "")
+    eng = bench.make_engine(cfg, params, 1024)
+    rng = np.random.default_rng(5)
+    history = rng.integers(100, 40000, 320).tolist()
+    prompt = history + rng.integers(100, 40000, 40).tolist()
+    store = KVStore(StoreConfig(host_cache_bytes=1 << 28, kv_sharing="krul"),
+                    model=eng.fingerprint, kv_format=eng.kv_format, page_size=bench.PAGE,
+                    convert=eng.convert_stored)
+    slot, _ = eng.open(history)
+    bench.prefill(eng, slot, history, 0, targets=False)
+    saved = eng.gather(slot)
+    store.save(saved.num_blocks, saved.arrays, saved.hashes)
+    store.flush()
+    eng.close(slot, keep=False)
+    assert store.snapshot()["shared_entries"] == 1
+    hit = store.lookup(eng.cache.prompt_hashes(prompt))
+    loaded = store.load(hit)
+    restored = SavedPages(hit.blocks, loaded.arrays, loaded.hashes, exact_blocks=0)
+    tops = {}
+    for name, restore, recompute in (("none", None, 0.0), ("load", restored, 0.0),
+                                     ("split", restored, 0.5)):
+        before = eng.stats.recomputed_tokens
+        slot, cached = eng.open(prompt, restore=restore, recompute=recompute)
+        assert cached == (0 if restore is None else hit.blocks * bench.PAGE)
+        assert (eng.stats.recomputed_tokens > before) == (recompute > 0)  # a split indeed
+        _, top1, _ = bench.prefill(eng, slot, prompt, cached, targets=True)
+        tops[name] = np.array(top1[-40:-1])  # the positions after the history
+        eng.close(slot, keep=False)
+    # the issue's agreement target, against the recomputed and the fully loaded history
+    assert np.mean(tops["split"] == tops["none"]) >= 0.95
+    assert np.mean(tops["split"] == tops["load"]) >= 0.95
+    store.close()
