@@ -142,7 +142,8 @@ class StoreConfig:
         if self.kv_sharing != "none" and self.eviction_policy == "adaptcache":
             raise ValueError(f"StoreConfig.kv_sharing {self.kv_sharing!r} and "
                              "StoreConfig.eviction_policy 'adaptcache' both choose entries' "
-                             "forms: give one")
+                             "forms: give one (adaptcache takes the shared-layer forms "
+                             "krul@<rate> its profile rates)")
         require(self, "adapt_profile", self.adapt_profile is None
                 or self.eviction_policy == "adaptcache",
                 "None unless eviction_policy is adaptcache")

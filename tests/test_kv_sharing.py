@@ -156,6 +156,40 @@ def test_an_entry_the_form_refuses_is_stored_in_the_pools_format(engine):
     store.close()
 
 
+def test_adaptcache_recompresses_entries_into_a_shared_form_its_profile_rates(engine, tmp_path):
+    """AdaptCache's profile may name shared-layer forms: with room for two whole entries of
+    three, it keeps all three by recompressing (quality weighs nothing here), and a
+    recompressed entry restores its reconstruction."""
+    import json
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "model": "tiny", "metric": "top1_agreement", "kinds": ["chat"],
+        "methods": {"krul@0.2": [{"rate": 0.2, "quality": {"chat": 0.93}}]}}))
+    rng = np.random.default_rng()
+    entries = [(planted_entry(rng, 0), [bytes([i, j]) * 8 for j in range(T // PAGE)])
+               for i in range(3)]
+    size = sum(x.nbytes for x in entries[0][0].values())
+    store = KVStore(StoreConfig(host_cache_bytes=int(2.5 * size), eviction_policy="adaptcache",
+                                adapt_profile=str(profile), adapt_alpha=0.0),
+                    model=engine.fingerprint, kv_format=engine.kv_format, page_size=PAGE,
+                    convert=engine.convert_stored, bf16_ratio=engine.kv_bf16_ratio)
+    store.set_recompute_rate(1e-3)  # (the scheduler's measure: a miss costs its recompute)
+    for arrays, hashes in entries:
+        assert store.save(T // PAGE, arrays, hashes)
+        store.flush()
+    snap = store.snapshot()
+    assert snap["entries"]["host"] == 3 and snap["bytes"]["host"] <= 2.5 * size
+    assert snap["shared_entries"] >= 1 and snap["evictions"] == 0
+    loads = [store.load(store.lookup(hashes)) for _, hashes in entries]
+    assert any(loaded.exact_blocks == 0 for loaded in loads)  # in the shared form
+    for (arrays, _), loaded in zip(entries, loads, strict=True):
+        for side in ("k", "v"):
+            assert np.abs(loaded.arrays[side] - arrays[side]).max() < 0.01 * np.abs(
+                arrays[side]).max()
+    store.close()
+
+
 @pytest.mark.parametrize("outcome", ["larger", "fails"])
 def test_a_shared_form_that_is_no_smaller_or_fails_leaves_the_entry_as_it_came(outcome):
     """A pool already in few bits can make the shared form larger; a conversion may fail:

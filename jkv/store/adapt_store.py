@@ -3,9 +3,11 @@
 `KVStore` asks its placement where entries go (`put`, `spill`, `adopt`, `access`, `drop`,
 `resize`) and carries out the moves; this gives it `jkv.policies.adaptcache.AdaptPlacement`'s
 answers: a move may also name the KV format an entry is recompressed to (`Move.form`, the
-store's `recompress`). The forms an entry can take are the profile's quantized methods that
-are KV formats this jkv can write (`jkv.kv.format.KV_FORMATS`), sized from the entry's
-bytes; the store's pool keeps KV in the model dtype (a profile's rates are against it).
+store's `recompress`). The forms an entry can take are the profile's methods that are KV
+formats this jkv can write (`jkv.kv.format.KV_FORMATS`) or shared-layer forms (`krul@<rate>`,
+`jkv.kv.shared_form`: made on the writer thread, refused where the conversation's KV would be
+kept poorly), sized from the entry's bytes; the store's pool keeps KV in the model dtype (a
+profile's rates are against it).
 Recompute seconds per token, the tiers' read rates and each form's decode (conversion) rate
 come from the running store.
 """
@@ -17,6 +19,7 @@ import time
 from collections.abc import Collection, Hashable, Sequence
 
 from jkv.kv.format import KV_FORMATS
+from jkv.kv.shared_form import parse_form
 from jkv.policies.adaptcache import AdaptPlacement, Form, Tier
 from jkv.policies.adaptcache import Move as AdaptMove
 from jkv.policies.stored_forms import is_row_form, row_form_ways
@@ -53,10 +56,12 @@ class AdaptStorePlacement:
                                  f"{sorted(row_form_ways())}) for a token-tier engine's rows "
                                  f"(methods {sorted(profile.methods)})")
         else:
-            self.methods = tuple(m for m in profile.methods if m in KV_FORMATS)
+            self.methods = tuple(m for m in profile.methods
+                                 if m in KV_FORMATS or parse_form(m) is not None)
             if not self.methods:
                 raise ValueError(f"the profile names no KV format jkv can store (methods "
-                                 f"{sorted(profile.methods)}; formats {sorted(KV_FORMATS)})")
+                                 f"{sorted(profile.methods)}; formats {sorted(KV_FORMATS)} "
+                                 f"and the shared-layer forms krul@<rate>)")
         self.profile, self.bf16_ratio = profile, bf16_ratio
         self.adapt = AdaptPlacement(
             [Tier(name, cap, DEFAULT_READ_BPS[name]) for name, cap in self.capacity.items()],

@@ -128,7 +128,8 @@ class StoreWriter:
             return
         for retry in (False, True):  # a write the disk refused: once more, in the room made
             try:
-                stored = self._place(key, entry, data, host, src, fmt, digests, form, mark)
+                stored, reshared = self._place(key, entry, data, host, src, fmt, digests,
+                                               form, mark)
             except DiskFull as e:
                 self.room.full(e)
                 if retry:
@@ -142,19 +143,20 @@ class StoreWriter:
                 return
             if stored:
                 self._index_written(key, entry)
-                if shared is not None:
-                    count_shared(self.p.stats, *shared)
+                if (reshared or shared) is not None:
+                    count_shared(self.p.stats, *(reshared or shared))
             elif retry:  # the room was not made after all
                 self.p.stats.saves_dropped += 1
             return
 
     def _place(self, key: str, entry: Entry, data: memoryview, host: Mapping[str, np.ndarray],
                src: str, fmt: str, digests: np.ndarray, form: str | None,
-               mark: tuple | None = None) -> bool:
+               mark: tuple | None = None) -> tuple[bool, tuple[int, int] | None]:
         """Have the placement make room for an encoded entry and put it in the tier it
-        chose (in the smaller form chosen for it, if any): whether it was stored. DiskFull
+        chose (in the smaller form chosen for it, if any): whether it was stored, and a
+        shared-layer form's groups and bytes saved where it was written in one. DiskFull
         or DiskError (nothing stored) when the disk refused it."""
-        n = len(entry.hashes)
+        n, shared = len(entry.hashes), None
         with self.p.lock:  # the entries it continues are not given up to make its room
             keep = [] if entry.parent is None or entry.parent not in self.p.index else \
                 self.p.index.chain(entry.parent)
@@ -165,18 +167,18 @@ class StoreWriter:
             if not self.apply(moves[:-1]) or moves[-1].dst is None:
                 with self.p.lock:
                     self.p.placement.drop(key)  # no room was made (or fits nowhere): not stored
-                return False
+                return False, None
             if moves[-1].form not in (None, fmt):  # written in the smaller form chosen for it
                 fmt = moves[-1].form
-                data, fmt, _ = encode_entry(self.p, host, src, fmt, n * self.p.page_size, key,
-                                            digests, mark)
+                data, fmt, shared = encode_entry(self.p, host, src, fmt,
+                                                 n * self.p.page_size, key, digests, mark)
             entry.form = None if fmt == self.p.kv_format else fmt
             with self.p.lock:  # its bytes as encoded (a form's size was an estimate)
                 more = self.p.placement.resize(key, len(data))
             if not self.apply(more) or self.p.placement.where(key) != moves[-1].dst:
                 with self.p.lock:
                     self.p.placement.drop(key)  # the room was not made after all
-                return False
+                return False, None
             self._tier(moves[-1].dst).put(key, data,
                                           meta_record(self.p.model, entry.session, entry))
         except TierFull:  # (the placement's count and the tier's disagree: not stored)
@@ -184,14 +186,14 @@ class StoreWriter:
             with self.p.lock:
                 self.p.placement.drop(key)
                 self.p.stats.saves_dropped += 1
-            return False
+            return False, None
         except BaseException:
             with self.p.lock:
                 self.p.placement.drop(key)
             raise
         if moves[-1].dst == "disk":
             self.room.wrote()
-        return True
+        return True, shared
 
     def _supersede(self, entry: Entry, key: str, size: int, whole: bool) -> bool:
         """Whether `_write` goes on with an entry of `size` bytes (not stored yet, fits a
@@ -366,8 +368,8 @@ class StoreWriter:
             return None  # already so; the pool's own form is never made (that is a load's)
         hashes, mark = arrays.pop(HASHES), pop_mark(arrays)
         try:
-            out, written, _ = encode_entry(self.p, arrays, info.kv_format, kv_format,
-                                           info.num_tokens, info.key, hashes, mark)
+            out, written, shared = encode_entry(self.p, arrays, info.kv_format, kv_format,
+                                                info.num_tokens, info.key, hashes, mark)
         except ValueError:  # no such form from this one (a row form no smaller than it)
             return None
         if written != kv_format:
@@ -384,6 +386,8 @@ class StoreWriter:
         except Exception as e:  # an I/O error: the old bytes stay
             log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
             return False
+        if shared is not None:
+            count_shared(self.p.stats, *shared)
         if tier == "host" and self.p.disk is not None and self.p.disk.is_spare(key):
             self.p.disk.delete(key)  # its spare copy holds the old form
         with self.p.lock:
