@@ -73,6 +73,24 @@ def build(fidelity: dict, model: str) -> Profile:
                               "methods": methods})
 
 
+def add_shared_forms(profile: Profile, frontier: dict) -> Profile:
+    """`profile` with the shared-layer forms `krul@<rate>` a kv_frontier result measured (its
+    groups chosen per conversation, pre-RoPE keys: the store's form): per rate, the entry's
+    bytes over bf16 pages and each kind's teacher-forced top-1 agreement."""
+    methods = profile.to_json()["methods"]
+    for label, row in frontier["rows"].items():
+        way, _, rate = label.partition("@")
+        if way != "chosen:pre":
+            continue
+        quality = {kind: next(r["top1_agreement"]
+                              for name, r in frontier["docs"][kind]["rows"].items()
+                              if name.startswith("chosen:pre:") and name.endswith(f"@{rate}"))
+                   for kind in profile.kinds}
+        methods[f"krul@{rate}"] = [{"rate": row["rate"], "quality": quality,
+                                    "family": "shared"}]
+    return Profile.from_json({**profile.to_json(), "methods": methods})
+
+
 def measure_decode(methods: list[str], layers: int, kv_heads: int, head_dim: int,
                    page_size: int, tokens: int, repeats: int) -> dict[str, float]:
     """Stored bytes per second each of `methods` (KV formats) is converted back into a pool
@@ -113,6 +131,9 @@ def main() -> None:
     ap.add_argument("--update", metavar="PROFILE",
                     help="instead of a fidelity result: a profile JSON to add decode rates "
                          "to (rewritten in place; with --decode)")
+    ap.add_argument("--frontier", metavar="RESULT",
+                    help="a kv_frontier result: its shared-layer forms (krul@<rate>) join the "
+                         "profile, so AdaptCache may choose them")
     ap.add_argument("--model", default="smollm2-135m",
                     help="the model the fidelity run measured (named in the profile)")
     ap.add_argument("--decode", action="store_true",
@@ -135,6 +156,8 @@ def main() -> None:
     update = None if args.update is None else Path(args.update)
     profile = (Profile.load(update) if update is not None
                else build(json.loads(Path(args.fidelity).read_text()), args.model))
+    if args.frontier is not None:
+        profile = add_shared_forms(profile, json.loads(Path(args.frontier).read_text()))
     if args.decode:
         import jax
 
