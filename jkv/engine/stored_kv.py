@@ -6,13 +6,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from jkv.kv import shared_form
 from jkv.kv.format import KVFormat
 from jkv.kv.kv_forms import convert_pages
 from jkv.kv.shared_form import FormRefused, parse_form
+from jkv.pallas_kernels.shared_reconstruct import shared_reconstruct
 from jkv.policies import krul
+
+
+def rebuild(codes: jax.Array, scale: jax.Array, zero: jax.Array, basis: jax.Array,
+            mean: jax.Array) -> jax.Array:
+    """A group of layers' KV from the shared form: the Pallas kernel on a GPU, XLA elsewhere."""
+    if jax.default_backend() == "gpu":
+        return shared_reconstruct(codes, scale, zero, basis, mean, block=shared_form.BLOCK)
+    return shared_form.rebuild_xla(codes, scale, zero, basis, mean)
 
 
 def convert_stored(arrays: dict, src: str, dst: str, dtype, *, rotate: Callable, heads: int,
@@ -29,5 +39,5 @@ def convert_stored(arrays: dict, src: str, dst: str, dtype, *, rotate: Callable,
         plan, _, spectra = chosen
         return shared_form.encode(sides, plan, heads, spectra)
     if parse_form(src) is not None:
-        return shared_form.decode(arrays, KVFormat.parse(dst), dtype, rotate, page)
+        return shared_form.decode(arrays, KVFormat.parse(dst), dtype, rotate, page, rebuild)
     return convert_pages(arrays, KVFormat.parse(src), KVFormat.parse(dst), dtype)

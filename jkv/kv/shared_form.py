@@ -33,12 +33,13 @@ from jkv.kv.format import KVFormat
 from jkv.kv.pages import KVPages
 from jkv.kv.quant import pack, unpack
 from jkv.kv.rotation import rotate as basis_rotate
-from jkv.pallas_kernels.shared_reconstruct import shared_reconstruct
 
 FORM = "krul"
 BLOCK = 64  # tokens per coefficient scale and zero point
 SIDES = ("k", "v")
 Rotate = Callable[[jax.Array, jax.Array], jax.Array]  # keys [L, T, H, D], shift [L, T]
+# a group's KV [T', N] from (codes [T', r], scale, zero [T' / BLOCK, r], basis [r, N], mean [N])
+Rebuild = Callable[..., jax.Array]
 
 
 class FormRefused(ValueError):
@@ -126,15 +127,18 @@ def _even(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.pad(codes, ((0, 0), (0, pad))) if pad else codes
 
 
-def reconstruct(arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+def reconstruct(arrays: Mapping[str, np.ndarray],
+                rebuild: Rebuild | None = None) -> dict[str, jax.Array]:
     """The sides [L, T, F] float32 an entry in the shared form holds (keys still rotated back
-    by their place in the entry), on the device: one kernel per group (`rebuild`). ValueError
-    when the arrays are not such an entry."""
+    by their place in the entry), on the device: one call of `rebuild` per group (default
+    `rebuild_xla`; the engine passes the Pallas kernel on a GPU). ValueError when the arrays
+    are not such an entry."""
     try:
         layers, tokens, heads, d = (int(x) for x in arrays["shape"])
         parts: dict[str, list] = {side: [None] * layers for side in SIDES}
         for i, (s, first, size, rank, bits) in enumerate(np.asarray(arrays["layout"])):
-            group = rebuild(*group_operands(arrays, i, int(rank), int(bits)))  # [T', G * F]
+            group = padded(rebuild or rebuild_xla,  # [T', G * F]
+                           *group_operands(arrays, i, int(rank), int(bits)))
             for j in range(size):
                 parts[SIDES[s]][first + j] = group[:, j * heads * d:(j + 1) * heads * d]
         out = {}
@@ -164,25 +168,23 @@ def group_operands(arrays: Mapping[str, np.ndarray], i: int, rank: int, bits: in
             jnp.asarray(arrays[f"g{i}.zero"]), basis, mean)
 
 
-def rebuild(codes: jax.Array, scale: jax.Array, zero: jax.Array, basis: jax.Array,
-            mean: jax.Array) -> jax.Array:
-    """A group's KV [T', N] from its operands: the Pallas kernel on a GPU, XLA elsewhere.
-    Tokens are padded to a power of two of blocks and the rank to a power of two (zero
-    codes, scales and zero points: nothing added), so few shapes compile."""
+def padded(rebuild: Rebuild, codes: jax.Array, scale: jax.Array, zero: jax.Array,
+           basis: jax.Array, mean: jax.Array) -> jax.Array:
+    """`rebuild` of a group's operands with its tokens padded to a power of two of blocks
+    and its rank to a power of two (zero codes, scales and zero points: nothing added), so
+    few shapes compile."""
     t, r = codes.shape
     blocks, rank = bucket(scale.shape[0]), bucket(r)
     codes = jnp.pad(codes, ((0, blocks * BLOCK - t), (0, rank - r)))
     scale, zero = (jnp.pad(x, ((0, blocks - x.shape[0]), (0, rank - r))) for x in (scale, zero))
     basis = jnp.pad(basis, ((0, rank - r), (0, 0)))
-    if jax.default_backend() == "gpu":
-        return shared_reconstruct(codes, scale, zero, basis, mean, block=BLOCK)[:t]
-    return rebuild_xla(codes, scale, zero, basis, mean)[:t]
+    return rebuild(codes, scale, zero, basis, mean)[:t]
 
 
 @jax.jit
 def rebuild_xla(codes: jax.Array, scale: jax.Array, zero: jax.Array, basis: jax.Array,
                 mean: jax.Array) -> jax.Array:
-    """`rebuild` in XLA: each block's scale and zero repeated over its tokens."""
+    """A group's KV in XLA: each block's scale and zero repeated over its tokens."""
     t = codes.shape[0]
     s = jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=0)[:t]
     z = jnp.repeat(zero.astype(jnp.float32), BLOCK, axis=0)[:t]
@@ -190,10 +192,10 @@ def rebuild_xla(codes: jax.Array, scale: jax.Array, zero: jax.Array, basis: jax.
 
 
 def decode(arrays: Mapping[str, np.ndarray], dst: KVFormat, dtype,
-           rotate: Rotate, page: int) -> dict[str, np.ndarray]:
+           rotate: Rotate, page: int, rebuild: Rebuild | None = None) -> dict[str, np.ndarray]:
     """An entry in the shared form as pages [T // page, L, H, page, ...] of format `dst`
     (16-bit sides in `dtype`), keys rotated to their places."""
-    sides = reconstruct(arrays)
+    sides = reconstruct(arrays, rebuild)
     heads, tokens = int(arrays["shape"][2]), int(arrays["shape"][1])
     n = tokens // page  # padded to a power of two of pages: few compiled shapes
     k, v = (jnp.pad(sides[s], ((0, 0), (0, (bucket(n) - n) * page), (0, 0))) for s in SIDES)
@@ -220,4 +222,4 @@ def shared_groups(arrays: Mapping[str, np.ndarray]) -> int:
 
 
 __all__ = ["BLOCK", "FORM", "FormRefused", "Plan", "decode", "dense_sides", "encode",
-           "form_name", "parse_form", "rebuild", "rebuild_xla", "reconstruct", "shared_groups"]
+           "form_name", "padded", "parse_form", "rebuild_xla", "reconstruct", "shared_groups"]
