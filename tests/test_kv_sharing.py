@@ -355,3 +355,22 @@ def test_a_split_restore_of_a_shared_entry_recomputes_its_front_and_loads_the_re
     assert np.mean(tops["split"] == tops["none"]) >= 0.95
     assert np.mean(tops["split"] == tops["load"]) >= 0.95
     store.close()
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+def test_a_hand_made_plan_round_trips_at_every_coefficient_width(bits):
+    """Odd ranks (codes packed with padding columns), a rank-0 group, groups of 1 to 3."""
+    rng = np.random.default_rng()
+    arrays = planted_entry(rng, 7)
+    sides = sf.dense_sides(arrays, KV_FORMATS["auto"], ROTATE)
+    plan = sf.Plan({"k": [(0, 3), (3, 3)], "v": [(0, 1), (1, 2), (3, 3)]},
+                   {"k": [5, 7], "v": [0, 9, 13]}, bits, sinks=3)
+    stored = sf.encode(sides, plan, H)
+    back = sf.reconstruct(stored)
+    for side, groups in plan.groups.items():
+        for (first, size), rank in zip(groups, plan.ranks[side], strict=True):
+            x = sides[side][first:first + size, plan.sinks:]
+            want = krul.sb.reconstruct(krul.sb.fit(x, rank, bits, sf.BLOCK), sf.BLOCK)
+            got = back[side][first:first + size, plan.sinks:]
+            assert np.allclose(got, want, atol=1e-3 * np.abs(want).max() + 1e-6)
+        assert np.allclose(back[side][:, :3], sides[side][:, :3], rtol=1e-3, atol=1e-3)

@@ -31,7 +31,7 @@ from jkv.kv import shared_basis as sb
 from jkv.kv.buckets import bucket
 from jkv.kv.format import KVFormat
 from jkv.kv.pages import KVPages
-from jkv.kv.quant import pack, unpack
+from jkv.kv.quant import pack
 from jkv.kv.rotation import rotate as basis_rotate
 
 FORM = "krul"
@@ -128,57 +128,49 @@ def _even(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def reconstruct(arrays: Mapping[str, np.ndarray],
-                rebuild: Rebuild | None = None) -> dict[str, jax.Array]:
+                rebuild: Rebuild | None = None) -> dict[str, np.ndarray]:
     """The sides [L, T, F] float32 an entry in the shared form holds (keys still rotated back
-    by their place in the entry), on the device: one call of `rebuild` per group (default
-    `rebuild_xla`; the engine passes the Pallas kernel on a GPU). ValueError when the arrays
-    are not such an entry."""
+    by their place in the entry): one call of `rebuild` per group (default `rebuild_xla`; the
+    engine passes the Pallas kernel on a GPU) on operands padded to powers of two, so few
+    shapes compile. ValueError when the arrays are not such an entry."""
     try:
         layers, tokens, heads, d = (int(x) for x in arrays["shape"])
-        parts: dict[str, list] = {side: [None] * layers for side in SIDES}
-        for i, (s, first, size, rank, bits) in enumerate(np.asarray(arrays["layout"])):
-            group = padded(rebuild or rebuild_xla,  # [T', G * F]
-                           *group_operands(arrays, i, int(rank), int(bits)))
-            for j in range(size):
-                parts[SIDES[s]][first + j] = group[:, j * heads * d:(j + 1) * heads * d]
-        out = {}
+        out = {side: np.full((layers, tokens, heads * d), np.nan, np.float32) for side in SIDES}
         for side in SIDES:
-            if any(p is None for p in parts[side]):
-                raise ValueError(f"no group holds a layer of side {side}")
-            sinks = jnp.asarray(arrays[f"sinks.{side}"], jnp.float32)  # [L, S, F]
-            out[side] = jnp.concatenate([sinks, jnp.stack(parts[side])], axis=1)
-            if out[side].shape != (layers, tokens, heads * d):
-                raise ValueError(f"side {side} holds {out[side].shape}, the entry's shape "
-                                 f"{[layers, tokens, heads * d]}")
+            sinks = np.asarray(arrays[f"sinks.{side}"], np.float32)  # [L, S, F]
+            out[side][:, :sinks.shape[1]] = sinks
+        for i, (s, first, size, rank, bits) in enumerate(np.asarray(arrays["layout"])):
+            t, operands = group_operands(arrays, i, int(rank), int(bits))
+            group = np.asarray((rebuild or rebuild_xla)(*operands))[:t]  # [T', G * F]
+            out[SIDES[s]][first:first + size, tokens - t:] = np.moveaxis(
+                group.reshape(t, size, heads * d), 1, 0)
     except (KeyError, ValueError, TypeError, IndexError) as e:
         raise ValueError(f"arrays are not an entry in the shared form: {e}") from e
+    if any(np.isnan(x).any() for x in out.values()):
+        raise ValueError("arrays are not an entry in the shared form: a layer is missing")
     return out
 
 
-def group_operands(arrays: Mapping[str, np.ndarray], i: int, rank: int, bits: int) -> tuple:
-    """Group i's (codes [T', r], scale, zero [ceil(T' / BLOCK), r], basis [r, N], mean [N])."""
-    codes = jnp.asarray(arrays[f"g{i}.codes"])
-    mean = jnp.asarray(arrays[f"g{i}.mean"], jnp.float32).reshape(-1)
-    basis = jnp.asarray(arrays[f"g{i}.basis"])
+def group_operands(arrays: Mapping[str, np.ndarray], i: int, rank: int,
+                   bits: int) -> tuple[int, tuple[np.ndarray, ...]]:
+    """Group i's tokens T' and its (codes [T', r], scale, zero [T' / BLOCK, r], basis [r, N],
+    mean [N]) on the host, tokens padded to a power of two of blocks and the rank to a power
+    of two (zero codes, scales and zero points: nothing added)."""
+    codes = np.asarray(arrays[f"g{i}.codes"])
+    t, n = codes.shape[0], -(-codes.shape[0] // BLOCK)
     if bits == 16:
-        n = -(-codes.shape[0] // BLOCK)
-        return (codes, jnp.ones((n, rank), jnp.float16), jnp.zeros((n, rank), jnp.float16),
-                basis, mean)
-    return (unpack(codes, bits)[:, :rank], jnp.asarray(arrays[f"g{i}.scale"]),
-            jnp.asarray(arrays[f"g{i}.zero"]), basis, mean)
-
-
-def padded(rebuild: Rebuild, codes: jax.Array, scale: jax.Array, zero: jax.Array,
-           basis: jax.Array, mean: jax.Array) -> jax.Array:
-    """`rebuild` of a group's operands with its tokens padded to a power of two of blocks
-    and its rank to a power of two (zero codes, scales and zero points: nothing added), so
-    few shapes compile."""
-    t, r = codes.shape
-    blocks, rank = bucket(scale.shape[0]), bucket(r)
-    codes = jnp.pad(codes, ((0, blocks * BLOCK - t), (0, rank - r)))
-    scale, zero = (jnp.pad(x, ((0, blocks - x.shape[0]), (0, rank - r))) for x in (scale, zero))
-    basis = jnp.pad(basis, ((0, rank - r), (0, 0)))
-    return rebuild(codes, scale, zero, basis, mean)[:t]
+        scale, zero = np.ones((n, rank), np.float16), np.zeros((n, rank), np.float16)
+    else:
+        per, mask = 8 // bits, (1 << bits) - 1
+        codes = np.concatenate([(codes >> (bits * j)) & mask for j in range(per)],
+                               axis=1)[:, :rank]  # `quant.unpack`'s order
+        scale, zero = np.asarray(arrays[f"g{i}.scale"]), np.asarray(arrays[f"g{i}.zero"])
+    blocks, r = bucket(n), bucket(rank)
+    codes = np.pad(codes, ((0, blocks * BLOCK - t), (0, r - rank)))
+    scale, zero = (np.pad(x, ((0, blocks - n), (0, r - rank))) for x in (scale, zero))
+    basis = np.pad(np.asarray(arrays[f"g{i}.basis"]), ((0, r - rank), (0, 0)))
+    mean = np.asarray(arrays[f"g{i}.mean"], np.float32).reshape(-1)
+    return t, (codes, scale, zero, basis, mean)
 
 
 @jax.jit
@@ -198,7 +190,7 @@ def decode(arrays: Mapping[str, np.ndarray], dst: KVFormat, dtype,
     sides = reconstruct(arrays, rebuild)
     heads, tokens = int(arrays["shape"][2]), int(arrays["shape"][1])
     n = tokens // page  # padded to a power of two of pages: few compiled shapes
-    k, v = (jnp.pad(sides[s], ((0, 0), (0, (bucket(n) - n) * page), (0, 0))) for s in SIDES)
+    k, v = (np.pad(sides[s], ((0, 0), (0, (bucket(n) - n) * page), (0, 0))) for s in SIDES)
     pages = _pages(k, v, heads=heads, page=page, dst=dst, dtype=jnp.dtype(dtype), rotate=rotate)
     return {name: np.asarray(x)[:n] for name, x in jax.device_get(pages.arrays()).items()}
 
@@ -222,4 +214,5 @@ def shared_groups(arrays: Mapping[str, np.ndarray]) -> int:
 
 
 __all__ = ["BLOCK", "FORM", "FormRefused", "Plan", "decode", "dense_sides", "encode",
-           "form_name", "padded", "parse_form", "rebuild_xla", "reconstruct", "shared_groups"]
+           "form_name", "group_operands", "parse_form", "rebuild_xla", "reconstruct",
+           "shared_groups"]
