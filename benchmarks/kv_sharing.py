@@ -109,8 +109,8 @@ def attention_patterns(params, cfg, tokens: list[int], stride: int):
 
 # ---------------------------------------------------------------------------- engine runs
 
-def make_engine(cfg, params, max_len: int) -> Engine:
-    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=256 << 20)
+def make_engine(cfg, params, max_len: int, kv_format: str = "auto") -> Engine:
+    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=256 << 20, kv_format=kv_format)
     return Engine(cfg, params, cache=cache, config=EngineConfig(
         max_model_len=max_len, max_num_seqs=1, prefill_chunk=CHUNK, attention_backend="xla",
         enable_prefix_caching=False))

@@ -40,11 +40,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from harness import add_out_argument, write_results  # noqa: E402
-from kv_sharing import CHUNK, PAGE, prefill  # noqa: E402
+from kv_sharing import PAGE, make_engine, prefill  # noqa: E402
 
-from jkv.config import CacheConfig, EngineConfig, StoreConfig  # noqa: E402
+from jkv.config import StoreConfig  # noqa: E402
 from jkv.engine.connector import SavedPages  # noqa: E402
-from jkv.engine.engine import Engine  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402
@@ -104,13 +103,6 @@ def play(engine, store: KVStore, chat: list, waits: list | None = None
             waits.append(time.perf_counter() - t0)
         engine.close(slot, keep=False)
     return scored
-
-
-def make_engine(cfg, params, max_len: int, kv_format: str = "auto") -> Engine:
-    cache = CacheConfig(page_size=PAGE, kv_cache_bytes=256 << 20, kv_format=kv_format)
-    return Engine(cfg, params, cache=cache, config=EngineConfig(
-        max_model_len=max_len, max_num_seqs=1, prefill_chunk=CHUNK, attention_backend="xla",
-        enable_prefix_caching=False))
 
 
 def load_model(name: str, tmp: str):

@@ -47,18 +47,8 @@ class SharedSide(NamedTuple):
 
 
 def spectrum(x: np.ndarray) -> Spectrum:
-    """The principal directions of a group's blocks x [G, T, F]."""
-    x = np.asarray(x, np.float64)
-    g, t, f = x.shape
-    mean = x.mean(axis=1)
-    centered = x - mean[:, None]
-    norm = np.sqrt(np.sum(np.square(centered), axis=(1, 2)))
-    norm = np.where(norm > 0, norm, 1.0)
-    flat = np.moveaxis(centered / norm[:, None, None], 0, 1).reshape(t, g * f)
-    energy, vecs = np.linalg.eigh(flat.T @ flat)
-    order = np.argsort(energy)[::-1]
-    return Spectrum(mean.astype(np.float32), norm.astype(np.float32), vecs[:, order],
-                    np.maximum(energy[order], 0.0))
+    """The principal directions of a group's blocks x [G, T, F] (`GroupSpectra` of the whole)."""
+    return GroupSpectra(x)((0, len(x)), vectors=True)
 
 
 class GroupSpectra:
