@@ -21,6 +21,8 @@
 #   bash benchmarks/gpu_session.sh 9    # the tests of the float16 rounding fix compiled (150 s)
 #   bash benchmarks/gpu_session.sh 10   # issue 16: stored forms' decode rates (30 s; needs
 #                                       # tqdm, as the others)
+#   bash benchmarks/gpu_session.sh 11   # issue 55: shared coefficient pages' decode timed
+#                                       # beside k8v4 pages, their kernel tests (200 s)
 # Order: 5 (issue 15's acceptance at 8B shape: its first try, 2026-11-28, ran out at 560 s with
 # nothing written; it now writes after each setting, the acceptance pair first). 9 passed on
 # 2026-11-28 (the float16 rounding fix, compiled: 120 s); 8, 6 and 4 ran on 2026-11-28. Then 10
@@ -153,8 +155,16 @@ case ${1:-1} in
     step 120 adapt_decode python benchmarks/adapt_profile.py --decode --out "$out" \
         --update "$out/smollm2-135m-profile.json"
     logs="adapt_decode" ;;
+11)
+    # issue 55, 3: decode over shared coefficient pages (keys rebuilt per position in the
+    # kernel) beside k8v4 pages at the same bytes, and the kernel's tests compiled (200 s)
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    step 150 shared_pages python benchmarks/shared_pages.py --time --out "$out"
+    step 90 shared_pages_tests python -m pytest -p no:cacheprovider -q -rfE \
+        tests/test_shared_pages_attention.py tests/test_shared_reconstruct.py
+    logs="shared_pages shared_pages_tests" ;;
 *)
-    echo "usage: $0 1|2|3|4|5|6|7|8|9|10" >&2
+    echo "usage: $0 1|2|3|4|5|6|7|8|9|10|11" >&2
     exit 2 ;;
 esac
 for f in $logs; do

@@ -123,7 +123,7 @@ def _leaky_add_refs(free, ids, delta):
 
 
 @pytest.mark.parametrize("name,bug", [("unref", _double_free_unref),
-                                      ("_add_refs", _leaky_add_refs)])
+                                      ("add_refs", _leaky_add_refs)])
 def test_the_properties_catch_planted_bugs(monkeypatch, name, bug):
     monkeypatch.setattr(alloc, name, bug)
 

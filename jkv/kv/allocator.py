@@ -78,7 +78,7 @@ def _exclusive_cumsum(x: jax.Array) -> jax.Array:
     return (jnp.cumsum(flat) - flat).reshape(x.shape)
 
 
-def _add_refs(free: FreeList, ids: jax.Array, delta: int) -> FreeList:
+def add_refs(free: FreeList, ids: jax.Array, delta: int) -> FreeList:
     """refs[id] += delta for every entry of `ids` > 0 (repeats count once each)."""
     flat = ids.reshape(-1)
     dest = jnp.where(flat > NULL_PAGE, flat, free.refs.shape[0])
@@ -116,7 +116,7 @@ def allocate(free: FreeList, need: jax.Array, width: int) -> tuple[FreeList, jax
     n_ids = free.ids.shape[0]
     ids = jnp.where(take, free.ids[(free.head + offsets[..., None] + k) % n_ids], NULL_PAGE)
     total = jnp.where(ok, total, 0)
-    new_free = _add_refs(free, ids, 1)
+    new_free = add_refs(free, ids, 1)
     return new_free.replace(head=(free.head + total) % n_ids,
                             num_free=free.num_free - total), ids, ok
 
@@ -181,7 +181,7 @@ def export_blocks(free: FreeList, tables: PageTables, blocks: jax.Array, slot: j
     ids = jnp.moveaxis(tables.pages[slot], -1, 0)  # [W, L, H]
     take = (rows >= 0)[:, None, None]
     dest = jnp.where(rows >= 0, rows, blocks.shape[0])
-    return (_add_refs(free, jnp.where(take, ids, NULL_PAGE), 1),
+    return (add_refs(free, jnp.where(take, ids, NULL_PAGE), 1),
             blocks.at[dest].set(ids, mode="drop"))
 
 
@@ -200,7 +200,7 @@ def import_blocks(free: FreeList, tables: PageTables, blocks: jax.Array, slot: j
         num_pages=tables.num_pages.at[slot].set(count),
         lengths=tables.lengths.at[slot].set(length),
     )
-    return _add_refs(free, row, 1), new_tables
+    return add_refs(free, row, 1), new_tables
 
 
 @jax.jit
