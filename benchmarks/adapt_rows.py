@@ -38,9 +38,9 @@ from harness import add_out_argument, write_results  # noqa: E402
 from kv_fidelity import CHUNK, PAGE, TAIL, documents  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
-from jkv.engine.connector import SavedPages  # noqa: E402
 from jkv.engine.engine import Engine, Row  # noqa: E402
 from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.engine.saved_pages import SavedPages  # noqa: E402
 from jkv.kv.tier_entries import TIER_ARRAYS  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402

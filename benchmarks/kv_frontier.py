@@ -47,7 +47,7 @@ from harness import add_out_argument, write_results  # noqa: E402
 from kv_fidelity import documents  # noqa: E402
 from kv_sharing import PAGE, make_engine, prefill  # noqa: E402
 
-from jkv.engine.connector import SavedPages  # noqa: E402
+from jkv.engine.saved_pages import SavedPages  # noqa: E402
 from jkv.kv import shared_basis as sb  # noqa: E402
 from jkv.kv.format import KV_FORMATS  # noqa: E402
 from jkv.kv.kv_forms import convert_pages  # noqa: E402

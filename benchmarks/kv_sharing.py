@@ -44,10 +44,10 @@ from harness import add_out_argument, write_results  # noqa: E402
 from kv_fidelity import documents  # noqa: E402
 
 from jkv.config import CacheConfig, EngineConfig  # noqa: E402
-from jkv.engine.connector import SavedPages  # noqa: E402
 from jkv.engine.engine import Engine  # noqa: E402
 from jkv.engine.runner import Row  # noqa: E402
 from jkv.engine.sampling import SamplingParams  # noqa: E402
+from jkv.engine.saved_pages import SavedPages  # noqa: E402
 from jkv.kv.format import KV_FORMATS  # noqa: E402
 from jkv.kv.layer_sharing import (  # noqa: E402
     deepest_pairs,

@@ -43,7 +43,7 @@ from harness import add_out_argument, write_results  # noqa: E402
 from kv_sharing import PAGE, make_engine, prefill  # noqa: E402
 
 from jkv.config import StoreConfig  # noqa: E402
-from jkv.engine.connector import SavedPages  # noqa: E402
+from jkv.engine.saved_pages import SavedPages  # noqa: E402
 from jkv.models import load_params  # noqa: E402
 from jkv.models.loaders import default_model_path  # noqa: E402
 from jkv.models.tokenizer import load_tokenizer  # noqa: E402

@@ -171,7 +171,7 @@ def test_block_runs_slice_without_copying_inside_a_part():
 @pytest.mark.parametrize("n,first,layers,chunk", [(12, 0, 6, 1), (40, 3, 30, 2), (7, 2, 1, 1),
                                                   (100, 0, 32, 8)])
 def test_the_pyramid_recomputes_a_falling_prefix_of_about_its_share(n, first, layers, chunk):
-    from jkv.engine.connector import pyramid
+    from jkv.engine.saved_pages import pyramid
 
     assert (pyramid(first, n, layers, 0.0, chunk) == first).all()  # load everything
     assert (pyramid(first, n, layers, 1.0, chunk) == n).all()  # recompute everything
@@ -196,7 +196,7 @@ def deep_params():
 @pytest.mark.parametrize("execution", ["scan", "layerwise"])
 def test_split_restore_gives_the_recomputed_tokens_and_never_reads_the_recomputed_pages(
         deep_params, execution):
-    from jkv.engine.connector import pyramid
+    from jkv.engine.saved_pages import pyramid
 
     cfg = TINY.replace(num_layers=6)
     rng = np.random.default_rng()

@@ -321,7 +321,7 @@ def test_a_split_restore_of_a_shared_entry_recomputes_its_front_and_loads_the_re
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     import kv_sharing_store as bench
 
-    from jkv.engine.connector import SavedPages
+    from jkv.engine.saved_pages import SavedPages
 
     cfg, params, _ = bench.load_model(str(shared_subspace_model), "")
     eng = bench.make_engine(cfg, params, 1024)

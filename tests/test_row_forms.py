@@ -16,7 +16,7 @@ from test_engine_tiers import PAGE, check_nothing_leaked, check_pages, prompts, 
 from test_tier_entries import request, row_contents
 
 from jkv.config import SchedulerConfig, StoreConfig
-from jkv.engine.connector import SavedPages
+from jkv.engine.saved_pages import SavedPages
 from jkv.kv.pages import KVPages
 from jkv.kv.row_forms import drop_tokens
 from jkv.kv.tier_entries import TIER_ARRAYS

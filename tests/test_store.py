@@ -338,7 +338,7 @@ def assert_read_ahead(s: KVStore, hit, hashes: list[bytes], data: dict) -> None:
     the host tier."""
     s.wait_reads(5.0)
     assert s.read_ahead(hit)
-    (arrays, got, exact, _), tier = s.take(hit)
+    (arrays, got, exact, *_), tier = s.take(hit)
     assert exact is None  # stored in the pool's own format
     assert got == hashes and tier == "host"
     for f in data:

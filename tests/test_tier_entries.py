@@ -15,9 +15,9 @@ from test_engine_formats import TINY
 from test_engine_tiers import PAGE, check_nothing_leaked, check_pages, prompts, tiered
 
 from jkv.config import StoreConfig
-from jkv.engine.connector import SavedPages
 from jkv.engine.engine import Engine
 from jkv.engine.sampling import SamplingParams
+from jkv.engine.saved_pages import SavedPages
 from jkv.kv.format import KV_FORMATS
 from jkv.kv.page_pool import page_bytes
 from jkv.kv.prefix_cache import block_hashes

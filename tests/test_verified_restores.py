@@ -19,9 +19,9 @@ from jkv.models.loaders import random_params
 from jkv.sched.restore_checks import for_save, plan_check, record
 from jkv.sched.scheduler import Request, Scheduler, generate_all
 from jkv.store.codec import decode, encode
+from jkv.store.entry_forms import HASHES
 from jkv.store.store import KVStore
 from jkv.store.verify import MARK, MARK_AT, Mark, distance, tolerance
-from jkv.store.writes import HASHES
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)

@@ -21,12 +21,13 @@ import numpy as np
 
 from jkv.attention.backend import resolve_backend
 from jkv.config import CacheConfig, EngineConfig, ModelConfig
-from jkv.engine.connector import KVConnector, SavedPages
+from jkv.engine.connector import KVConnector
 from jkv.engine.layer_major import LayerMajor
 from jkv.engine.records import EngineStats, Sampled, check_row_sizes, sampled_rows
 from jkv.engine.row_connector import RowConnector
 from jkv.engine.runner import ModelRunner, Row, unchanged_layer
 from jkv.engine.sampling import SamplingParams, counter_key, seed_key
+from jkv.engine.saved_pages import SavedPages, split_chunk
 from jkv.kv.layer_offload import LayerOffload, resident_layers
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.row_layer_offload import RowLayerOffload
@@ -194,14 +195,12 @@ class Engine:
     def _restore(self, slot: int, first: int, n: object, saved: SavedPages,
                  token_ids: Sequence[int], recompute: float) -> int:
         """Saved KV into `slot`, which holds `first` blocks (`n`: what the connector's
-        `restorable` said of it); with `recompute`, the pyramid's recomputed blocks are
-        dispatched before the loads' copies (on a GPU they overlap). Returns the tokens the
-        slot then holds."""
+        `restorable` said of it); with `recompute`, or the front an entry did not keep, the
+        pyramid's recomputed blocks are dispatched before the loads' copies (on a GPU they
+        overlap). Returns the tokens the slot then holds."""
         ps = self.page_size
-        loaded_from = None
-        if recompute:
-            chunk = max(1, self.prefill_chunk // (4 * ps))
-            loaded_from = self.connector.split(first, n, recompute, chunk)
+        loaded_from = self.connector.split(first, n, recompute,
+                                           split_chunk(self.prefill_chunk, ps), saved.front)
         held = self.connector.restore(slot, first, saved, token_ids, loaded_from)
         if held > first * ps:
             if loaded_from is not None:

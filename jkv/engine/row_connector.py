@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jkv.engine.connector import KVConnector, PendingRestore, SavedPages
+from jkv.engine.connector import KVConnector
+from jkv.engine.saved_pages import PendingRestore, SavedPages
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
 from jkv.kv.tier_entries import TIER_ARRAYS, place_row, row_layout, tier_counts

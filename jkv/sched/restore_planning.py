@@ -17,6 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from jkv.engine.saved_pages import pyramid
 from jkv.kv.page_cost import PageCost
 
 if TYPE_CHECKING:
@@ -134,5 +137,23 @@ def plan_restore(cached: int, hit: Hit | None, moved: tuple[Hit, int] | None,
                            blocks if rebase else 0, newly, probe, share)
 
 
+def saved_front(blocks: int, page_size: int, nbytes: int, rates: RestoreRates,
+                num_layers: int, chunk: int) -> np.ndarray | None:
+    """Krul's lossless saving (6.2): the blocks [0, b_l) of each layer l that a split
+    restore of a new entry of `blocks` blocks (`nbytes` in the pool) would recompute, so the
+    entry need not keep them; None where no split pays by the measured rates (unmeasured,
+    or `split_share` gives 0: on a CPU, where a split only interpolates, never). Planned as
+    `plan_restore` would plan restoring it whole from the host tier, whose read is the
+    fastest: a slower read only recomputes more."""
+    read_rate = rates.read_bytes_per_s.get("host", 0.0)
+    if not (blocks and read_rate and rates.write_bytes_per_s and rates.prefill_token_seconds):
+        return None
+    share = split_share(blocks * page_size * rates.prefill_token_seconds,
+                        nbytes / rates.write_bytes_per_s, nbytes / read_rate,
+                        rates.split_overlap)
+    front = pyramid(0, blocks, num_layers, share, chunk) if share else None
+    return None if front is None or not front.any() else front
+
+
 __all__ = ["PROBE_EVERY", "RestoreDecision", "RestoreRates", "plan_restore", "restore_pays",
-           "split_share"]
+           "saved_front", "split_share"]

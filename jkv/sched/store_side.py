@@ -23,13 +23,21 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from jkv.config import SchedulerConfig
 from jkv.engine.engine import Engine, Sampled, SavedPages
+from jkv.engine.saved_pages import split_chunk
 from jkv.policies.stored_forms import is_row_form
 from jkv.sched.plan_records import Candidate
 from jkv.sched.request import Request, SchedulerStats, Tracked
 from jkv.sched.restore_checks import for_save, plan_check, record
-from jkv.sched.restore_planning import RestoreDecision, RestoreRates, plan_restore
+from jkv.sched.restore_planning import (
+    RestoreDecision,
+    RestoreRates,
+    plan_restore,
+    saved_front,
+)
 from jkv.sched.step_costs import StepCosts
 from jkv.store.store import Hit, KVStore
 from jkv.store.verify import distance, tolerance
@@ -124,12 +132,12 @@ class StoreSide:
                     loaded = self.store.load(hit)
                     loaded = None if loaded is None else (loaded, hit.tier)
                 if loaded is not None:
-                    (arrays, hashes, exact, mark), tier = loaded
+                    (arrays, hashes, exact, mark, front), tier = loaded
                     hit = hit._replace(tier=tier)  # counted where it was read from
                     # a row stored in a smaller form goes on in it (as looked up)
                     form = next((f for f, _ in hit.converted if is_row_form(f)), None)
                     restore = SavedPages(hit.blocks, arrays, hashes, exact_blocks=exact,
-                                         form=form if exact == 0 else None)
+                                         form=form if exact == 0 else None, front=front)
                     if st.rebase:
                         t = r.truncation
                         restore = eng.rebase(restore, r.tokens, t.keep, t.drop)
@@ -188,9 +196,24 @@ class StoreSide:
                             rows=saved.rows, start=saved.start,
                             exact_blocks=saved.exact_blocks, form=saved.form,
                             mark=for_save(marks or {}, saved.num_blocks,
-                                          self.engine.page_size, r.tokens))
+                                          self.engine.page_size, r.tokens),
+                            front=self._front(saved, approximate))
         except Exception:
             log.exception("could not queue request %s's KV for the store", r.request_id)
+
+    def _front(self, saved: SavedPages, approximate: bool) -> np.ndarray | None:
+        """What a new root entry need not keep: the blocks a split restore of it recomputes,
+        where the measured rates say a split pays (`saved_front`); None for a tail, a whole
+        row, or a lossy store (which converts what it keeps)."""
+        eng = self.engine
+        if (saved.start or saved.rows is not None or approximate
+                or not eng.connector.splits_restores):
+            return None
+        rates = RestoreRates(self.store.read_bytes_per_s, eng.connector.load_bytes_per_s,
+                             self.costs.chunked_token_s(eng.prefill_chunk), eng.split_overlap)
+        nbytes = sum(int(getattr(x, "nbytes", 0)) for x in saved.arrays.values())
+        return saved_front(saved.num_blocks, eng.page_size, nbytes, rates,
+                           eng.cfg.num_layers, split_chunk(eng.prefill_chunk, eng.page_size))
 
     def save_decoding(self, decoded: Sequence[Request]) -> None:
         """Requests still decoding whose blocks have grown by the store's save interval

@@ -14,15 +14,19 @@ import time
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
+import numpy as np
+
 from jkv.averages import moving_average
 from jkv.kv.block_runs import BlockRuns
 from jkv.kv.buckets import bucket
 from jkv.store.codec import CorruptEntry, EntryMismatch, decode
+from jkv.store.entry_forms import HASHES
+from jkv.store.fronts import restore_front
 from jkv.store.index import Hit
 from jkv.store.parts import StoreParts
 from jkv.store.reads import ReadAhead
 from jkv.store.verify import Mark, pop_mark
-from jkv.store.writes import HASHES, log
+from jkv.store.writes import log
 
 
 class Loaded(NamedTuple):
@@ -30,12 +34,14 @@ class Loaded(NamedTuple):
     `hashes`; blocks from `exact_blocks` on (None: none) were stored in another form and
     converted, so they hold approximate KV (usable by the prompt, never shared under their
     tokens' hashes); `mark`: the fingerprint of the token just past the blocks, where the
-    entry ending there keeps one (`jkv.store.verify`)."""
+    entry ending there keeps one (`jkv.store.verify`); `front` [layers]: blocks [0, front[l])
+    of layer l were not stored (`jkv.store.fronts`: zeros here), a restore recomputes them."""
 
     arrays: dict
     hashes: list[bytes]
     exact_blocks: int | None = None
     mark: Mark | None = None
+    front: np.ndarray | None = None
 
 
 class _Part(NamedTuple):
@@ -50,6 +56,7 @@ class _Part(NamedTuple):
     approx_from: int | None
     convert_s: float
     mark: Mark | None = None
+    front: np.ndarray | None = None  # the root entry's blocks not stored, per layer
 
 
 class StoreReader:
@@ -87,6 +94,8 @@ class StoreReader:
             part = last = self._load_one(key, hit.tier)
             if part is None:
                 return None
+            if not parts:
+                front = part.front  # (only a root entry leaves blocks to recompute)
             if exact is None:  # the chain's first approximate block (root first)
                 exact = part.approx_from
             parts.append((part.arrays, part.hashes))
@@ -106,12 +115,13 @@ class StoreReader:
         if len(parts) == 1:
             arrays, hashes = parts[0]
             if n == len(hashes):  # the whole entry (a whole row's arrays are not blocks)
-                return Loaded(dict(arrays), list(hashes), exact, mark)
-            return Loaded({f: x[:n] for f, x in arrays.items()}, hashes[:n], exact, mark)
+                return Loaded(dict(arrays), list(hashes), exact, mark, front)
+            return Loaded({f: x[:n] for f, x in arrays.items()}, hashes[:n], exact, mark,
+                          front)
         hashes = [h for _, hs in parts for h in hs][:n]
         # a chain is handed over in its parts: a restore writes runs inside each, uncopied
         return Loaded({f: BlockRuns([a[f] for a, _ in parts]).head(n) for f in parts[0][0]},
-                      hashes, exact, mark)
+                      hashes, exact, mark, front)
 
     def _load_one(self, key: str, tier: str) -> _Part | None:
         """One entry, validated against its index record (`_Part`); None on a miss (a
@@ -134,6 +144,10 @@ class StoreReader:
             stored, mark = arrays.pop(HASHES, None), pop_mark(arrays)
             if stored is None or [r.tobytes() for r in stored] != entry.hashes:
                 raise CorruptEntry("the entry's block hashes differ from its index record")
+            try:
+                front = restore_front(arrays, len(entry.hashes))
+            except ValueError as e:
+                raise CorruptEntry(str(e)) from None
             exact = info.kv_format == self.p.kv_format
             convert_s = 0.0
             if not exact:
@@ -158,7 +172,7 @@ class StoreReader:
             with self.p.lock:                  # a recorded one is the writer's to change)
                 entry.form = info.kv_format
         return _Part(arrays, entry.hashes, len(data),
-                     entry.approx_from if exact else entry.start, convert_s, mark)
+                     entry.approx_from if exact else entry.start, convert_s, mark, front)
 
     def _measure_conversion(self, kv_format: str, nbytes: int, blocks: int,
                             seconds: float) -> None:

@@ -50,6 +50,8 @@ class StoreStats:
     shared_groups: int = 0  # their groups of more than one layer sharing a basis
     shared_bytes_saved: int = 0  # their bytes fewer than in the pool's format
     shared_refused: int = 0  # entries the shared form would keep poorly: the pool's format
+    lossless_entries: int = 0  # entries keeping only what a split restore loads (Krul)
+    lossless_bytes_saved: int = 0  # the pages they left out, recomputed on restore
 
 
 @dataclasses.dataclass(eq=False)

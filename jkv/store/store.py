@@ -357,10 +357,10 @@ class KVStore:
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
              session: str | None = None, rows: int | None = None, start: int = 0,
              exact_blocks: int | None = None, form: str | None = None,
-             mark: tuple | None = None) -> bool:
+             mark: tuple | None = None, front=None) -> bool:
         """`StoreWriter.save`."""
         return self.writer.save(num_blocks, arrays, hashes, session, rows, start,
-                                exact_blocks, form, mark)
+                                exact_blocks, form, mark, front)
 
     def clear(self) -> None:
         """`StoreWriter.clear`."""
@@ -393,6 +393,8 @@ class KVStore:
                 "shared_entries": st.shared_entries, "shared_groups": st.shared_groups,
                 "shared_bytes_saved": st.shared_bytes_saved,
                 "shared_refused": st.shared_refused,
+                "lossless_entries": st.lossless_entries,
+                "lossless_bytes_saved": st.lossless_bytes_saved,
                 "read_bytes_per_s": dict(self.read_bytes_per_s),
                 "convert_bytes_per_s": dict(self.convert_bytes_per_s),
                 **self.placement.stats()}

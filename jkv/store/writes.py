@@ -10,21 +10,20 @@ forms) is also saved approximate blocks, marked in their entry (`Entry.approx_fr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jkv.store.codec import CorruptEntry, EntryMismatch, decode
 from jkv.store.disk_room import DiskRoom
-from jkv.store.entry_forms import HASHES, count_shared, encode_entry
+from jkv.store.entry_forms import count_shared, encode_entry
+from jkv.store.fronts import drop_front
 from jkv.store.index import Entry, meta_record
 from jkv.store.parts import PendingSave, StoreParts
 from jkv.store.placement import Move
+from jkv.store.recompress import rewrite
 from jkv.store.tiers import DiskError, DiskFull, HostTier, PersistentTier, TierFull
-from jkv.store.verify import pop_mark
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 
@@ -49,7 +48,7 @@ class StoreWriter:
     def save(self, num_blocks: int, arrays: Mapping[str, object], hashes: Sequence[bytes],
              session: str | None = None, rows: int | None = None, start: int = 0,
              exact_blocks: int | None = None, form: str | None = None,
-             mark: tuple | None = None) -> bool:
+             mark: tuple | None = None, front: np.ndarray | None = None) -> bool:
         """Queue blocks [start, num_blocks) of a request for the writer (`arrays`: host or
         device arrays with >= num_blocks - start rows, the first being block `start`, as
         `Engine.gather` returns them; a whole row's arrays with >= `rows` rows; `hashes`:
@@ -61,15 +60,11 @@ class StoreWriter:
         marked approximate from there. `form`: a whole row's arrays are in this smaller
         form (a row restored from it, `SavedPages.form`; with `exact_blocks` 0): written so,
         only smaller forms after it. `mark`: (position, token, fingerprint) of the token just
-        past the blocks, kept with the entry (`jkv.store.verify`)."""
-        approx = (None if exact_blocks is None or exact_blocks >= num_blocks
-                  else max(exact_blocks, start))
-        if approx is not None and not self.keeps_approximate:
-            raise ValueError("exact_blocks: approximate KV is saved only to a lossy store "
-                             "(store_kv_format or eviction_policy adaptcache)")
-        if form is not None and (rows is None or approx != 0):
-            raise ValueError("form: only a whole row restored from a smaller form "
-                             "(rows, exact_blocks 0) is saved in one")
+        past the blocks, kept with the entry (`jkv.store.verify`). `front` [layers]: blocks
+        [0, front[l]) of layer l are not kept, a split restore recomputing them
+        (`jkv.store.fronts`; a root entry of block pages only, ValueError otherwise; kept
+        whole by a lossy store)."""
+        approx = self._approx_from(num_blocks, start, rows, exact_blocks, form, front)
         if num_blocks <= start or self.p.closed or (start and rows is not None):
             return False
         hashes = list(hashes[:num_blocks])
@@ -97,7 +92,7 @@ class StoreWriter:
         def job() -> None:
             try:
                 self._write(Entry(hashes[start:], session, parent, start, approx), arrays,
-                            rows, form, mark)
+                            rows, form, mark, front)
             finally:
                 done()
 
@@ -106,9 +101,27 @@ class StoreWriter:
             return False
         return True
 
+    def _approx_from(self, num_blocks: int, start: int, rows: int | None,
+                     exact_blocks: int | None, form: str | None,
+                     front: np.ndarray | None) -> int | None:
+        """`save`'s first approximate block of the run (None: none), after a ValueError for
+        arguments this store cannot take."""
+        approx = (None if exact_blocks is None or exact_blocks >= num_blocks
+                  else max(exact_blocks, start))
+        if approx is not None and not self.keeps_approximate:
+            raise ValueError("exact_blocks: approximate KV is saved only to a lossy store "
+                             "(store_kv_format or eviction_policy adaptcache)")
+        if form is not None and (rows is None or approx != 0):
+            raise ValueError("form: only a whole row restored from a smaller form "
+                             "(rows, exact_blocks 0) is saved in one")
+        if front is not None and (start or rows is not None):
+            raise ValueError("front: only a root entry of block pages (start 0, no rows) "
+                             "leaves blocks to recompute")
+        return approx
+
     def _write(self, entry: Entry, arrays: Mapping[str, object],
                rows: int | None = None, form: str | None = None,
-               mark: tuple | None = None) -> None:
+               mark: tuple | None = None, front: np.ndarray | None = None) -> None:
         n = len(entry.hashes)
         whole, rows = rows is not None, n if rows is None else rows
         host = {f: np.asarray(x)[:rows] for f, x in arrays.items()}  # waits for the device copy
@@ -121,6 +134,9 @@ class StoreWriter:
                                            and entry.parent not in self.p.index)
         if moot and not self._supersede(entry, key, 0, whole):  # (which counts it)
             return
+        dropped = 0
+        if front is not None and fmt == src and not self.keeps_approximate and np.any(front):
+            host, dropped = drop_front(host, front)
         data, fmt, shared = encode_entry(self.p, host, src, fmt, n * self.p.page_size, key,
                                          digests, mark)
         self.room.recheck()  # (room a full disk has again since)
@@ -143,6 +159,9 @@ class StoreWriter:
                 return
             if stored:
                 self._index_written(key, entry)
+                if dropped:
+                    self.p.stats.lossless_entries += 1
+                    self.p.stats.lossless_bytes_saved += dropped
                 if (reshared or shared) is not None:
                     count_shared(self.p.stats, *(reshared or shared))
             elif retry:  # the room was not made after all
@@ -353,46 +372,5 @@ class StoreWriter:
         return self._recompress(key, tier, kv_format) is True
 
     def _recompress(self, key: str, tier: str, kv_format: str) -> bool | None:
-        """`recompress` of the entry the `tier` tier holds: True done, None nothing to do
-        (already in that form, or it would not shrink), False failed (gone, unreadable,
-        the tier's error; the old bytes stay)."""
-        t = self._tier(tier)
-        data, meta = t.get(key), t.meta(key)
-        if data is None or self.p.convert is None:
-            return False
-        try:
-            info, arrays = decode(data, model=self.p.model, page_size=self.p.page_size)
-        except (CorruptEntry, EntryMismatch):
-            return False  # (a read finds, counts and deletes it)
-        if kv_format in (info.kv_format, self.p.kv_format):
-            return None  # already so; the pool's own form is never made (that is a load's)
-        hashes, mark = arrays.pop(HASHES), pop_mark(arrays)
-        try:
-            out, written, shared = encode_entry(self.p, arrays, info.kv_format, kv_format,
-                                                info.num_tokens, info.key, hashes, mark)
-        except ValueError:  # no such form from this one (a row form no smaller than it)
-            return None
-        if written != kv_format:
-            return None  # the form refused it
-        if len(out) >= len(data):
-            return None  # forms only shrink
-        with self.p.lock:
-            entry = self.p.index.get(key)
-        if entry is not None:  # its record names the form the bytes are in
-            meta = meta_record(self.p.model, entry.session,
-                               dataclasses.replace(entry, form=kv_format))
-        try:
-            t.put(key, out, meta or b"")
-        except Exception as e:  # an I/O error: the old bytes stay
-            log.warning("could not recompress KV entry %s to %s: %s", key, kv_format, e)
-            return False
-        if shared is not None:
-            count_shared(self.p.stats, *shared)
-        if tier == "host" and self.p.disk is not None and self.p.disk.is_spare(key):
-            self.p.disk.delete(key)  # its spare copy holds the old form
-        with self.p.lock:
-            if entry is not None:
-                entry.form = None if kv_format == self.p.kv_format else kv_format
-            more = self.p.placement.resize(key, len(out))
-        self.apply(more)
-        return True
+        """`recompress` of the entry the `tier` tier holds (`recompress.rewrite`)."""
+        return rewrite(self.p, self._tier(tier), key, tier, kv_format, self.apply)
