@@ -1,0 +1,63 @@
+"""Which replica a request goes to: the one holding the longest prefix of it, unless that one
+is too busy (KV-aware routing, a pure function so it can be tested without a cluster).
+
+Each replica reports what it holds (`ReplicaView`): the sessions it served and the chained
+block hashes of the KV it can give back (its device prefix cache and its store). Block hashes
+are chained, so a replica holding a prompt's hash i holds its blocks 0..i: the longest prefix a
+replica holds is the last of the prompt's hashes it reports. A request goes to the replica
+that served its session, else to the one holding the longest prefix of its prompt, unless that
+replica's queue is longer than the shortest by more than `bound` requests: then, as when no
+replica holds anything of it, to the least loaded (ties by name, so a test can say which).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+HASH_BYTES = 8  # of each block hash a replica reports: a 2^-64 collision never matters here
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the router knows of one replica: its name, requests queued or running on it,
+    the sessions it served and the block hashes (their first HASH_BYTES) it holds."""
+
+    name: str
+    queue: int
+    sessions: Collection[str] = frozenset()
+    blocks: Collection[bytes] = field(default_factory=frozenset)
+
+
+def held_prefix(view: ReplicaView, hashes: Sequence[bytes]) -> int:
+    """Blocks of a prompt (its chained block hashes) that `view` holds: one past the last
+    hash it reports."""
+    for i in range(len(hashes) - 1, -1, -1):
+        if hashes[i][:HASH_BYTES] in view.blocks:
+            return i + 1
+    return 0
+
+
+def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
+                  session: str | None, bound: int) -> list[list[str]]:
+    """Replica names in ranked groups, most preferred first (what a Ray Serve request
+    router returns): [[the affine replica], [the others]] when one holds the request's
+    session or a prefix of it and its queue is within `bound` of the shortest, else every
+    replica in one group from the least loaded."""
+    if bound < 0:
+        raise ValueError(f"bound must be >= 0 requests, got {bound}")
+    if not views:
+        return []
+    by_load = sorted(views, key=lambda v: (v.queue, v.name))
+    shortest = by_load[0].queue
+    affine = next((v for v in by_load if session is not None and session in v.sessions), None)
+    if affine is None:
+        held = [(held_prefix(v, hashes), v) for v in by_load]
+        best, view = max(held, key=lambda x: x[0])  # (max keeps the first: least loaded)
+        affine = view if best else None
+    if affine is None or affine.queue - shortest > bound:
+        return [[v.name for v in by_load]]
+    return [[affine.name], [v.name for v in by_load if v is not affine]]
+
+
+__all__ = ["HASH_BYTES", "ReplicaView", "held_prefix", "rank_replicas"]

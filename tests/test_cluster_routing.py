@@ -1,0 +1,86 @@
+"""KV-aware routing's rule, without a cluster: session first, then the longest held prefix,
+unless that replica is busier than the least loaded by more than the bound; against a
+brute-force statement of the same rule on random replicas, and a planted bug."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jkv.cluster import routing
+from jkv.cluster.routing import HASH_BYTES, ReplicaView, held_prefix, rank_replicas
+
+
+def chain(tokens: list[int], block: int = 4) -> list[bytes]:
+    out, prev = [], b"seed"
+    for i in range(len(tokens) // block):
+        prev = hashlib.blake2b(prev + bytes(tokens[i * block:(i + 1) * block]),
+                               digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def test_the_replica_holding_the_longest_prefix_wins_within_the_bound():
+    prompt = chain(list(range(40)))
+    a = ReplicaView("a", 3, blocks={h[:HASH_BYTES] for h in prompt[:4]})
+    b = ReplicaView("b", 5, blocks={h[:HASH_BYTES] for h in prompt[:8]})
+    c = ReplicaView("c", 1)
+    assert held_prefix(b, prompt) == 8 and held_prefix(c, prompt) == 0
+    assert rank_replicas([a, b, c], prompt, None, bound=4) == [["b"], ["c", "a"]]
+    # b's queue is 4 longer than c's: past a bound of 3 the least loaded takes it
+    assert rank_replicas([a, b, c], prompt, None, bound=3) == [["c", "a", "b"]]
+    # the session's replica first, whatever the others hold
+    a_session = ReplicaView("a", 3, sessions={"chat-1"})
+    assert rank_replicas([a_session, b, c], prompt, "chat-1", 4) == [["a"], ["c", "b"]]
+    assert rank_replicas([], prompt, None, 4) == []
+    with pytest.raises(ValueError, match="bound"):
+        rank_replicas([a], prompt, None, -1)
+
+
+def brute_force(views, hashes, session, bound):
+    """The rule stated directly: the affine replica (session, else longest prefix, ties to
+    the least loaded then the name) first if within the bound, else all by load."""
+    order = sorted(views, key=lambda v: (v.queue, v.name))
+    shortest = order[0].queue
+    with_session = [v for v in order if session in v.sessions]
+    prefixes = {v.name: max([i + 1 for i, h in enumerate(hashes)
+                             if h[:HASH_BYTES] in v.blocks], default=0) for v in views}
+    longest = max(prefixes.values())
+    affine = (with_session[0] if with_session else
+              next(v for v in order if prefixes[v.name] == longest) if longest else None)
+    if affine is None or affine.queue - shortest > bound:
+        return [[v.name for v in order]]
+    return [[affine.name], [v.name for v in order if v.name != affine.name]]
+
+
+views = st.lists(st.tuples(st.integers(0, 6), st.sets(st.sampled_from("xyz"), max_size=2),
+                           st.integers(0, 10)), min_size=1, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(views, st.sampled_from(["x", "y", "q", None]), st.integers(0, 4), st.integers(0, 12))
+def test_the_rule_matches_its_brute_force_statement(spec, session, bound, length):
+    prompt = chain(list(range(4 * length)))
+    replicas = [ReplicaView(f"r{i}", q, s, {h[:HASH_BYTES] for h in prompt[:n]})
+                for i, (q, s, n) in enumerate(spec)]
+    assert rank_replicas(replicas, prompt, session, bound) == brute_force(
+        replicas, prompt, session, bound)
+
+
+def test_a_planted_bug_is_caught(monkeypatch):
+    """Counting held blocks from the front (stopping at the first hash missing) instead of
+    the last hash held: a replica reporting a sparse set would look shorter."""
+    def first_gap(view, hashes):
+        n = 0
+        while n < len(hashes) and hashes[n][:HASH_BYTES] in view.blocks:
+            n += 1
+        return n // 2  # and halved: a prefix undercounted
+
+    monkeypatch.setattr(routing, "held_prefix", first_gap)
+    prompt = chain(list(range(40)))
+    a = ReplicaView("a", 0, blocks={h[:HASH_BYTES] for h in prompt[:2]})
+    b = ReplicaView("b", 1, blocks={h[:HASH_BYTES] for h in prompt[:3]})
+    assert rank_replicas([a, b], prompt, None, 2) != brute_force([a, b], prompt, None, 2)
