@@ -116,7 +116,9 @@ def time_case(rng, model: str, batch: int, context: int, group: int) -> dict:
         ((batch, w, hkv * d), jnp.float16), ((batch, hkv * d), jnp.float32)]))
     lengths = jnp.full((batch,), context, jnp.int32)
     inv = jnp.asarray(1.0 / 500000 ** (np.arange(0, d, 2) / d), jnp.float32)
-    shared = jax.jit(functools.partial(shared_pages_attention, pages_per_block=1))
+    splits = 1 << int(np.log2(max(1, min(264 // (batch * hkv), width))))
+    shared = jax.jit(functools.partial(shared_pages_attention, pages_per_block=1,
+                                       k_splits=splits))  # one program per SM or more
     t_shared = timeit(shared, q[:, None], k_pool, v_pool, bases, table, table, lengths,
                       jnp.zeros_like(lengths), inv)
     del k_pool, v_pool
@@ -127,7 +129,7 @@ def time_case(rng, model: str, batch: int, context: int, group: int) -> dict:
     kv_table = jnp.asarray(1 + rng.permutation(n - 1).reshape(batch, hkv, -1), jnp.int32)
     splits = 1 << int(np.log2(max(1, min(264 // (batch * hkv), context // 16 // 4))))
     dense = jax.jit(functools.partial(paged_decode_attention, pages_per_block=4,
-                                      k_splits=splits))  # one program per SM or more
+                                      k_splits=splits))
     t_dense = timeit(dense, q, pages, kv_table, jnp.full((batch, hkv), context, jnp.int32))
     print(f"{model} G={group} {batch}x{context}: shared {t_shared * 1e3:.3f} ms, "
           f"k8v4 {t_dense * 1e3:.3f} ms ({t_shared / t_dense:.2f}x)")
@@ -137,9 +139,13 @@ def time_case(rng, model: str, batch: int, context: int, group: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--groups", default="1,3", help="layers per group (default 1,3)")
+    ap.add_argument("--groups", default="1,3",
+                    help="layers per group in the estimate (default 1,3)")
     ap.add_argument("--time", action="store_true",
                     help="time both kernels (needs a GPU: the Triton lowering)")
+    ap.add_argument("--time-group", type=int, default=1,
+                    help="layers per group of the timed cases (default 1: the rank a layer "
+                         "reads is what costs; larger groups only multiply it)")
     ap.add_argument("--shapes", default="8x4096,64x8192",
                     help="batch x context pairs timed with --time (default 8x4096,64x8192)")
     add_out_argument(ap, "shared_pages")
@@ -147,14 +153,17 @@ def main() -> None:
     groups = [int(g) for g in args.groups.split(",")]
     result = {"copy_bytes_per_s": COPY_BYTES_PER_S, "peak_flops": PEAK_FLOPS,
               "estimate": estimate(groups)}
-    if args.time:
-        if jax.default_backend() != "gpu":
-            ap.error("--time needs a GPU (the kernel is Triton-lowered)")
-        rng = np.random.default_rng(0)
-        result["timed"] = [time_case(rng, m, *map(int, s.split("x")), g)
-                           for m in SHAPES for s in args.shapes.split(",") for g in groups]
+    if args.time and jax.default_backend() != "gpu":
+        ap.error("--time needs a GPU (the kernel is Triton-lowered)")
     device = jax.devices()[0].device_kind.replace(" ", "_") if args.time else "estimate"
-    write_results(args.out, f"shared_pages-{device}", result, args)
+    path = write_results(args.out, f"shared_pages-{device}", result, args)
+    if args.time:  # written again after each case: a time limit keeps what finished
+        rng, result["timed"] = np.random.default_rng(0), []
+        for model in SHAPES:
+            for shape in args.shapes.split(","):
+                result["timed"].append(time_case(rng, model, *map(int, shape.split("x")),
+                                                 args.time_group))
+                write_results(args.out, f"shared_pages-{device}", result, args, over=path)
 
 
 if __name__ == "__main__":

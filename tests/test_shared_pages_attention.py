@@ -80,12 +80,12 @@ CASES = [dict(), dict(c=5, k_bits=16, v_bits=8, g=1), dict(k_bits=4, v_bits=2, g
 
 
 @pytest.mark.parametrize("kw", CASES)
-@pytest.mark.parametrize("ppb,rank_block", [(1, 64), (2, 16)])
-def test_the_kernel_is_its_reference(kw, ppb, rank_block):
+@pytest.mark.parametrize("ppb,rank_block,splits", [(1, 64, 1), (1, 16, 2)])
+def test_the_kernel_is_its_reference(kw, ppb, rank_block, splits):
     args = case(np.random.default_rng(), **kw)
     want = shared_pages_attention_reference(*args)
     got = shared_pages_attention(*args, pages_per_block=ppb, rank_block=rank_block,
-                                 interpret=INTERPRET)
+                                 k_splits=splits, interpret=INTERPRET)
     assert got.shape == want.shape and rel(got, want) < 1e-5
 
 
@@ -192,6 +192,9 @@ def test_shapes_that_do_not_fit_are_a_value_error():
     with pytest.raises(ValueError, match="pages_per_block"):
         shared_pages_attention(q, k, v, layer, kt, vt, lengths, first, inv,
                                pages_per_block=3, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="k_splits"):
+        shared_pages_attention(q, k, v, layer, kt, vt, lengths, first, inv,
+                               k_splits=3, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("bits,dtype", [((8, 4), jnp.bfloat16), ((16, 8), jnp.float16),
@@ -199,6 +202,7 @@ def test_shapes_that_do_not_fit_are_a_value_error():
 def test_lowers_for_cuda_with_triton(bits, dtype):
     args = case(np.random.default_rng(), c=2, page=64, w=2, k_bits=bits[0], v_bits=bits[1],
                 dtype=dtype)
-    text = jax.jit(partial(shared_pages_attention, pages_per_block=1)).trace(*args).lower(
+    text = jax.jit(partial(shared_pages_attention, pages_per_block=1, k_splits=2)).trace(
+        *args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton" in text

@@ -35,7 +35,7 @@ from jkv.pallas_kernels.page_blocks import (
     dot_t,
     online_update,
 )
-from jkv.pallas_kernels.softmax_state import normalize_softmax_state
+from jkv.pallas_kernels.softmax_state import merge_softmax_states, normalize_softmax_state
 
 MIN_DOT = 16
 
@@ -70,10 +70,14 @@ def _kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kt_ref, vt_re
     length, first_position = len_ref[0], len_ref[1]
     coefficients = functools.partial(_coefficients, page=page)
 
+    # this split's columns of the table: [first, last)
+    per_split = kt_ref.shape[0] // pl.num_programs(2)
+    first = pl.program_id(2) * per_split
+    end = jnp.minimum(pl.cdiv(length, page), first + per_split)
+
     def body(j, carry):
-        col = j * ppb
-        n_held = pl.cdiv(length, page)
-        held = col + jnp.arange(ppb) < n_held
+        col = first + j * ppb
+        held = col + jnp.arange(ppb) < end
         pages = jnp.where(held, kt_ref[pl.ds(col, ppb)], 0)
         v_pages = jnp.where(held, vt_ref[pl.ds(col, ppb)], 0)
         token = col * page + jnp.arange(ppb * page)
@@ -97,7 +101,8 @@ def _kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kt_ref, vt_re
 
     carry = (tuple(jnp.zeros((rows, wv), jnp.float32) for _ in range(nv)),
              jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    o_parts, m, denom = lax.fori_loop(0, pl.cdiv(pl.cdiv(length, page), ppb), body, carry)
+    o_parts, m, denom = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - first, 0), ppb), body,
+                                      carry)
     o = denom[:, None] * vm_ref[...]
     for i in range(nv):
         o += _dot(o_parts[i].astype(basis_dtype),
@@ -114,7 +119,8 @@ def rotate_half_columns(x: jax.Array, head_dim: int) -> jax.Array:
 
 
 def _check(q, k: CoefficientPages, v: CoefficientPages, bases: LayerBases, k_table, v_table,
-           lengths, first_position, inv_freq, pages_per_block: int, interpret: bool) -> None:
+           lengths, first_position, inv_freq, pages_per_block: int, k_splits: int,
+           interpret: bool) -> None:
     b, _, hq, d = q.shape
     f = bases.k_basis.shape[-1]
     if f % d or hq % (f // d):
@@ -129,9 +135,9 @@ def _check(q, k: CoefficientPages, v: CoefficientPages, bases: LayerBases, k_tab
                           ("k_mean", bases.k_mean, (b, f)), ("v_mean", bases.v_mean, (b, f))]:
         if x.shape != want:
             raise ValueError(f"{name} must be {list(want)}, got {list(x.shape)}")
-    if k_table.shape[1] % pages_per_block:
+    if k_splits < 1 or k_table.shape[1] % (pages_per_block * k_splits):
         raise ValueError(f"page-table width {k_table.shape[1]} is not a multiple of "
-                         f"pages_per_block {pages_per_block}")
+                         f"pages_per_block * k_splits = {pages_per_block} * {k_splits}")
     if k.page_size != v.page_size:
         raise ValueError(f"key and value pages differ in size: {k.page_size}, {v.page_size}")
     narrow = min(part_width(k.width, k.bits), part_width(v.width, v.bits), d)
@@ -142,7 +148,7 @@ def _check(q, k: CoefficientPages, v: CoefficientPages, bases: LayerBases, k_tab
 def _operands(q, k: CoefficientPages, v: CoefficientPages, bases: LayerBases, k_table, v_table,
               lengths, first_position, inv_freq, rows: int) -> tuple[list, list]:
     """The kernel's operands in the order it takes them, and their BlockSpecs on the grid
-    (sequence, KV head): q grouped by KV head (rows padded), the pools whole, the sequence's
+    (sequence, KV head, split): q grouped by KV head (rows padded), the pools whole, the sequence's
     table rows, its length and first position, the inverse frequencies, and the KV head's
     columns of the bases (the key basis also as its rotate-half) and means."""
     b, c, hq, d = q.shape
@@ -156,20 +162,19 @@ def _operands(q, k: CoefficientPages, v: CoefficientPages, bases: LayerBases, k_
     operands = [qg, k.codes, k.scale, k.zero, v.codes, v.scale, v.zero,
                 k_table.astype(jnp.int32), v_table.astype(jnp.int32), lens, inv,
                 bases.k_basis, k_rot, means[0], means[1], bases.v_basis, means[2]]
-    per_head = lambda x: pl.BlockSpec((None, x.shape[1], d), lambda i, h: (i, 0, h))  # noqa: E731
+    per_head = lambda x: pl.BlockSpec((None, x.shape[1], d), lambda i, h, s: (i, 0, h))  # noqa: E731
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    specs = ([pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0))]
+    specs = ([pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, 0, 0))]
              + [full(x) for x in operands[1:7]]
-             + [pl.BlockSpec((None, k_table.shape[1]), lambda i, h: (i, 0))] * 2
-             + [pl.BlockSpec((None, 2), lambda i, h: (i, 0)), full(inv)]
+             + [pl.BlockSpec((None, k_table.shape[1]), lambda i, h, s: (i, 0))] * 2
+             + [pl.BlockSpec((None, 2), lambda i, h, s: (i, 0)), full(inv)]
              + [per_head(x) for x in operands[11:]])
     return operands, specs
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_block", "rank_block",
-                                             "num_warps",
-                                             "num_stages", "return_softmax_state",
-                                             "interpret"))
+                                             "k_splits", "num_warps", "num_stages",
+                                             "return_softmax_state", "interpret"))
 def shared_pages_attention(
     q: jax.Array,  # [B, C, Hq, D]: already rotated to their positions
     k: CoefficientPages,  # the key coefficient pool [P, page, ...]
@@ -184,6 +189,7 @@ def shared_pages_attention(
     sm_scale: float | None = None,
     pages_per_block: int = 1,
     rank_block: int = 64,
+    k_splits: int = 1,
     num_warps: int = 4,
     num_stages: int = 2,
     return_softmax_state: bool = False,
@@ -193,9 +199,10 @@ def shared_pages_attention(
     layer's (`bases`), keys rotated to first_position + t: [B, C, Hq, D] in q's dtype, or
     with `return_softmax_state` (o [B, C, Hq, D] float32, denominator, row max [B, C, Hq]).
     The rank is walked `rank_block` columns at a time (a power of two, at least 16 on a GPU),
-    so a large rank does not make one program's tiles large."""
-    _check(q, k, v, bases, k_table, v_table, lengths, first_position, inv_freq, pages_per_block,
-           interpret)
+    so a large rank does not make one program's tiles large; a long history is cut into
+    `k_splits` partitions of the table, merged by log-sum-exp after the kernel."""
+    _check(q, k, v, bases, k_table, v_table, lengths, first_position, inv_freq,
+           pages_per_block, k_splits, interpret)
     if rank_block & (rank_block - 1) or not interpret and rank_block < MIN_DOT:
         raise ValueError(f"rank_block must be a power of two >= {MIN_DOT}, got {rank_block}")
     b, c, hq, d = q.shape
@@ -205,21 +212,23 @@ def shared_pages_attention(
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     operands, specs = _operands(q, k, v, bases, k_table, v_table, lengths, first_position,
                                 inv_freq, rows)
-    state = lambda *s: pl.BlockSpec((None, None) + s, lambda i, h: (i, h) + (0,) * len(s))  # noqa: E731
+    state = lambda *s: pl.BlockSpec((None, None, None) + s,  # noqa: E731
+                                    lambda i, h, j: (i, h, j) + (0,) * len(s))
     o, denom, m = pl.pallas_call(
         functools.partial(_kernel, k_bits=k.bits, v_bits=v.bits,
                           pages_per_block=pages_per_block, rank_block=rank_block,
                           sm_scale=sm_scale),
-        grid=(b, hkv),
+        grid=(b, hkv, k_splits),
         in_specs=specs,
         out_specs=[state(rows, d), state(rows), state(rows)],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, rows), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, rows), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, k_splits, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, k_splits, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, k_splits, rows), jnp.float32)],
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"jkv_shared_pages_k{k.bits}v{v.bits}",
     )(*operands)
+    o, denom, m = merge_softmax_states(o, denom, m, axis=2)
     o, denom, m = (jnp.moveaxis(x[:, :, :c * g].reshape(b, hkv, c, g, *x.shape[3:]), 2, 1)
                    .reshape(b, c, hq, *x.shape[3:]) for x in (o, denom, m))
     if return_softmax_state:
