@@ -82,22 +82,6 @@ def stop(proc: subprocess.Popen, seconds: float) -> None:
         raise
 
 
-@pytest.mark.long
-def test_two_replicas_answer_the_client_as_the_server_does():
-    pytest.importorskip("ray.serve")
-    results = {}
-    for module, extra in [("jkv.server", ()), ("jkv.cluster", ("--replicas", "2",
-                                                                "--ray-cpus", "2"))]:
-        port = free_port()
-        proc = start(module, port, *extra)
-        try:
-            wait_healthy(proc, f"http://127.0.0.1:{port}", 240)
-            results[module] = client_checks(f"http://127.0.0.1:{port}")
-        finally:
-            stop(proc, 90)  # SIGTERM: the cluster takes Serve and its local Ray down
-    assert results["jkv.cluster"] == results["jkv.server"]
-
-
 def served_by(base: str, model: str, session: str, turn: int) -> str:
     body = {"model": model, "messages": [{"role": "user", "content": f"Say {turn}."}] * 8,
             "max_tokens": 2, "temperature": 0, "session_id": session}
@@ -106,23 +90,35 @@ def served_by(base: str, model: str, session: str, turn: int) -> str:
     return r.headers["x-jkv-replica"]
 
 
+def session_turns(base: str) -> tuple[dict, dict]:
+    """Four sessions of two turns each, one request at a time: the replica of each turn."""
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    first = {s: served_by(base, model, s, 1) for s in ("a", "b", "c", "d")}
+    time.sleep(2.5)  # the replicas report their sessions every second
+    return first, {s: served_by(base, model, s, 2) for s in first}
+
+
 @pytest.mark.long
-def test_the_kv_router_keeps_a_session_on_its_replica():
-    """Four sessions of two turns each, one request at a time: each session's second turn
-    goes where its first went (the replicas report their sessions every second; Serve's
-    default router, tried in place of it, moved one of four)."""
+def test_two_replicas_answer_the_client_as_the_server_does_and_keep_sessions():
+    """One command starts 2 replicas; the client's checks give what they give against
+    `python -m jkv.server`; each session's second turn goes where its first went (Serve's
+    default router, tried in place of the KV-aware one, moved one of four). One Ray
+    instance at a time: a second local cluster would join the first."""
     pytest.importorskip("ray.serve")
-    port = free_port()
-    proc = start("jkv.cluster", port, "--replicas", "2", "--ray-cpus", "2")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, 240)
-        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        first = {s: served_by(base, model, s, 1) for s in ("a", "b", "c", "d")}
-        time.sleep(2.5)  # the routing stats' period is 1 s
-        second = {s: served_by(base, model, s, 2) for s in first}
-    finally:
-        stop(proc, 90)
+    results = {}
+    for module, extra in [("jkv.server", ()), ("jkv.cluster", ("--replicas", "2",
+                                                                "--ray-cpus", "2"))]:
+        port = free_port()
+        proc = start(module, port, *extra)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, base, 240)
+            results[module] = client_checks(base)
+            if module == "jkv.cluster":
+                first, second = session_turns(base)
+        finally:
+            stop(proc, 90)  # SIGTERM: the cluster takes Serve and its local Ray down
+    assert results["jkv.cluster"] == results["jkv.server"]
     assert second == first
 
 
