@@ -152,3 +152,17 @@ def test_a_replica_serves_through_the_servers_app_and_reports_what_it_holds():
     # the ingress's hashes of the prompt are those the replica's store holds it under
     assert keys["session"] == "chat-7" and len(keys["hashes"]) >= 4
     assert {h[:HASH_BYTES] for h in keys["hashes"]} <= set(stats["blocks"])
+
+
+def test_the_ingress_refuses_a_body_over_the_limit_before_reading_it():
+    from jkv.cluster.ingress import build_ingress
+    from jkv.server.guard import MAX_BODY_BYTES
+
+    async def no_hasher():
+        raise AssertionError("a refused body is never hashed")
+
+    app = build_ingress(None, no_hasher)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x")
+    r = asyncio.run(client.post("/v1/chat/completions",
+                                content=b"{" + b" " * MAX_BODY_BYTES + b"}"))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

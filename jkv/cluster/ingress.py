@@ -9,6 +9,7 @@ the replica's app answers it with the server's own 4xx.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 
@@ -19,6 +20,7 @@ from jkv.cluster.asgi import RoutedRequest
 from jkv.kv.prefix_cache import block_hashes
 from jkv.models.tokenizer import load_tokenizer
 from jkv.prompts import render
+from jkv.server.guard import Guard
 
 MAX_ROUTED_CHARS = 1 << 20  # prompts longer than this are routed by session alone
 
@@ -54,7 +56,8 @@ class Hasher:
 
 def build_ingress(replicas, hasher: Callable[[], Awaitable[Hasher]]):
     """The forwarding app over the replica deployment's handle `replicas`; `await hasher()`
-    gives the routing keys' maker (made on first use, in the ingress's own process)."""
+    gives the routing keys' maker (made on first use, in the ingress's own process). A body
+    over the server's limit is refused here (413) before it is read whole."""
 
     async def forward(scope, receive, send) -> None:
         if scope["type"] != "http":  # (lifespan: nothing to start)
@@ -69,7 +72,9 @@ def build_ingress(replicas, hasher: Callable[[], Awaitable[Hasher]]):
             parsed = json.loads(body) if body else {}
         except ValueError:
             parsed = {}
-        keys = (await hasher()).keys(parsed) if isinstance(parsed, dict) else {}
+        keys = {}
+        if isinstance(parsed, dict):  # (tokenizing off the event loop: others go on)
+            keys = await asyncio.to_thread((await hasher()).keys, parsed)
         routed = RoutedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
                                list(scope.get("headers", [])), body, **keys)
         parts = replicas.options(stream=True).handle.remote(routed)
@@ -91,7 +96,7 @@ def build_ingress(replicas, hasher: Callable[[], Awaitable[Hasher]]):
         response.raw_headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
         await response(scope, receive, send)
 
-    return forward
+    return Guard(forward)  # (the body limit before the body is read; the key: the replica's)
 
 
 __all__ = ["Hasher", "build_ingress"]
