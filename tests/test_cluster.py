@@ -102,8 +102,9 @@ def session_turns(base: str) -> tuple[dict, dict]:
 def test_two_replicas_answer_the_client_as_the_server_does_and_keep_sessions():
     """One command starts 2 replicas; the client's checks give what they give against
     `python -m jkv.server`; each session's second turn goes where its first went (Serve's
-    default router, tried in place of the KV-aware one, moved one of four). One Ray
-    instance at a time: a second local cluster would join the first."""
+    default router, tried in place of the KV-aware one, moved one of four); a replica
+    killed mid-stream ends its client's stream at once and the next request is answered.
+    One Ray instance at a time: a second local cluster would join the first."""
     pytest.importorskip("ray.serve")
     results = {}
     for module, extra in [("jkv.server", ()), ("jkv.cluster", ("--replicas", "2",
@@ -116,10 +117,45 @@ def test_two_replicas_answer_the_client_as_the_server_does_and_keep_sessions():
             results[module] = client_checks(base)
             if module == "jkv.cluster":
                 first, second = session_turns(base)
+                killed = kill_mid_stream(base, results[module]["model"])
         finally:
             stop(proc, 90)  # SIGTERM: the cluster takes Serve and its local Ray down
     assert results["jkv.cluster"] == results["jkv.server"]
     assert second == first
+    assert killed["stream"] in ("error", "cut short") and killed["seconds"] < 30
+    assert killed["after"] == 200
+
+
+def kill_mid_stream(base: str, model: str) -> dict:
+    """SIGKILL the replica streaming a long answer once its first part arrived: the
+    client's stream ends with an error or cut short, never hangs; a request after it is
+    answered (by the other replica, or the one Serve starts in its place)."""
+    body = {"model": model, "messages": CHAT, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    t0, outcome = time.monotonic(), "finished"
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body,
+                          timeout=60) as r:
+            pid = int(r.headers["x-jkv-replica"].rsplit(":", 1)[1])
+            parts = r.iter_lines()
+            next(parts)
+            os.kill(pid, signal.SIGKILL)
+            lines = list(parts)
+            outcome = "finished" if any("[DONE]" in x for x in lines) else "cut short"
+    except httpx.HTTPError:
+        outcome = "error"
+    seconds = time.monotonic() - t0
+    after = None
+    for _ in range(60):
+        try:
+            after = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+                "model": model, "messages": CHAT, "max_tokens": 2}).status_code
+        except httpx.HTTPError:
+            after = None
+        if after == 200:
+            break
+        time.sleep(1)
+    return {"stream": outcome, "seconds": seconds, "after": after}
 
 
 def test_a_replica_serves_through_the_servers_app_and_reports_what_it_holds():
