@@ -158,24 +158,29 @@ def kill_mid_stream(base: str, model: str) -> dict:
     return {"stream": outcome, "seconds": seconds, "after": after}
 
 
-def test_a_replica_serves_through_the_servers_app_and_reports_what_it_holds():
+@pytest.mark.parametrize("held", ["store", "device prefix cache"])
+def test_a_replica_serves_through_the_servers_app_and_reports_what_it_holds(held):
+    options = {"max_model_len": 512, "max_num_seqs": 2}
+    if held != "store":  # no store: what it reports is its device prefix cache's
+        options |= {"host_cache_bytes": 0, "enable_prefix_caching": True}
+
     async def run() -> tuple:
-        replica = Replica({"max_model_len": 512, "max_num_seqs": 2}, {})
+        replica = Replica(options, {})
         body = {"model": replica.app.state.served_model_name, "messages": CHAT * 12,
                 "max_tokens": 4, "temperature": 0, "session_id": "chat-7"}
+        keys = Hasher(replica.info()).keys(body)  # as the ingress routes it
         request = RoutedRequest("POST", "/v1/chat/completions",
                                 headers=[(b"content-type", b"application/json")],
-                                body=json.dumps(body).encode())
+                                body=json.dumps(body).encode(), **keys)
         parts = [p async for p in replica.handle(request)]
         bad = [p async for p in replica.handle(RoutedRequest(
             "POST", "/v1/chat/completions", headers=[(b"content-type", b"application/json")],
             body=b"{not json"))]
-        for _ in range(100):  # the store's writer saves the finished request
+        for _ in range(100):  # (the store's writer saves the finished request)
             if replica.record_routing_stats()["blocks"]:
                 break
             await asyncio.sleep(0.1)
         stats = replica.record_routing_stats()
-        keys = Hasher(replica.info()).keys(body)
         await replica.close()
         return parts, bad, stats, keys
 
@@ -185,7 +190,7 @@ def test_a_replica_serves_through_the_servers_app_and_reports_what_it_holds():
     assert answer["choices"][0]["finish_reason"] == "length"
     assert bad[0][1] == 400 and b"error" in b"".join(p[1] for p in bad[1:])
     assert stats["queue"] == 0 and "chat-7" in stats["sessions"]
-    # the ingress's hashes of the prompt are those the replica's store holds it under
+    # the ingress's hashes of the prompt are those the replica holds its KV under
     assert keys["session"] == "chat-7" and len(keys["hashes"]) >= 4
     assert {h[:HASH_BYTES] for h in keys["hashes"]} <= set(stats["blocks"])
 

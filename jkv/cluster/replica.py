@@ -12,12 +12,15 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from jkv.api import LLM
 from jkv.cluster.asgi import RoutedRequest, call_app
 from jkv.cluster.routing import HASH_BYTES
 from jkv.server.app import build_app
+
+MAX_SESSIONS = 4096  # sessions a replica remembers serving, the latest
 
 
 class Replica:
@@ -29,6 +32,7 @@ class Replica:
         self.llm = LLM(**llm_options)
         self.app = build_app(self.llm, **app_options)
         self._lifespan: contextlib.AbstractAsyncContextManager | None = None
+        self._sessions: OrderedDict[str, None] = OrderedDict()  # served, latest last
         self._started = asyncio.Lock()
 
     async def _start(self) -> None:
@@ -43,6 +47,11 @@ class Replica:
         ("body", bytes) parts as the app sends them (`asgi.call_app`); the headers name the
         replica (`x-jkv-replica`), for operators and tests."""
         await self._start()
+        if request.session is not None:
+            self._sessions[request.session] = None
+            self._sessions.move_to_end(request.session)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
         async for part in call_app(self.app, request):
             if part[0] == "start":
                 part = (*part[:2], [*part[2], (b"x-jkv-replica", self.name.encode())])
@@ -57,17 +66,18 @@ class Replica:
 
     def record_routing_stats(self) -> dict:
         """Requests in flight, the sessions this replica served or holds, and the first
-        HASH_BYTES of every block hash its store holds (a chained hash held means its whole
-        prefix is)."""
+        HASH_BYTES of every block hash its device prefix cache or its store holds (a chained
+        hash held means its whole prefix is)."""
         server = self.app.state.server
         sched = self.llm.scheduler
-        sessions = {r.session_id for r in [*sched.running, *sched.waiting] if r.session_id}
-        blocks: list[bytes] = []
+        sessions = set(self._sessions)
+        sessions |= {r.session_id for r in [*sched.running, *sched.waiting] if r.session_id}
+        blocks = [h[:HASH_BYTES] for h in self.llm.engine.cache.cached_block_hashes()]
         store = self.llm.store
         if store is not None:
             with store.p.lock:
                 sessions |= {e.session for e in store.index.entries.values() if e.session}
-                blocks = [h[:HASH_BYTES] for h in store.index.block_hashes()]
+                blocks += [h[:HASH_BYTES] for h in store.index.block_hashes()]
         return {"queue": len(server.in_flight), "sessions": sorted(sessions), "blocks": blocks}
 
     async def close(self) -> None:

@@ -180,6 +180,12 @@ class KVCacheManager:
         n = (len(token_ids) - 1) // self.page_size
         return block_hashes(token_ids, self.page_size, self.hash_seed, n)
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """The block hashes the device prefix cache holds (none under token tiers, whose
+        kept rows are found whole)."""
+        prefix = getattr(self.layout, "prefix", None)
+        return [] if prefix is None else prefix.keys()
+
     def lookup(self, hashes: Sequence[bytes]) -> tuple[int, int]:
         """(tokens found in the prefix cache or, with token tiers, a kept sequence, pages
         that opening the sequence would take from `available_pages`: cached blocks no one

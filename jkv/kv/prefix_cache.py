@@ -92,6 +92,10 @@ class PrefixCache:
                           if x.refs == 0]
             heapq.heapify(self._heap)
 
+    def keys(self) -> list[bytes]:
+        """The block hashes the cache holds (one C-level copy: safe beside its writer)."""
+        return list(self._by_key)
+
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Rows of the longest run of `keys`, from the first, that the cache holds."""
         rows = []
