@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import threading
@@ -40,8 +41,9 @@ def cluster_parser() -> argparse.ArgumentParser:
     g.add_argument("--replica-cpus", type=float, default=0.5,
                    help="CPUs Ray reserves for each replica (fractions allowed)")
     g.add_argument("--ray-cpus", type=int, default=None,
-                   help="CPUs of the local Ray instance started when RAY_ADDRESS is not set; "
-                        "default: the machine's")
+                   help="logical CPUs of the local Ray instance started when RAY_ADDRESS is "
+                        "not set (Ray places replicas by them); default: the machine's, or "
+                        "what the replicas, the ingress and the prefix router's actor need")
     return p
 
 
@@ -72,7 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    deploy.start(app, host=args.host, port=args.port, num_cpus=args.ray_cpus)
+    # logical CPUs: Ray schedules by them; Ray's prefix router adds an actor that needs one
+    need = math.ceil(args.replicas * args.replica_cpus + 0.1) + (args.router == "prefix")
+    cpus = args.ray_cpus or max(os.cpu_count() or 1, need)
+    deploy.start(app, host=args.host, port=args.port, num_cpus=cpus)
     log.info("serving %d replicas on http://%s:%d/v1 (router %s)", args.replicas, args.host,
              args.port, args.router)
     try:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 @dataclass
 class RoutedRequest:
     """What the ingress hands a replica: the HTTP request, and what the router reads of it
-    (`session`, the prompt's chained block `hashes`; `prompt` or `messages`, which Ray's
-    prefix-affinity router reads)."""
+    (`session`, the prompt's chained block `hashes`; `messages`, which Ray's prefix-affinity
+    router reads first: a completion's prompt is one message there, and a request without
+    either none)."""
 
     method: str
     path: str
@@ -26,7 +27,7 @@ class RoutedRequest:
     session: str | None = None
     hashes: list[bytes] = field(default_factory=list)
     prompt: str | None = None
-    messages: list[dict] | None = None
+    messages: list[dict] = field(default_factory=list)
 
 
 def _scope(r: RoutedRequest) -> dict:

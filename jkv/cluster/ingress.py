@@ -43,6 +43,7 @@ class Hasher:
                 text = render(self.tokenizer, body["messages"])
             elif isinstance(body.get("prompt"), str):
                 text = keys["prompt"] = body["prompt"]
+                keys["messages"] = [{"role": "user", "content": text}]
             else:
                 return keys
             if len(text) <= MAX_ROUTED_CHARS:

@@ -1,0 +1,188 @@
+"""Multi-turn chats against jkv replicas on Ray Serve, one run per request router: how much of
+each prompt the replica it reached already held, TTFT, and how evenly the replicas were used.
+
+    python benchmarks/cluster.py                          # CPU: 2 replicas, kv / pow2 / prefix
+    python benchmarks/cluster.py --routers kv,pow2 --conversations 24 --rate 1
+
+The workload is serve.py's (ShareGPT's turn counts and lengths; each turn resends the whole
+history, with a session id). Each router gets a fresh `python -m jkv.cluster` (no shared store:
+a replica holds only what it computed or stored itself). Per router: prefix hit tokens (the
+`cached_tokens` of every answer's usage: device prefix cache and host store), their share of
+all prompt tokens, TTFT p50/p99 and the requests per replica (from `x-jkv-replica`). Writes
+benchmarks/results/cluster/cluster-<device>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import numpy as np
+from harness import add_out_argument, write_results
+from serve import device_kind, free_port, make_workload
+
+ROUTERS = ("kv", "pow2", "prefix")
+
+
+def start_cluster(args, router: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "jkv.cluster", "--port", str(port), "--router", router,
+           "--replicas", str(args.replicas), "--max-model-len", str(args.max_model_len),
+           "--log-level", "warning", *shlex.split(args.cluster_args)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the cluster exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit(f"the cluster did not come up in {args.startup_timeout} s")
+
+
+def stop_cluster(proc: subprocess.Popen) -> None:
+    """SIGTERM (the cluster takes Serve and its local Ray down), then its whole process
+    group killed if it has not exited (no Ray left for the next run to join)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
+                   max_tokens: int, session: str) -> dict:
+    """A streamed turn: TTFT, the replica that answered and the usage's cached tokens."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "session_id": session}
+    t0, first, usage = time.perf_counter(), None, None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
+        replica = r.headers.get("x-jkv-replica")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            if first is None and any(c.get("delta", {}).get("content")
+                                     for c in event.get("choices", [])):
+                first = time.perf_counter()
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return {"ttft": (first or time.perf_counter()) - t0, "replica": replica,
+            "prompt_tokens": (usage or {}).get("prompt_tokens", 0),
+            "cached_tokens": details.get("cached_tokens", 0)}
+
+
+async def conversation(client, model: str, conv: dict, start: float, args, out: list) -> None:
+    await asyncio.sleep(max(0.0, start + conv["arrival"] - time.perf_counter()))
+    history = [{"role": "system", "content": "You are a helpful assistant."}]
+    session, budget = f"conv-{id(conv)}", int(args.max_model_len * 0.8) - args.max_tokens
+    for turn in conv["turns"]:
+        history.append({"role": "user", "content": turn["user"]})
+        while sum(len(m["content"].split()) for m in history) > budget and len(history) > 2:
+            del history[1:3]
+        result = await one_turn(client, model, history, args.max_tokens, session)
+        out.append(result)
+        if "error" in result:
+            return
+        history.append({"role": "assistant", "content": turn["reply"]})
+        await asyncio.sleep(turn["think"])
+
+
+async def run(base: str, convs: list[dict], args) -> list[dict]:
+    out: list[dict] = []
+    async with httpx.AsyncClient(base_url=base, timeout=args.timeout) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        start = time.perf_counter()
+        await asyncio.gather(*(conversation(client, model, c, start, args, out)
+                               for c in convs))
+    return out
+
+
+def summary(router: str, results: list[dict]) -> dict:
+    ok = [r for r in results if "error" not in r]
+    per_replica = Counter(r["replica"] for r in ok)
+    ttft = [r["ttft"] for r in ok]
+    hit, prompt = sum(r["cached_tokens"] for r in ok), sum(r["prompt_tokens"] for r in ok)
+    return {"router": router, "turns": len(results), "errors": len(results) - len(ok),
+            "prefix_hit_tokens": hit, "prompt_tokens": prompt,
+            "hit_share": hit / prompt if prompt else 0.0,
+            "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
+            "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
+            "requests_per_replica": dict(per_replica),
+            "load_skew": (max(per_replica.values()) / max(1, min(per_replica.values()))
+                          if per_replica else None)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--routers", default=",".join(ROUTERS), help="routers to run, in order")
+    ap.add_argument("--replicas", type=int, default=2, help="replicas of each cluster")
+    ap.add_argument("--conversations", type=int, default=10, help="conversations per run")
+    ap.add_argument("--rate", type=float, default=0.5, help="conversation arrivals per second")
+    ap.add_argument("--length-scale", type=float, default=0.3,
+                    help="multiplies the ShareGPT message and reply lengths")
+    ap.add_argument("--think-time", type=float, default=0.5,
+                    help="mean seconds between a reply and the next message")
+    ap.add_argument("--max-tokens", type=int, default=8, help="new tokens asked per turn")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="each replica's context")
+    ap.add_argument("--cluster-args", default="--max-num-seqs 4",
+                    help="more flags for python -m jkv.cluster (server flags apply per replica)")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per HTTP request")
+    ap.add_argument("--startup-timeout", type=float, default=300,
+                    help="seconds to wait for a cluster to come up")
+    add_out_argument(ap, "cluster")
+    args = ap.parse_args()
+    convs = make_workload(args.conversations, args.rate, args.length_scale, args.think_time,
+                          args.seed)
+    device, rows, path = device_kind(), [], None
+    stem = f"cluster-{device.replace(' ', '_').lower() or 'cpu'}"
+    for router in args.routers.split(","):
+        try:
+            proc, base = start_cluster(args, router)
+        except SystemExit as e:  # (a router that cannot start here: said so, the rest run)
+            rows.append({"router": router, "error": str(e)})
+            print(f"{router:7} {e}", flush=True)
+            continue
+        try:
+            rows.append(summary(router, asyncio.run(run(base, convs, args))))
+        finally:
+            stop_cluster(proc)
+        print_row(rows[-1])
+        path = write_results(args.out, stem, {"replica_device": device, "rows": rows}, args,
+                             over=path)  # after each router: a time limit keeps what ran
+    base_row = next((r for r in rows if r["router"] == "kv" and "error" not in r), None)
+    for r in rows:
+        if base_row is not None and r is not base_row and r.get("prefix_hit_tokens"):
+            print(f"kv / {r['router']}: "
+                  f"{base_row['prefix_hit_tokens'] / r['prefix_hit_tokens']:.2f}x hit tokens")
+    if rows and path is None or rows and "error" in rows[-1]:
+        write_results(args.out, stem, {"replica_device": device, "rows": rows}, args,
+                      over=path)
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['router']:7} hit tokens {r['prefix_hit_tokens']:>7} ({r['hit_share']:.1%} of "
+          f"{r['prompt_tokens']}), TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} "
+          f"s, per replica {r['requests_per_replica']}, errors {r['errors']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
