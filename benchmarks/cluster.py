@@ -28,7 +28,7 @@ from collections import Counter
 import httpx
 import numpy as np
 from harness import add_out_argument, write_results
-from serve import device_kind, free_port, make_workload
+from serve import device_kind, free_port, make_workload, wait_healthy
 
 ROUTERS = ("kv", "pow2", "prefix")
 
@@ -40,18 +40,9 @@ def start_cluster(args, router: str) -> tuple[subprocess.Popen, str]:
            "--log-level", "warning", *shlex.split(args.cluster_args)]
     proc = subprocess.Popen(cmd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the cluster exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit(f"the cluster did not come up in {args.startup_timeout} s")
+    wait_healthy(proc, cmd, base, args.startup_timeout,
+                 lambda: os.killpg(proc.pid, signal.SIGKILL))  # (its Ray too)
+    return proc, base
 
 
 def stop_cluster(proc: subprocess.Popen) -> None:

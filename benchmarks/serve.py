@@ -163,18 +163,26 @@ def start_server(args, flags: list[str]) -> tuple[subprocess.Popen, str]:
            *flags, *shlex.split(args.server_args)]
     proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
+    wait_healthy(proc, cmd, base, args.startup_timeout, proc.kill)
+    return proc, base
+
+
+def wait_healthy(proc: subprocess.Popen, cmd: list[str], base: str, seconds: float,
+                 kill: Callable[[], None]) -> None:
+    """Until `base`/health answers 200; SystemExit (after `kill()` on a timeout) when the
+    process exits first or `seconds` pass."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
+            raise SystemExit(f"{cmd[2]} exited with {proc.returncode}: {' '.join(cmd)}")
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not come up in {args.startup_timeout} s")
+    kill()
+    raise SystemExit(f"{cmd[2]} did not come up in {seconds} s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
