@@ -40,6 +40,12 @@ _STORE_COUNTERS = (  # (key of stats()["store"], metric name, help)
      "KV entries stored without the front blocks a split restore recomputes (Krul)."),
     ("lossless_bytes_saved", "jkv_store_lossless_bytes_saved",
      "Bytes of pages those entries left out, recomputed when they are restored."),
+    ("written_through", "jkv_store_written_through",
+     "KV entries kept in host memory also written to the persistent tier several replicas "
+     "share (store_coordinator), where the others find them."),
+    ("write_through_failures", "jkv_store_write_through_failures",
+     "Such copies the shared tier refused (its coordinator gone, no room): the entry stays "
+     "in this replica's host memory only."),
     ("converted_loads", "jkv_store_converted_loads",
      "Stored KV entries read in another KV form and converted to the pool's (approximate)."),
     ("disk_resets", "jkv_store_disk_resets",

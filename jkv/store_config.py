@@ -5,6 +5,7 @@ host tier's default read off the machine at start."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from jkv.config_checks import check_choices_and_flags, is_int, require
@@ -52,6 +53,13 @@ class StoreConfig:
     store_spec: str | dict | None = field(default=None, metadata={
         "help": "the persistent KV tier as a tensorstore kvstore spec (a dict; JSON text on the "
                 "command line) or URL instead of `store_dir`, e.g. s3://bucket/prefix/"})
+    store_coordinator: str | None = field(default=None, metadata={
+        "help": "HOST:PORT of a tensorstore OCDBT coordinator "
+                "(ts.ocdbt.DistributedCoordinatorServer) through which several processes "
+                "(replicas) write one persistent KV tier at once: each takes up the others' "
+                "entries within a second, its host tier stays its own; needs store_dir or "
+                "store_spec. `python -m jkv.cluster` starts one for its replicas; default: "
+                "this process writes the tier alone"})
     eviction_policy: str = field(default="scheduler", metadata={
         "help": "which stored entry a full tier gives up: scheduler (keeps and prefetches the "
                 "entries of queued requests, CachedAttention), lru, fifo, or adaptcache (each "
@@ -118,6 +126,13 @@ class StoreConfig:
                 or isinstance(self.store_spec, str | dict), "a string, a dict or None")
         if self.store_dir is not None and self.store_spec is not None:
             raise ValueError("give StoreConfig.store_dir or StoreConfig.store_spec, not both")
+        require(self, "store_coordinator", self.store_coordinator is None or (
+            isinstance(self.store_coordinator, str)
+            and re.fullmatch(r"[^\s:/]+:\d{1,5}", self.store_coordinator) is not None),
+                "None or HOST:PORT")
+        require(self, "store_coordinator", self.store_coordinator is None
+                or self.persistent is not None,
+                "given with store_dir or store_spec (the tier it coordinates)")
         require(self, "adapt_alpha", isinstance(self.adapt_alpha, int | float)
                 and not isinstance(self.adapt_alpha, bool) and self.adapt_alpha >= 0,
                 "a number >= 0")

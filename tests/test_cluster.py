@@ -82,33 +82,53 @@ def stop(proc: subprocess.Popen, seconds: float) -> None:
         raise
 
 
-def served_by(base: str, model: str, session: str, turn: int) -> str:
-    body = {"model": model, "messages": [{"role": "user", "content": f"Say {turn}."}] * 8,
-            "max_tokens": 2, "temperature": 0, "session_id": session}
+def ask(base: str, model: str, session: str, messages: list) -> tuple[str, dict]:
+    body = {"model": model, "messages": messages, "max_tokens": 2, "temperature": 0,
+            "session_id": session}
     r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=180)
     assert r.status_code == 200, r.text
-    return r.headers["x-jkv-replica"]
+    return r.headers["x-jkv-replica"], r.json()
 
 
-def session_turns(base: str) -> tuple[dict, dict]:
-    """Four sessions of two turns each, one request at a time: the replica of each turn."""
-    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-    first = {s: served_by(base, model, s, 1) for s in ("a", "b", "c", "d")}
+def turn_messages(session: str, turn: int) -> list:
+    return [{"role": "user", "content": f"Say {turn} to {session}."}] * 8
+
+
+def session_turns(base: str, model: str) -> tuple[dict, dict]:
+    """Four sessions of two turns each, one request at a time: the replica and answer of
+    each turn."""
+    first = {s: ask(base, model, s, turn_messages(s, 1)) for s in ("a", "b", "c", "d")}
     time.sleep(2.5)  # the replicas report their sessions every second
-    return first, {s: served_by(base, model, s, 2) for s in first}
+    return first, {s: ask(base, model, s, turn_messages(s, 2)) for s in first}
+
+
+def next_turns(base: str, model: str, second: dict) -> list[float]:
+    """Each session's third turn (its second turn, the answer and one more question), after
+    the replica that held it was killed: the share of its prompt read from a cache (the
+    shared store, where the replica's own memory is gone)."""
+    shares = []
+    for session, (_, answer) in second.items():
+        messages = turn_messages(session, 2) + [answer["choices"][0]["message"],
+                                       {"role": "user", "content": "Say 3."}]
+        usage = ask(base, model, session, messages)[1]["usage"]
+        shares.append(usage["prompt_tokens_details"]["cached_tokens"]
+                      / usage["prompt_tokens"])
+    return shares
 
 
 @pytest.mark.long
-def test_two_replicas_answer_the_client_as_the_server_does_and_keep_sessions():
-    """One command starts 2 replicas; the client's checks give what they give against
-    `python -m jkv.server`; each session's second turn goes where its first went (Serve's
-    default router, tried in place of the KV-aware one, moved one of four); a replica
-    killed mid-stream ends its client's stream at once and the next request is answered.
-    One Ray instance at a time: a second local cluster would join the first."""
+def test_two_replicas_answer_the_client_as_the_server_does_and_keep_sessions(tmp_path):
+    """One command starts 2 replicas sharing one store; the client's checks give what they
+    give against `python -m jkv.server`; each session's second turn goes where its first
+    went (Serve's default router, tried in place of the KV-aware one, moved one of four); a
+    replica killed mid-stream ends its client's stream at once and the next request is
+    answered; the next turns of every session find their history cached, those of the
+    killed replica's sessions in the shared store. One Ray instance at a time: a second
+    local cluster would join the first."""
     pytest.importorskip("ray.serve")
     results = {}
-    for module, extra in [("jkv.server", ()), ("jkv.cluster", ("--replicas", "2",
-                                                                "--ray-cpus", "2"))]:
+    for module, extra in [("jkv.server", ()), ("jkv.cluster", (
+            "--replicas", "2", "--ray-cpus", "2", "--store-dir", str(tmp_path)))]:
         port = free_port()
         proc = start(module, port, *extra)
         base = f"http://127.0.0.1:{port}"
@@ -116,22 +136,27 @@ def test_two_replicas_answer_the_client_as_the_server_does_and_keep_sessions():
             wait_healthy(proc, base, 240)
             results[module] = client_checks(base)
             if module == "jkv.cluster":
-                first, second = session_turns(base)
-                killed = kill_mid_stream(base, results[module]["model"])
+                model = results[module]["model"]
+                first, second = session_turns(base, model)
+                killed = kill_mid_stream(base, model, "a")
+                shares = next_turns(base, model, second)
         finally:
             stop(proc, 90)  # SIGTERM: the cluster takes Serve and its local Ray down
     assert results["jkv.cluster"] == results["jkv.server"]
-    assert second == first
+    assert {s: r for s, (r, _) in second.items()} == {s: r for s, (r, _) in first.items()}
     assert killed["stream"] in ("error", "cut short") and killed["seconds"] < 30
     assert killed["after"] == 200
+    assert second["a"][0].endswith(f":{killed['pid']}")  # (its session's replica)
+    assert min(shares) > 0.5, shares
 
 
-def kill_mid_stream(base: str, model: str) -> dict:
-    """SIGKILL the replica streaming a long answer once its first part arrived: the
-    client's stream ends with an error or cut short, never hangs; a request after it is
-    answered (by the other replica, or the one Serve starts in its place)."""
+def kill_mid_stream(base: str, model: str, session: str) -> dict:
+    """SIGKILL the replica streaming a long answer (of `session`: the replica holding it)
+    once its first part arrived: the client's stream ends with an error or cut short, never
+    hangs; a request after it is answered (by the other replica, or the one Serve starts in
+    its place)."""
     body = {"model": model, "messages": CHAT, "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "session_id": session}
     t0, outcome = time.monotonic(), "finished"
     try:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body,
@@ -155,7 +180,7 @@ def kill_mid_stream(base: str, model: str) -> dict:
         if after == 200:
             break
         time.sleep(1)
-    return {"stream": outcome, "seconds": seconds, "after": after}
+    return {"stream": outcome, "seconds": seconds, "after": after, "pid": pid}
 
 
 @pytest.mark.parametrize("held", ["store", "device prefix cache"])

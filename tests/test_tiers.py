@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.store import tiers
+from jkv.store import stored_names, tiers
 from jkv.store.codec import ALIGN, CorruptEntry, EntryInfo, decode, encode
-from jkv.store.tiers import HostTier, PersistentTier, TierFull
+from jkv.store.host_tier import HostTier
+from jkv.store.tiers import PersistentTier, TierFull
 
 
 @settings(max_examples=100, deadline=None)
@@ -35,7 +36,7 @@ def test_host_tier_never_exceeds_its_capacity(capacity, ops):
 
 def test_long_entries_are_stored_in_parts_and_read_back_whole_and_aligned(tmp_path,
                                                                          monkeypatch):
-    monkeypatch.setattr(tiers, "PART", 1000)
+    monkeypatch.setattr(stored_names, "PART", 1000)
     rng = np.random.default_rng()
     tier = PersistentTier(tmp_path, 1 << 20)
     stored = {}

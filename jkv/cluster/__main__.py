@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 
+from jkv.cluster.shared_store import share_store
 from jkv.config import OPTIONS
 from jkv.server.flags import api_key, build_parser
 
@@ -26,7 +27,10 @@ def cluster_parser() -> argparse.ArgumentParser:
     p.prog = "python -m jkv.cluster"
     p.description = ("Serve a model from several jkv replicas on Ray Serve behind one "
                      "OpenAI-compatible API; a request goes to the replica holding its "
-                     "conversation's KV. Every server flag applies to each replica.")
+                     "conversation's KV. Every server flag applies to each replica; with "
+                     "--store-dir (or --store-spec) the replicas share that one persistent "
+                     "KV tier through an OCDBT coordinator this command starts (or the one "
+                     "at --store-coordinator), each keeping its own host tier.")
     g = p.add_argument_group("cluster options")
     g.add_argument("--replicas", type=int, default=2, help="jkv replicas, each an LLM")
     g.add_argument("--router", default="kv", choices=["kv", "pow2", "prefix"],
@@ -66,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("jkv").setLevel(args.log_level.upper())
     from jkv.cluster import deploy  # (Ray: the cluster extra)
 
-    llm_options = {o.name: getattr(args, o.name) for o in OPTIONS}
+    llm_options, coordinator = share_store(
+        {o.name: getattr(args, o.name) for o in OPTIONS}, args.replicas,
+        deploy.node_address() if os.environ.get("RAY_ADDRESS") else "127.0.0.1")
     app_options = {f: getattr(args, f) for f in APP_FLAGS} | {"api_key": key}
     app = deploy.application(llm_options, app_options, replicas=args.replicas,
                              router=args.router, bound=args.route_bound,
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         log.info("stopping")
         deploy.stop()
+        del coordinator  # (after the replicas)
 
 
 if __name__ == "__main__":

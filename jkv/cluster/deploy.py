@@ -76,6 +76,11 @@ def start(app, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None =
     serve.run(app, name=APP, route_prefix="/", blocking=False)
 
 
+def node_address() -> str:
+    """This machine's address as the Ray cluster's other nodes reach it."""
+    return ray.util.get_node_ip_address()
+
+
 def stop() -> None:
     """Take the application down and leave Ray (a local instance stops with it)."""
     try:
@@ -84,4 +89,4 @@ def stop() -> None:
         ray.shutdown()
 
 
-__all__ = ["APP", "ROUTERS", "Ingress", "application", "start", "stop"]
+__all__ = ["APP", "ROUTERS", "Ingress", "application", "node_address", "start", "stop"]

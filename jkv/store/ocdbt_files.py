@@ -43,10 +43,16 @@ def out_of_space(error: Exception) -> bool:
                                    "os_error_code='28'", "os_error_code='122'"))
 
 
-def open_db(path: Path) -> ts.KvStore:
-    """The OCDBT database in `path`, opened afresh (no manifest cached from before a swap)."""
-    return ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": f"{path}/"}},
-                           context=ts.Context()).result()
+def open_db(base: Path | str | dict, coordinator: str | None = None) -> ts.KvStore:
+    """The OCDBT database in `base` (a directory or a kvstore spec), opened afresh (no
+    manifest cached from before a swap); through the OCDBT `coordinator` at that address
+    when several processes write it."""
+    if isinstance(base, Path):
+        base = {"driver": "file", "path": f"{base}/"}
+    spec = {"driver": "ocdbt", "base": base}
+    if coordinator is not None:
+        spec["coordinator"] = {"address": coordinator}
+    return ts.KvStore.open(spec, context=ts.Context()).result()
 
 
 def footprint(path: Path) -> int:

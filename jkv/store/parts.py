@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 from jkv.config import StoreConfig
 from jkv.store.adapt_store import AdaptStorePlacement
+from jkv.store.host_tier import HostTier
 from jkv.store.index import EntryIndex
 from jkv.store.placement import Placement
-from jkv.store.tiers import HostTier, PersistentTier
+from jkv.store.tiers import PersistentTier
 
 
 @dataclasses.dataclass
@@ -52,6 +53,8 @@ class StoreStats:
     shared_refused: int = 0  # entries the shared form would keep poorly: the pool's format
     lossless_entries: int = 0  # entries keeping only what a split restore loads (Krul)
     lossless_bytes_saved: int = 0  # the pages they left out, recomputed on restore
+    written_through: int = 0  # host-tier entries copied to a shared persistent tier
+    write_through_failures: int = 0  # copies it refused (its coordinator gone, no room)
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,4 +84,6 @@ class StoreParts:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     pending: dict[str, PendingSave] = dataclasses.field(default_factory=dict)  # by entry key
     queue: list[str] = dataclasses.field(default_factory=list)  # waiting requests' entries
+    # a shared persistent tier's entries this store neither indexes nor counts (`adoption`)
+    unplaced: set[str] = dataclasses.field(default_factory=set)
     closed: bool = False

@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 from jkv.store.codec import CorruptEntry, EntryMismatch, decode
 from jkv.store.entry_forms import HASHES, count_shared, encode_entry
 from jkv.store.fronts import FRONT
+from jkv.store.host_tier import HostTier
 from jkv.store.index import meta_record
 from jkv.store.parts import StoreParts
 from jkv.store.placement import Move
-from jkv.store.tiers import HostTier, PersistentTier
+from jkv.store.tiers import PersistentTier
 from jkv.store.verify import pop_mark
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)

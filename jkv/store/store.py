@@ -23,7 +23,8 @@ never stalls a step (`load` is the same read, on the caller's thread); saving (t
 the device, encoding, checksumming, writing) and moving entries between tiers run on one
 background writer, so a finishing request never waits for its save; `lookup` finds a save not
 yet written too (a preempted request readmitted at once), and its read waits for the write.
-The index is rebuilt from the persistent tier's meta records when the store opens.
+The index is rebuilt from the persistent tier's meta records when the store opens, and kept
+up with what other processes write to a shared one (`adoption`).
 A lossy store (entries in smaller forms: `store_kv_format`, AdaptCache) restores approximate
 KV, and is saved approximate blocks too (a conversation restored from it goes on in it),
 marked so in their entry: any restore of them is approximate, whatever form holds them. An entry
@@ -40,14 +41,16 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from jkv.config import StoreConfig
 from jkv.store.adapt_profile import Profile
-from jkv.store.adapt_store import FOREIGN, AdaptStorePlacement
+from jkv.store.adapt_store import AdaptStorePlacement
+from jkv.store.adoption import Refresher, adopt, sync_shared
 from jkv.store.entry_forms import store_form
-from jkv.store.index import Hit, parse_meta
+from jkv.store.host_tier import HostTier
+from jkv.store.index import Hit
 from jkv.store.loads import Loaded, StoreReader
 from jkv.store.parts import StoreParts, StoreStats
 from jkv.store.placement import TIERS, Placement
 from jkv.store.priority import lower_thread_priority
-from jkv.store.tiers import HostTier, PersistentTier
+from jkv.store.tiers import PersistentTier
 from jkv.store.writes import StoreWriter
 
 log = logging.getLogger(__name__)
@@ -92,7 +95,8 @@ class KVStore:
                              "with disk_cache_bytes > 0")
         host = HostTier(config.host_cache_bytes)
         disk = (None if config.persistent is None or not config.disk_cache_bytes
-                else PersistentTier(config.persistent, config.disk_cache_bytes, free_space))
+                else PersistentTier(config.persistent, config.disk_cache_bytes, free_space,
+                                    config.store_coordinator))
         form = store_form(config, kv_format, whole_rows)  # entries are written in
         if form is not None and convert is None:
             raise ValueError(f"the store's form {form} needs the engine's KV format "
@@ -126,39 +130,27 @@ class KVStore:
         self.writer = StoreWriter(p, self._submit, self._reachable, self.flush)
         self.reader = StoreReader(p, self._submit, self.writer.delete)
         if disk is not None:
-            self._adopt_disk()
+            adopt(p, disk.keys(), opening=True, set_capacity=self._set_disk_capacity)
         self._writer = threading.Thread(target=self._work, name="jkv-store-writer",
                                         daemon=True)
         self._writer.start()
+        self._refresher = (None if disk is None or disk.coordinator is None
+                           else Refresher(self._submit, self._sync_shared))
 
     # ------------------------------------------------------------------ opening
 
-    def _adopt_disk(self) -> None:
-        """Index what the persistent tier holds: entries of this KV by their meta records;
-        others counted against the capacity (while they fit) but never matched."""
-        metas = self.disk.metas()
-        ours, other = [], []
-        for key in self.disk.keys():
-            parsed = parse_meta(metas.get(key, b""))
-            if (parsed is not None and parsed[0] == self.model
-                    and parsed[1].hashes[-1].hex() == key):
-                ours.append((key, parsed[1]))
-            else:
-                other.append(key)
-        for key, entry in sorted(ours, key=lambda x: x[1].start):  # parents first
-            parent = None if entry.parent is None else self.index.get(entry.parent)
-            if entry.parent is not None and (parent is None or parent.stop != entry.start):
-                self.disk.delete(key)  # a tail whose parent is gone: unreachable
-            elif self.placement.adopt(key, self.disk.size(key), "disk",
-                                      len(entry.hashes) * self.page_size, entry.form):
-                self.index.add(key, entry)
-            else:
-                self.disk.delete(key)  # over the configured capacity: the store shrank
-        for key in other:  # another model's (or unreadable) entries: evicted like any other
-            if not self.placement.adopt(key, self.disk.size(key), "disk", form=FOREIGN):
-                # never deleted at opening; the room they take is not ours to use
-                self.writer.apply(self.placement.set_capacity("disk", max(
-                    0, self.placement.capacity["disk"] - self.disk.size(key))))
+    def _set_disk_capacity(self, capacity: int) -> None:
+        self.writer.apply(self.placement.set_capacity("disk", capacity))
+
+    def refresh(self) -> None:
+        """Take up now what a shared persistent tier's other writers changed (done every
+        `adoption.REFRESH_S` seconds anyway); returns once done."""
+        if self.disk is not None and self.disk.coordinator is not None:
+            self._submit(self._sync_shared)
+            self.flush()
+
+    def _sync_shared(self) -> None:
+        sync_shared(self.p, self.writer.delete, self._set_disk_capacity)
 
     # ------------------------------------------------------------------ index
 
@@ -318,6 +310,8 @@ class KVStore:
             if self.disk is not None:
                 self._jobs.put(self._spill_all)
             self._jobs.put(None)
+        if self._refresher is not None:
+            self._refresher.stop()
         self.reader.close()
         self._writer.join()
 
@@ -395,6 +389,8 @@ class KVStore:
                 "shared_refused": st.shared_refused,
                 "lossless_entries": st.lossless_entries,
                 "lossless_bytes_saved": st.lossless_bytes_saved,
+                "written_through": st.written_through,
+                "write_through_failures": st.write_through_failures,
                 "read_bytes_per_s": dict(self.read_bytes_per_s),
                 "convert_bytes_per_s": dict(self.convert_bytes_per_s),
                 **self.placement.stats()}

@@ -6,10 +6,29 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+PART = 8 << 20  # bytes per stored value (and per read) of an entry
 NAME = re.compile(r"(?P<key>[0-9A-Za-z_.:-]+)@(?P<size>\d+)(?:(?P<meta>\.meta)|\.(?P<part>\d+))?")
+
+
+def part_sizes(size: int) -> list[int]:
+    """Bytes of each stored value of an entry of `size` bytes: its first at the entry's name,
+    the others at name.1, name.2, ... (`PART` each, the last what remains)."""
+    return [min(PART, size - a) for a in range(0, size, PART)] or [0]
+
+
+def part_name(name: str, index: int) -> str:
+    """The name of an entry's value `index` (its first at the entry's name)."""
+    return name if index == 0 else f"{name}.{index}"
+
+
+def check_key(key: str) -> str:
+    """`key`, when an entry may be stored under it; ValueError otherwise."""
+    if not isinstance(key, str) or not re.fullmatch(r"[0-9A-Za-z_.:-]+", key):
+        raise ValueError(f"entry keys are non-empty [0-9A-Za-z_.:-] strings, got {key!r}")
+    return key
 
 
 @dataclass
@@ -19,6 +38,15 @@ class Listing:
     has_meta: set[str] = field(default_factory=set)  # stored names with a meta record beside
     bytes_used: int = 0
     foreign: list[str] = field(default_factory=list)  # names that are not entries (left alone)
+
+    def drop_unrecorded(self, keep: Collection[str]) -> None:
+        """Leave out the entries without a meta record, but those in `keep`: in a database
+        several processes write, an entry's record is written last (it is still being
+        written, or its writer died before it)."""
+        for key, name in list(self.names.items()):
+            if name not in self.has_meta and key not in keep:
+                self.bytes_used -= self.sizes.pop(key)
+                del self.names[key]
 
 
 def read_listing(names: list[str], values_of: Callable[[int], int]) -> Listing:

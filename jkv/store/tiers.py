@@ -1,4 +1,5 @@
-"""Where entry bytes live: host memory and a persistent tensorstore kvstore.
+"""Where entry bytes live past the process: the persistent tier, a tensorstore kvstore (host
+memory is `jkv.store.host_tier`).
 
 Both tiers hold opaque entry bytes (`jkv.store.codec`) under string keys, count their bytes
 and refuse a write past their capacity (`TierFull`); the store decides what to evict
@@ -16,6 +17,11 @@ batch by `metas()`, not counted against the capacity. A database found damaged w
 (`damaged`): a bad disk costs recomputation, never a failed start; in a directory its files
 are first moved to a dated sibling folder (`set_aside_to`), elsewhere deleted.
 
+Several processes may write one database at once through tensorstore's OCDBT coordinator
+(`coordinator`: the address of a `ts.ocdbt.DistributedCoordinatorServer`): commits stay
+atomic, `sync` takes up the others' entries and deletions; such a database is never
+compacted nor reset by one of them (a damaged one is an error at open).
+
 In a directory the tier minds its filesystem (`ocdbt_files.LocalDatabase`: its capacity
 fitted to the space there, compactions giving deleted entries' bytes back). A write refused
 for want of space is `DiskFull`: `on_full` compacts and lowers the capacity, `refit` raises
@@ -28,21 +34,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
 import tensorstore as ts
 
 from jkv.store import ocdbt_files as files
-from jkv.store.codec import aligned, aligned_buffer
-from jkv.store.stored_names import read_listing
+from jkv.store.codec import aligned_buffer
+from jkv.store.stored_names import check_key, part_name, part_sizes, read_listing
 
 log = logging.getLogger(__name__)
 
-PART = 8 << 20  # bytes per stored value (and per read) of an entry
 
 
 class TierFull(ValueError):
@@ -57,68 +61,6 @@ class DiskFull(DiskError):
     """A write the persistent tier's storage refused for want of space."""
 
 
-def _part_sizes(size: int) -> list[int]:
-    """Bytes of each stored value of an entry of `size` bytes: its first at the entry's name,
-    the others at name.1, name.2, ... (`PART` each, the last what remains)."""
-    return [min(PART, size - a) for a in range(0, size, PART)] or [0]
-
-
-def _part(name: str, index: int) -> str:
-    return name if index == 0 else f"{name}.{index}"
-
-
-def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not re.fullmatch(r"[0-9A-Za-z_.:-]+", key):
-        raise ValueError(f"entry keys are non-empty [0-9A-Za-z_.:-] strings, got {key!r}")
-    return key
-
-
-class HostTier:
-    """Entries in host memory, at most `capacity` bytes of them, kept read-only and 64-byte
-    aligned (`codec.aligned`: no copy of what `encode_aligned` made; a CPU backend then
-    takes a restore's arrays as they are)."""
-
-    name = "host"
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"host capacity must be >= 0 bytes, got {capacity}")
-        self.capacity = capacity
-        self._data: dict[str, memoryview] = {}
-        self._meta: dict[str, bytes] = {}
-        self.bytes_used = 0
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._data
-
-    def keys(self) -> list[str]:
-        return list(self._data)
-
-    def size(self, key: str) -> int:
-        return len(self._data[key])
-
-    def put(self, key: str, data: bytes | memoryview, meta: bytes = b"") -> None:
-        _check_key(key)
-        old = len(self._data[key]) if key in self._data else 0
-        if self.bytes_used - old + len(data) > self.capacity:
-            raise TierFull(f"host tier: {len(data)} more bytes would exceed its capacity of "
-                           f"{self.capacity} ({self.bytes_used} used)")
-        self._data[key], self._meta[key] = aligned(data), bytes(meta)
-        self.bytes_used += len(data) - old
-
-    def get(self, key: str) -> memoryview | None:
-        return self._data.get(key)
-
-    def meta(self, key: str) -> bytes | None:
-        return self._meta.get(key)
-
-    def delete(self, key: str) -> None:
-        data = self._data.pop(key, None)
-        self._meta.pop(key, None)
-        if data is not None:
-            self.bytes_used -= len(data)
-
-
 class PersistentTier:
     """Entries in a tensorstore kvstore through OCDBT (atomic commits), at most `capacity`
     bytes. `spec`: a local directory, or any tensorstore kvstore spec (a dict or a URL such
@@ -130,10 +72,12 @@ class PersistentTier:
     name = "disk"
 
     def __init__(self, spec: str | os.PathLike | dict, capacity: int,
-                 free_space: Callable[[], int] | None = None) -> None:
+                 free_space: Callable[[], int] | None = None,
+                 coordinator: str | None = None) -> None:
         if capacity < 0:
             raise ValueError(f"disk capacity must be >= 0 bytes, got {capacity}")
         self.configured = self.capacity = capacity
+        self.coordinator = coordinator  # several writers share the database through it
         self.path: Path | None = None  # the directory, when the tier is in one
         self._db: files.LocalDatabase | None = None
         if isinstance(spec, (str, os.PathLike)) and "://" not in str(spec):
@@ -162,6 +106,9 @@ class PersistentTier:
         except (ValueError, RuntimeError) as e:
             if not files.damaged(e):  # unreachable, refused, misconfigured: say so
                 raise ValueError(f"cannot open the KV store at {spec!r}: {e}") from e
+            if self.coordinator is not None:  # others write it: not this process's to reset
+                raise ValueError(f"the shared KV store at {spec!r} is damaged ({e}); stop "
+                                 "its writers and move it aside, or give another") from e
             self.damaged = True
             if self.path is None:
                 log.warning("the KV store at %r is damaged (%s); its entries are deleted and "
@@ -174,14 +121,32 @@ class PersistentTier:
 
     def _index_names(self, names: list[str]) -> None:
         """Entries (key, stored name, size), meta records and foreign names from a listing."""
-        got = read_listing(names, lambda size: len(_part_sizes(size)))
+        got = read_listing(names, lambda size: len(part_sizes(size)))
         self._names, self._sizes, self._has_meta = got.names, got.sizes, got.has_meta
         self.bytes_used, self.foreign = got.bytes_used, got.foreign
 
     def _open(self) -> list[str]:
-        self._kv = (ts.KvStore.open({"driver": "ocdbt", "base": self._base}).result()
-                    if self._db is None else files.open_db(self.path))
-        return [n.decode() for n in self._kv.list().result()]
+        self._kv = files.open_db(self._base, self.coordinator)
+        return self._list()
+
+    def _list(self) -> list[str]:
+        with self._lock:
+            return [n.decode() for n in self._kv.list().result()]
+
+    def sync(self) -> tuple[list[str], list[str]]:
+        """Take up what the database's other writers (`coordinator`) changed: its listing
+        read again; the keys of the entries it holds that this tier did not hold (or held
+        under another name: written again) and of those it held that are gone (another
+        writer deleted them). Runs where writes run (the store's writer thread)."""
+        got = read_listing(self._list(), lambda size: len(part_sizes(size)))
+        got.drop_unrecorded(keep=self._names)  # being written: its record comes last
+        new = [k for k, n in got.names.items() if self._names.get(k) != n]
+        gone = [k for k in self._names if k not in got.names]
+        for key in gone:
+            self._spares.pop(key, None)
+        self._names, self._sizes, self._has_meta = got.names, got.sizes, got.has_meta
+        self.bytes_used, self.foreign = got.bytes_used, got.foreign
+        return new, gone
 
     def _reset(self) -> list[str]:
         """Delete the OCDBT database's own files (its manifest and data files under ``d/``),
@@ -198,7 +163,8 @@ class PersistentTier:
     def compact(self) -> bool:
         """Compact the database (in a directory: `ocdbt_files.LocalDatabase.compact`), then
         fit the capacity to the filesystem again; False when nothing changed."""
-        if self._db is None or not self._db.compact(self._kv, self._stored(), self._install):
+        if (self._db is None or self.coordinator is not None  # (others hold the files open)
+                or not self._db.compact(self._kv, self._stored(), self._install)):
             return False
         self.capacity = self._db.fit(self.configured)
         self._drop_spares(self.bytes_used - self.capacity, keep="")
@@ -211,7 +177,7 @@ class PersistentTier:
         """Every stored name: the entries' values and meta records, and the foreign ones."""
         out = list(self.foreign)
         for key, name in self._names.items():
-            out += [_part(name, i) for i in range(len(_part_sizes(self._sizes[key])))]
+            out += [part_name(name, i) for i in range(len(part_sizes(self._sizes[key])))]
             out += [f"{name}.meta"] if name in self._has_meta else []
         return out
 
@@ -286,7 +252,7 @@ class PersistentTier:
         """Store `key` (replacing it atomically); spare copies make way first. TierFull past
         the capacity; DiskFull when the storage is out of space, DiskError when it refused
         otherwise (nothing changed)."""
-        _check_key(key)
+        check_key(key)
         old = self._sizes.get(key, 0)
         self._drop_spares(self.bytes_used - old + len(data) - self.capacity, keep=key)
         if self.bytes_used - old + len(data) > self.capacity:
@@ -294,7 +260,7 @@ class PersistentTier:
                            f"{self.capacity} ({self.bytes_used} used)")
         if self._db is not None and self._db.wants_compaction(self.bytes_used, len(data),
                                                               self.capacity):
-            self.compact()
+            self.compact()  # (never with several writers)
         name = f"{key}@{len(data)}"
         try:
             self._commit(key, name, data, meta)
@@ -313,18 +279,37 @@ class PersistentTier:
 
     def _commit(self, key: str, name: str, data: bytes | memoryview, meta: bytes) -> None:
         """Write an entry's values (and meta record) under `name`, its old ones removed, in
-        one atomic commit."""
+        one atomic commit; in a shared database (whose coordinator commits one name at a
+        time) its values first, then its meta record, which makes it an entry to the others
+        (`sync`), then its old names' removal."""
+        if self.coordinator is not None:
+            self._commit_shared(key, name, data, meta)
+            return
         txn = ts.Transaction(atomic=True)  # the new names and the old ones' removal together
         kv = self._kv.with_transaction(txn)
         if key in self._names:
             self._delete_name(self._names[key], txn)
         view, at = memoryview(data).cast("B"), 0
-        for i, n in enumerate(_part_sizes(len(view))):  # one commit makes them all visible
-            kv.write(_part(name, i), bytes(view[at:at + n])).result()  # it takes bytes only
+        for i, n in enumerate(part_sizes(len(view))):  # one commit makes them all visible
+            kv.write(part_name(name, i), bytes(view[at:at + n])).result()  # it takes bytes only
             at += n
         if meta:
             kv.write(f"{name}.meta", bytes(meta)).result()
         txn.commit_async().result()
+
+    def _commit_shared(self, key: str, name: str, data: bytes | memoryview,
+                       meta: bytes) -> None:
+        view, at, writes = memoryview(data).cast("B"), 0, []
+        for i, n in enumerate(part_sizes(len(view))):
+            writes.append(self._kv.write(part_name(name, i), bytes(view[at:at + n])))
+            at += n
+        for w in writes:
+            w.result()
+        if meta:
+            self._kv.write(f"{name}.meta", bytes(meta)).result()
+        old = self._names.get(key)
+        if old is not None and old != name:
+            self._delete_name(old)
 
     def _read(self, name: str) -> bytes | None:
         try:
@@ -338,12 +323,14 @@ class PersistentTier:
         name = self._names.get(key)
         return None if name not in self._has_meta else self._read(f"{name}.meta")
 
-    def metas(self) -> dict[str, bytes]:
-        """Every entry's meta record, read in one batch of concurrent reads (entries without
-        one, or whose record cannot be read, are left out)."""
+    def metas(self, keys: Collection[str] | None = None) -> dict[str, bytes]:
+        """The meta records of `keys` (default: every entry), read in one batch of concurrent
+        reads (entries without one, or whose record cannot be read, are left out)."""
         out = {}
+        names = self._names if keys is None else {k: self._names[k] for k in keys
+                                                   if k in self._names}
         with self._lock:
-            futures = {k: self._kv.read(f"{n}.meta") for k, n in self._names.items()
+            futures = {k: self._kv.read(f"{n}.meta") for k, n in names.items()
                        if n in self._has_meta}
             for key, future in futures.items():
                 try:
@@ -363,11 +350,11 @@ class PersistentTier:
         name = self._names.get(key)
         if name is None:
             return None
-        sizes = _part_sizes(self._sizes[key])
+        sizes = part_sizes(self._sizes[key])
         out = aligned_buffer(sum(sizes))
         try:
             with self._lock:  # (a compaction swaps the files only between reads)
-                reads = [self._kv.read(_part(name, i)) for i in range(len(sizes))]
+                reads = [self._kv.read(part_name(name, i)) for i in range(len(sizes))]
                 at = 0
                 for future, size in zip(reads, sizes, strict=True):
                     r = future.result()

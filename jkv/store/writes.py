@@ -19,11 +19,12 @@ import numpy as np
 from jkv.store.disk_room import DiskRoom
 from jkv.store.entry_forms import count_shared, encode_entry
 from jkv.store.fronts import drop_front
+from jkv.store.host_tier import HostTier
 from jkv.store.index import Entry, meta_record
 from jkv.store.parts import PendingSave, StoreParts
 from jkv.store.placement import Move
 from jkv.store.recompress import rewrite
-from jkv.store.tiers import DiskError, DiskFull, HostTier, PersistentTier, TierFull
+from jkv.store.tiers import DiskError, DiskFull, PersistentTier, TierFull
 
 log = logging.getLogger("jkv.store.store")  # (the store's one logger)
 
@@ -212,7 +213,22 @@ class StoreWriter:
             raise
         if moves[-1].dst == "disk":
             self.room.wrote()
+        elif self.p.disk is not None and self.p.disk.coordinator is not None:
+            self._share(key, data, meta_record(self.p.model, entry.session, entry))
         return True, shared
+
+    def _share(self, key: str, data: memoryview, meta: bytes) -> None:
+        """Write an entry kept in this process's host tier to the shared persistent tier too,
+        as a spare copy (`PersistentTier.keep_spare`), where the other processes find it. A
+        copy refused (the coordinator gone, no room) is counted; the entry stays here."""
+        try:
+            self.p.disk.put(key, data, meta)
+        except (DiskError, TierFull) as e:
+            log.debug("KV entry %s not copied to the shared tier: %s", key, e)
+            self.p.stats.write_through_failures += 1
+            return
+        self.p.disk.keep_spare(key)
+        self.p.stats.written_through += 1
 
     def _supersede(self, entry: Entry, key: str, size: int, whole: bool) -> bool:
         """Whether `_write` goes on with an entry of `size` bytes (not stored yet, fits a
