@@ -232,3 +232,17 @@ def test_the_ingress_refuses_a_body_over_the_limit_before_reading_it():
     r = asyncio.run(client.post("/v1/chat/completions",
                                 content=b"{" + b" " * MAX_BODY_BYTES + b"}"))
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_replica_routes_by_what_it_alone_holds():
+    """An entry of a store tier every replica shares is as near to each: only host-tier
+    entries (and a private disk's) draw requests to the replica holding them."""
+    from types import SimpleNamespace
+
+    def store(coordinator, where):
+        return SimpleNamespace(disk=SimpleNamespace(coordinator=coordinator),
+                               placement=SimpleNamespace(where=lambda key: where))
+
+    assert Replica._own(store("127.0.0.1:1", "host"), "k")
+    assert not Replica._own(store("127.0.0.1:1", "disk"), "k")
+    assert Replica._own(store(None, "disk"), "k")  # a disk it alone reads

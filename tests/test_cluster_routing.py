@@ -40,10 +40,19 @@ def test_the_replica_holding_the_longest_prefix_wins_within_the_bound():
         rank_replicas([a], prompt, None, -1)
 
 
+def test_new_sessions_spread_over_idle_replicas():
+    """Equal queues are ranked by the request's own hash with each replica, not by name:
+    200 new sessions on 4 idle replicas land 50 +- 20 on each."""
+    idle = [ReplicaView(name, 0) for name in ("a", "b", "c", "d")]
+    first = [rank_replicas(idle, [], f"chat-{i}", 4)[0][0] for i in range(200)]
+    assert all(30 <= first.count(name) <= 70 for name in "abcd"), sorted(first)
+
+
 def brute_force(views, hashes, session, bound):
     """The rule stated directly: the affine replica (session, else longest prefix, ties to
-    the least loaded then the name) first if within the bound, else all by load."""
-    order = sorted(views, key=lambda v: (v.queue, v.name))
+    the least loaded then the tie rank) first if within the bound, else all by load."""
+    key = session if session is not None else hashes[0].hex() if hashes else ""
+    order = sorted(views, key=lambda v: (v.queue, routing.tie_rank(key, v.name)))
     shortest = order[0].queue
     with_session = [v for v in order if session in v.sessions]
     prefixes = {v.name: max([i + 1 for i, h in enumerate(hashes)
@@ -84,3 +93,16 @@ def test_a_planted_bug_is_caught(monkeypatch):
     a = ReplicaView("a", 0, blocks={h[:HASH_BYTES] for h in prompt[:2]})
     b = ReplicaView("b", 1, blocks={h[:HASH_BYTES] for h in prompt[:3]})
     assert rank_replicas([a, b], prompt, None, 2) != brute_force([a, b], prompt, None, 2)
+
+
+def test_every_routed_request_has_a_text_for_rays_prefix_router():
+    """Ray's prefix-affinity router divides by the length of a request's text: a request
+    with no prompt (a health check, the ingress's probe, an empty chat) carries its method
+    and path instead, or its routing would fail and be retried for ever."""
+    from jkv.cluster.asgi import RoutedRequest
+
+    for r in (RoutedRequest("GET", "/health"), RoutedRequest("POST", "/v1/chat/completions",
+                                                              messages=[])):
+        assert "".join(m["content"] for m in r.messages)
+    said = [{"role": "user", "content": "hi"}]
+    assert RoutedRequest("POST", "/", messages=said).messages == said

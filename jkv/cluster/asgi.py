@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 class RoutedRequest:
     """What the ingress hands a replica: the HTTP request, and what the router reads of it
     (`session`, the prompt's chained block `hashes`; `messages`, which Ray's prefix-affinity
-    router reads first: a completion's prompt is one message there, and a request without
-    either none)."""
+    router reads first: one message, the prompt as the model sees it; for a request
+    without one, its method and path, as that router fails on an empty text)."""
 
     method: str
     path: str
@@ -28,6 +28,10 @@ class RoutedRequest:
     hashes: list[bytes] = field(default_factory=list)
     prompt: str | None = None
     messages: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.messages:
+            self.messages = [{"role": "user", "content": f"{self.method} {self.path}"}]
 
 
 def _scope(r: RoutedRequest) -> dict:

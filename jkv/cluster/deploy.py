@@ -15,6 +15,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from jkv.cluster.asgi import RoutedRequest
 from jkv.cluster.ingress import Hasher, build_ingress
 from jkv.cluster.replica import Replica
 
@@ -35,7 +36,7 @@ class Ingress:
 
     async def hasher(self) -> Hasher:
         if self._hasher is None:
-            self._hasher = Hasher(await self.replicas.info.remote())
+            self._hasher = Hasher(await self.replicas.info.remote(RoutedRequest("GET", "/")))
         return self._hasher
 
     def __serve_build_asgi_app__(self):

@@ -39,13 +39,13 @@ class Hasher:
         keys: dict = {"session": body.get("session_id")}
         try:
             if isinstance(body.get("messages"), list):
-                keys["messages"] = body["messages"]
                 text = render(self.tokenizer, body["messages"])
             elif isinstance(body.get("prompt"), str):
                 text = keys["prompt"] = body["prompt"]
-                keys["messages"] = [{"role": "user", "content": text}]
             else:
                 return keys
+            if text:  # (Ray's prefix router reads the prompt as the model sees it)
+                keys["messages"] = [{"role": "user", "content": text}]
             if len(text) <= MAX_ROUTED_CHARS:
                 ids = self.tokenizer.encode(text)
                 keys["hashes"] = block_hashes(ids, self.page_size, self.seed,

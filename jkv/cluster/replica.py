@@ -57,8 +57,10 @@ class Replica:
                 part = (*part[:2], [*part[2], (b"x-jkv-replica", self.name.encode())])
             yield part
 
-    def info(self) -> dict:
-        """What the ingress needs to hash prompts as this replica does."""
+    def info(self, _probe: RoutedRequest | None = None) -> dict:
+        """What the ingress needs to hash prompts as this replica does. (`_probe`: the empty
+        request the ingress sends with the call, for routers that read every call's
+        messages.)"""
         cache = self.llm.engine.cache
         return {"model_path": str(self.llm.model_path), "page_size": cache.page_size,
                 "hash_seed": cache.hash_seed,
@@ -66,8 +68,8 @@ class Replica:
 
     def record_routing_stats(self) -> dict:
         """Requests in flight, the sessions this replica served or holds, and the first
-        HASH_BYTES of every block hash its device prefix cache or its store holds (a chained
-        hash held means its whole prefix is)."""
+        HASH_BYTES of every block hash its device prefix cache or its own store tiers hold
+        (a chained hash held means its whole prefix is)."""
         server = self.app.state.server
         sched = self.llm.scheduler
         sessions = set(self._sessions)
@@ -76,9 +78,18 @@ class Replica:
         store = self.llm.store
         if store is not None:
             with store.p.lock:
-                sessions |= {e.session for e in store.index.entries.values() if e.session}
-                blocks += [h[:HASH_BYTES] for h in store.index.block_hashes()]
+                held = [e for k, e in store.index.entries.items() if self._own(store, k)]
+            sessions |= {e.session for e in held if e.session}
+            blocks += [h[:HASH_BYTES] for e in held for h in e.hashes]
         return {"queue": len(server.in_flight), "sessions": sorted(sessions), "blocks": blocks}
+
+    @staticmethod
+    def _own(store, key: str) -> bool:
+        """Whether a stored entry is this replica's to restore faster than the others
+        (under the store's lock): in its host tier, or on a disk it alone reads; an entry
+        of a tier all replicas share is as near to each of them, not a reason to route."""
+        shared = store.disk is not None and store.disk.coordinator is not None
+        return not shared or store.placement.where(key) == "host"
 
     async def close(self) -> None:
         """Run the app's shutdown (drains the scheduler loop)."""

@@ -7,11 +7,15 @@ are chained, so a replica holding a prompt's hash i holds its blocks 0..i: the l
 replica holds is the last of the prompt's hashes it reports. A request goes to the replica
 that served its session, else to the one holding the longest prefix of its prompt, unless that
 replica's queue is longer than the shortest by more than `bound` requests: then, as when no
-replica holds anything of it, to the least loaded (ties by name, so a test can say which).
+replica holds anything of it, to the least loaded. Equal queues are ranked by a hash of the
+request's key (its session, else its first block) with each replica's name (rendezvous
+hashing): new sessions spread evenly over idle replicas, where ranking by name piled them on
+the first.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +42,11 @@ def held_prefix(view: ReplicaView, hashes: Sequence[bytes]) -> int:
     return 0
 
 
+def tie_rank(key: str, name: str) -> bytes:
+    """Where replica `name` comes among equally loaded ones for a request of `key`."""
+    return hashlib.blake2b(f"{key}\0{name}".encode(), digest_size=8).digest()
+
+
 def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
                   session: str | None, bound: int) -> list[list[str]]:
     """Replica names in ranked groups, most preferred first (what a Ray Serve request
@@ -48,7 +57,8 @@ def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
         raise ValueError(f"bound must be >= 0 requests, got {bound}")
     if not views:
         return []
-    by_load = sorted(views, key=lambda v: (v.queue, v.name))
+    key = session if session is not None else hashes[0].hex() if hashes else ""
+    by_load = sorted(views, key=lambda v: (v.queue, tie_rank(key, v.name)))
     shortest = by_load[0].queue
     affine = next((v for v in by_load if session is not None and session in v.sessions), None)
     if affine is None:
@@ -60,4 +70,4 @@ def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
     return [[affine.name], [v.name for v in by_load if v is not affine]]
 
 
-__all__ = ["HASH_BYTES", "ReplicaView", "held_prefix", "rank_replicas"]
+__all__ = ["HASH_BYTES", "ReplicaView", "held_prefix", "rank_replicas", "tie_rank"]

@@ -134,10 +134,6 @@ class EntryIndex:
     def has_children(self, key: str) -> bool:
         return bool(self._children.get(key))
 
-    def block_hashes(self) -> list[bytes]:
-        """Every block hash some entry holds (under the store's lock)."""
-        return list(self._where)
-
     def holders(self, h: bytes) -> dict[str, int]:
         """The entries holding block hash `h`, with its index in their run."""
         return self._where.get(h, {})
