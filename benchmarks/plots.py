@@ -49,6 +49,7 @@ DOC_FIGURES: dict[str, tuple[str, ...]] = {
                            "cpu_throughput/cpu_throughput-2026-11-28-avx2.json"),
     "kv_sharing.svg": ("kv_sharing/kv_sharing-2026-11-27.json",),
     "kv_frontier.svg": ("kv_frontier/kv_frontier-2026-12-03.json",),
+    "cluster_sim.svg": ("cluster_sim/cluster_sim-2026-12-03.json",),
 }
 
 

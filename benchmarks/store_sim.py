@@ -128,17 +128,27 @@ def chat_trace(args) -> tuple[list[tuple], dict]:
     ("start", t, session, its new tokens) when it leaves the queue and runs, ("end", t,
     session, kv_bytes) when it is done and the session's KV is saved."""
     rng = np.random.default_rng(args.seed)
+    sessions, arrivals = chat_sessions(args, rng)
     turns = {}
-    for s in range(args.sessions):
-        n = sharegpt.num_turns(rng)
-        lengths = [(sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS, args.length_scale),
-                    sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS, args.length_scale))
-                   for _ in range(n)]
+    for s, lengths in sessions.items():
         held = np.cumsum([u + r for u, r in lengths])  # its history after each turn
         turns[s] = deque((u, min(int(h), args.max_model_len), None)
                          for (u, _), h in zip(lengths, held, strict=True))
-    arrivals = np.cumsum(rng.exponential(1 / args.rate, args.sessions))
     return fcfs_events(turns, arrivals, rng, args)
+
+
+def chat_sessions(args, rng: np.random.Generator) -> tuple[dict[int, list[tuple[int, int]]],
+                                                            np.ndarray]:
+    """--sessions ShareGPT-shaped conversations, each a list of turns (user tokens, reply
+    tokens), and their Poisson arrival times at --rate (also what benchmarks/cluster_sim.py
+    replays on several servers)."""
+    sessions = {}
+    for s in range(args.sessions):
+        n = sharegpt.num_turns(rng)
+        sessions[s] = [(sharegpt.length(rng, sharegpt.MEAN_USER_TOKENS, args.length_scale),
+                        sharegpt.length(rng, sharegpt.MEAN_REPLY_TOKENS, args.length_scale))
+                       for _ in range(n)]
+    return sessions, np.cumsum(rng.exponential(1 / args.rate, args.sessions))
 
 
 def serve_trace(args) -> tuple[list[tuple], dict]:
