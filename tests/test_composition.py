@@ -127,20 +127,19 @@ def test_the_docs_table_of_what_composes_is_the_codes():
     assert composition_table() in docs
 
 
-def serve(params, policy: str, pool_pages: int | None, offload: bool,
-          store: bool = False) -> tuple[list, dict, list]:
-    """Six requests decoding 40 tokens each at once, on a pool of `pool_pages` pages of the
-    policy's own format (None: a large one): (outputs, the scheduler's snapshot, each
+def serve(params, policy: str, pool_pages: int, offload: bool,
+          alone: bool = False) -> tuple[list, dict, list]:
+    """Six requests decoding 40 tokens each at once (`alone`: one after the other, so none
+    is ever preempted, with the very programs of a run of them at once), on a pool of
+    `pool_pages` pages of the policy's own format: (outputs, the scheduler's snapshot, each
     request's output length when first preempted, None if never)."""
     cache = CacheConfig(page_size=PAGE, kv_cache_bytes=POOL_BYTES, kv_policy=policy, **KNOBS)
-    if pool_pages is not None:
-        one = engine(params, policy, False).cache.one_page
-        cache = dataclasses.replace(cache, kv_cache_bytes=pool_pages * one + 1)
+    one = engine(params, policy, False).cache.one_page
+    cache = dataclasses.replace(cache, kv_cache_bytes=pool_pages * one + 1)
     eng = Engine(TINY, params, cache=cache, config=EngineConfig(
-        max_model_len=96, max_num_seqs=8, prefill_chunk=16, enable_prefix_caching=store))
+        max_model_len=96, max_num_seqs=8, prefill_chunk=16, enable_prefix_caching=False))
     sched = Scheduler(eng, SchedulerConfig(layer_offload=offload, restore_planning=False,
-                                           store_read_ahead=False),
-                      store=StoreConfig(host_cache_bytes=1 << 24) if store else None)
+                                           store_read_ahead=False))
     rng = np.random.default_rng(3)
     requests = [Request(rng.integers(0, 512, n).tolist(),
                         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
@@ -153,10 +152,9 @@ def serve(params, policy: str, pool_pages: int | None, offload: bool,
         preempt(r)
 
     sched._preempt = recorded
-    generate_all(sched, requests)
+    for batch in ([[r] for r in requests] if alone else [requests]):
+        generate_all(sched, batch)
     snap = sched.snapshot()
-    if sched.store is not None:
-        sched.store.close()
     check_nothing_leaked(eng)
     return [r.output for r in requests], snap, [cut.get(i) for i in range(len(requests))]
 
@@ -166,14 +164,14 @@ def serve(params, policy: str, pool_pages: int | None, offload: bool,
 def test_every_policy_composes_with_layer_offload_and_preemption(params, policy):
     """On a pool of 100 pages (a sequence of max_model_len takes 48 or more): where it
     preempts without layer offload, with it the running requests' layers go to the host
-    instead, nothing is preempted and every request samples what it does on a large pool
-    (prompts of one chunk each: a token policy's placement sees the same chunks), and the
-    finished sequences kept as many tokens in each tier. Preempted, a request recomputes
-    what it held: where that gives back the same KV (`lossy_recompute` False) it samples
-    what it does on a large pool; else what it sampled before the preemption stands and
-    the rest is the policy's on its KV placed anew."""
-    want, big, _ = serve(params, policy, None, False)
-    assert big["preemptions"] == 0  # a large pool
+    instead, nothing is preempted and every request samples what it does alone (prompts of
+    one chunk each: a token policy's placement sees the same chunks), and the finished
+    sequences kept as many tokens in each tier. Preempted, a request recomputes what it
+    held: where that gives back the same KV (`lossy_recompute` False) it samples what it
+    does alone; else what it sampled before the preemption stands and the rest is the
+    policy's on its KV placed anew."""
+    want, big, _ = serve(params, policy, 100, False, alone=True)
+    assert big["preemptions"] == 0  # one at a time
     preempted, without, cut = serve(params, policy, 100, False)
     got, snap, _ = serve(params, policy, 100, True)
     assert got == want
