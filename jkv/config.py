@@ -145,7 +145,7 @@ class LoadConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine: sequence length, batch, attention path, prefill chunk, seed, device prefix
-    cache, execution."""
+    cache, execution, tensor parallelism."""
 
     max_model_len: int | None = field(default=None, metadata={
         "help": f"longest sequence (prompt + generated tokens); default: the model's limit, at "
@@ -173,6 +173,11 @@ class EngineConfig:
                 "dispatch per layer, restored KV written layer by layer while earlier layers "
                 "compute (same outputs)",
         "choices": EXECUTIONS})
+    tensor_parallel: int = field(default=1, metadata={
+        "help": "devices to split the model over (tensor parallelism), for a model too large "
+                "for one: a mesh of the first N devices, weights and KV pages split by KV head "
+                "(N must divide the model's KV heads; `kv_cache_bytes` is then the total over "
+                "them); 1: one device, no mesh"})
 
     def __post_init__(self) -> None:
         n = self.max_model_len
@@ -182,6 +187,8 @@ class EngineConfig:
                 "an integer >= 1")
         require(self, "prefill_chunk", is_pow2(self.prefill_chunk), "a power of two")
         require(self, "seed", is_int(self.seed), "an integer")
+        require(self, "tensor_parallel", is_int(self.tensor_parallel)
+                and self.tensor_parallel >= 1, "an integer >= 1")
         n = self.device_cache_bytes
         require(self, "device_cache_bytes", n is None or is_int(n) and n >= 0,
                 "an integer >= 0 or None")

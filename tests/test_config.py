@@ -52,7 +52,7 @@ def test_the_user_configs_are_the_documented_ones():
     assert [f.name for f in dataclasses.fields(LoadConfig)] == ["model", "dtype", "params_cache"]
     assert [f.name for f in dataclasses.fields(EngineConfig)] == [
         "max_model_len", "max_num_seqs", "attention_backend", "prefill_chunk", "seed",
-        "enable_prefix_caching", "device_cache_bytes", "execution"]
+        "enable_prefix_caching", "device_cache_bytes", "execution", "tensor_parallel"]
     assert [o.name for o in OPTIONS] == [f.name for _, f in USER_FIELDS]
 
 
@@ -105,6 +105,7 @@ BAD = [(LoadConfig, "model", 3), (LoadConfig, "dtype", "fp8"),
        (EngineConfig, "attention_backend", "cuda"), (EngineConfig, "prefill_chunk", 300),
        (EngineConfig, "seed", "x"), (EngineConfig, "enable_prefix_caching", "no"),
        (EngineConfig, "device_cache_bytes", -1), (EngineConfig, "execution", "eager"),
+       (EngineConfig, "tensor_parallel", 0),
        (CacheConfig, "page_size", 12), (CacheConfig, "kv_cache_bytes", 0),
        (CacheConfig, "kv_format", "int3"), (CacheConfig, "kv_policy", "pyramidkv"),
        (CacheConfig, "kv_alpha_high", -1.0), (CacheConfig, "kv_alpha_low", float("nan")),

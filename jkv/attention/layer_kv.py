@@ -15,9 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from jkv.attention.backend import paged_attention
 from jkv.attention.kv_write import append_kv, last_page, step_window
+from jkv.attention.tensor_parallel import split_by_heads
 from jkv.kv.pages import KVPages
 from jkv.kv.rotation import rotate
 from jkv.kv.token_tiers import TierCounts, TokenMeta, add_significance, write_meta, write_tokens
@@ -39,13 +41,15 @@ class LayerTiers:
 @struct.dataclass
 class LayerKV:
     """One layer's KV for a step's rows [B]: the pool (shared by all layers), the rows'
-    filling pages [B, Hkv, page, D] and page tables [B, Hkv, W], and their tiers if any."""
+    filling pages [B, Hkv, page, D] and page tables [B, Hkv, W], and their tiers if any;
+    `mesh`: the tensor-parallel mesh they are split over by KV head (`jkv.kv.sharding`)."""
 
     pool: KVPages
     fill_k: jax.Array
     fill_v: jax.Array
     pages: jax.Array
     tiers: LayerTiers | None = None
+    mesh: Mesh | None = struct.field(pytree_node=False, default=None)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax.Array,
@@ -53,7 +57,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: jax
     """Append the step's k, v [B, T, Hkv, D] (valid [B, T]: real tokens first) at
     `positions` [B, T] and attend q [B, T, Hq, D] over the row's cache and the step; returns
     (attention [B, T, Hq, D], the layer's KV after the step). A rotated format's cache holds
-    k and v rotated: q is rotated to meet them, and the attention rotated back."""
+    k and v rotated: q is rotated to meet them, and the attention rotated back. Over a mesh,
+    each device does this for its own KV heads."""
+    if kv.mesh is not None:
+        return split_by_heads(attend, q, k, v, kv, positions, valid, sm_scale, backend)
     if not kv.pool.kv_format.rotated:
         return _attend(q, k, v, kv, positions, valid, sm_scale, backend)
     out, kv = _attend(rotate(q), rotate(k), rotate(v), kv, positions, valid, sm_scale, backend)

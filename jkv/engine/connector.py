@@ -151,7 +151,7 @@ class KVConnector:
                 t0 = time.perf_counter()
                 # every copy dispatched before any scatter: on a GPU they run beside the
                 # compute queued before them (a split restore's recomputed part)
-                runs = [(ids, jax.device_put(pages))
+                runs = [(ids, self.cache.placement.put(pages))
                         for ids, pages in (flat_run(i, x) for _, i, x in p.runs)]
                 for ids, pages in runs:
                     self.cache.write_pages(ids, pages)
@@ -230,7 +230,7 @@ class KVConnector:
         staged: dict[int, list] = {}
 
         def stage(index: int) -> None:
-            staged[index] = [(ids, jax.device_put(pages)) for p in pending
+            staged[index] = [(ids, self.cache.placement.put(pages)) for p in pending
                              for ids, pages in (flat_run(*r) for r in p.layer_runs(index))]
 
         for index in range(min(ahead, layers)):
@@ -317,7 +317,7 @@ class KVConnector:
             for run in (flat_run(np.zeros(ids.shape, np.int32), pages),
                         # one layer's pages: layer-wise staging, and split restores
                         flat_run(np.zeros(ids.shape[::2], np.int32), pages.layer(0))):
-                c.write_pages(run[0], jax.device_put(run[1]))
+                c.write_pages(run[0], c.placement.put(run[1]))
             if count >= c.max_pages:
                 break
             count *= 2

@@ -31,7 +31,7 @@ from jkv.engine.saved_pages import SavedPages, split_chunk
 from jkv.kv.layer_offload import LayerOffload, resident_layers
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.row_layer_offload import RowLayerOffload
-from jkv.models.family import ModelFamily
+from jkv.models.family import ModelFamily, split_params
 from jkv.models.llama import LLAMA, Params
 from jkv.policies import POLICIES
 
@@ -50,6 +50,7 @@ class Engine:
                  shape_step: int | None = None, family: ModelFamily = LLAMA) -> None:
         """`config` is validated where it is made; its max_model_len None means the model's
         limit (`EngineConfig.resolve_max_model_len`)."""
+        params, mesh = split_params(family, params, cfg, config.tensor_parallel)
         self.config, self.cfg, self.params = config, cfg, params
         self.max_model_len = config.resolve_max_model_len(cfg.max_position_embeddings)
         self.max_num_seqs, self.prefill_chunk = config.max_num_seqs, config.prefill_chunk
@@ -70,7 +71,7 @@ class Engine:
             kv_cache_bytes=cache.kv_cache_bytes, max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             device_cache_bytes=config.device_cache_bytes, hash_seed=hash_seed,
-            tiers=POLICIES[cache.kv_policy].tier_policy(cache))
+            tiers=POLICIES[cache.kv_policy].tier_policy(cache), mesh=mesh)
         layout = self.cache.layout
         # names the KV this engine writes (model, format, page size, shapes, layout) in
         # stored entries
@@ -86,7 +87,7 @@ class Engine:
                                   prefill_chunk=self.prefill_chunk, page_size=self.page_size,
                                   # only significance reads it: others share compilations
                                   max_tokens=self.max_model_len if layout.filling_scores
-                                  else None, shape_step=shape_step)
+                                  else None, shape_step=shape_step, mesh=mesh)
         # how much of a split restore's shorter part (recompute or load) hides behind the
         # longer (`restore_planning.split_share`): on a GPU the copies run on their own
         # engine beside the compute (1); on CPU both take the same cores (0: never split

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jkv.attention.layer_kv import LayerKV, LayerTiers
 from jkv.config import ModelConfig
@@ -105,7 +106,7 @@ def _sample(family, params, h_last, keys, num_generated, temperature, top_p, top
 
 
 def _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens: int | None,
-          index=None) -> LayerKV:
+          mesh: Mesh | None, index=None) -> LayerKV:
     """The KV of the step's rows: every layer's (`LayerKV` with a layer axis after the
     batch axis), or layer `index`'s only (gathered alone: not every layer's filling pages
     for one layer's step), token tiers when `meta` is given (`slot_tiers`: every slot's tier
@@ -117,7 +118,7 @@ def _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens: int |
                            low=counts.low[at], max_tokens=max_tokens,
                            observe_from=None if observe is None else observe[slots])
     return LayerKV(pool=pool, fill_k=filling.k[at], fill_v=filling.v[at],
-                   pages=table_pages[at], tiers=tiers)
+                   pages=table_pages[at], tiers=tiers, mesh=mesh)
 
 
 def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
@@ -134,8 +135,8 @@ def _put_rows(filling: FillingPages, slots, kv: LayerKV, index=None):
 def _step(params, pool, filling, meta, table_pages, slot_tiers, slots, tokens, positions, valid,
           last_idx, keys, num_generated, temperature, top_p, top_k, want_top, sketch, *,
           family: ModelFamily, cfg: ModelConfig, backend: str, max_tokens: int | None,
-          page_size: int):
-    kv = _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens)
+          page_size: int, mesh: Mesh | None):
+    kv = _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens, mesh)
     hidden, kv = family.forward(params, cfg, tokens, positions, valid, kv, backend)
     h_last = jnp.take_along_axis(hidden, last_idx[:, None, None], axis=1)[:, 0]
     out = _sample(family, params, h_last, keys, num_generated, temperature, top_p, top_k,
@@ -150,18 +151,13 @@ def _embed(params, tokens, positions, *, family: ModelFamily, cfg: ModelConfig):
 
 def _layer_step(weights, pool, filling, meta, table_pages, slot_tiers, slots, x, positional,
                 positions, valid, index, *, family: ModelFamily, cfg: ModelConfig,
-                backend: str, max_tokens: int | None):
+                backend: str, max_tokens: int | None, mesh: Mesh | None):
     """Layer `index`; `weights` are its own, or the params (the layer taken at `index`)."""
     if "layers" in weights:
         weights = family.layer_weights(weights, index)
-    kv = _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens, index)
+    kv = _rows(pool, filling, meta, table_pages, slot_tiers, slots, max_tokens, mesh, index)
     x, kv = family.layer(weights, cfg, x, kv, positions, valid, positional, backend)
     return (x, *_put_rows(filling, slots, kv, index))
-
-
-def _take_layer(params, index, *, family: ModelFamily):
-    """Layer `index`'s weights copied out of the stacked arrays, once for several calls."""
-    return family.layer_weights(params, index)
 
 
 def _head(params, x, positions, valid, sketch, last_idx, keys, num_generated, temperature, top_p,
@@ -187,20 +183,20 @@ def _layer_views(layers: Params, num_layers: int) -> list[Params] | None:
 
 @functools.lru_cache(maxsize=4)
 def _compiled(family: ModelFamily, cfg: ModelConfig, backend: str,
-              max_tokens: int | None, page_size: int) -> tuple:
-    """The jitted step, embed, layer and head functions of one model, backend, page size
-    and (with token tiers) longest sequence, shared by every runner in the process: a second
-    engine over the same model reuses what the first compiled. A few models at most, so
-    compilations of models no longer served are freed."""
+              max_tokens: int | None, page_size: int, mesh: Mesh | None) -> tuple:
+    """The jitted step, embed, layer and head functions of one model, backend, page size,
+    (with token tiers) longest sequence and mesh, shared by every runner in the process: a
+    second engine over the same model reuses what the first compiled. A few models at most,
+    so compilations of models no longer served are freed."""
     static = dict(family=family, cfg=cfg)
-    kv = dict(backend=backend, max_tokens=max_tokens)
+    kv = dict(backend=backend, max_tokens=max_tokens, mesh=mesh)
     return (jax.jit(partial(_step, **static, **kv, page_size=page_size),
                     donate_argnums=(1, 2, 3)),
             jax.jit(partial(_embed, **static)),
             jax.jit(partial(_layer_step, **static, **kv), donate_argnums=(1, 2, 3)),
             jax.jit(partial(_head, **static, page_size=page_size)),
             jax.jit(partial(position_logprobs, **static)),
-            jax.jit(partial(_take_layer, family=family)))
+            jax.jit(family.layer_weights))  # a layer's weights, once for several calls
 
 
 class ModelRunner:
@@ -209,7 +205,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, family: ModelFamily, *,
                  backend: str, layer_by_layer: bool, max_rows: int, scratch_slot: int,
                  prefill_chunk: int, max_tokens: int | None, page_size: int,
-                 shape_step: int | None = None) -> None:
+                 shape_step: int | None = None, mesh: Mesh | None = None) -> None:
         self.cfg, self.params, self.family = cfg, params, family
         self.max_rows, self.scratch_slot, self.prefill_chunk = max_rows, scratch_slot, prefill_chunk
         # shapes grow by this factor: 4 on a GPU (few shapes, all compiled up front; padding
@@ -225,12 +221,14 @@ class ModelRunner:
         # share a call only where that adds at most this much padding over separate calls
         # (about a call's cost on a CPU, chosen by measurement)
         self.call_tokens = 16 * shape_step
-        self.views = _layer_views(params["layers"], cfg.num_layers)
+        # over a tensor-parallel mesh the params are split (`family.shard`): no views
+        self.views = None if mesh else _layer_views(params["layers"], cfg.num_layers)
+        self.device = NamedSharding(mesh, PartitionSpec()) if mesh else jax.devices()[0]
         # each layer's index on the device once (not copied there at every layer's call)
         self.indices = [jnp.asarray(np.int32(i)) for i in range(cfg.num_layers)]
         self.layer_by_layer = layer_by_layer or self.views is not None
         (self._step, self._embed, self._layer, self._head, self._positions,
-         self._take) = _compiled(family, cfg, backend, max_tokens, page_size)
+         self._take) = _compiled(family, cfg, backend, max_tokens, page_size, mesh)
         self.sketch = jnp.asarray(sketch_matrix(cfg.hidden_size))  # (`fingerprints.marks`)
 
     @property
@@ -370,7 +368,7 @@ class ModelRunner:
         # committed to the device like every layer's outputs, so that layer 0's inputs are
         # placed as the others' and all layers share one compilation
         slots, tokens, positions, valid = jax.device_put(
-            (batch.slots, batch.tokens, batch.positions, batch.valid), jax.devices()[0])
+            (batch.slots, batch.tokens, batch.positions, batch.valid), self.device)
         x, positional = self._embed(self.params, tokens, positions)
         return x, (slots, positional, positions, valid)
 

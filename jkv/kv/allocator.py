@@ -11,12 +11,18 @@ reached zero the same way.
 
 Page 0 is the null page: empty table entries point at it and writes of padding tokens land
 there, so it is never handed out and never counted.
+
+Under tensor parallelism (`jkv.kv.sharding`) the pool is split into `groups` equal parts, one
+per device, and each part has its own circular list: the pages of a group of KV heads come
+from its own part, so they sit on the device that computes those heads. A part's first page
+is never handed out either (the device's own null page).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jkv.kv.pages import NULL_PAGE
@@ -26,11 +32,14 @@ from jkv.kv.pages import NULL_PAGE
 class FreeList:
     """Free page ids in a circular array, and every page's reference count."""
 
-    ids: jax.Array  # int32[num_pages - 1]: circular list of free page ids
-    head: jax.Array  # int32[]: index in ids of the next id to hand out
-    num_free: jax.Array  # int32[]: how many ids from head on are free
+    ids: jax.Array  # int32[num_pages - 1]: circular list of free page ids ([groups, ...])
+    head: jax.Array  # int32[] ([groups]): index in ids of the next id to hand out
+    num_free: jax.Array  # int32[] ([groups]): how many ids from head on are free
     refs: jax.Array  # int32[num_pages]: holders of each page (table entries, cache rows)
     page_size: int = struct.field(pytree_node=False)
+    # KV-head groups, each with its own list (tensor parallelism), of `group_heads` heads
+    groups: int = struct.field(pytree_node=False, default=1)
+    group_heads: int = struct.field(pytree_node=False, default=1)
 
 
 @struct.dataclass
@@ -45,12 +54,25 @@ class PageTables:
     low_pages: jax.Array  # int32[max_seqs, num_layers, num_kv_heads]
 
 
-def init_free(num_pages: int, page_size: int) -> FreeList:
-    """Every page but the null page free, none referenced."""
-    if num_pages < 2:
-        raise ValueError(f"num_pages must be at least 2 (one is the null page), got {num_pages}")
+def init_free(num_pages: int, page_size: int, groups: int = 1,
+              group_heads: int = 1) -> FreeList:
+    """Every page but the null page free, none referenced. `groups` > 1: the pages split
+    into that many equal parts, one list each, for groups of `group_heads` KV heads."""
+    if num_pages < 2 * groups:
+        raise ValueError(f"num_pages must be at least 2 (one is the null page) per group, got "
+                         f"{num_pages}" + (f" for {groups} groups" if groups > 1 else ""))
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
+    if groups > 1:
+        if num_pages % groups:
+            raise ValueError(f"num_pages ({num_pages}) must split into {groups} equal groups")
+        per = num_pages // groups
+        ids = jnp.arange(groups, dtype=jnp.int32)[:, None] * per + jnp.arange(1, per,
+                                                                             dtype=jnp.int32)
+        return FreeList(ids=ids, head=jnp.zeros((groups,), jnp.int32),
+                        num_free=jnp.full((groups,), per - 1, jnp.int32),
+                        refs=jnp.zeros((num_pages,), jnp.int32), page_size=page_size,
+                        groups=groups, group_heads=group_heads)
     return FreeList(ids=jnp.arange(1, num_pages, dtype=jnp.int32), head=jnp.zeros((), jnp.int32),
                     num_free=jnp.asarray(num_pages - 1, jnp.int32),
                     refs=jnp.zeros((num_pages,), jnp.int32), page_size=page_size)
@@ -94,6 +116,8 @@ def unref(free: FreeList, ids: jax.Array) -> FreeList:
     refs = free.refs.at[dest].add(-1, mode="drop")
     touched = jnp.zeros((n_pages,), bool).at[dest].set(True, mode="drop")
     freed = touched & (refs == 0)
+    if free.groups > 1:
+        return _free_grouped(free, refs, freed)
     n_ids = free.ids.shape[0]
     tail = free.head + free.num_free
     offsets = jnp.cumsum(freed) - freed
@@ -103,10 +127,56 @@ def unref(free: FreeList, ids: jax.Array) -> FreeList:
                         num_free=free.num_free + freed.sum(dtype=jnp.int32))
 
 
+def _free_grouped(free: FreeList, refs: jax.Array, freed: jax.Array) -> FreeList:
+    """`unref`'s freed pages (bool [num_pages]) appended to their own group's list."""
+    g = free.groups
+    freed = freed.reshape(g, -1)  # [groups, pages of a group]
+    n_ids = free.ids.shape[1]
+    offsets = jnp.cumsum(freed, axis=1) - freed
+    slots = jnp.where(freed, ((free.head + free.num_free)[:, None] + offsets) % n_ids, n_ids)
+    pages = jnp.arange(refs.shape[0], dtype=jnp.int32).reshape(g, -1)
+    ids = free.ids.at[jnp.arange(g)[:, None], slots].set(pages, mode="drop")
+    return free.replace(ids=ids, refs=refs,
+                        num_free=free.num_free + freed.sum(axis=1, dtype=jnp.int32))
+
+
+def _allocate_grouped(free: FreeList, need: jax.Array,
+                      width: int) -> tuple[FreeList, jax.Array, jax.Array]:
+    """`allocate` with a list per group: each row takes its pages from its KV head's group.
+    Every caller's rows are [..., KV heads], so a row's head is its index mod the heads."""
+    g, gh = free.groups, free.group_heads
+    if need.size % (g * gh):
+        raise ValueError(f"need {list(need.shape)} has no whole KV-head axis of {g * gh}")
+    by_group = need.astype(jnp.int32).reshape(-1, g, gh).swapaxes(0, 1).reshape(g, -1)
+    offsets = jnp.cumsum(by_group, axis=1) - by_group
+    total = by_group.sum(axis=1)
+    ok = jnp.all(total <= free.num_free)
+    k = jnp.arange(width, dtype=jnp.int32)
+    take = (k < by_group[..., None]) & ok
+    n_ids = free.ids.shape[1]
+    at = (free.head[:, None, None] + offsets[..., None] + k) % n_ids
+    ids = jnp.where(take, free.ids[jnp.arange(g)[:, None, None], at], NULL_PAGE)
+    ids = ids.reshape(g, -1, gh, width).swapaxes(0, 1).reshape(*need.shape, width)
+    total = jnp.where(ok, total, 0)
+    new_free = add_refs(free, ids, 1)
+    return new_free.replace(head=(free.head + total) % n_ids,
+                            num_free=free.num_free - total), ids, ok
+
+
+def free_count(num_free: np.ndarray | int) -> int:
+    """Pages the host may count as free from the device's `num_free`: with KV-head groups,
+    the emptiest group's times the groups (a layout whose heads hold unequal numbers of
+    pages can leave the groups unequal; block pages never do)."""
+    num_free = np.asarray(num_free)
+    return int(num_free.min()) * num_free.size
+
+
 def allocate(free: FreeList, need: jax.Array, width: int) -> tuple[FreeList, jax.Array, jax.Array]:
     """need [...] new pages per row from the head of the circular list, each referenced once:
     (free, ids [..., width] with the k-th new id of a row at k < need, else the null page, ok).
     When the list is short nothing is taken and ok is False."""
+    if free.groups > 1:
+        return _allocate_grouped(free, need, width)
     need = need.astype(jnp.int32)
     offsets = _exclusive_cumsum(need)
     total = need.sum()

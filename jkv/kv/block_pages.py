@@ -24,6 +24,7 @@ from jkv.kv.layer_pages import bring_layer, drop_layers
 from jkv.kv.page_cost import PageCost
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import PrefixCache, block_hashes
+from jkv.kv.sharding import KVPlacement
 
 
 def own_layer_pages(tokens: int, page_size: int, shared_blocks: int, kv_heads: int) -> int:
@@ -52,7 +53,7 @@ class BlockPages:
     def __init__(self, kv: KVState, *, cost: PageCost, page_size: int, max_pages: int,
                  total_pages: int, one_page: int, enable_prefix_caching: bool,
                  device_cache_bytes: int | None, hash_seed: bytes, max_num_seqs: int,
-                 device: jax.Device) -> None:
+                 placement: KVPlacement) -> None:
         self.kv, self.cost, self.page_size = kv, cost, page_size
         self.num_layers, self.num_kv_heads = cost.layers, cost.heads // cost.layers
         self.max_pages, self.max_num_seqs, self.hash_seed = max_pages, max_num_seqs, hash_seed
@@ -64,7 +65,7 @@ class BlockPages:
         self.prefix = PrefixCache(capacity, max_rows)
         self._blocks = jax.device_put(
             jnp.zeros((max(capacity, 1), self.num_layers, self.num_kv_heads), jnp.int32),
-            device)
+            placement.replicated)
         self._slot_rows: list[list[int]] = [[] for _ in range(max_num_seqs)]  # cache rows read
         self._drops: list[tuple[int, int, int]] = []  # layers sent out, pages not yet dropped
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from jkv.averages import moving_average
 from jkv.kv.buckets import bucket
@@ -101,20 +101,24 @@ class HostLayer:
         return 0 if self.pages is None else self.pages.nbytes * self.blocks // len(self.pages.k)
 
 
-def device_memory() -> SingleDeviceSharding:
+def device_memory(mesh: Mesh | None = None) -> Sharding:
     """The default device's own memory (every copy in lands there, committed, so the
-    jitted calls see one kind of input whichever way it came)."""
+    jitted calls see one kind of input whichever way it came); with a tensor-parallel
+    `mesh`, every device's of it, whole on each."""
     dev = jax.devices()[0]
+    if mesh is not None:
+        return NamedSharding(mesh, PartitionSpec(), memory_kind=dev.default_memory().kind)
     return SingleDeviceSharding(dev, memory_kind=dev.default_memory().kind)
 
 
-def pinned_host() -> SingleDeviceSharding | None:
-    """Pinned host memory of the default device, where a copy from it to the device works;
-    None where the backend has none."""
-    pinned = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+def pinned_host(mesh: Mesh | None = None) -> Sharding | None:
+    """Pinned host memory of the default device (of every device of `mesh`), where a copy
+    from it to the device works; None where the backend has none."""
+    pinned = (SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host") if mesh is None
+              else NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"))
     try:
         probe = jax.device_put(np.zeros(1, np.uint8), pinned)
-        jax.block_until_ready(jax.device_put(probe, device_memory()))
+        jax.block_until_ready(jax.device_put(probe, device_memory(mesh)))
     except (ValueError, RuntimeError):  # JaxRuntimeError is a RuntimeError
         return None
     return pinned
@@ -154,10 +158,11 @@ class LayerOffload:
         heads = cache.num_kv_heads  # what a layer with nothing on the host brings in
         self._empty = jax.tree.map(lambda x: np.zeros((heads, *x.shape[1:]), x.dtype),
                                    cache.pool)  # one block, joined
-        self.device = device_memory()
+        mesh = cache.placement.mesh
+        self.device = device_memory(mesh)
         # None: brings copy from the numpy arrays. On CPU the device's memory is host memory:
         # a staged copy there is brought without any copy (pinned memory would be copied)
-        self.staging = self.device if jax.default_backend() == "cpu" else pinned_host()
+        self.staging = self.device if jax.default_backend() == "cpu" else pinned_host(mesh)
         # host copies sent ahead of their layer's turn, by (slot, layer), and how many
         # brings found theirs so
         self._ahead: dict[tuple[int, int], KVPages] = {}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jkv.kv.allocator import init_free, init_tables
 from jkv.kv.buckets import bucket
@@ -31,6 +32,7 @@ from jkv.kv.page_cost import PageCost
 from jkv.kv.page_pool import init_filling, page_bytes
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
+from jkv.kv.sharding import KVPlacement
 from jkv.kv.transfer import scatter_pages, slot_page_ids
 
 
@@ -63,37 +65,47 @@ class KVCacheManager:
                  kv_format: KVFormat, page_size: int, kv_cache_bytes: int, max_model_len: int,
                  max_num_seqs: int, enable_prefix_caching: bool,
                  device_cache_bytes: int | None, hash_seed: bytes,
-                 tiers: TierPolicy | None = None) -> None:
+                 tiers: TierPolicy | None = None,
+                 mesh: Mesh | None = None) -> None:
+        """`mesh`: a tensor-parallel mesh to split the KV state over by KV head
+        (`kv_cache_bytes` then the total over its devices; None: the default device)."""
         kind = layout_class(tiers)
+        self.placement = placement = KVPlacement(mesh)
+        groups = placement.groups
         self.page_size, self.max_model_len = page_size, max_model_len
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.cost = PageCost(page_size, num_layers * num_kv_heads, on_fill=kind.pages_on_fill,
                              layers=num_layers)
         self.one_page = one_page = page_bytes(kv_format, page_size, head_dim, dtype)
-        num_pages = kv_cache_bytes // one_page
+        num_pages = kv_cache_bytes // one_page // groups * groups  # equal parts per group
         self.max_pages = kind.table_width(-(-max_model_len // page_size))
         one_seq = self.cost.pages(max_model_len)
-        if num_pages - 1 < one_seq:
+        if num_pages - groups < one_seq:
             raise ValueError(
                 f"kv_cache_bytes={kv_cache_bytes} holds {num_pages} pages but one "
                 f"sequence of max_model_len={max_model_len} needs {one_seq}; raise "
-                f"kv_cache_bytes to at least {(one_seq + 1) * one_page} or lower max_model_len")
-        self.total_pages = num_pages - 1  # page 0 is the null page
+                f"kv_cache_bytes to at least {(-(-one_seq // groups) + 1) * groups * one_page} "
+                f"or lower "
+                f"max_model_len")
+        self.total_pages = num_pages - groups  # page 0 is the null page (and each group's 1st)
         slots = max_num_seqs + 1  # the last slot is scratch for padding rows
         self.max_num_seqs, self.scratch = max_num_seqs, max_num_seqs
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed = hash_seed + kind.seed_tag(tiers)
         # the token policy placing its tokens ("none": block pages, whatever the policy)
         self.token_policy = "none" if tiers is None else tiers.name
-        device = jax.devices()[0]
+        device = placement.replicated
         s = self._s = KVState()
         s.free_pages = self.total_pages  # host mirror of free.num_free
         # committed like the step's outputs, so the first call compiles what later ones reuse
-        s.pool = jax.device_put(KVPages.zeros(num_pages, page_size, head_dim, dtype,
-                                              kv_format), device)
-        s.filling = jax.device_put(init_filling(slots, num_layers, num_kv_heads, page_size,
-                                                head_dim, dtype, kind.filling_scores), device)
-        s.free = jax.device_put(init_free(num_pages, page_size), device)
+        s.pool = placement.make(lambda: KVPages.zeros(num_pages, page_size, head_dim, dtype,
+                                                      kv_format), placement.pages)
+        s.filling = placement.make(lambda: init_filling(
+            slots, num_layers, num_kv_heads, page_size, head_dim, dtype, kind.filling_scores),
+            placement.heads(2))
+        free = (init_free(num_pages, page_size) if groups == 1 else
+                init_free(num_pages, page_size, groups, num_kv_heads // groups))
+        s.free = jax.device_put(free, device)
         s.tables = jax.device_put(init_tables(slots, num_layers, num_kv_heads,
                                               self.max_pages), device)
         s.slot_tokens = [[] for _ in range(max_num_seqs)]
@@ -101,7 +113,7 @@ class KVCacheManager:
                       total_pages=self.total_pages, one_page=one_page,
                       enable_prefix_caching=enable_prefix_caching,
                       device_cache_bytes=device_cache_bytes, hash_seed=hash_seed,
-                      max_num_seqs=max_num_seqs, device=device)
+                      max_num_seqs=max_num_seqs, placement=placement)
         self.layout: Layout = make_layout(s, tiers, max_model_len, **shared)
         self.finished = FinishedKV()
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))

@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.kv import tier_step
-from jkv.kv.allocator import release
+from jkv.kv.allocator import free_count, release
 from jkv.kv.kv_state import KVState, read_only
 from jkv.kv.page_cost import PageCost
 from jkv.kv.pages import KVPages
 from jkv.kv.prefix_cache import block_hashes
 from jkv.kv.row_moves import RowMoves
+from jkv.kv.sharding import KVPlacement
 from jkv.kv.tier_entries import (
     CUT_BLOCKS,
     Entry,
@@ -69,15 +70,16 @@ class TieredRows:
     def __init__(self, kv: KVState, *, policy: TierPolicy, cost: PageCost, page_size: int,
                  max_pages: int, total_pages: int, one_page: int, enable_prefix_caching: bool,
                  device_cache_bytes: int | None, hash_seed: bytes, max_num_seqs: int,
-                 max_model_len: int, device: jax.Device) -> None:
+                 max_model_len: int, placement: KVPlacement) -> None:
         self.kv, self.policy, self.cost, self.page_size = kv, policy, cost, page_size
         self.num_layers, self.num_kv_heads = cost.layers, cost.heads // cost.layers
         self.hash_seed, self.max_model_len = hash_seed, max_model_len
         self.max_num_seqs, self.scratch = max_num_seqs, max_num_seqs
-        num_pages = total_pages + 1
+        device = placement.replicated
         shape = (max_num_seqs + 1, self.num_layers, self.num_kv_heads)
         t = self._t = _TierState()
-        t.meta = jax.device_put(init_meta(num_pages, page_size), device)
+        t.meta = placement.make(lambda: init_meta(kv.pool.num_pages, page_size),
+                                placement.pages)
         t.counts = jax.device_put(init_counts(shape), device)
         t.high = np.zeros(shape, np.int64)
         t.low = np.zeros(shape, np.int64)
@@ -360,7 +362,7 @@ class TieredRows:
         self.tier_refusals += sum(not bool(ok) for ok in oks)
         self.tier_ok = []
         t.high, t.low = high.astype(np.int64), low.astype(np.int64)
-        kv.free_pages = int(num_free)
+        kv.free_pages = free_count(num_free)
 
     def warmup(self) -> None:
         """Compile the calls that grow, end, keep, copy, cut and drop tiered sequences, on

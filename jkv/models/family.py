@@ -10,6 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from jax.sharding import Mesh
+
+from jkv.config import ModelConfig
+from jkv.kv.sharding import make_mesh
+
 
 class ModelFamily(NamedTuple):
     """What the runner calls (cfg: `jkv.config.ModelConfig`; KV through `jkv.attention.layer_kv`).
@@ -24,6 +29,8 @@ class ModelFamily(NamedTuple):
     final_norm(params, cfg, x) -> x;  logits(params, h) -> [B, V] float32
     rotate_keys(cfg) -> f(k [B, T, H, D], positions [B, T]): keys re-rotated to positions
         (`jkv.kv.rebase` moves saved KV with it)
+    shard(params, cfg, mesh) -> the params split over a tensor-parallel mesh by KV head
+        (`jkv.kv.sharding`), in a layout its layer functions read
     """
 
     name: str
@@ -35,3 +42,13 @@ class ModelFamily(NamedTuple):
     final_norm: Callable
     logits: Callable
     rotate_keys: Callable
+    shard: Callable
+
+
+def split_params(family: ModelFamily, params: dict, cfg: ModelConfig,
+                 tensor_parallel: int) -> tuple[dict, Mesh | None]:
+    """(params, mesh) for `tensor_parallel` devices: the params split over a mesh of them
+    (`family.shard`), or as they are and None for one; ValueError naming `tensor_parallel`
+    for a count the devices or the model cannot take."""
+    mesh = make_mesh(tensor_parallel, cfg.num_kv_heads)
+    return (params if mesh is None else family.shard(params, cfg, mesh)), mesh

@@ -31,6 +31,7 @@ from jkv.attention.layer_kv import LayerKV, attend, join_shared, split_shared
 from jkv.config import ModelConfig
 from jkv.models.family import ModelFamily
 from jkv.models.rope import apply_rope, inv_frequencies, rope_tables, rotate
+from jkv.models.tensor_parallel import shard_params
 
 Params = dict
 
@@ -42,8 +43,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU, gate and up projections in one matrix [D, 2F]."""
-    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+    """SwiGLU, gate and up projections in one matrix [D, 2F] (or [D, 2, F]: split along F
+    over a tensor-parallel mesh, `tensor_parallel`)."""
+    if w_gate_up.ndim == 3:
+        gate, up = jnp.moveaxis(jnp.einsum("...d,dkf->...kf", x, w_gate_up), -2, 0)
+    else:
+        gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
     return (jax.nn.silu(gate) * up) @ w_down
 
 
@@ -109,6 +114,8 @@ def project_qkv(weights: Params, cfg: ModelConfig, x: jax.Array,
     [B, T, heads, head_dim] each (KV heads for keys and values)."""
     b, t, _ = x.shape
     h = rms_norm(x, weights["attn_norm"], cfg.rms_norm_eps)
+    if weights["wqkv"].ndim == 3:
+        return _grouped_qkv(weights, cfg, h, rope)
     qkv = h @ weights["wqkv"]
     if cfg.qkv_bias:
         qkv = qkv + weights["bqkv"]
@@ -117,6 +124,19 @@ def project_qkv(weights: Params, cfg: ModelConfig, x: jax.Array,
     q = rotate(q.reshape(b, t, cfg.num_heads, cfg.head_dim), rope)
     k = rotate(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), rope)
     return q, k, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+
+
+def _grouped_qkv(weights: Params, cfg: ModelConfig, h: jax.Array,
+                 rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`project_qkv` of normed h over projections grouped by KV head, [D, Hkv, (G + 2) *
+    Dh] (`tensor_parallel.shard_params`: a device split of the KV heads holds whole groups)."""
+    b, t, _ = h.shape
+    qkv = jnp.einsum("btd,dhe->bthe", h, weights["wqkv"])
+    if cfg.qkv_bias:
+        qkv = qkv + weights["bqkv"]
+    gq = cfg.num_heads // cfg.num_kv_heads * cfg.head_dim
+    q, k, v = jnp.split(qkv, [gq, gq + cfg.head_dim], axis=-1)
+    return rotate(q.reshape(b, t, cfg.num_heads, cfg.head_dim), rope), rotate(k, rope), v
 
 
 def layer(weights: Params, cfg: ModelConfig, x: jax.Array, kv: LayerKV, positions: jax.Array,
@@ -158,4 +178,4 @@ def rotate_keys(cfg: ModelConfig):
 
 LLAMA = ModelFamily(name="llama", forward=forward, embed=embed, positional=positional_tables,
                     layer_weights=layer_weights, layer=layer, final_norm=final_norm,
-                    logits=lm_head, rotate_keys=rotate_keys)
+                    logits=lm_head, rotate_keys=rotate_keys, shard=shard_params)
