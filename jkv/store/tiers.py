@@ -350,7 +350,7 @@ class PersistentTier:
         name = self._names.get(key)
         if name is None:
             return None
-        sizes = part_sizes(self._sizes[key])
+        sizes = part_sizes(int(name.rsplit("@", 1)[1]))  # (a `sync` may drop the key now)
         out = aligned_buffer(sum(sizes))
         try:
             with self._lock:  # (a compaction swaps the files only between reads)
