@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,14 +157,17 @@ def run(args) -> dict:
             p.wait()
     turns = [json.loads(x) for log in logs for x in log.read_text().splitlines()
              if x.startswith("{")]
+    per_writer = [len(log.read_text().splitlines()) for log in logs]
+    store = verify(store_dir, coordinator)
+    shutil.rmtree(tmp, ignore_errors=True)  # (the store, the logs and the compilations)
     return {"kills": kills, "turns": len(turns),
-            "turns_per_writer": [len(log.read_text().splitlines()) for log in logs],
+            "turns_per_writer": per_writer,
             "turns_restored": sum(any(t["restored"].get(k, 0) for k in ("host", "disk"))
                                   for t in turns),
             "restored_tokens": {k: sum(t["restored"].get(k, 0) for t in turns)
                                 for k in ("host", "disk")},
             "turns_not_equal": sum(not t["equal"] for t in turns),
-            "store": verify(store_dir, coordinator)}
+            "store": store}
 
 
 def main() -> None:
