@@ -240,7 +240,7 @@ def test_a_replica_routes_by_what_it_alone_holds():
     from types import SimpleNamespace
 
     def store(coordinator, where):
-        return SimpleNamespace(disk=SimpleNamespace(coordinator=coordinator),
+        return SimpleNamespace(p=SimpleNamespace(shared=coordinator is not None),
                                placement=SimpleNamespace(where=lambda key: where))
 
     assert Replica._own(store("127.0.0.1:1", "host"), "k")

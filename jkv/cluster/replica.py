@@ -88,8 +88,7 @@ class Replica:
         """Whether a stored entry is this replica's to restore faster than the others
         (under the store's lock): in its host tier, or on a disk it alone reads; an entry
         of a tier all replicas share is as near to each of them, not a reason to route."""
-        shared = store.disk is not None and store.disk.coordinator is not None
-        return not shared or store.placement.where(key) == "host"
+        return not store.p.shared or store.placement.where(key) == "host"
 
     async def close(self) -> None:
         """Run the app's shutdown (drains the scheduler loop)."""

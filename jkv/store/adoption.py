@@ -42,7 +42,7 @@ def adopt(p: StoreParts, keys: Collection[str], opening: bool,
                 if not _adopt_ours(p, key, entry)]
         unfit = [key for key in other
                  if not p.placement.adopt(key, disk.size(key), "disk", form=FOREIGN)]
-        if not opening or disk.coordinator is not None:  # others may still use them
+        if not opening or p.shared:  # others may still use them
             p.unplaced.update(drop + unfit)
             return
     for key in drop:

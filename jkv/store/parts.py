@@ -86,4 +86,9 @@ class StoreParts:
     queue: list[str] = dataclasses.field(default_factory=list)  # waiting requests' entries
     # a shared persistent tier's entries this store neither indexes nor counts (`adoption`)
     unplaced: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes write the persistent tier too (`store_coordinator`)."""
+        return self.disk is not None and self.disk.coordinator is not None
     closed: bool = False

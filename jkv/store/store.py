@@ -134,8 +134,7 @@ class KVStore:
         self._writer = threading.Thread(target=self._work, name="jkv-store-writer",
                                         daemon=True)
         self._writer.start()
-        self._refresher = (None if disk is None or disk.coordinator is None
-                           else Refresher(self._submit, self._sync_shared))
+        self._refresher = Refresher(self._submit, self._sync_shared) if p.shared else None
 
     # ------------------------------------------------------------------ opening
 
@@ -145,7 +144,7 @@ class KVStore:
     def refresh(self) -> None:
         """Take up now what a shared persistent tier's other writers changed (done every
         `adoption.REFRESH_S` seconds anyway); returns once done."""
-        if self.disk is not None and self.disk.coordinator is not None:
+        if self.p.shared:
             self._submit(self._sync_shared)
             self.flush()
 

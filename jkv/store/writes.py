@@ -213,7 +213,7 @@ class StoreWriter:
             raise
         if moves[-1].dst == "disk":
             self.room.wrote()
-        elif self.p.disk is not None and self.p.disk.coordinator is not None:
+        elif self.p.shared:
             self._share(key, data, meta_record(self.p.model, entry.session, entry))
         return True, shared
 
