@@ -83,7 +83,7 @@ def named_points(ax: Axes, points: dict[str, tuple[float, float]],
     ax.legend(fontsize=7)
 
 
-def kernels(results: list[dict]) -> Figure:
+def decode_attention(results: list[dict]) -> Figure:
     """Decode attention: each implementation's speed over jkv's bf16 pages, per shape."""
     fig, axes = grid(results, 1, size=(9.0, 3.4))
     for r, (ax,) in zip(results, axes, strict=True):
@@ -368,7 +368,7 @@ def kv_frontier(results: list[dict]) -> Figure:
 
 
 FIGURES: dict[str, Callable[[list[dict]], Figure]] = {
-    "kernels": kernels, "kv_fidelity": kv_fidelity, "kv_budget": kv_budget,
+    "decode_attention": decode_attention, "kv_fidelity": kv_fidelity, "kv_budget": kv_budget,
     "tier_cost": tier_cost, "layer_offload": layer_offload, "restore": restore,
     "serve": serve, "serve_slo": serve_slo, "serve_replay": serve_slo, "store_sim": store_sim,
     "adapt_orders": adapt_orders, "cpu_throughput": cpu_throughput, "kv_sharing": kv_sharing,

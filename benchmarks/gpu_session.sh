@@ -75,7 +75,7 @@ case ${1:-1} in
     # issue 17: the decode kernel dequantizing in float16 against float32 at the bandwidth
     # shapes (bf16 around its known best), restores at Llama-3-8B shape with the split, the
     # kernel tests of 16-bit queries compiled, LayerKV's offload cost
-    step 230 kernels python benchmarks/kernels.py --sweep --batches 64 \
+    step 230 decode_attention python benchmarks/decode_attention.py --sweep --batches 64 \
         --contexts 32768,8192 --dequant f32,f16 --ppbs 4,8 --warps 4,8 --stages 3 \
         --no-jax-baseline --budget-s 190 --out "$out"
     step 170 restore python benchmarks/restore.py --preset llama3-8b \
@@ -84,7 +84,7 @@ case ${1:-1} in
         tests/test_paged_decode_attention.py -k "bf16_queries or float16 or tiers or significance"
     step 60 layer_offload python benchmarks/layer_offload.py --preset llama3-8b \
         --lengths 2048,8192 --resident 0,16 --repeats 2 --out "$out"
-    logs="kernels restore kernel_tests layer_offload" ;;
+    logs="decode_attention restore kernel_tests layer_offload" ;;
 4)
     # issue 15: the offloaded decode was host-bound on the H200 (11-27: python thread busy
     # the whole step, compute stream 26%): measured again with one call per offloaded layer

@@ -44,7 +44,8 @@ DOC_FIGURES: dict[str, tuple[str, ...]] = {
     "serve_store.svg": ("serve/serve-cpu-2026-11-27-store.json",),
     "serve_prefix.svg": ("serve/serve-nvidia_h100_80gb_hbm3-2026-11-23.json",
                          "serve/serve-cpu-2026-11-24.json"),
-    "kernels.svg": ("kernels/kernels-sweep-NVIDIA_H200-2026-11-27-dequant.json",),
+    "decode_attention.svg": (
+        "decode_attention/decode_attention-sweep-NVIDIA_H200-2026-11-27-dequant.json",),
     "cpu_throughput.svg": ("cpu_throughput/cpu_throughput-2026-11-24-2.json",
                            "cpu_throughput/cpu_throughput-2026-11-28-avx2.json"),
     "kv_sharing.svg": ("kv_sharing/kv_sharing-2026-11-27.json",),

@@ -8,9 +8,10 @@ per token and layer.
 
 Without --time it counts, per token and layer of the history, the bytes each kernel reads and
 the FLOPs it does, and turns them into a lower bound on time from two device limits: the
-measured copy bandwidth (benchmarks/results/kernels, H200) and the tensor cores' dense 16-bit
-FLOP rate (the spec sheet: an estimate no kernel reaches). The shared pages are sized to k8v4's
-bytes: a group of G layers holds R_k + R_v = 1.5 * Hkv * D * G 8-bit coefficients per token.
+measured copy bandwidth (benchmarks/results/decode_attention, H200) and the tensor cores'
+dense 16-bit FLOP rate (the spec sheet: an estimate no kernel reaches). The shared pages
+are sized to k8v4's bytes: a group of G layers holds R_k + R_v = 1.5 * Hkv * D * G 8-bit
+coefficients per token.
 With --time (a GPU), both kernels run on random operands of those shapes and ranks at each
 batch x context and the table gets their measured times. Writes
 benchmarks/results/shared_pages/shared_pages-<device or "estimate">-<date>.json.

@@ -4,9 +4,11 @@ kept under benchmarks/results/<script>/ is read by some doc, test or script (a r
 quotes is deleted; the history keeps it)."""
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,15 @@ def test_every_file_the_results_page_links_exists():
     assert any(t.endswith(".json") for t in links) and any(t.endswith(".svg") for t in links)
     missing = [t for t in links if not (PAGE.parent / t).exists()]
     assert not missing, f"docs/results.md links files that do not exist: {missing}"
+
+
+def test_no_benchmark_script_shadows_an_installed_package():
+    """Running a script puts benchmarks/ first on sys.path (so do the tests that import
+    one): a script named like an installed module is imported in its place, as
+    benchmarks/kernels.py was for transformers' `kernels`."""
+    installed = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    clashes = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem in installed)
+    assert not clashes, f"benchmark scripts named like installed modules: {clashes}"
 
 
 def test_every_result_sits_in_its_scripts_folder_and_is_read_somewhere():

@@ -143,7 +143,7 @@ def paged_decode_attention(
     their bit pattern, scales them in float16 and dots them in float16 (q cast to float16
     once), with no int-to-float conversion per element; "f32" dequantizes codes in float32
     and casts them to q's dtype. On a GPU f16 is the faster of the two and, for 4- and 2-bit
-    values, the more accurate (chosen by measurement, see benchmarks/kernels.py).
+    values, the more accurate (chosen by measurement, see benchmarks/decode_attention.py).
     """
     d = q.shape[2]
     _check_decode_inputs(q, pages, page_table, lengths, k_splits=k_splits,

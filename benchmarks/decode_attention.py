@@ -1,12 +1,12 @@
 """Decode attention over paged KV: jkv's Pallas kernel per format vs JAX's paged_attention and
 the xla path, as bytes of KV read per second against the device-to-device copy bandwidth.
 
-    python benchmarks/kernels.py                 # GPU: batch {1,8,64} x context {1K,8K,32K}
-    python benchmarks/kernels.py --smoke         # CPU: tiny sizes, interpret mode
+    python benchmarks/decode_attention.py           # GPU: batch {1,8,64} x context {1K,8K,32K}
+    python benchmarks/decode_attention.py --smoke   # CPU: tiny sizes, interpret mode
 
 Shapes are one Llama-3-8B layer (32 query heads, 8 KV heads, head_dim 128), pages of 16
 tokens scattered over the pool. Writes
-benchmarks/results/kernels/kernels[-sweep]-<device>-<date>.json and its plot.
+benchmarks/results/decode_attention/decode_attention[-sweep]-<device>-<date>.json and its plot.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     ap.add_argument("--contexts", default="1024,8192,32768", help="comma-separated contexts")
     ap.add_argument("--pages-per-block", type=int, default=8, help="pages per inner iteration")
-    add_out_argument(ap, "kernels")
+    add_out_argument(ap, "decode_attention")
     ap.add_argument("--num-warps", type=int, default=4, help="Triton warps per program")
     ap.add_argument("--num-stages", type=int, default=2, help="Triton pipeline stages")
     ap.add_argument("--sweep", action="store_true",
@@ -347,9 +347,9 @@ def main() -> None:
     copy_bw = copy_bandwidth(1 << 20 if args.smoke else 2 << 30)
     rng = np.random.default_rng()
     name = "cpu-smoke" if args.smoke else device.replace(" ", "_")
-    stem = f"kernels{'-sweep' if args.sweep else ''}-{name}"
+    stem = f"decode_attention{'-sweep' if args.sweep else ''}-{name}"
     path = None
-    header = {"benchmark": "kernels-sweep" if args.sweep else "kernels",
+    header = {"benchmark": "decode_attention-sweep" if args.sweep else "decode_attention",
               "device": device, "copy_bytes_per_s": copy_bw, "shape": {
                   "q_heads": HQ, "kv_heads": HKV, "head_dim": D, "page": PAGE, "group": GROUP,
                   "pages_per_block": None if args.sweep else ppb}}
