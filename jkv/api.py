@@ -86,8 +86,10 @@ class LLM:
             params = random_params(self.cfg, engine_config.seed, resolve_dtype(load.dtype))
             self.tokenizer, model_id = None, str(load.model)
         else:
+            # split over devices: numpy weights, so each device is sent its part and no more
             self.cfg, params = load_params(path, resolve_dtype(load.dtype),
-                                           use_cache=load.params_cache)
+                                           use_cache=load.params_cache,
+                                           on_host=engine_config.tensor_parallel > 1)
             self.tokenizer, model_id = load_tokenizer(path), str(path.resolve())
         self.max_model_len = engine_config.resolve_max_model_len(self.cfg.max_position_embeddings)
         # the engine's settings, max_model_len resolved against this model

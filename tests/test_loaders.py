@@ -1,6 +1,7 @@
 """Loaders and the converted-params cache."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from jkv.config import PRESETS
+from jkv.models import loaders, params_cache
 from jkv.models.loaders import _unpermute_rotary, hf_config, load_model, random_params
 from jkv.models.params_cache import cache_root, load_params
 
@@ -50,6 +52,31 @@ def test_params_cache_roundtrip_and_rebuild(tiny_dir, tmp_path, monkeypatch):
     cfg3, third = load_params(tiny_dir, jnp.float32)
     assert cfg3 == cfg
     json.loads((entries[0] / "config.json").read_text())
+
+
+def test_host_and_device_params_read_each_others_cache_entries(tiny_dir, tmp_path, monkeypatch,
+                                                               caplog):
+    """A tensor-parallel engine loads numpy arrays (bfloat16 through ml_dtypes), the cache
+    included, none of them read through a device; an entry written from either placement
+    reads back, equal, in the other."""
+    monkeypatch.setenv("JKV_CACHE_DIR", str(tmp_path / "cache"))
+    given = []  # what host params were made of: numpy arrays only, never a device's
+
+    def to_host(params: dict, dtype) -> dict:
+        given.append(all(type(x) is np.ndarray for x in jax.tree.leaves(params)))
+        return loaders.to_host(params, dtype)
+
+    monkeypatch.setattr(params_cache, "to_host", to_host)
+    _, expected = load_params(tiny_dir, jnp.bfloat16, use_cache=False, on_host=True)
+    for writer in (True, False):  # on_host of the load that writes the entry
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+        for on_host in (writer, not writer):  # (the second reads the entry)
+            _, params = load_params(tiny_dir, jnp.bfloat16, on_host=on_host)
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+                assert (type(a) is np.ndarray) == on_host and a.dtype == jnp.bfloat16
+                np.testing.assert_array_equal(np.asarray(a), b)
+    assert given == [True] * 3  # (uncached, writing the entry, reading a device load's)
+    assert "cache" not in caplog.text  # no entry was found unreadable or left unwritten
 
 
 def test_bad_model_paths_raise_clear_errors(tmp_path):

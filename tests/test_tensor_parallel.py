@@ -1,7 +1,8 @@
 """Tensor parallelism (`tensor_parallel`): a tiny Llama with 4 KV heads split over 2 and 4
-forced host devices gives the unsharded run's greedy tokens, in the model dtype, k8v4 and
-under leankv, and through a second turn restored from the host tier; its weights and pool
-really are split. The engines run in two subprocesses side by side, whose JAX sees 4 CPU
+forced host devices gives the unsharded run's greedy tokens, in the model dtype, k8v4, under
+every KV policy, and through a second turn restored from the store's host or disk tier; its
+weights reach the devices from host memory, the params cache's too, and really are split,
+as is the pool. The engines run in two subprocesses side by side, whose JAX sees 4 CPU
 devices (this process's JAX has 1); the regrouped weights, the allocator's KV-head groups and
 the ValueErrors are checked here."""
 
@@ -38,14 +39,19 @@ LEANKV = {"kv_policy": "leankv", "kv_recent_window": 4, "kv_sink_tokens": 1,
           "kv_alpha_high": 1.0, "kv_alpha_low": 0.5}
 
 _PROCESS = textwrap.dedent("""
-    import json, sys
+    import json, logging, sys
     import jax
     import numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
+    import jkv.engine.engine as engine_module
     from jkv import LLM, SamplingParams
+    from jkv.models.params_cache import cache_root
     job = json.loads(sys.argv[1])
     greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     out = {"devices": jax.device_count()}
+    warned = []  # the params cache's warnings (an unreadable entry, a failed write)
+    logging.getLogger("jkv.models.params_cache").addHandler(
+        type("Warned", (logging.Handler,), {"emit": lambda self, r: warned.append(r.msg)})())
 
     def generate(engine, prompts):
         return [o.token_ids for o in engine.generate(prompts, greedy)]
@@ -70,17 +76,45 @@ _PROCESS = textwrap.dedent("""
             found["blocks"] = blocks[(blocks > 0).any(axis=(1, 2))].tolist()
         return found
 
+    given = {"before": []}  # what the engine was given to split, and what a device held then
+
+    # arrays of a whole q/k/v or gate/up weight's shape on one device, made since the run
+    # began (an earlier engine's may outlive it a while; kept alive, no new array takes
+    # their ids)
+    def whole_on_one_device():
+        known = {id(a) for a in given["before"]}
+        return sum(len(a.devices()) == 1 and a.shape in given["shapes"] and id(a) not in known
+                   for a in jax.live_arrays())
+
+    split_params = engine_module.split_params
+
+    def spied_split(family, params, cfg, tp):
+        given["shapes"] = {params["layers"][n].shape for n in ("wqkv", "w_gate_up")}
+        given["host"] = all(type(x) is np.ndarray for x in jax.tree.leaves(params))
+        given["whole"] = whole_on_one_device()
+        return split_params(family, params, cfg, tp)
+
+    engine_module.split_params = spied_split
     for run in job["runs"]:
-        with LLM(job["model"], tensor_parallel=run["tp"], **job["settings"],
-                 **run["extra"]) as engine:
+        cached, given["before"] = any(cache_root().glob("*/done")), jax.live_arrays()
+        with LLM(job["model"], tensor_parallel=run["tp"],
+                 **{**job["settings"], **run["extra"]}) as engine:
+            loaded = {"cached": cached, "host": given["host"],
+                      "whole": [given["whole"], whole_on_one_device()], "warned": warned[:]}
             start = arrays(engine) if run["tp"] == 4 else None  # as placed, before a step
             first = generate(engine, job["prompts"])
             out[run["name"]] = [first]
             if run["turns"]:  # each chat resent with a new message
+                if engine.store is not None:  # the first turn's saves written
+                    engine.store.flush()
                 out[run["name"]].append(generate(engine, [
                     p + t + job["extra"] for p, t in zip(job["prompts"], first)]))
             if start is not None:
                 out[run["name"] + "_arrays"] = [start, arrays(engine)]
+            stats = engine.stats()
+            out[run["name"] + "_stats"] = {"load": loaded, "tiers": stats["kv_tiers"],
+                                          "hits": stats["prefix_hit_tokens"]}
+        given["before"] = []
     print(json.dumps(out))
 """)
 
@@ -89,13 +123,28 @@ def _run(name: str, tp: int, extra: dict | None = None, turns: bool = False) -> 
     return {"name": name, "tp": tp, "extra": extra or {}, "turns": turns}
 
 
-# two processes of about the same work, run side by side; the store's host tier brings
-# back each chat's first turn where the device prefix cache is off
-PROCESSES = [[_run("one", 1, turns=True),
-              _run("four", 4, {"enable_prefix_caching": False, "restore_planning": False},
-                   turns=True),
-              _run("k8v4_one", 1, {"kv_format": "k8v4"}), _run("k8v4", 4, {"kv_format": "k8v4"})],
-             [_run("leankv_one", 1, LEANKV), _run("leankv", 4, LEANKV), _run("two", 2)]]
+# the other KV policies (leankv runs above): the token policies set to drop some of these
+# prompts' tokens within a 4-token window (h2o keeps a quarter beside it, snapkv a quarter of
+# the prompt, streaming only its 1 sink), and kivi's 2-bit pages
+TOKEN_POLICIES = ("h2o", "snapkv", "streaming")
+POLICIES = (*TOKEN_POLICIES, "kivi")
+POLICY = {"kv_recent_window": 4, "kv_sink_tokens": 1, "kv_heavy_ratio": 0.25}
+
+
+def _processes(store_dir: str) -> list[list[dict]]:
+    """Two processes of about the same work, run side by side. The store's host tier (four)
+    or its disk tier alone (disk) brings back each chat's first turn where the device prefix
+    cache is off; two writes the converted-params cache and disk reads it."""
+    restored = {"enable_prefix_caching": False, "restore_planning": False}
+    disk = {**restored, "host_cache_bytes": 0, "store_dir": store_dir, "params_cache": True}
+    policies = [_run(f"{name}{suffix}", tp, {"kv_policy": name, **POLICY})
+                for name in POLICIES for suffix, tp in (("_one", 1), ("", 2))]
+    return [[_run("one", 1, turns=True), _run("four", 4, restored, turns=True),
+             _run("k8v4_one", 1, {"kv_format": "k8v4"}), _run("k8v4", 4, {"kv_format": "k8v4"}),
+             *policies[:3], policies[-1]],
+            [_run("leankv_one", 1, LEANKV), _run("leankv", 4, LEANKV),
+             _run("two", 2, {"params_cache": True}), _run("disk", 2, disk, turns=True),
+             *policies[3:-1]]]
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +162,21 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four_devices(tiny_model):
-    """What the subprocesses with 4 forced host devices found (`_PROCESS`, `PROCESSES`)."""
+def four_devices(tiny_model, tmp_path_factory):
+    """What the subprocesses with 4 forced host devices found (`_PROCESS`, `_processes`),
+    each with a converted-params cache of its own."""
     rng = np.random.default_rng(0)
     job = {"model": str(tiny_model), "settings": SETTINGS,
            "prompts": [rng.integers(0, 256, n).tolist() for n in (16, 13)],
            "extra": rng.integers(0, 256, 3).tolist()}
+    tmp = tmp_path_factory.mktemp("tp")
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
                          + " --xla_force_host_platform_device_count=4").strip()}
     procs = [subprocess.Popen([sys.executable, "-c", _PROCESS, json.dumps({**job, "runs": runs})],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for runs in PROCESSES]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "JKV_CACHE_DIR": str(tmp / f"cache{i}")})
+             for i, runs in enumerate(_processes(str(tmp / "store")))]
     out = {}
     try:
         for proc in procs:
@@ -156,6 +208,42 @@ def test_a_second_turn_restored_from_the_host_tier_gives_the_unsharded_tokens(fo
     assert out["four"][1] == out["one"][1]
     # both chats' full blocks (4 and 3 of them) came back from the host tier
     assert out["four_arrays"][1]["host_hits"] == 16 + 12
+
+
+def test_a_second_turn_restored_from_the_disk_tier_gives_the_unsharded_tokens(four_devices):
+    out = four_devices
+    assert out["disk"] == out["one"]
+    # both chats' full blocks came back from the disk tier, the host tier being off
+    assert out["disk_stats"]["hits"] == {"device": 0, "host": 0, "disk": 16 + 12}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_kv_policy_split_gives_the_unsharded_tokens(four_devices, policy):
+    out = four_devices
+    assert out[policy] == out[policy + "_one"]
+    if policy in TOKEN_POLICIES:  # the policy dropped some of the prompts' tokens
+        for run in (policy, policy + "_one"):
+            assert out[run + "_stats"]["tiers"]["pruned"] > 0
+    else:  # what kivi's pages hold is read
+        assert out[policy] != out["one"][:1]
+
+
+def test_split_weights_are_loaded_from_host_memory_through_the_params_cache(four_devices):
+    """Every split run's engine was given numpy weights, and no device held a whole split
+    weight, as the engine split them or after; the unsharded engine is given device arrays.
+    The params cache, written by one split run and read by the next, gives the same tokens."""
+    out = four_devices
+    loads = {run[:-len("_stats")]: found["load"] for run, found in out.items()
+             if run.endswith("_stats")}
+    split = [run for run in loads if run in ("two", "four", "disk", "k8v4", "leankv",
+                                             *POLICIES)]
+    assert len(split) == 9
+    for run in split:
+        assert loads[run]["host"] and loads[run]["whole"] == [0, 0], run
+    assert not loads["one"]["host"]
+    assert not loads["two"]["cached"] and loads["disk"]["cached"]  # written, then read
+    assert loads["disk"]["warned"] == []  # (an unreadable entry would have been rebuilt)
+    assert out["two"][0] == out["disk"][0] == out["one"][0]
 
 
 @pytest.mark.parametrize("when", [0, 1], ids=["as-placed", "after-steps"])

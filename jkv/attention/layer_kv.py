@@ -117,16 +117,18 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: LayerKV, positions: ja
 
 
 def split_shared(kv: LayerKV) -> tuple[tuple, LayerKV]:
-    """((pool, token meta): what every layer shares, the rest): the layers of a step scan
-    the rest (with a layer axis) and carry the shared part."""
+    """((pool, token meta, first observed queries): what every layer shares, the rest): the
+    layers of a step scan the rest (with a layer axis) and carry the shared part."""
     if kv.tiers is None:
-        return (kv.pool, None), kv.replace(pool=None)
-    return (kv.pool, kv.tiers.meta), kv.replace(pool=None, tiers=kv.tiers.replace(meta=None))
+        return (kv.pool, None, None), kv.replace(pool=None)
+    tiers = kv.tiers
+    return ((kv.pool, tiers.meta, tiers.observe_from),
+            kv.replace(pool=None, tiers=tiers.replace(meta=None, observe_from=None)))
 
 
 def join_shared(shared: tuple, rest: LayerKV) -> LayerKV:
     """`split_shared` undone."""
-    pool, meta = shared
+    pool, meta, observe_from = shared
     if rest.tiers is None:
         return rest.replace(pool=pool)
-    return rest.replace(pool=pool, tiers=rest.tiers.replace(meta=meta))
+    return rest.replace(pool=pool, tiers=rest.tiers.replace(meta=meta, observe_from=observe_from))

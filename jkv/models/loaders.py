@@ -1,6 +1,7 @@
 """Weights into the params pytree of `jkv.models.llama`: GGUF files, HF directories, random.
 
-Loaders build float32 numpy arrays layer by layer and stack them; `to_device` casts once.
+Loaders build float32 numpy arrays layer by layer and stack them; `to_device` (or `to_host`,
+for a tensor-parallel engine) casts once.
 """
 
 from __future__ import annotations
@@ -253,6 +254,12 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> Params
 def to_device(params: Params, dtype) -> Params:
     """Cast a numpy params tree to jax arrays of `dtype` on the default device."""
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+
+
+def to_host(params: Params, dtype) -> Params:
+    """Cast a params tree to numpy arrays of `dtype` (ml_dtypes' for bfloat16) in host memory,
+    so a tensor-parallel engine sends each device its part of a weight and nothing more."""
+    return jax.tree.map(lambda x: np.asarray(x, jnp.dtype(dtype)), params)
 
 
 def load_model(path: str | os.PathLike | None) -> tuple[ModelConfig, Params]:
