@@ -133,10 +133,13 @@ def held_positions(engine, slot: int, n: int) -> list[list[set[int]]]:
              for head in range(high.shape[1])] for layer in range(high.shape[0])]
 
 
-def run_snapkv(params, ratio: float, prompt: list[int], decode: int):
+def run_snapkv(params, ratio: float, prompt: list[int], decode: int, scan: bool = False):
     """A prompt in chunks of 16 and `decode` greedy steps on a snapkv engine: (the positions
-    held after the prompt, after the decode steps)."""
+    held after the prompt, after the decode steps). `scan`: every layer in the one call a
+    GPU engine makes (a CPU engine goes layer by layer)."""
     eng = tiered(params, "xla", kv_policy="snapkv", kv_heavy_ratio=ratio)  # window PAGE
+    if scan:
+        eng.runner.layer_by_layer = False
     greedy_params, key = SamplingParams(temperature=0), eng.request_key(0)
     slot, _ = eng.open(prompt)
     for start in range(0, len(prompt), 16):
@@ -169,6 +172,14 @@ def check_engine(params, prompt: list[int]) -> None:
 
 def test_through_the_engine_the_kept_prompt_tokens_are_the_top_pooled_votes(tiny_params):
     check_engine(tiny_params, prompts((45,))[0])
+
+
+def test_the_one_call_step_keeps_what_the_layer_by_layer_step_keeps(tiny_params):
+    """The step a GPU engine runs scans the layers in one call, with the prompt's first
+    observed query per row shared by every layer (scanned as per-layer state, it crashed)."""
+    prompt = prompts((45,))[0]
+    assert (run_snapkv(tiny_params, 0.25, prompt, 3, scan=True)
+            == run_snapkv(tiny_params, 0.25, prompt, 3))
 
 
 def test_the_engine_check_catches_votes_from_every_query(tiny_params, monkeypatch):
