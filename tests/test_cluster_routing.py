@@ -48,9 +48,22 @@ def test_new_sessions_spread_over_idle_replicas():
     assert all(30 <= first.count(name) <= 70 for name in "abcd"), sorted(first)
 
 
+def test_a_new_conversation_goes_where_the_fewest_sessions_are_kept():
+    """A request no replica holds anything of goes to the replica holding the fewest
+    sessions among those within the bound of the shortest queue, not to the shortest queue:
+    its KV stays where it lands, and queues change by the second."""
+    a = ReplicaView("a", 0, sessions={f"s{i}" for i in range(6)})
+    b = ReplicaView("b", 2, sessions={"s6", "s7"})
+    c = ReplicaView("c", 7, sessions=set())
+    prompt = chain(list(range(40)))
+    assert rank_replicas([a, b, c], prompt, "new", bound=4) == [["b"], ["a", "c"]]
+    assert rank_replicas([a, b, c], prompt, None, bound=1) == [["a"], ["b", "c"]]
+
+
 def brute_force(views, hashes, session, bound):
     """The rule stated directly: the affine replica (session, else longest prefix, ties to
-    the least loaded then the tie rank) first if within the bound, else all by load."""
+    the least loaded then the tie rank; else the fewest sessions within the bound) first if
+    within the bound, else all by load."""
     key = session if session is not None else hashes[0].hex() if hashes else ""
     order = sorted(views, key=lambda v: (v.queue, routing.tie_rank(key, v.name)))
     shortest = order[0].queue
@@ -60,7 +73,11 @@ def brute_force(views, hashes, session, bound):
     longest = max(prefixes.values())
     affine = (with_session[0] if with_session else
               next(v for v in order if prefixes[v.name] == longest) if longest else None)
-    if affine is None or affine.queue - shortest > bound:
+    if affine is None:
+        fewest = min(len(v.sessions) for v in order if v.queue - shortest <= bound)
+        affine = next(v for v in sorted(order, key=lambda v: routing.tie_rank(key, v.name))
+                      if v.queue - shortest <= bound and len(v.sessions) == fewest)
+    if affine.queue - shortest > bound:
         return [[v.name for v in order]]
     return [[affine.name], [v.name for v in order if v.name != affine.name]]
 
