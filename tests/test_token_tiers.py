@@ -4,6 +4,8 @@ invariants after every step: each token in exactly one tier or pruned, the recen
 never demoted or pruned, pages per head equal to its tokens per tier rounded up, no page
 leaked or freed twice. The properties fail on planted bugs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,6 +147,29 @@ def _step(free, tables, counts, meta, n_prev, n, sig):
     return meta, free, tables, counts, ok1
 
 
+@functools.cache
+def _placement(*functions):
+    """One placement (`leankv.place` or `place_generation`, `compact`, `move_tokens`) as one
+    jitted call, as the engine runs it: run op by op, each `lax.cond` in `_lowest` compiled
+    anew, it was most of this module's time. Keyed by the functions it calls, so a planted
+    bug (`monkeypatch`) is traced in, never a cached trace of the real ones."""
+
+    def placement(meta, free, tables, counts, placed, n, alphas, *, prompt, recent,
+                  max_tokens, interval):
+        where = dict(page=PAGE, recent=recent, alpha_high=alphas[0], alpha_low=alphas[1],
+                     max_tokens=max_tokens)
+        if prompt:
+            fate_hi, fate_lo = leankv.place(meta, tables.pages, counts, placed, n, **where)
+        else:
+            fate_hi, fate_lo = leankv.place_generation(meta, tables.pages, counts, placed, n,
+                                                       **where, max_moves=interval)
+        free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo,
+                                                     PAGE, 3 * PAGE if prompt else interval)
+        return tt.move_tokens(meta, moves), free, tables, counts, ok
+
+    return jax.jit(placement, static_argnames=("prompt", "recent", "max_tokens", "interval"))
+
+
 def run(schedule, decode_steps, seed, recent, a_high, a_low, interval=1):
     """Prompt chunks, then decode steps placed every `interval` steps (and after the last)."""
     rng = np.random.default_rng(seed)
@@ -181,20 +206,14 @@ def run(schedule, decode_steps, seed, recent, a_high, a_low, interval=1):
         last = step == len(lengths) - 2
         if not prompt and n - placed < interval and not last:
             continue  # decode steps wait for the next placement
-        # odd seeds read only the slots a tier of MAX_TOKENS tokens reaches (the engine's way)
-        where = dict(page=PAGE, recent=recent, alpha_high=alphas[0], alpha_low=alphas[1],
-                     max_tokens=MAX_TOKENS if seed % 2 else None)
-        if prompt:
-            fate_hi, fate_lo = leankv.place(meta, tables.pages, counts, jnp.int32(placed),
-                                        jnp.int32(n), **where)
-        else:
-            fate_hi, fate_lo = leankv.place_generation(meta, tables.pages, counts,
-                                                   jnp.int32(placed), jnp.int32(n), **where,
-                                                   max_moves=interval)
-        free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo,
-                                                     PAGE, 3 * PAGE if prompt else interval)
+        place = _placement(leankv.place, leankv.place_generation, tt.compact, tt.unref,
+                           tt.move_tokens)
+        meta, free, tables, counts, ok = place(
+            meta, free, tables, counts, jnp.int32(placed), jnp.int32(n), alphas,
+            prompt=prompt, recent=recent, interval=interval,
+            # odd seeds read only the slots a tier of MAX_TOKENS tokens reaches (the engine's)
+            max_tokens=MAX_TOKENS if seed % 2 else None)
         assert bool(ok)
-        meta = tt.move_tokens(meta, moves)
         got = tier_contents(meta, tables, counts)
         for row, model in models.items():
             model.place(placed, n, prompt, recent, a_high, a_low)
@@ -307,6 +326,14 @@ def test_compaction_refuses_cleanly(why):
     assert bool(out[-1]) and int(out[2].high[0, 0, 0]) == used * PAGE - 1
 
 
+# the data test's steps as one program each, as the engine runs them (op by op, its ~100
+# programs compiled were most of its time)
+_grow_high = jax.jit(tt.grow_high, static_argnums=(4, 5))
+_write_tokens = jax.jit(tt.write_tokens, static_argnums=4)
+_compact = jax.jit(tt.compact, static_argnums=(5, 6))
+_move_pages = jax.jit(tt.move_pages, static_argnums=2)
+
+
 @pytest.mark.parametrize("name", ["k8v4t"])
 def test_token_data_follows_its_metadata(name):
     """Two rounds of random fates: after each compaction every high token's pages hold its
@@ -324,13 +351,13 @@ def test_token_data_follows_its_metadata(name):
     counts = tt.init_counts((SLOTS, LAYERS, HEADS))
     meta = tt.init_meta(pool_pages, PAGE)
     n = 8 * PAGE - 3
-    free, tables, counts, addr, ok = tt.grow_high(
+    free, tables, counts, addr, ok = _grow_high(
         free, tables, counts, jnp.full((SLOTS, LAYERS, HEADS), n), PAGE, n)
     assert bool(ok)
     k = rng.normal(size=(SLOTS, LAYERS, HEADS, n, d)) * (1 + 5 * (rng.random(d) < 0.1))
     v = rng.normal(size=(SLOTS, LAYERS, HEADS, n, d))
-    pool = tt.write_tokens(pool, addr, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
-                           PAGE)
+    pool = _write_tokens(pool, addr, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+                         PAGE)
     meta = tt.write_meta(meta, addr, jnp.arange(n), jnp.zeros(addr.shape))
     token = lambda x: x[..., None, :]  # noqa: E731
     high_want = KVPages.from_dense(token(jnp.asarray(k, jnp.float32)),
@@ -342,10 +369,10 @@ def test_token_data_follows_its_metadata(name):
                                                                         width * PAGE)))
         fate_lo = jnp.asarray(rng.choice([tt.KEEP, tt.PRUNE], (SLOTS, LAYERS, HEADS,
                                                              2 * width * PAGE)))
-        free, tables, counts, moves, ok = tt.compact(free, tables, counts, fate_hi, fate_lo,
-                                                     PAGE, 2 * width * PAGE)
+        free, tables, counts, moves, ok = _compact(free, tables, counts, fate_hi, fate_lo,
+                                                   PAGE, 2 * width * PAGE)
         assert bool(ok)
-        pool, meta = tt.move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves)
+        pool, meta = _move_pages(pool, moves, PAGE), tt.move_tokens(meta, moves)
         check_memory(free, tables, counts, pool_pages)
         for is_low, count, want, view in ((False, counts.high, high_want, lambda p: p),
                                           (True, counts.low, low_want, low_pool)):
