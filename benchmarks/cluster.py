@@ -33,10 +33,10 @@ from serve import device_kind, free_port, make_workload, wait_healthy
 ROUTERS = ("kv", "pow2", "prefix")
 
 
-def start_cluster(args, router: str) -> tuple[subprocess.Popen, str]:
+def start_cluster(args, router: str, replicas: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "jkv.cluster", "--port", str(port), "--router", router,
-           "--replicas", str(args.replicas), "--max-model-len", str(args.max_model_len),
+           "--replicas", str(replicas), "--max-model-len", str(args.max_model_len),
            "--log-level", "warning", *shlex.split(args.cluster_args)]
     proc = subprocess.Popen(cmd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -105,12 +105,13 @@ async def run(base: str, convs: list[dict], args) -> list[dict]:
     return out
 
 
-def summary(router: str, results: list[dict]) -> dict:
+def summary(router: str, replicas: int, results: list[dict], wall_s: float) -> dict:
     ok = [r for r in results if "error" not in r]
     per_replica = Counter(r["replica"] for r in ok)
     ttft = [r["ttft"] for r in ok]
     hit, prompt = sum(r["cached_tokens"] for r in ok), sum(r["prompt_tokens"] for r in ok)
-    return {"router": router, "turns": len(results), "errors": len(results) - len(ok),
+    return {"router": router, "replicas": replicas, "wall_s": wall_s,
+            "turns": len(results), "errors": len(results) - len(ok),
             "prefix_hit_tokens": hit, "prompt_tokens": prompt,
             "hit_share": hit / prompt if prompt else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
@@ -125,6 +126,9 @@ def main() -> None:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--routers", default=",".join(ROUTERS), help="routers to run, in order")
     ap.add_argument("--replicas", type=int, default=2, help="replicas of each cluster")
+    ap.add_argument("--one-replica", action=argparse.BooleanOptionalAction, default=True,
+                    help="first run the workload on one replica with the same flags: what "
+                         "one replica's memory holds, which routing over more should beat")
     ap.add_argument("--conversations", type=int, default=10, help="conversations per run")
     ap.add_argument("--rate", type=float, default=0.5, help="conversation arrivals per second")
     ap.add_argument("--length-scale", type=float, default=0.3,
@@ -145,34 +149,49 @@ def main() -> None:
                           args.seed)
     device, rows, path = device_kind(), [], None
     stem = f"cluster-{device.replace(' ', '_').lower() or 'cpu'}"
-    for router in args.routers.split(","):
-        try:
-            proc, base = start_cluster(args, router)
-        except SystemExit as e:  # (a router that cannot start here: said so, the rest run)
-            rows.append({"router": router, "error": str(e)})
-            print(f"{router:7} {e}", flush=True)
-            continue
-        try:
-            rows.append(summary(router, asyncio.run(run(base, convs, args))))
-        finally:
-            stop_cluster(proc)
+    runs = [(r, args.replicas) for r in args.routers.split(",")]
+    if args.one_replica:  # what one replica's memory holds, any router being the same
+        runs.insert(0, ("kv", 1))
+    for router, replicas in runs:
+        rows.append(run_cluster(args, router, replicas, convs))
         print_row(rows[-1])
         path = write_results(args.out, stem, {"replica_device": device, "rows": rows}, args,
-                             over=path)  # after each router: a time limit keeps what ran
-    base_row = next((r for r in rows if r["router"] == "kv" and "error" not in r), None)
+                             over=path)  # after each run: a time limit keeps what ran
+    base = next((r for r in rows if r["router"] == "kv" and r["replicas"] == args.replicas
+                 and "error" not in r), None)
     for r in rows:
-        if base_row is not None and r is not base_row and r.get("prefix_hit_tokens"):
-            print(f"kv / {r['router']}: "
-                  f"{base_row['prefix_hit_tokens'] / r['prefix_hit_tokens']:.2f}x hit tokens")
-    if rows and path is None or rows and "error" in rows[-1]:
-        write_results(args.out, stem, {"replica_device": device, "rows": rows}, args,
-                      over=path)
+        if base is not None and r is not base and r.get("prefix_hit_tokens"):
+            print(f"kv on {args.replicas} / {label(r)}: "
+                  f"{base['prefix_hit_tokens'] / r['prefix_hit_tokens']:.2f}x hit tokens")
+
+
+def run_cluster(args, router: str, replicas: int, convs: list[dict]) -> dict:
+    """One fresh cluster with `router` over `replicas`, the whole workload through it: its
+    summary row, or the error that kept it from starting (the other runs go on)."""
+    try:
+        proc, base = start_cluster(args, router, replicas)
+    except SystemExit as e:
+        return {"router": router, "replicas": replicas, "error": str(e)}
+    try:
+        t0 = time.perf_counter()
+        results = asyncio.run(run(base, convs, args))
+        return summary(router, replicas, results, time.perf_counter() - t0)
+    finally:
+        stop_cluster(proc)
+
+
+def label(r: dict) -> str:
+    return f"{r['router']} x{r['replicas']}"
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['router']:7} hit tokens {r['prefix_hit_tokens']:>7} ({r['hit_share']:.1%} of "
+    if "error" in r:
+        print(f"{label(r):9} {r['error']}", flush=True)
+        return
+    print(f"{label(r):9} hit tokens {r['prefix_hit_tokens']:>7} ({r['hit_share']:.1%} of "
           f"{r['prompt_tokens']}), TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} "
-          f"s, per replica {r['requests_per_replica']}, errors {r['errors']}", flush=True)
+          f"s, per replica {r['requests_per_replica']}, errors {r['errors']}, "
+          f"{r['wall_s']:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
