@@ -23,8 +23,7 @@ from jkv.sched.scheduler import Request, Scheduler, generate_all
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                    num_heads=8, num_kv_heads=2, head_dim=64, rope_theta=10000.0)
 PAGE = 8
-# the store cells' pool and the large pool layer offload is compared with: one size, so a
-# policy's two tests run the same step programs (each pool shape compiles its own)
+# the store cells' pool (the layer-offload cells size theirs in pages of the policy's format)
 POOL_BYTES = 1 << 20
 KNOBS = dict(kv_recent_window=PAGE, kv_alpha_high=1.0, kv_alpha_low=0.5, kv_heavy_ratio=0.3,
              kv_placement_interval=2)  # small enough that every token policy drops tokens
