@@ -3,13 +3,18 @@ each prompt the replica it reached already held, TTFT, and how evenly the replic
 
     python benchmarks/cluster.py                          # CPU: 2 replicas, kv / pow2 / prefix
     python benchmarks/cluster.py --routers kv,pow2 --conversations 24 --rate 1
+    python benchmarks/cluster.py --conversations 20 --think-time 5 --no-one-replica \
+        --host-cache-sizes 96MiB,128MiB --cluster-args "--max-num-seqs 4 --device-cache-bytes 16MiB"
 
 The workload is serve.py's (ShareGPT's turn counts and lengths; each turn resends the whole
 history, with a session id). Each router gets a fresh `python -m jkv.cluster` (no shared store:
 a replica holds only what it computed or stored itself). Per router: prefix hit tokens (the
 `cached_tokens` of every answer's usage: device prefix cache and host store), their share of
-all prompt tokens, TTFT p50/p99 and the requests per replica (from `x-jkv-replica`). Writes
-benchmarks/results/cluster/cluster-<device>-<date>.json.
+all prompt tokens, TTFT p50/p99, the requests per replica (from `x-jkv-replica`) and the
+turns answered by another replica than their conversation's previous turn.
+`--host-cache-sizes` repeats the runs at each size of a replica's host tier: routing pays
+most where a replica's memory holds the conversations routed to it but not all of them.
+Writes benchmarks/results/cluster/cluster-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -30,14 +35,19 @@ import numpy as np
 from harness import add_out_argument, write_results
 from serve import device_kind, free_port, make_workload, wait_healthy
 
+from jkv.config_checks import parse_bytes
+
 ROUTERS = ("kv", "pow2", "prefix")
 
 
-def start_cluster(args, router: str, replicas: int) -> tuple[subprocess.Popen, str]:
+def start_cluster(args, router: str, replicas: int,
+                  host_cache: str | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "jkv.cluster", "--port", str(port), "--router", router,
            "--replicas", str(replicas), "--max-model-len", str(args.max_model_len),
            "--log-level", "warning", *shlex.split(args.cluster_args)]
+    if host_cache is not None:
+        cmd += ["--host-cache-bytes", host_cache]
     proc = subprocess.Popen(cmd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(proc, cmd, base, args.startup_timeout,
@@ -88,7 +98,7 @@ async def conversation(client, model: str, conv: dict, start: float, args, out: 
         while sum(len(m["content"].split()) for m in history) > budget and len(history) > 2:
             del history[1:3]
         result = await one_turn(client, model, history, args.max_tokens, session)
-        out.append(result)
+        out.append({**result, "session": session})
         if "error" in result:
             return
         history.append({"role": "assistant", "content": turn["reply"]})
@@ -108,6 +118,11 @@ async def run(base: str, convs: list[dict], args) -> list[dict]:
 def summary(router: str, replicas: int, results: list[dict], wall_s: float) -> dict:
     ok = [r for r in results if "error" not in r]
     per_replica = Counter(r["replica"] for r in ok)
+    last: dict[str, str] = {}  # each conversation's replica so far
+    moved = 0
+    for r in ok:  # (in the order answers arrived: a conversation's turns are in order)
+        moved += r["session"] in last and last[r["session"]] != r["replica"]
+        last[r["session"]] = r["replica"]
     ttft = [r["ttft"] for r in ok]
     hit, prompt = sum(r["cached_tokens"] for r in ok), sum(r["prompt_tokens"] for r in ok)
     return {"router": router, "replicas": replicas, "wall_s": wall_s,
@@ -117,6 +132,7 @@ def summary(router: str, replicas: int, results: list[dict], wall_s: float) -> d
             "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
             "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
             "requests_per_replica": dict(per_replica),
+            "moved_turns": moved,  # answered by another replica than the conversation's last
             "load_skew": (max(per_replica.values()) / max(1, min(per_replica.values()))
                           if per_replica else None)}
 
@@ -139,12 +155,20 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048, help="each replica's context")
     ap.add_argument("--cluster-args", default="--max-num-seqs 4",
                     help="more flags for python -m jkv.cluster (server flags apply per replica)")
+    ap.add_argument("--host-cache-sizes", default="",
+                    help="comma-separated sizes of each replica's host tier (--host-cache-bytes), "
+                         "each run with every router; empty: as --cluster-args says")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per HTTP request")
     ap.add_argument("--startup-timeout", type=float, default=300,
                     help="seconds to wait for a cluster to come up")
     add_out_argument(ap, "cluster")
     args = ap.parse_args()
+    sizes = [s.strip() for s in args.host_cache_sizes.split(",") if s.strip()] or [None]
+    try:  # (a typo fails before any cluster runs)
+        [parse_bytes(size, "--host-cache-sizes") for size in sizes if size is not None]
+    except ValueError as e:
+        ap.error(str(e))
     convs = make_workload(args.conversations, args.rate, args.length_scale, args.think_time,
                           args.seed)
     device, rows, path = device_kind(), [], None
@@ -152,45 +176,58 @@ def main() -> None:
     runs = [(r, args.replicas) for r in args.routers.split(",")]
     if args.one_replica:  # what one replica's memory holds, any router being the same
         runs.insert(0, ("kv", 1))
-    for router, replicas in runs:
-        rows.append(run_cluster(args, router, replicas, convs))
-        print_row(rows[-1])
-        path = write_results(args.out, stem, {"replica_device": device, "rows": rows}, args,
-                             over=path)  # after each run: a time limit keeps what ran
-    base = next((r for r in rows if r["router"] == "kv" and r["replicas"] == args.replicas
+    for size in sizes:
+        for router, replicas in runs:
+            rows.append(run_cluster(args, router, replicas, size, convs))
+            print_row(rows[-1])
+            path = write_results(args.out, stem, {"replica_device": device, "rows": rows},
+                                 args, over=path)  # after each run: a time limit keeps what ran
+    for size in sizes:
+        print_ratios(args.replicas, [r for r in rows if r.get("host_cache") == size])
+
+
+def print_ratios(replicas: int, rows: list[dict]) -> None:
+    """The KV-aware router's hit tokens over each other run's (at one host tier size)."""
+    base = next((r for r in rows if r["router"] == "kv" and r["replicas"] == replicas
                  and "error" not in r), None)
     for r in rows:
         if base is not None and r is not base and r.get("prefix_hit_tokens"):
-            print(f"kv on {args.replicas} / {label(r)}: "
+            print(f"kv on {replicas} / {label(r)}: "
                   f"{base['prefix_hit_tokens'] / r['prefix_hit_tokens']:.2f}x hit tokens")
 
 
-def run_cluster(args, router: str, replicas: int, convs: list[dict]) -> dict:
-    """One fresh cluster with `router` over `replicas`, the whole workload through it: its
-    summary row, or the error that kept it from starting (the other runs go on)."""
+def run_cluster(args, router: str, replicas: int, host_cache: str | None,
+                convs: list[dict]) -> dict:
+    """One fresh cluster with `router` over `replicas` (and `host_cache`, a size of each
+    replica's host tier, or None), the whole workload through it: its summary row, or the
+    error that kept it from starting (the other runs go on)."""
+    row: dict = {"router": router, "replicas": replicas, "host_cache": host_cache,
+                 "host_cache_bytes": parse_bytes(host_cache) if host_cache else None}
     try:
-        proc, base = start_cluster(args, router, replicas)
+        proc, base = start_cluster(args, router, replicas, host_cache)
     except SystemExit as e:
-        return {"router": router, "replicas": replicas, "error": str(e)}
+        return {**row, "error": str(e)}
     try:
         t0 = time.perf_counter()
         results = asyncio.run(run(base, convs, args))
-        return summary(router, replicas, results, time.perf_counter() - t0)
+        return {**row, **summary(router, replicas, results, time.perf_counter() - t0)}
     finally:
         stop_cluster(proc)
 
 
 def label(r: dict) -> str:
-    return f"{r['router']} x{r['replicas']}"
+    size = f", host {r['host_cache']}" if r.get("host_cache") else ""
+    return f"{r['router']} x{r['replicas']}{size}"
 
 
 def print_row(r: dict) -> None:
     if "error" in r:
-        print(f"{label(r):9} {r['error']}", flush=True)
+        print(f"{label(r)}: {r['error']}", flush=True)
         return
-    print(f"{label(r):9} hit tokens {r['prefix_hit_tokens']:>7} ({r['hit_share']:.1%} of "
+    print(f"{label(r)}: hit tokens {r['prefix_hit_tokens']:>7} ({r['hit_share']:.1%} of "
           f"{r['prompt_tokens']}), TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} "
-          f"s, per replica {r['requests_per_replica']}, errors {r['errors']}, "
+          f"s, per replica {r['requests_per_replica']}, moved turns {r['moved_turns']}, "
+          f"errors {r['errors']}, "
           f"{r['wall_s']:.0f} s", flush=True)
 
 

@@ -234,48 +234,6 @@ def store_sim(results: list[dict]) -> Figure:
     return fig
 
 
-def cluster_sim(results: list[dict]) -> Figure:
-    """Against the number of replicas, a line per router (solid: the shared tier, dashed:
-    private disks): history tokens not recomputed, those from the device, TTFT p99, and the
-    shared tier's read bandwidth and coordinator utilisation."""
-    fig, axes = grid(results, 4, size=(3.9, 3.2))
-    panels = (("history tokens hit (share)", lambda x: 1 - x["hit_share"]["recomputed"]),
-              ("history tokens from the device", lambda x: x["hit_share"]["device"]),
-              ("TTFT p99 (s)", lambda x: x["ttft_p99_s"]),
-              ("shared tier: read bandwidth used", lambda x: x["store_read_utilisation"]))
-    for r, row in zip(results, axes, strict=True):
-        routers = list(dict.fromkeys(x["router"] for x in r["rows"]))
-        for ax, (label, value) in zip(row, panels, strict=True):
-            for i, router in enumerate(routers):
-                for store, style in (("shared", "-"), ("private", "--")):
-                    if label.startswith("shared") and store == "private":
-                        continue
-                    pts = sorted((x["replicas"], value(x)) for x in r["rows"]
-                                 if x["router"] == router and x["store"] == store)
-                    if pts:
-                        ax.plot(*zip(*pts, strict=True), style, marker="o", markersize=3,
-                                color=COLORS[i % len(COLORS)], label=f"{router}, {store}")
-            ax.set_ylabel(label)
-        coordinator: dict[int, list[float]] = {}
-        for x in r["rows"]:
-            if "coordinator_utilisation" in x:
-                coordinator.setdefault(x["replicas"], []).append(x["coordinator_utilisation"])
-        pts = sorted((n, float(np.mean(u))) for n, u in coordinator.items())
-        if pts:
-            row[3].plot(*zip(*pts, strict=True), ":", marker="s", markersize=3, color="#000",
-                        label="coordinator (commits asked / its rate)")
-        row[3].axhline(1.0, color="#999", lw=0.8)
-        log_scale(row[2])
-        replicas = sorted({x["replicas"] for x in r["rows"]})
-        for ax in row:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(replicas, [str(n) for n in replicas])
-            ax.set_xlabel("replicas")
-        row[0].legend(fontsize=6)
-        row[3].legend(fontsize=6)
-    return fig
-
-
 def store_family(name: str) -> str:
     """A store's color in a TTFT-quality figure: LRU over full precision, AdaptCache, the
     baselines (StreamingLLM's tokens, KIVI's format), other fixed formats."""
@@ -372,4 +330,4 @@ FIGURES: dict[str, Callable[[list[dict]], Figure]] = {
     "tier_cost": tier_cost, "layer_offload": layer_offload, "restore": restore,
     "serve": serve, "serve_slo": serve_slo, "serve_replay": serve_slo, "store_sim": store_sim,
     "adapt_orders": adapt_orders, "cpu_throughput": cpu_throughput, "kv_sharing": kv_sharing,
-    "kv_frontier": kv_frontier, "cluster_sim": cluster_sim}
+    "kv_frontier": kv_frontier}

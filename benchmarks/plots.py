@@ -4,10 +4,10 @@
     python benchmarks/plots.py RESULT.json [...]    # one figure of these results (one
                                                     # benchmark), beside the first; --out FILE
 
-A benchmark's figure is figures.FIGURES[<its script's name>]: the JSON's `benchmark`, else
-the folder it sits in (benchmarks/results/<script>/). Several results make one row of panels
-each (a CPU run above a GPU run). SVGs are written without a date, so the same JSON draws the
-same file.
+A benchmark's figure is FIGURES[<its script's name>] (figures.py's and figures_cluster.py's):
+the JSON's `benchmark`, else the folder it sits in (benchmarks/results/<script>/). Several
+results make one row of panels each (a CPU run above a GPU run). SVGs are written without a
+date, so the same JSON draws the same file.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import FIGURES  # noqa: E402
+import figures  # noqa: E402
+import figures_cluster  # noqa: E402
+
+FIGURES = {**figures.FIGURES, **figures_cluster.FIGURES}
+POOLED = figures_cluster.POOLED  # (the others: a row of panels per result)
 
 RESULTS = Path(__file__).resolve().parent / "results"  # a folder per script (harness.py)
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -50,6 +54,9 @@ DOC_FIGURES: dict[str, tuple[str, ...]] = {
                            "cpu_throughput/cpu_throughput-2026-11-28-avx2.json"),
     "kv_sharing.svg": ("kv_sharing/kv_sharing-2026-11-27.json",),
     "kv_frontier.svg": ("kv_frontier/kv_frontier-2026-12-03.json",),
+    "cluster.svg": ("cluster/cluster-cpu-2026-12-03-host-sweep.json",
+                    "cluster/cluster-cpu-2026-12-04-host-64mib.json",
+                    "cluster/cluster-cpu-2026-12-04-kv-host-96-128mib.json"),
     "cluster_sim.svg": ("cluster_sim/cluster_sim-2026-12-03.json",),
 }
 

@@ -69,10 +69,11 @@ def test_a_conversation_survives_the_process_and_corruption_is_a_counted_miss(tm
             path.write_bytes(bytes(raw))
             damaged += 1
     assert damaged >= 1  # (a replaced entry may leave the same bytes in an older file)
-    third = in_new_process(tmp_path, follow_up + [28, 29, 30])
-    assert third["stats"]["store"]["corrupt_entries"] == 1
-    assert third["tokens"] == recompute.generate(follow_up + [28, 29, 30],
-                                                 GREEDY)[0].token_ids
+    third_prompt = follow_up + [28, 29, 30]
+    with LLM(store_dir=tmp_path, **SETTINGS) as third:  # (a third reader: this process)
+        tokens = third.generate(third_prompt, GREEDY)[0].token_ids
+        assert third.stats()["store"]["corrupt_entries"] == 1
+    assert tokens == recompute.generate(third_prompt, GREEDY)[0].token_ids
 
 
 def _prompt(seed: int = 0) -> list[int]:
@@ -113,10 +114,12 @@ def test_session_prompt_drops_the_oldest_turns_after_the_system_prompt(session_l
 
 def test_an_overflowing_session_reuses_its_stored_kv_re_rotated(session_llm):
     llm = session_llm
-    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    # long questions and short answers: prefill, not decode, fills the context
     for topic in ("rivers", "mountains", "deserts", "oceans", "forests"):
-        messages.append({"role": "user", "content": f"Tell me a fact about {topic}."})
+        question = f"Tell me a fact about {topic}, one that few people know and that is true. "
+        messages.append({"role": "user", "content": question * 4})
         before = llm.stats()
         out = llm.chat(messages, params, session_id="long-chat")
         llm.store.flush()

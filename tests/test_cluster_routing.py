@@ -40,6 +40,16 @@ def test_the_replica_holding_the_longest_prefix_wins_within_the_bound():
         rank_replicas([a], prompt, None, -1)
 
 
+def test_a_moved_conversation_stays_with_its_newest_turns():
+    """A conversation moved under load is held by both replicas: its next turn goes to the
+    one holding the longer prefix (its newer turns), though the other is less busy."""
+    prompt = chain(list(range(40)))
+    old = ReplicaView("old", 1, {"s"}, {h[:HASH_BYTES] for h in prompt[:3]})
+    new = ReplicaView("new", 3, {"s"}, {h[:HASH_BYTES] for h in prompt[:9]})
+    assert rank_replicas([old, new], prompt, "s", bound=4) == [["new"], ["old"]]
+    assert rank_replicas([old, new], prompt, "s", bound=1) == [["old", "new"]]  # too busy
+
+
 def test_new_sessions_spread_over_idle_replicas():
     """Equal queues are ranked by the request's own hash with each replica, not by name:
     200 new sessions on 4 idle replicas land 50 +- 20 on each."""
@@ -61,18 +71,20 @@ def test_a_new_conversation_goes_where_the_fewest_sessions_are_kept():
 
 
 def brute_force(views, hashes, session, bound):
-    """The rule stated directly: the affine replica (session, else longest prefix, ties to
-    the least loaded then the tie rank; else the fewest sessions within the bound) first if
-    within the bound, else all by load."""
+    """The rule stated directly: the affine replica (session, else longest prefix; of
+    several holding the session, the longest prefix; ties to the least loaded then the tie
+    rank; else the fewest sessions within the bound) first if within the bound, else all by
+    load."""
     key = session if session is not None else hashes[0].hex() if hashes else ""
     order = sorted(views, key=lambda v: (v.queue, routing.tie_rank(key, v.name)))
     shortest = order[0].queue
     with_session = [v for v in order if session in v.sessions]
     prefixes = {v.name: max([i + 1 for i, h in enumerate(hashes)
                              if h[:HASH_BYTES] in v.blocks], default=0) for v in views}
-    longest = max(prefixes.values())
-    affine = (with_session[0] if with_session else
-              next(v for v in order if prefixes[v.name] == longest) if longest else None)
+    candidates = with_session or order
+    longest = max(prefixes[v.name] for v in candidates)
+    affine = (next(v for v in candidates if prefixes[v.name] == longest)
+              if longest or with_session else None)
     if affine is None:
         fewest = min(len(v.sessions) for v in order if v.queue - shortest <= bound)
         affine = next(v for v in sorted(order, key=lambda v: routing.tie_rank(key, v.name))

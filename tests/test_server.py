@@ -514,7 +514,7 @@ def test_a_follow_up_turn_reuses_the_history_and_matches_a_server_without_the_ca
     turn1 = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."},
              {"role": "user", "content": "Tell me a short story about a robot who learns to "
                                          "paint, in three sentences."}]
-    kw = dict(max_tokens=40, temperature=0)
+    kw = dict(max_tokens=16, temperature=0)
     with serving(LLM(max_model_len=1024, max_num_seqs=4, enable_prefix_caching=False)) as off:
         for s in (srv, off):
             r1 = s.client.chat.completions.create(model=s.name, messages=turn1, **kw)

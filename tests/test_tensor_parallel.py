@@ -29,6 +29,8 @@ from jkv.models.tensor_parallel import shard_params
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.long  # (its fixture's two processes start early, not at the run's end)
+
 # 2 prompts of 2 prefill chunks each, up to 4 pages of 4 tokens, decoded together: each engine
 # runs two step shapes, (2, 8) and (2, 1), so compiling stays within the file's budget
 SETTINGS = {"dtype": "float32", "max_model_len": 64, "params_cache": False, "page_size": 4,

@@ -5,16 +5,18 @@ Each replica reports what it holds (`ReplicaView`): the sessions it served and t
 block hashes of the KV it can give back (its device prefix cache and its store). Block hashes
 are chained, so a replica holding a prompt's hash i holds its blocks 0..i: the longest prefix a
 replica holds is the last of the prompt's hashes it reports. A request goes to the replica
-that served its session, else to the one holding the longest prefix of its prompt, unless that
-replica's queue is longer than the shortest by more than `bound` requests: then to the least
-loaded. A request no replica holds anything of starts a conversation whose KV will stay where
-it lands: it goes to the replica holding the fewest sessions among those within `bound` of the
-shortest queue (the one whose memory the fewest conversations share), as SGLang's and Ray's
-prefix routers send a request that matches nothing to the smallest tree; placing sessions by
-queue alone left one replica with most of the long conversations. Equal counts are ranked by
-a hash of the request's key (its session, else its first block) with each replica's name
-(rendezvous hashing): new sessions spread evenly over idle replicas, where ranking by name
-piled them on the first.
+that served its session (of several, the one holding the longest prefix of its prompt: a
+conversation moved under load is held by both, its newer turns by the one it moved to), else
+to the one holding the longest prefix of its prompt, unless that replica's queue is longer
+than the shortest by more than `bound` requests: then to the least loaded. A request no
+replica holds anything of starts a conversation whose KV will stay where it lands: it goes to
+the replica holding the fewest sessions among those within `bound` of the shortest queue (the
+one whose memory the fewest conversations share), as SGLang's and Ray's prefix routers send a
+request that matches nothing to the smallest tree; placing sessions by queue alone left one
+replica with most of the long conversations. Equal counts are ranked by a hash of the
+request's key (its session, else its first block) with each replica's name (rendezvous
+hashing): new sessions spread evenly over idle replicas, where ranking by name piled them on
+the first.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
                   session: str | None, bound: int) -> list[list[str]]:
     """Replica names in ranked groups, most preferred first (what a Ray Serve request
     router returns): [[the affine replica], [the others]] when one holds the request's
-    session or a prefix of it and its queue is within `bound` of the shortest; for a request
+    session (of several, the longest prefix) or a prefix of it and its queue is within
+    `bound` of the shortest; for a request
     none holds anything of, [[the one holding the fewest sessions within the bound], [the
     others]]; else every replica in one group from the least loaded."""
     if bound < 0:
@@ -65,11 +68,11 @@ def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
     key = session if session is not None else hashes[0].hex() if hashes else ""
     by_load = sorted(views, key=lambda v: (v.queue, tie_rank(key, v.name)))
     shortest = by_load[0].queue
-    affine = next((v for v in by_load if session is not None and session in v.sessions), None)
-    if affine is None:
-        held = [(held_prefix(v, hashes), v) for v in by_load]
-        best, view = max(held, key=lambda x: x[0])  # (max keeps the first: least loaded)
-        affine = view if best else None
+    holders = [v for v in by_load if session is not None and session in v.sessions]
+    held = [(held_prefix(v, hashes), v) for v in holders or by_load]
+    best, affine = max(held, key=lambda x: x[0])  # (max keeps the first: least loaded)
+    if not (best or holders):
+        affine = None
     if affine is None:  # a new conversation: where the fewest others keep their KV
         near = [v for v in by_load if v.queue - shortest <= bound]
         affine = min(near, key=lambda v: (len(v.sessions), tie_rank(key, v.name)))
