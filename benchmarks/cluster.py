@@ -165,10 +165,11 @@ def main() -> None:
     add_out_argument(ap, "cluster")
     args = ap.parse_args()
     sizes = [s.strip() for s in args.host_cache_sizes.split(",") if s.strip()] or [None]
-    try:  # (a typo fails before any cluster runs)
-        [parse_bytes(size, "--host-cache-sizes") for size in sizes if size is not None]
-    except ValueError as e:
-        ap.error(str(e))
+    for size in sizes:  # (a typo fails before any cluster runs)
+        try:
+            parse_bytes(size or 0, "--host-cache-sizes")
+        except ValueError as e:
+            ap.error(str(e))
     convs = make_workload(args.conversations, args.rate, args.length_scale, args.think_time,
                           args.seed)
     device, rows, path = device_kind(), [], None
