@@ -30,8 +30,10 @@ def test_the_replica_holding_the_longest_prefix_wins_within_the_bound():
     c = ReplicaView("c", 1)
     assert held_prefix(b, prompt) == 8 and held_prefix(c, prompt) == 0
     assert rank_replicas([a, b, c], prompt, None, bound=4) == [["b"], ["c", "a"]]
-    # b's queue is 4 longer than c's: past a bound of 3 the least loaded takes it
-    assert rank_replicas([a, b, c], prompt, None, bound=3) == [["c", "a", "b"]]
+    # b's queue is 4 longer than c's: past a bound of 3 the best holder within it (a, 4
+    # blocks) takes it; past a bound of 1 (a too) the least loaded
+    assert rank_replicas([a, b, c], prompt, None, bound=3) == [["a"], ["c", "b"]]
+    assert rank_replicas([a, b, c], prompt, None, bound=1) == [["c", "a", "b"]]
     # the session's replica first, whatever the others hold
     a_session = ReplicaView("a", 3, sessions={"chat-1"})
     assert rank_replicas([a_session, b, c], prompt, "chat-1", 4) == [["a"], ["c", "b"]]
@@ -47,7 +49,10 @@ def test_a_moved_conversation_stays_with_its_newest_turns():
     old = ReplicaView("old", 1, {"s"}, {h[:HASH_BYTES] for h in prompt[:3]})
     new = ReplicaView("new", 3, {"s"}, {h[:HASH_BYTES] for h in prompt[:9]})
     assert rank_replicas([old, new], prompt, "s", bound=4) == [["new"], ["old"]]
-    assert rank_replicas([old, new], prompt, "s", bound=1) == [["old", "new"]]  # too busy
+    # the newer holder too busy: the older holder, within the bound, before a replica
+    # holding nothing of it
+    other = ReplicaView("other", 0)
+    assert rank_replicas([old, new, other], prompt, "s", bound=1) == [["old"], ["other", "new"]]
 
 
 def test_new_sessions_spread_over_idle_replicas():
@@ -78,18 +83,23 @@ def brute_force(views, hashes, session, bound):
     key = session if session is not None else hashes[0].hex() if hashes else ""
     order = sorted(views, key=lambda v: (v.queue, routing.tie_rank(key, v.name)))
     shortest = order[0].queue
-    with_session = [v for v in order if session in v.sessions]
     prefixes = {v.name: max([i + 1 for i, h in enumerate(hashes)
                              if h[:HASH_BYTES] in v.blocks], default=0) for v in views}
-    candidates = with_session or order
-    longest = max(prefixes[v.name] for v in candidates)
-    affine = (next(v for v in candidates if prefixes[v.name] == longest)
-              if longest or with_session else None)
+
+    def best(among):
+        with_session = [v for v in among if session in v.sessions]
+        candidates = with_session or among
+        longest = max(prefixes[v.name] for v in candidates)
+        return (next(v for v in candidates if prefixes[v.name] == longest)
+                if longest or with_session else None)
+
+    near = [v for v in order if v.queue - shortest <= bound]
+    affine = best(near)
+    if affine is None and best(order) is None:
+        fewest = min(len(v.sessions) for v in near)
+        affine = next(v for v in sorted(near, key=lambda v: routing.tie_rank(key, v.name))
+                      if len(v.sessions) == fewest)
     if affine is None:
-        fewest = min(len(v.sessions) for v in order if v.queue - shortest <= bound)
-        affine = next(v for v in sorted(order, key=lambda v: routing.tie_rank(key, v.name))
-                      if v.queue - shortest <= bound and len(v.sessions) == fewest)
-    if affine.queue - shortest > bound:
         return [[v.name for v in order]]
     return [[affine.name], [v.name for v in order if v.name != affine.name]]
 

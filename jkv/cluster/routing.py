@@ -7,8 +7,10 @@ are chained, so a replica holding a prompt's hash i holds its blocks 0..i: the l
 replica holds is the last of the prompt's hashes it reports. A request goes to the replica
 that served its session (of several, the one holding the longest prefix of its prompt: a
 conversation moved under load is held by both, its newer turns by the one it moved to), else
-to the one holding the longest prefix of its prompt, unless that replica's queue is longer
-than the shortest by more than `bound` requests: then to the least loaded. A request no
+to the one holding the longest prefix of its prompt, among the replicas whose queue is
+within `bound` requests of the shortest (a holder past the bound is passed over for the best
+holder within it, one that served an older turn; where none within it holds anything, the
+least loaded). A request no
 replica holds anything of starts a conversation whose KV will stay where it lands: it goes to
 the replica holding the fewest sessions among those within `bound` of the shortest queue (the
 one whose memory the fewest conversations share), as SGLang's and Ray's prefix routers send a
@@ -56,29 +58,37 @@ def tie_rank(key: str, name: str) -> bytes:
 def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
                   session: str | None, bound: int) -> list[list[str]]:
     """Replica names in ranked groups, most preferred first (what a Ray Serve request
-    router returns): [[the affine replica], [the others]] when one holds the request's
-    session (of several, the longest prefix) or a prefix of it and its queue is within
-    `bound` of the shortest; for a request
-    none holds anything of, [[the one holding the fewest sessions within the bound], [the
-    others]]; else every replica in one group from the least loaded."""
+    router returns): [[the affine replica], [the others]], the affine one being, among the
+    replicas within `bound` of the shortest queue, the best holder (`best_holder`); for a
+    request no replica holds anything of, the one within the bound holding the fewest
+    sessions; else (only replicas past the bound hold it) every replica in one group from
+    the least loaded."""
     if bound < 0:
         raise ValueError(f"bound must be >= 0 requests, got {bound}")
     if not views:
         return []
     key = session if session is not None else hashes[0].hex() if hashes else ""
     by_load = sorted(views, key=lambda v: (v.queue, tie_rank(key, v.name)))
-    shortest = by_load[0].queue
-    holders = [v for v in by_load if session is not None and session in v.sessions]
-    held = [(held_prefix(v, hashes), v) for v in holders or by_load]
-    best, affine = max(held, key=lambda x: x[0])  # (max keeps the first: least loaded)
-    if not (best or holders):
-        affine = None
-    if affine is None:  # a new conversation: where the fewest others keep their KV
-        near = [v for v in by_load if v.queue - shortest <= bound]
+    near = [v for v in by_load if v.queue - by_load[0].queue <= bound]
+    affine = best_holder(near, hashes, session)
+    if affine is None and best_holder(by_load, hashes, session) is None:
+        # a new conversation: where the fewest others keep their KV
         affine = min(near, key=lambda v: (len(v.sessions), tie_rank(key, v.name)))
-    if affine.queue - shortest > bound:
+    if affine is None:
         return [[v.name for v in by_load]]
     return [[affine.name], [v.name for v in by_load if v is not affine]]
 
 
-__all__ = ["HASH_BYTES", "ReplicaView", "held_prefix", "rank_replicas", "tie_rank"]
+def best_holder(views: Sequence[ReplicaView], hashes: Sequence[bytes],
+                session: str | None) -> ReplicaView | None:
+    """Of `views` (least loaded first), the one holding the request's session with the
+    longest prefix of it, else the one holding the longest prefix; None where none holds
+    anything of it."""
+    holders = [v for v in views if session is not None and session in v.sessions]
+    held = [(held_prefix(v, hashes), v) for v in holders or views]
+    best, view = max(held, key=lambda x: x[0])  # (max keeps the first: least loaded)
+    return view if best or holders else None
+
+
+__all__ = ["HASH_BYTES", "ReplicaView", "best_holder", "held_prefix", "rank_replicas",
+           "tie_rank"]
