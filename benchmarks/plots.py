@@ -6,8 +6,9 @@
 
 A benchmark's figure is FIGURES[<its script's name>] (figures.py's and figures_cluster.py's):
 the JSON's `benchmark`, else the folder it sits in (benchmarks/results/<script>/). Several
-results make one row of panels each (a CPU run above a GPU run). SVGs are written without a
-date, so the same JSON draws the same file.
+results make one row of panels each (a CPU run above a GPU run), except in a POOLED figure,
+which draws them all in one. SVGs are written without a date, so the same JSON draws the
+same file.
 """
 
 from __future__ import annotations

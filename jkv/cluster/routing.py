@@ -4,21 +4,19 @@ is too busy (KV-aware routing, a pure function so it can be tested without a clu
 Each replica reports what it holds (`ReplicaView`): the sessions it served and the chained
 block hashes of the KV it can give back (its device prefix cache and its store). Block hashes
 are chained, so a replica holding a prompt's hash i holds its blocks 0..i: the longest prefix a
-replica holds is the last of the prompt's hashes it reports. A request goes to the replica
+replica holds is the last of the prompt's hashes it reports. Only the replicas whose queue is
+within `bound` requests of the shortest are candidates. Among them a request goes to the one
 that served its session (of several, the one holding the longest prefix of its prompt: a
 conversation moved under load is held by both, its newer turns by the one it moved to), else
-to the one holding the longest prefix of its prompt, among the replicas whose queue is
-within `bound` requests of the shortest (a holder past the bound is passed over for the best
-holder within it, one that served an older turn; where none within it holds anything, the
-least loaded). A request no
+to the one holding the longest prefix; a holder past the bound is passed over for the best
+holder within it, and where none within it holds anything, for the least loaded. A request no
 replica holds anything of starts a conversation whose KV will stay where it lands: it goes to
-the replica holding the fewest sessions among those within `bound` of the shortest queue (the
-one whose memory the fewest conversations share), as SGLang's and Ray's prefix routers send a
-request that matches nothing to the smallest tree; placing sessions by queue alone left one
-replica with most of the long conversations. Equal counts are ranked by a hash of the
-request's key (its session, else its first block) with each replica's name (rendezvous
-hashing): new sessions spread evenly over idle replicas, where ranking by name piled them on
-the first.
+the candidate holding the fewest sessions (the one whose memory the fewest conversations
+share), as SGLang's and Ray's prefix routers send a request that matches nothing to the
+smallest tree; placing sessions by queue alone left one replica with most of the long
+conversations. Equal counts are ranked by a hash of the request's key (its session, else its
+first block) with each replica's name (rendezvous hashing): new sessions spread evenly over
+idle replicas, where ranking by name piled them on the first.
 """
 
 from __future__ import annotations
