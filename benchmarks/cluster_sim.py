@@ -18,7 +18,8 @@ and the host tier (the store's write-behind) and, with the shared tier, through 
 of the shared tier split its aggregate bandwidth. The next turn comes a think time after the
 reply. Turns arriving from --warmup seconds to the last conversation's arrival are measured.
 Routers: kv (jkv.cluster's `rank_replicas`, each replica reporting what jkv.cluster.replica
-reports: the sessions it served and those its own tiers hold, not a shared tier's; equal queues
+reports: the sessions it served and those its own tiers hold, not a shared tier's, and how
+many it served in the last minute; equal queues
 ranked by the session's rendezvous hash), pow2 (Ray Serve's default), prefix (Ray's
 PrefixCacheAffinityRouter), random.
 
@@ -113,11 +114,13 @@ class Cluster:
         return self.figures(self.window[1] - self.window[0])
 
     def arrive(self, s: int, now: float) -> None:
-        i = self.router.route(s, self.held[s] + self.sessions[s][self.turn[s]][0])
+        i = self.router.route(s, self.held[s] + self.sessions[s][self.turn[s]][0], now)
         rep = self.replicas[i]
         rep.requests += self.measured(now)
         rep.load += 1
         rep.served.add(s)  # (a replica reports the sessions queued on it too)
+        rep.recent[s] = now
+        rep.recent.move_to_end(s)
         rep.queue.append((s, now))
         if not rep.running:
             self.start(i, now)

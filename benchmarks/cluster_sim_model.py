@@ -11,7 +11,7 @@ import json
 import math
 import random
 import sys
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from store_sim import kv_bytes_per_token  # noqa: E402
 
-from jkv.cluster.routing import ReplicaView, rank_replicas  # noqa: E402
+from jkv.cluster.routing import ACTIVE_S, ReplicaView, rank_replicas  # noqa: E402
 from jkv.store import Placement  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -181,6 +181,7 @@ class Replica:
         self.running = False
         self.load = 0
         self.served: set[int] = set()
+        self.recent: OrderedDict[int, float] = OrderedDict()  # session: served when, latest last
         self.requests = 0
         self.busy = 0.0
         self.job: tuple = ()
@@ -202,13 +203,15 @@ class Router:
         self.last: dict[int, tuple[int, int]] = {}  # prefix: (replica, prompt) of the last turn
         self.tenant = [0] * len(replicas)  # prefix: prompt tokens its tree holds per replica
 
-    def route(self, session: int, prompt: int) -> int:
-        """The replica (index) for a turn of `session` with `prompt` tokens."""
+    def route(self, session: int, prompt: int, now: float) -> int:
+        """The replica (index) for a turn of `session` with `prompt` tokens at time `now`."""
         if self.kind == "kv":
             views = self.views
             for i, r in enumerate(self.replicas):
-                if views[i].queue != r.load:
-                    views[i] = ReplicaView(f"{i:04d}", r.load, r.served)
+                while r.recent and next(iter(r.recent.values())) < now - ACTIVE_S:
+                    r.recent.popitem(last=False)
+                if (views[i].queue, views[i].active) != (r.load, len(r.recent)):
+                    views[i] = ReplicaView(f"{i:04d}", r.load, r.served, active=len(r.recent))
             # no block hashes: in this trace a prompt shares a prefix only with its session's
             return int(rank_replicas(views, (), session, self.bound)[0][0])
         if self.kind == "pow2":

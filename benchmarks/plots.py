@@ -58,8 +58,9 @@ DOC_FIGURES: dict[str, tuple[str, ...]] = {
     "cluster.svg": ("cluster/cluster-cpu-2026-12-03-host-sweep.json",
                     "cluster/cluster-cpu-2026-12-04-host-64mib.json",
                     "cluster/cluster-cpu-2026-12-04-kv-host-96-128mib.json",
-                    "cluster/cluster-cpu-2026-12-04-pow2-prefix-host-96mib.json"),
-    "cluster_sim.svg": ("cluster_sim/cluster_sim-2026-12-03.json",),
+                    "cluster/cluster-cpu-2026-12-04-pow2-prefix-host-96mib.json",
+                    "cluster/cluster-cpu-2026-12-04-kv-common-prefix-64-96mib.json"),
+    "cluster_sim.svg": ("cluster_sim/cluster_sim-2026-12-04.json",),
 }
 
 

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 from jkv.cluster.asgi import RoutedRequest  # noqa: E402
 from jkv.cluster.ingress import Hasher  # noqa: E402
 from jkv.cluster.replica import Replica  # noqa: E402
-from jkv.cluster.routing import HASH_BYTES  # noqa: E402
+from jkv.cluster.routing import ACTIVE_S, HASH_BYTES  # noqa: E402
 
 pytestmark = pytest.mark.smollm2
 CHAT = [{"role": "user", "content": "Name one color of the rainbow."}]
@@ -214,10 +214,22 @@ def test_a_replica_serves_through_the_servers_app_and_reports_what_it_holds(held
     answer = json.loads(b"".join(p[1] for p in parts[1:]))
     assert answer["choices"][0]["finish_reason"] == "length"
     assert bad[0][1] == 400 and b"error" in b"".join(p[1] for p in bad[1:])
-    assert stats["queue"] == 0 and "chat-7" in stats["sessions"]
+    assert stats["queue"] == 0 and "chat-7" in stats["sessions"] and stats["active"] == 1
     # the ingress's hashes of the prompt are those the replica holds its KV under
     assert keys["session"] == "chat-7" and len(keys["hashes"]) >= 4
     assert {h[:HASH_BYTES] for h in keys["hashes"]} <= set(stats["blocks"])
+
+
+def test_active_sessions_are_those_served_in_the_last_minute():
+    """What the router places new conversations by: sessions served in the last ACTIVE_S
+    seconds (the latest are last), not every session remembered."""
+    from collections import OrderedDict
+
+    replica = Replica.__new__(Replica)  # (no engine: only the sessions' times)
+    now = time.monotonic()
+    replica._sessions = OrderedDict([("gone", now - ACTIVE_S - 5), ("old", now - ACTIVE_S - 1),
+                                     ("a", now - ACTIVE_S / 2), ("b", now)])
+    assert replica._active() == 2
 
 
 def test_the_ingress_refuses_a_body_over_the_limit_before_reading_it():

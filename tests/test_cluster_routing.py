@@ -63,57 +63,74 @@ def test_new_sessions_spread_over_idle_replicas():
     assert all(30 <= first.count(name) <= 70 for name in "abcd"), sorted(first)
 
 
-def test_a_new_conversation_goes_where_the_fewest_sessions_are_kept():
-    """A request no replica holds anything of goes to the replica holding the fewest
-    sessions among those within the bound of the shortest queue, not to the shortest queue:
-    its KV stays where it lands, and queues change by the second."""
-    a = ReplicaView("a", 0, sessions={f"s{i}" for i in range(6)})
-    b = ReplicaView("b", 2, sessions={"s6", "s7"})
-    c = ReplicaView("c", 7, sessions=set())
+def test_a_new_conversation_goes_where_the_fewest_sessions_are_active():
+    """A request no replica holds anything of goes to the shortest queue and, of equal
+    queues, to the replica with the fewest sessions active, not the fewest remembered (its
+    KV stays where it lands; a session long done needs nothing kept)."""
+    a = ReplicaView("a", 1, sessions={f"s{i}" for i in range(2)}, active=2)
+    b = ReplicaView("b", 1, sessions={f"s{i}" for i in range(2, 16)}, active=1)
+    c = ReplicaView("c", 0, sessions=set(), active=9)
     prompt = chain(list(range(40)))
-    assert rank_replicas([a, b, c], prompt, "new", bound=4) == [["b"], ["a", "c"]]
-    assert rank_replicas([a, b, c], prompt, None, bound=1) == [["a"], ["b", "c"]]
+    assert rank_replicas([a, b, c], prompt, "new", bound=4)[0] == ["c"]
+    assert rank_replicas([a, b], prompt, "new", bound=4) == [["b"], ["a"]]
+    assert rank_replicas([a, b], prompt, None, bound=4) == [["b"], ["a"]]
+
+
+def test_a_prefix_every_replica_holds_places_nothing():
+    """The system prompt every conversation starts with is held by every replica: a new
+    conversation sharing only that is placed as one sharing nothing, by active sessions,
+    not sent to the holder of the system prompt ranked first; a longer prefix still wins."""
+    prompt = chain(list(range(40)))
+    system = {h[:HASH_BYTES] for h in prompt[:2]}
+    views = [ReplicaView(n, 0, {f"{n}{i}" for i in range(3)}, system, active=3) for n in "ab"]
+    key_first = rank_replicas(views, prompt[:2], "new", 4)[0][0]  # (the tie rank's choice)
+    a = next(v for v in views if v.name == key_first)
+    b = ReplicaView("b" if a.name == "a" else "a", 0, {"s4"}, system, active=1)
+    assert rank_replicas([a, b], prompt, "new", bound=4)[0] == [b.name]
+    c = ReplicaView("c", 2, {"s5"}, {h[:HASH_BYTES] for h in prompt[:3]}, active=5)
+    assert rank_replicas([a, b, c], prompt, "new", bound=4)[0] == ["c"]
 
 
 def brute_force(views, hashes, session, bound):
-    """The rule stated directly: the affine replica (session, else longest prefix; of
-    several holding the session, the longest prefix; ties to the least loaded then the tie
-    rank; else the fewest sessions within the bound) first if within the bound, else all by
-    load."""
+    """The rule stated directly: the affine replica (session, else longest prefix past what
+    every replica holds; of several holding the session, the longest prefix; ties to the
+    least loaded then the tie rank; else the shortest queue within the bound, then
+    the fewest active sessions) first if within the bound, else all by load."""
     key = session if session is not None else hashes[0].hex() if hashes else ""
     order = sorted(views, key=lambda v: (v.queue, routing.tie_rank(key, v.name)))
     shortest = order[0].queue
     prefixes = {v.name: max([i + 1 for i, h in enumerate(hashes)
                              if h[:HASH_BYTES] in v.blocks], default=0) for v in views}
+    common = min(prefixes.values())
 
     def best(among):
         with_session = [v for v in among if session in v.sessions]
         candidates = with_session or among
         longest = max(prefixes[v.name] for v in candidates)
         return (next(v for v in candidates if prefixes[v.name] == longest)
-                if longest or with_session else None)
+                if longest > common or with_session else None)
 
     near = [v for v in order if v.queue - shortest <= bound]
     affine = best(near)
     if affine is None and best(order) is None:
-        fewest = min(len(v.sessions) for v in near)
+        fewest = min((v.queue, v.active) for v in near)
         affine = next(v for v in sorted(near, key=lambda v: routing.tie_rank(key, v.name))
-                      if len(v.sessions) == fewest)
+                      if (v.queue, v.active) == fewest)
     if affine is None:
         return [[v.name for v in order]]
     return [[affine.name], [v.name for v in order if v.name != affine.name]]
 
 
 views = st.lists(st.tuples(st.integers(0, 6), st.sets(st.sampled_from("xyz"), max_size=2),
-                           st.integers(0, 10)), min_size=1, max_size=5)
+                           st.integers(0, 10), st.integers(0, 3)), min_size=1, max_size=5)
 
 
 @settings(max_examples=200, deadline=None)
 @given(views, st.sampled_from(["x", "y", "q", None]), st.integers(0, 4), st.integers(0, 12))
 def test_the_rule_matches_its_brute_force_statement(spec, session, bound, length):
     prompt = chain(list(range(4 * length)))
-    replicas = [ReplicaView(f"r{i}", q, s, {h[:HASH_BYTES] for h in prompt[:n]})
-                for i, (q, s, n) in enumerate(spec)]
+    replicas = [ReplicaView(f"r{i}", q, s, {h[:HASH_BYTES] for h in prompt[:n]}, active)
+                for i, (q, s, n, active) in enumerate(spec)]
     assert rank_replicas(replicas, prompt, session, bound) == brute_force(
         replicas, prompt, session, bound)
 

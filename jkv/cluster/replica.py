@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from jkv.api import LLM
 from jkv.cluster.asgi import RoutedRequest, call_app
-from jkv.cluster.routing import HASH_BYTES
+from jkv.cluster.routing import ACTIVE_S, HASH_BYTES
 from jkv.server.app import build_app
 
 MAX_SESSIONS = 4096  # sessions a replica remembers serving, the latest
@@ -32,7 +33,7 @@ class Replica:
         self.llm = LLM(**llm_options)
         self.app = build_app(self.llm, **app_options)
         self._lifespan: contextlib.AbstractAsyncContextManager | None = None
-        self._sessions: OrderedDict[str, None] = OrderedDict()  # served, latest last
+        self._sessions: OrderedDict[str, float] = OrderedDict()  # served when, latest last
         self._started = asyncio.Lock()
 
     async def _start(self) -> None:
@@ -48,7 +49,7 @@ class Replica:
         replica (`x-jkv-replica`), for operators and tests."""
         await self._start()
         if request.session is not None:
-            self._sessions[request.session] = None
+            self._sessions[request.session] = time.monotonic()
             self._sessions.move_to_end(request.session)
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
@@ -67,9 +68,10 @@ class Replica:
                 "served_model_name": self.app.state.served_model_name}
 
     def record_routing_stats(self) -> dict:
-        """Requests in flight, the sessions this replica served or holds, and the first
-        HASH_BYTES of every block hash its device prefix cache or its own store tiers hold
-        (a chained hash held means its whole prefix is)."""
+        """Requests in flight, the sessions this replica served or holds, how many it served
+        in the last ACTIVE_S seconds, and the first HASH_BYTES of every block hash its device
+        prefix cache or its own store tiers hold (a chained hash held means its whole prefix
+        is)."""
         server = self.app.state.server
         sched = self.llm.scheduler
         sessions = set(self._sessions)
@@ -81,7 +83,18 @@ class Replica:
                 held = [e for k, e in store.index.entries.items() if self._own(store, k)]
             sessions |= {e.session for e in held if e.session}
             blocks += [h[:HASH_BYTES] for e in held for h in e.hashes]
-        return {"queue": len(server.in_flight), "sessions": sorted(sessions), "blocks": blocks}
+        return {"queue": len(server.in_flight), "sessions": sorted(sessions), "blocks": blocks,
+                "active": self._active()}
+
+    def _active(self) -> int:
+        """Sessions served in the last ACTIVE_S seconds (the latest are last)."""
+        since = time.monotonic() - ACTIVE_S
+        count = 0
+        for served in reversed(self._sessions.values()):
+            if served < since:
+                break
+            count += 1
+        return count
 
     @staticmethod
     def _own(store, key: str) -> bool:

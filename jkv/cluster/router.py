@@ -29,7 +29,7 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         return ReplicaView(replica.replica_id.unique_id,
                            stats.get("queue", 0) if queue is None else queue,
                            frozenset(stats.get("sessions", ())),
-                           frozenset(stats.get("blocks", ())))
+                           frozenset(stats.get("blocks", ())), stats.get("active", 0))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
