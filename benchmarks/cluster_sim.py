@@ -19,8 +19,8 @@ of the shared tier split its aggregate bandwidth. The next turn comes a think ti
 reply. Turns arriving from --warmup seconds to the last conversation's arrival are measured.
 Routers: kv (jkv.cluster's `rank_replicas`, each replica reporting what jkv.cluster.replica
 reports: the sessions it served and those its own tiers hold, not a shared tier's, and how
-many it served in the last minute; equal queues
-ranked by the session's rendezvous hash), pow2 (Ray Serve's default), prefix (Ray's
+many it served in the last minute; equal queues and counts ranked by the session's rendezvous
+hash), pow2 (Ray Serve's default), prefix (Ray's
 PrefixCacheAffinityRouter), random.
 
 Prints hit tokens by tier (shares of the history tokens the turns bring), TTFT, load skew and
