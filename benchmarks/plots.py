@@ -59,7 +59,8 @@ DOC_FIGURES: dict[str, tuple[str, ...]] = {
                     "cluster/cluster-cpu-2026-12-04-host-64mib.json",
                     "cluster/cluster-cpu-2026-12-04-kv-host-96-128mib.json",
                     "cluster/cluster-cpu-2026-12-04-pow2-prefix-host-96mib.json",
-                    "cluster/cluster-cpu-2026-12-04-kv-common-prefix-64-96mib.json"),
+                    "cluster/cluster-cpu-2026-12-04-kv-common-prefix-64-96mib.json",
+                    "cluster/cluster-cpu-2026-12-04-kv-common-prefix-128mib.json"),
     "cluster_sim.svg": ("cluster_sim/cluster_sim-2026-12-04.json",),
 }
 
