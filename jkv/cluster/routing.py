@@ -11,13 +11,14 @@ candidates. Among them a request goes to the one that served its session (of sev
 holding the longest prefix of its prompt: a conversation moved under load is held by both, its
 newer turns by the one it moved to), else to the one holding the longest prefix; a holder past
 the bound is passed over for the best holder within it, and where none within it holds
-anything, for the least loaded. A request no replica holds anything of starts a conversation
-whose KV will stay where it lands: it goes to the candidate with the shortest queue, of equal
-queues the one with the fewest active sessions (served in the last minute: the conversations
-whose history its memory must keep), as SGLang's and Ray's prefix routers send a request that
-matches nothing to the smallest tree. Equal ones are ranked by a hash of the request's key
-(its session, else its first block) with each replica's name (rendezvous hashing): new
-sessions spread evenly over idle replicas, where ranking by name piled them on the first.
+anything, for the least loaded. A request no replica holds more of than every replica does
+starts a conversation whose KV will stay where it lands: it goes to the candidate with the
+shortest queue, of equal queues the one with the fewest active sessions (served in the last
+minute: the conversations whose history its memory must keep), as SGLang's and Ray's prefix
+routers send a request that matches nothing to the smallest tree. Equal ones are ranked by a
+hash of the request's key (its session, else its first block) with each replica's name
+(rendezvous hashing): new sessions spread evenly over idle replicas, where ranking by name
+piled them on the first.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
     """Replica names in ranked groups, most preferred first (what a Ray Serve request
     router returns): [[the affine replica], [the others]], the affine one being, among the
     replicas within `bound` of the shortest queue, the best holder (`best_holder`, counting
-    only blocks past those every replica holds); for a request no replica holds anything of,
-    the shortest queue, then the fewest active sessions; else (only replicas past the
+    only blocks past those every replica holds); for a request none holds more of, the
+    shortest queue, then the fewest active sessions; else (only replicas past the
     bound hold it) every replica in one group from the least loaded."""
     if bound < 0:
         raise ValueError(f"bound must be >= 0 requests, got {bound}")
@@ -84,7 +85,7 @@ def rank_replicas(views: Sequence[ReplicaView], hashes: Sequence[bytes],
 
 
 def best_holder(views: Sequence[ReplicaView], hashes: Sequence[bytes],
-                session: str | None, common: int = 0) -> ReplicaView | None:
+                session: str | None, common: int) -> ReplicaView | None:
     """Of `views` (least loaded first), the one holding the request's session with the
     longest prefix of it, else the one holding the longest prefix; None where none holds
     the session or more than the `common` blocks every replica holds."""
