@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_session.sh 4    # the offloaded decode timed and traced (host view),
 #                                       # the layer-major prefill timed (limits: 220 s)
 #   bash benchmarks/gpu_session.sh 5    # serve_slo at Llama-3-8B shape (needs .whl carried:
+#       fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types,
+#       typing-inspection, opentelemetry-api and gguf, at the versions installed here
 #       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #       PYTHONPATH=/tmp/site bash benchmarks/gpu_session.sh 5)
 #   bash benchmarks/gpu_session.sh 6    # running requests' TPOT while a 4K history restores
@@ -23,11 +25,12 @@
 #                                       # tqdm, as the others)
 #   bash benchmarks/gpu_session.sh 11   # issue 55: shared coefficient pages' decode timed
 #                                       # beside k8v4 pages, their kernel tests (200 s)
-# Order: 5 (issue 15's acceptance at 8B shape: its first try, 2026-11-28, ran out at 560 s with
-# nothing written; it now writes after each setting, the acceptance pair first). 9 passed on
-# 2026-11-28 (the float16 rounding fix, compiled: 120 s); 8, 6 and 4 ran on 2026-11-28. Then 10
-# (issue 16: the GPU's decode rates, into the shipped profile's "gpu" entry).
-# Results and logs go to $OUT (the device tool's folder), else benchmarks/results/gpu_session/
+# Order: 2026-12-04 ran 5 (issue 15's acceptance at 8B shape: 448 s; it needs opentelemetry-api
+# carried too, which fastapi now imports), restore.py at 8B shape and shared_pages.py --time
+# (stopped at Llama-3-8B's shape: the kernel asked for more shared memory than a block has).
+# Next: 1's kv_budget step (LeanKV's 40-request budget table), 2 (tiering cost), 3's
+# decode_attention sweep, then 11 once the shared kernel fits Llama-3-8B's shape.
+# Results and logs go to $OUT where it is set, else benchmarks/results/gpu_session/
 # (each result then moves to its script's folder there, and only what a doc quotes is kept).
 # Each step has its own time limit, so one that hangs costs only its share.
 set -u

@@ -45,9 +45,9 @@ from jkv.models.params_cache import load_params
 from jkv.models.tokenizer import load_tokenizer
 from jkv.sched.scheduler import Request, Scheduler, generate_all
 from jkv.store.codec import decode, encode
+from jkv.store.entry_forms import HASHES
 from jkv.store.store import KVStore
 from jkv.store.verify import MARK, MARK_AT, distance, tolerance
-from jkv.store.writes import HASHES
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=1, temperature=0)

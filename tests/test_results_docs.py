@@ -4,6 +4,8 @@ kept under benchmarks/results/<script>/ is read by some doc, test or script (a r
 quotes is deleted; the history keeps it)."""
 
 import argparse
+import ast
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -123,3 +125,24 @@ def test_the_harness_writes_a_dated_result_with_its_plot_and_keeps_earlier_ones(
     again = harness.write_results(tmp_path, "kv_budget-cpu", {"rows": budget["rows"]}, args,
                                   over=second)
     assert again == second and json.loads(second.read_text())["rows"] == budget["rows"]
+
+
+
+def test_every_name_a_benchmark_imports_from_jkv_exists():
+    """Scripts run only where someone runs them (a GPU session found restore_verify.py
+    importing a name jkv had moved): each jkv module a script imports, and each name it
+    takes from one, must be there."""
+    missing = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                missing += [f"{path.name}: {a.name}" for a in node.names
+                            if a.name.startswith("jkv.") and importlib.util.find_spec(a.name)
+                            is None]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jkv"):
+                module = importlib.import_module(node.module)
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and not (
+                                hasattr(module, "__path__")
+                                and importlib.util.find_spec(f"{node.module}.{a.name}"))]
+    assert not missing, f"benchmark imports that do not resolve: {missing}"

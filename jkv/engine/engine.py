@@ -89,11 +89,10 @@ class Engine:
                                   max_tokens=self.max_model_len if layout.filling_scores
                                   else None, shape_step=shape_step, mesh=mesh)
         # how much of a split restore's shorter part (recompute or load) hides behind the
-        # longer (`restore_planning.split_share`): on a GPU the copies run on their own
-        # engine beside the compute (1); on CPU both take the same cores (0: never split
-        # there, as benchmarks/restore.py's split rows show); 0 where restores are whole.
-        cpu = jax.default_backend() == "cpu"
-        self.split_overlap = 0.0 if cpu or not self.connector.splits_restores else 1.0
+        # longer (`restore_planning.split_share`; 0: never split). 0 on every backend:
+        # benchmarks/restore.py's split rows were slower than the whole load on a CPU (both
+        # parts take the same cores) and on an H200 too (docs/results.md, CachedAttention)
+        self.split_overlap = 0.0
         # a CPU backend takes 64-byte aligned host arrays as they are (a restore's pages:
         # no copy in the step), so a store for this engine hands them over aligned
         self.aligned_host_arrays = jax.default_backend() == "cpu"
