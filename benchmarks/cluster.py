@@ -7,11 +7,13 @@ each prompt the replica it reached already held, TTFT, and how evenly the replic
         --host-cache-sizes 96MiB,128MiB --cluster-args "--max-num-seqs 4 --device-cache-bytes 16MiB"
 
 The workload is serve.py's (ShareGPT's turn counts and lengths; each turn resends the whole
-history, with a session id). Each router gets a fresh `python -m jkv.cluster` (no shared store:
-a replica holds only what it computed or stored itself). Per router: prefix hit tokens (the
-`cached_tokens` of every answer's usage: device prefix cache and host store), their share of
-all prompt tokens, TTFT p50/p99, the requests per replica (from `x-jkv-replica`) and the
-turns answered by another replica than their conversation's previous turn.
+history, with a session id). Each router gets a fresh `python -m jkv.cluster`: without
+`--shared-store` a replica holds only what it computed or stored itself; with it, the replicas
+share one store made empty for each run. Per router: prefix hit tokens (the `cached_tokens` of
+every answer's usage) and where they were found (the usage's `cached_tokens_by_tier`: device
+prefix cache, host tier, the store on disk), their share of all prompt tokens, TTFT p50/p99,
+the requests per replica (from `x-jkv-replica`) and the turns answered by another replica
+than their conversation's previous turn.
 `--host-cache-sizes` repeats the runs at each size of a replica's host tier: routing pays
 most where a replica's memory holds the conversations routed to it but not all of them.
 Writes benchmarks/results/cluster/cluster-<device>-<date>.json.
@@ -27,6 +29,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -40,14 +43,16 @@ from jkv.config_checks import parse_bytes
 ROUTERS = ("kv", "pow2", "prefix")
 
 
-def start_cluster(args, router: str, replicas: int,
-                  host_cache: str | None) -> tuple[subprocess.Popen, str]:
+def start_cluster(args, router: str, replicas: int, host_cache: str | None,
+                  store_dir: str | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "jkv.cluster", "--port", str(port), "--router", router,
            "--replicas", str(replicas), "--max-model-len", str(args.max_model_len),
            "--log-level", "warning", *shlex.split(args.cluster_args)]
     if host_cache is not None:
         cmd += ["--host-cache-bytes", host_cache]
+    if store_dir is not None:
+        cmd += ["--store-dir", store_dir]
     proc = subprocess.Popen(cmd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(proc, cmd, base, args.startup_timeout,
@@ -86,7 +91,8 @@ async def one_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
     details = (usage or {}).get("prompt_tokens_details") or {}
     return {"ttft": (first or time.perf_counter()) - t0, "replica": replica,
             "prompt_tokens": (usage or {}).get("prompt_tokens", 0),
-            "cached_tokens": details.get("cached_tokens", 0)}
+            "cached_tokens": details.get("cached_tokens", 0),
+            "cached_by_tier": details.get("cached_tokens_by_tier") or {}}
 
 
 async def conversation(client, model: str, conv: dict, start: float, args, out: list) -> None:
@@ -125,9 +131,13 @@ def summary(router: str, replicas: int, results: list[dict], wall_s: float) -> d
         last[r["session"]] = r["replica"]
     ttft = [r["ttft"] for r in ok]
     hit, prompt = sum(r["cached_tokens"] for r in ok), sum(r["prompt_tokens"] for r in ok)
+    by_tier: Counter = Counter()
+    for r in ok:
+        by_tier.update(r["cached_by_tier"])
     return {"router": router, "replicas": replicas, "wall_s": wall_s,
             "turns": len(results), "errors": len(results) - len(ok),
-            "prefix_hit_tokens": hit, "prompt_tokens": prompt,
+            "prefix_hit_tokens": hit, "hit_tokens_by_tier": dict(by_tier),
+            "prompt_tokens": prompt,
             "hit_share": hit / prompt if prompt else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
             "ttft_p99_s": float(np.percentile(ttft, 99)) if ttft else None,
@@ -158,6 +168,9 @@ def main() -> None:
     ap.add_argument("--host-cache-sizes", default="",
                     help="comma-separated sizes of each replica's host tier (--host-cache-bytes), "
                          "each run with every router; empty: as --cluster-args says")
+    ap.add_argument("--shared-store", action=argparse.BooleanOptionalAction, default=False,
+                    help="the replicas share one store on disk (--store-dir), empty for each "
+                         "run")
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per HTTP request")
     ap.add_argument("--startup-timeout", type=float, default=300,
@@ -203,22 +216,26 @@ def run_cluster(args, router: str, replicas: int, host_cache: str | None,
     replica's host tier, or None), the whole workload through it: its summary row, or the
     error that kept it from starting (the other runs go on)."""
     row: dict = {"router": router, "replicas": replicas, "host_cache": host_cache,
-                 "host_cache_bytes": parse_bytes(host_cache) if host_cache else None}
-    try:
-        proc, base = start_cluster(args, router, replicas, host_cache)
-    except SystemExit as e:
-        return {**row, "error": str(e)}
-    try:
-        t0 = time.perf_counter()
-        results = asyncio.run(run(base, convs, args))
-        return {**row, **summary(router, replicas, results, time.perf_counter() - t0)}
-    finally:
-        stop_cluster(proc)
+                 "host_cache_bytes": parse_bytes(host_cache) if host_cache else None,
+                 "shared_store": args.shared_store}
+    with tempfile.TemporaryDirectory(prefix="jkv-cluster-store-") as tmp:
+        try:
+            proc, base = start_cluster(args, router, replicas, host_cache,
+                                       tmp if args.shared_store else None)
+        except SystemExit as e:
+            return {**row, "error": str(e)}
+        try:
+            t0 = time.perf_counter()
+            results = asyncio.run(run(base, convs, args))
+            return {**row, **summary(router, replicas, results, time.perf_counter() - t0)}
+        finally:
+            stop_cluster(proc)
 
 
 def label(r: dict) -> str:
     size = f", host {r['host_cache']}" if r.get("host_cache") else ""
-    return f"{r['router']} x{r['replicas']}{size}"
+    store = ", shared store" if r.get("shared_store") else ""
+    return f"{r['router']} x{r['replicas']}{size}{store}"
 
 
 def print_row(r: dict) -> None:
@@ -226,7 +243,8 @@ def print_row(r: dict) -> None:
         print(f"{label(r)}: {r['error']}", flush=True)
         return
     print(f"{label(r)}: hit tokens {r['prefix_hit_tokens']:>7} ({r['hit_share']:.1%} of "
-          f"{r['prompt_tokens']}), TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} "
+          f"{r['prompt_tokens']}; {r['hit_tokens_by_tier']}), TTFT p50 {r['ttft_p50_s']:.2f} s "
+          f"p99 {r['ttft_p99_s']:.2f} "
           f"s, per replica {r['requests_per_replica']}, moved turns {r['moved_turns']}, "
           f"errors {r['errors']}, "
           f"{r['wall_s']:.0f} s", flush=True)

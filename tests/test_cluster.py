@@ -102,17 +102,18 @@ def session_turns(base: str, model: str) -> tuple[dict, dict]:
     return first, {s: ask(base, model, s, turn_messages(s, 2)) for s in first}
 
 
-def next_turns(base: str, model: str, second: dict) -> list[float]:
+def next_turns(base: str, model: str, second: dict) -> dict[str, tuple[float, float]]:
     """Each session's third turn (its second turn, the answer and one more question), after
-    the replica that held it was killed: the share of its prompt read from a cache (the
-    shared store, where the replica's own memory is gone)."""
-    shares = []
+    the replica that held it was killed: the share of its prompt read from a cache, and
+    the share read from the shared store (where the replica's own memory is gone)."""
+    shares = {}
     for session, (_, answer) in second.items():
         messages = turn_messages(session, 2) + [answer["choices"][0]["message"],
                                        {"role": "user", "content": "Say 3."}]
         usage = ask(base, model, session, messages)[1]["usage"]
-        shares.append(usage["prompt_tokens_details"]["cached_tokens"]
-                      / usage["prompt_tokens"])
+        details = usage["prompt_tokens_details"]
+        shares[session] = (details["cached_tokens"] / usage["prompt_tokens"],
+                           details["cached_tokens_by_tier"]["disk"] / usage["prompt_tokens"])
     return shares
 
 
@@ -147,7 +148,9 @@ def test_two_replicas_answer_the_client_as_the_server_does_and_keep_sessions(tmp
     assert killed["stream"] in ("error", "cut short") and killed["seconds"] < 30
     assert killed["after"] == 200
     assert second["a"][0].endswith(f":{killed['pid']}")  # (its session's replica)
-    assert min(shares) > 0.5, shares
+    assert min(cached for cached, _ in shares.values()) > 0.5, shares
+    lost = [s for s, (replica, _) in second.items() if replica == second["a"][0]]
+    assert min(shares[s][1] for s in lost) > 0.5, shares  # (from the shared store)
 
 
 def kill_mid_stream(base: str, model: str, session: str) -> dict:

@@ -204,6 +204,9 @@ def test_usage_reports_the_prompt_tokens_found_cached(srv):
     page = srv.llm.engine.cache.page_size
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert page <= cached < again.usage.prompt_tokens and cached % page == 0
+    # (beyond OpenAI's fields: where they were found, here all on the device)
+    by_tier = again.usage.prompt_tokens_details.model_extra["cached_tokens_by_tier"]
+    assert by_tier["device"] == cached == sum(by_tier.values())
     *_, usage = srv.client.completions.create(
         model=srv.name, prompt=prompt, max_tokens=2, temperature=0, stream=True,
         stream_options={"include_usage": True})

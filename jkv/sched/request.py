@@ -65,6 +65,7 @@ class Request:
     num_preemptions: int = 0
     # prompt tokens found cached (device prefix cache or store) when first admitted
     cached_tokens: int | None = None
+    cached_by_tier: dict[str, int] | None = None  # of which from the device, and each store tier
     cancelled: bool = False  # set from any thread; the loop aborts it at its next step
 
     @property

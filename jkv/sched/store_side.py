@@ -274,7 +274,8 @@ class StoreSide:
             self.store.reader.quarantine(check.key)
             self.engine.close(st.slot, finished=False, keep=False)
             st.preempted()
-            st.computed_before, st.abandoned, r.cached_tokens = 0, True, None
+            st.computed_before, st.abandoned = 0, True
+            r.cached_tokens = r.cached_by_tier = None
             failed.append(r)
         return failed
 

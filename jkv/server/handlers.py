@@ -191,7 +191,7 @@ class Server:
                       "finish_reason": t.finish_reason}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": self.name, "choices": [choice],
-                "usage": _usage(len(ids), len(t.token_ids), handle.cached_tokens)}
+                "usage": _usage(len(ids), len(t.token_ids), handle)}
 
     async def _finished(self, request: Request, rid: str, handle,
                         queue: asyncio.Queue):
@@ -286,7 +286,7 @@ class Server:
             request.state.completion_tokens = len(t.token_ids)
             yield chunk(finish=t.finish_reason, entries=t.take_logprobs())
             if include_usage:
-                yield chunk(usage=_usage(len(ids), len(t.token_ids), handle.cached_tokens),
+                yield chunk(usage=_usage(len(ids), len(t.token_ids), handle),
                             choices=False)
         except APIError as e:
             request.state.stream_error = e.message
@@ -300,11 +300,14 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
-def _usage(prompt: int, completion: int, cached: int | None) -> dict:
-    """OpenAI's usage, with the prompt tokens whose KV was found cached (device or store)."""
+def _usage(prompt: int, completion: int, handle) -> dict:
+    """OpenAI's usage, with the prompt tokens whose KV was found cached (device or store)
+    and, beyond OpenAI's fields, how many of them came from each tier."""
+    details = {"cached_tokens": handle.cached_tokens or 0}
+    if handle.cached_by_tier is not None:
+        details["cached_tokens_by_tier"] = handle.cached_by_tier
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached or 0}}
+            "total_tokens": prompt + completion, "prompt_tokens_details": details}
 
 
 class _Stream(StreamingResponse):
