@@ -127,7 +127,6 @@ def test_the_harness_writes_a_dated_result_with_its_plot_and_keeps_earlier_ones(
     assert again == second and json.loads(second.read_text())["rows"] == budget["rows"]
 
 
-
 def test_every_name_a_benchmark_imports_from_jkv_exists():
     """Scripts run only where someone runs them (a GPU session found restore_verify.py
     importing a name jkv had moved): each jkv module a script imports, and each name it
