@@ -26,8 +26,9 @@ from jkv.engine.layer_major import LayerMajor
 from jkv.engine.records import EngineStats, Sampled, check_row_sizes, sampled_rows
 from jkv.engine.row_connector import RowConnector
 from jkv.engine.runner import ModelRunner, Row, unchanged_layer
-from jkv.engine.sampling import SamplingParams, counter_key, seed_key
+from jkv.engine.sampling import counter_key, seed_key
 from jkv.engine.saved_pages import SavedPages, split_chunk
+from jkv.engine.split_recompute import recompute_split
 from jkv.kv.layer_offload import LayerOffload, resident_layers
 from jkv.kv.manager import KVCacheManager
 from jkv.kv.row_layer_offload import RowLayerOffload
@@ -204,26 +205,12 @@ class Engine:
         held = self.connector.restore(slot, first, saved, token_ids, loaded_from)
         if held > first * ps:
             if loaded_from is not None:
-                self._recompute(slot, token_ids, first, loaded_from)
+                shapes, tokens = recompute_split(self.runner, self.cache, slot, token_ids,
+                                                 first, loaded_from, self.prefill_chunk)
+                self.stats.step_shapes |= shapes
+                self.stats.recomputed_tokens += tokens
             self.connector.write_due(slot)
         return held
-
-    def _recompute(self, slot: int, token_ids: Sequence[int], first: int,
-                   loaded_from: np.ndarray) -> None:
-        """Dispatch a split restore's recomputed part: blocks [lo, hi) through the layers
-        that do not load them, in prompt order, each call ending at its depth."""
-        ps, c = self.page_size, self.cache
-        edges = sorted({first, *(int(b) for b in loaded_from)})
-        key, sampling = np.zeros(2, np.uint32), SamplingParams()
-        for lo, hi in zip(edges, edges[1:], strict=False):
-            depth = int(np.sum(loaded_from >= hi))
-            for a in range(lo * ps, hi * ps, self.prefill_chunk):
-                row = Row(slot, token_ids[a:min(hi * ps, a + self.prefill_chunk)], sampling, key)
-                batch = self.runner.batch([row], [a])
-                self.stats.step_shapes.add(batch.shape)
-                c.run_model(lambda pool, filling, pages, _, b=batch, d=depth:
-                            (None, *self.runner.run_layers(pool, filling, pages, b, d), None))
-            self.stats.recomputed_tokens += (hi - lo) * ps * depth / self.cfg.num_layers
 
     def close(self, slot: int, finished: bool = True, keep: bool = True) -> None:
         """End the sequence in `slot`: what its layout keeps (full blocks in the prefix

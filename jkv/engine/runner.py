@@ -339,14 +339,6 @@ class ModelRunner:
             out = (*out, *self._positions(self.params, x, batch.targets))
         return out, pool, filling, meta
 
-    def run_layers(self, pool: KVPages, filling: FillingPages, table_pages: jax.Array,
-                   batch: Batch, num_layers: int) -> tuple[KVPages, FillingPages]:
-        """Layers [0, num_layers) only (no tiers), for their KV: nothing is sampled. A split
-        restore's recomputed blocks (deeper layers load theirs). Dispatched, not awaited."""
-        _, pool, filling, _ = self._layers(pool, filling, None, table_pages, None, batch,
-                                           num_layers, None, None)
-        return pool, filling
-
     def _layers(self, pool, filling, meta, table_pages, slot_tiers, batch: Batch, num_layers: int,
                 before_layer: LayerHook | None, after_layer: LayerHook | None) -> tuple:
         x, inputs = self.embed(batch)

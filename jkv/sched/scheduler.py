@@ -342,13 +342,7 @@ class Scheduler:
         st.resident = plan.resident.get(r.request_id)
         st.layers_done = 0 if r.request_id in plan.layer_major else None
         self.stats.layer_major_prefills += st.layers_done is not None
-        device, stored = self.engine.stats.prefix_hit_tokens, dict(self.stats.restored_tokens)
-        st.num_computed = self.side.open(r)
-        if r.cached_tokens is None:  # (what OpenAI's usage reports as cached_tokens)
-            r.cached_tokens = min(st.num_computed, len(r.prompt))
-            r.cached_by_tier = {"device": self.engine.stats.prefix_hit_tokens - device,
-                                **{t: n - stored.get(t, 0)
-                                   for t, n in self.stats.restored_tokens.items()}}
+        st.num_computed = self.side.open(r)  # (and r.cached_tokens where still unset)
         if r.admit_time is None:
             r.admit_time = now
         self.stats.recomputed_tokens += max(0, st.computed_before - st.num_computed)

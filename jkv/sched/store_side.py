@@ -121,7 +121,8 @@ class StoreSide:
 
     def open(self, r: Request) -> int:
         """Give `r` a slot; its held prefix comes from the device prefix cache and, for a
-        store hit, from the store (a hit that cannot be loaded is recomputed)."""
+        store hit, from the store (a hit that cannot be loaded is recomputed). At its first
+        admission, what OpenAI's usage reports as cached_tokens is set, with its tiers."""
         eng, st = self.engine, self._state[r]
         hit, restore, mark = st.hit, None, None
         if hit is not None:
@@ -146,7 +147,7 @@ class StoreSide:
                 restore = None
             if restore is None:
                 self.stats.store_misses += 1
-        before = eng.stats.restored_tokens
+        before, device = eng.stats.restored_tokens, eng.stats.prefix_hit_tokens
         try:
             # no more of the device cache than planned: a row kept by this step's own
             # preemption was not in the plan's page count
@@ -173,6 +174,9 @@ class StoreSide:
                 st.check = plan_check(None if st.rebase else mark, r.tokens, cached, tol,
                                       hit.key, hit.tier, restored)
                 self.stats.restores_unverified += st.check is None
+        if r.cached_tokens is None:
+            _set_cached(r, cached, eng.stats.prefix_hit_tokens - device,
+                        None if hit is None else hit.tier, eng.stats.restored_tokens - before)
         st.admitted()
         return cached
 
@@ -278,6 +282,15 @@ class StoreSide:
             r.cached_tokens = r.cached_by_tier = None
             failed.append(r)
         return failed
+
+
+def _set_cached(r: Request, cached: int, device: int, tier: str | None, restored: int) -> None:
+    """What OpenAI's usage reports as `r`'s cached_tokens, and how many of them came from
+    the device and from the store's tier `tier`."""
+    r.cached_tokens = min(cached, len(r.prompt))
+    r.cached_by_tier = {"device": device, "host": 0, "disk": 0}
+    if tier is not None:
+        r.cached_by_tier[tier] = restored
 
 
 def _without(rows: list, out: list, failed: list[Request]) -> tuple[list, list]:
