@@ -92,7 +92,8 @@ class Engine:
         # how much of a split restore's shorter part (recompute or load) hides behind the
         # longer (`restore_planning.split_share`; 0: never split). 0 on every backend:
         # benchmarks/restore.py's split rows were slower than the whole load on a CPU (both
-        # parts take the same cores) and on an H200 too (docs/results.md, CachedAttention)
+        # parts take the same cores) and on an H200 too (docs/results.md, CachedAttention;
+        # timed before the recomputed part went layer-major: benchmarks/gpu_session.sh 1)
         self.split_overlap = 0.0
         # a CPU backend takes 64-byte aligned host arrays as they are (a restore's pages:
         # no copy in the step), so a store for this engine hands them over aligned
