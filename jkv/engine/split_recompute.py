@@ -1,11 +1,11 @@
 """Krul's split restore, its recomputed part: layer l recomputes the restored blocks before
 its edge (`saved_pages.pyramid`), the deeper layers loading the rest.
 
-It runs layer-major: the blocks up to the deepest edge are embedded in prefill-chunk calls,
-then each layer runs every call that starts before its own edge, its weights taken once for
-all of them. A call crossing an edge computes a little past it; the loads, written after,
-put the stored KV there. Band by band, each band through the layers that recompute it, the
-same split made several times as many calls, each of a fraction of a chunk."""
+It runs layer-major: the blocks up to layer 0's edge (the furthest) are embedded in
+prefill-chunk calls, then each layer runs every call that starts before its own edge, its
+weights taken once for all of them, so a split makes about as many calls as the layers times
+the chunks they recompute. A call crossing an edge computes a little past it; the loads,
+written after, put the stored KV there. A call no layer runs any more is let go."""
 
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ def recompute_split(runner: ModelRunner, cache: KVCacheManager, slot: int,
 
     def through_layers(pool, filling, pages, _tiers):
         for index, edge in enumerate(loaded_from):
-            due = [call for call in calls if call[0] < int(edge) * ps]
-            if not due:
+            calls[:] = [call for call in calls if call[0] < int(edge) * ps]  # (edges never grow)
+            if not calls:
                 break
             weights = runner.layer_weights(index)
-            for call in due:
+            for call in calls:
                 call[1], pool, filling, _ = runner.layer(index, pool, filling, pages, call[1],
                                                          call[2], weights=weights)
         return None, pool, filling, None

@@ -142,7 +142,7 @@ def saved_front(blocks: int, page_size: int, nbytes: int, rates: RestoreRates,
     """Krul's lossless saving (6.2): the blocks [0, b_l) of each layer l that a split
     restore of a new entry of `blocks` blocks (`nbytes` in the pool) would recompute, so the
     entry need not keep them; None where no split pays by the measured rates (unmeasured,
-    or `split_share` gives 0: on a CPU, where a split only interpolates, never). Planned as
+    or `split_share` gives 0: at `Engine.split_overlap` 0, as now on every backend). Planned as
     `plan_restore` would plan restoring it whole from the host tier, whose read is the
     fastest: a slower read only recomputes more."""
     read_rate = rates.read_bytes_per_s.get("host", 0.0)
