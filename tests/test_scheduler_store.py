@@ -27,6 +27,13 @@ def params():
     return random_params(TINY, seed=11, dtype=jnp.float32)
 
 
+# The prompts of the tests restoring k4v2t entries: their verified restores' honest distance on
+# this tiny random model (0.10-0.20 over 30 prompts, once 0.248 in CI) can reach the
+# tolerance measured on SmolLM2 (0.24), and the recompute a false alarm causes would take
+# the hits these tests count.
+LOSSY_SEED = 0
+
+
 def engine(params, **kw) -> Engine:
     kw = {"max_model_len": 96, "max_num_seqs": 4, "prefill_chunk": 16,
           "enable_prefix_caching": False, **kw}
@@ -360,7 +367,7 @@ def test_adaptcache_and_a_fixed_small_form_keep_more_histories_in_host_memory(pa
         "methods": {"k8v4t": [{"rate": 0.44, "quality": {"chat": 0.99}, "family": "q"}],
                     "k4v2t": [{"rate": 0.22, "quality": {"chat": 0.94}, "family": "q"}],
                     "streaming": [{"rate": 0.5, "quality": {"chat": 0.9}}]}}))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(LOSSY_SEED)
     firsts = [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(36, 44, 4)]
     budget = 200_000  # float32 KV of one history is ~100 KB: two fit whole, four do not
     outcome = {}
@@ -399,7 +406,7 @@ def test_a_conversation_restored_from_a_smaller_form_goes_on_in_it(params):
     """Turn 2 restores turn 1's history from a k4v2t store (approximate KV): its own save adds
     the blocks it computed over it, marked approximate, so turn 3 restores both turns'
     history, not turn 1's alone (a lossy store would otherwise lose a conversation's depth)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(LOSSY_SEED)
     eng = engine(params)
     sched = Scheduler(eng, SchedulerConfig(restore_planning=False),
                       store=StoreConfig(host_cache_bytes=1 << 24, store_kv_format="k4v2t"))
