@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jkv.kv.quant import unpack
+from jkv.kv.quant import codes_per_byte, unpack
 from jkv.kv.shared_pages import CoefficientPages, LayerBases, part_width
 from jkv.pallas_kernels.page_blocks import (
     _dequantize,
@@ -51,6 +51,39 @@ def _coefficients(ref, scale_ref, zero_ref, pages, bits: int, part: int, width: 
                        per_token=False, group=1)
 
 
+def _rebuild_keys(kc_ref, ks_ref, kz_ref, kb_ref, kr_ref, km_ref, kmr_ref, pages,
+                  bits: int, width: int, basis_dtype) -> tuple[jax.Array, jax.Array]:
+    """The keys of pages [ppb] before their rotation, and their rotate-half, float32 [ppb *
+    page, D]: the mean plus the coefficients times the basis, `width` rank columns a dot.
+    The rank is walked in a loop over the packed byte columns (each load's codes unpacked
+    into every part it holds), not unrolled: unrolled, each part's basis slice is the same
+    at every block of pages, so the compiler hoists every slice out of the loop over blocks
+    and keeps all of them in shared memory at once (at Llama-3-8B's shape, three times
+    what a block has)."""
+    page = kc_ref.shape[1]
+    rows = pages.shape[0] * page
+    per_byte = codes_per_byte(bits) if bits < 16 else 1
+    spans = kc_ref.shape[-1] // width  # byte columns of `width` codes in a packed row
+
+    def span(o, acc):
+        key, half = acc
+        codes = kc_ref[pages, :, pl.ds(o * width, width)].reshape(rows, width)
+        for shift in range(per_byte):
+            part = shift * spans + o
+            c = codes if per_byte == 1 else (codes >> (bits * shift)) & ((1 << bits) - 1)
+            c = (c.astype(jnp.float32) if bits == 16 else _dequantize(
+                c, ks_ref, kz_ref, pages, part, width, page=page, per_token=False, group=1))
+            c = c.astype(basis_dtype)
+            key += _dot(c, kb_ref[pl.ds(part * width, width), :].astype(basis_dtype))
+            half += _dot(c, kr_ref[pl.ds(part * width, width), :].astype(basis_dtype))
+        return key, half
+
+    d = kb_ref.shape[1]
+    start = (km_ref[...] + jnp.zeros((rows, d), jnp.float32),
+             kmr_ref[...] + jnp.zeros((rows, d), jnp.float32))
+    return lax.fori_loop(0, spans, span, start)
+
+
 def _kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kt_ref, vt_ref, len_ref,
             inv_ref, kb_ref, kr_ref, km_ref, kmr_ref, vb_ref, vm_ref, o_ref, l_ref, m_ref, *,
             k_bits: int, v_bits: int, pages_per_block: int, rank_block: int, sm_scale: float):
@@ -64,7 +97,7 @@ def _kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kt_ref, vt_re
     ppb = pages_per_block
     wk = min(part_width(ks_ref.shape[1], k_bits), rank_block)  # rank columns per dot
     wv = min(part_width(vs_ref.shape[1], v_bits), rank_block)
-    nk, nv = ks_ref.shape[1] // wk, vs_ref.shape[1] // wv
+    nv = vs_ref.shape[1] // wv
     basis_dtype = kb_ref.dtype if q_ref.dtype != jnp.float32 else jnp.float32
     q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(q_ref.dtype)
     length, first_position = len_ref[0], len_ref[1]
@@ -81,14 +114,8 @@ def _kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kt_ref, vt_re
         pages = jnp.where(held, kt_ref[pl.ds(col, ppb)], 0)
         v_pages = jnp.where(held, vt_ref[pl.ds(col, ppb)], 0)
         token = col * page + jnp.arange(ppb * page)
-        loaded: dict = {}
-        key = km_ref[...] + jnp.zeros((ppb * page, d), jnp.float32)
-        half = kmr_ref[...] + jnp.zeros((ppb * page, d), jnp.float32)
-        for i in range(nk):
-            c = coefficients(kc_ref, ks_ref, kz_ref, pages, k_bits, i, wk, loaded)
-            c = c.astype(basis_dtype)
-            key += _dot(c, kb_ref[pl.ds(i * wk, wk), :].astype(basis_dtype))
-            half += _dot(c, kr_ref[pl.ds(i * wk, wk), :].astype(basis_dtype))
+        key, half = _rebuild_keys(kc_ref, ks_ref, kz_ref, kb_ref, kr_ref, km_ref, kmr_ref,
+                                  pages, k_bits, wk, basis_dtype)
         angle = (first_position + token).astype(jnp.float32)[:, None] * inv_ref[...]
         key = key * jnp.cos(angle) + half * jnp.sin(angle)
         logits = dot_t(q, key.astype(q.dtype))

@@ -1,0 +1,163 @@
+"""Shared memory each Pallas kernel asks for on an NVIDIA GPU, found without one: the Triton IR
+JAX lowers a kernel to for CUDA, compiled by the `triton` package for a Hopper target. A kernel
+that asks for more than a block has fails when XLA compiles it on the GPU, after the machine's
+start has been paid; this finds it on a CPU first.
+
+    pip install triton                               # the compiler only: no GPU needed
+    python benchmarks/triton_smem.py                 # both kernels at Llama-3-8B's shape
+    python benchmarks/triton_smem.py --kernels shared --shape smollm2 --stages 1,2
+
+XLA compiles the same IR with its own copy of Triton, whose passes may differ from the
+package's: read the figures across `--stages` (one stage: no software pipelining, so loads
+the loop does not vary stay hoisted out of it) as the range to expect, not as XLA's number.
+It reads the IR through a private JAX hook (`jax._src.pallas.triton.lowering`), so a JAX
+release may move it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK_LIMIT = 232_448  # bytes of shared memory one block may use on an H100 or H200
+SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, dim
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+path, warps, stages, cc = sys.argv[1], *map(int, sys.argv[2:5])
+kernel = triton.compile(path, target=GPUTarget("cuda", cc, 32),
+                        options={"num_warps": warps, "num_stages": stages})
+print(json.dumps({"shared": kernel.metadata.shared}))
+"""
+
+
+def triton_ir(fn, *args) -> list[str]:
+    """The Triton modules (text) that tracing `fn(*args)` for CUDA lowers its Pallas calls to."""
+    from jax._src.pallas.triton import lowering, pallas_call_registration
+
+    modules, lower = [], lowering.lower_jaxpr_to_triton_module
+
+    def keep(*a, **kw):
+        result = lower(*a, **kw)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
+    return modules
+
+
+def shared_bytes(module: str, num_warps: int, num_stages: int, cc: int = 90) -> int:
+    """Bytes of shared memory `module` asks for, compiled by the `triton` package (in a
+    process of its own: its LLVM and jaxlib's are kept apart)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
+        f.write(module)
+    try:
+        env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
+        done = subprocess.run([sys.executable, "-c", _COMPILE, f.name, str(num_warps),
+                               str(num_stages), str(cc)], capture_output=True, text=True,
+                              env=env, timeout=600)
+    finally:
+        os.unlink(f.name)
+    if done.returncode:
+        raise RuntimeError(f"triton could not compile the kernel:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["shared"]
+
+
+def shared_kernel(shape: str, pages_per_block: int, num_warps: int, num_stages: int):
+    """`shared_pages_attention` at `shape`, one layer per group, ranks at k8v4's bytes (as
+    benchmarks/shared_pages.py times it): the function and its arguments."""
+    from shared_pages import PAGE, coefficient_pool, costs
+
+    from jkv.kv.shared_pages import LayerBases, page_width
+    from jkv.pallas_kernels.shared_pages_attention import shared_pages_attention
+
+    rng = np.random.default_rng(0)
+    hq, hkv, d = SHAPES[shape]
+    rank = costs(hq, hkv, d, 1)["shared pages"]["rank"]
+    w, width = page_width(rank, 8), 2 * pages_per_block
+    q = jnp.asarray(rng.standard_normal((1, 1, hq, d)), jnp.bfloat16)
+    k_pool, v_pool = (coefficient_pool(rng, width + 1, rank) for _ in range(2))
+    bases = LayerBases(*(jnp.zeros(s, dt) for s, dt in [
+        ((1, w, hkv * d), jnp.float16), ((1, hkv * d), jnp.float32),
+        ((1, w, hkv * d), jnp.float16), ((1, hkv * d), jnp.float32)]))
+    table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
+    lengths = jnp.full((1,), width * PAGE, jnp.int32)
+    inv = jnp.ones((d // 2,), jnp.float32)
+    fn = functools.partial(shared_pages_attention, pages_per_block=pages_per_block,
+                           num_warps=num_warps, num_stages=num_stages)
+    return fn, (q, k_pool, v_pool, bases, table, table, lengths, jnp.zeros_like(lengths), inv)
+
+
+def decode_kernel(shape: str, fmt: str, pages_per_block: int, num_warps: int,
+                  num_stages: int):
+    """`paged_decode_attention` over `fmt` pages of 16 tokens at `shape`."""
+    from jkv.kv.format import KV_FORMATS
+    from jkv.kv.pages import KVPages
+    from jkv.pallas_kernels.paged_decode_attention import paged_decode_attention
+
+    hq, hkv, d = SHAPES[shape]
+    width = 2 * pages_per_block
+    k = jnp.zeros((hkv * width + 1, 16, d), jnp.bfloat16)
+    pages = KVPages.from_dense(k, k, KV_FORMATS[fmt])
+    table = jnp.arange(1, hkv * width + 1, dtype=jnp.int32).reshape(1, hkv, width)
+    fn = functools.partial(paged_decode_attention, pages_per_block=pages_per_block,
+                           num_warps=num_warps, num_stages=num_stages)
+    return fn, (jnp.zeros((1, hq, d), jnp.bfloat16), pages, table,
+                jnp.full((1, hkv), width * 16, jnp.int32))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", default="shared,decode",
+                    help="kernels to compile: shared (shared_pages_attention), decode "
+                         "(paged_decode_attention, one row per format)")
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES),
+                    help="the model whose heads and head dim the kernels get")
+    ap.add_argument("--formats", default="bf16,int8,k8v4,int4,k4v2",
+                    help="the decode kernel's page formats")
+    ap.add_argument("--ppbs", default="1,4", help="pages per block, comma-separated")
+    ap.add_argument("--warps", default="4", help="Triton warps per program, comma-separated")
+    ap.add_argument("--stages", default="1,2,3", help="Triton pipeline stages, comma-separated")
+    ap.add_argument("--cc", type=int, default=90, help="compute capability (90: Hopper)")
+    args = ap.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    settings = [(p, w) for p in ints(args.ppbs) for w in ints(args.warps)]
+    cases = []
+    for kernel in args.kernels.split(","):
+        names = args.formats.split(",") if kernel == "decode" else [None]
+        cases += [(kernel, fmt, p, w) for fmt in names for p, w in settings]
+    print(f"{'kernel':8} {'format':6} {'ppb':>3} {'warps':>5} "
+          + " ".join(f"{'stages ' + str(s):>14}" for s in ints(args.stages)))
+    over = 0
+    for kernel, fmt, ppb, warps in cases:
+        cells = []
+        for stages in ints(args.stages):
+            fn, operands = (shared_kernel(args.shape, ppb, warps, stages) if kernel == "shared"
+                            else decode_kernel(args.shape, fmt, ppb, warps, stages))
+            nbytes = max(shared_bytes(m, warps, stages, args.cc)
+                         for m in triton_ir(fn, *operands))
+            over += nbytes > BLOCK_LIMIT
+            cells.append(f"{nbytes:>12,}{'!' if nbytes > BLOCK_LIMIT else ' '} ")
+        print(f"{kernel:8} {fmt or '-':6} {ppb:>3} {warps:>5} " + " ".join(cells), flush=True)
+    print(f"bytes of shared memory per block; '!': over the {BLOCK_LIMIT:,} a block has "
+          f"({over} settings)")
+
+
+if __name__ == "__main__":
+    main()
