@@ -45,8 +45,11 @@ def run(eng: Engine, prompt: list[int], restore=None, new: int = 8, recompute: f
     return out, slot, cached
 
 
-@pytest.mark.parametrize("kv_format,execution", [("auto", "scan"), ("k8v4", "layerwise")])
-def test_restored_pages_give_the_recomputed_tokens(params, kv_format, execution):
+# (layerwise without join_copies: a layer's strided pages go to the device as they are, as
+# on a GPU)
+@pytest.mark.parametrize("kv_format,execution,join_copies", [
+    ("auto", "scan", True), ("k8v4", "layerwise", True), ("k8v4", "layerwise", False)])
+def test_restored_pages_give_the_recomputed_tokens(params, kv_format, execution, join_copies):
     rng = np.random.default_rng()
     history = rng.integers(0, 512, 45).tolist()
     first = engine(params, kv_format)
@@ -59,6 +62,7 @@ def test_restored_pages_give_the_recomputed_tokens(params, kv_format, execution)
     # a rate known: layerwise restores go through the buffer,
     fresh.connector.load_bytes_per_s = 1e9
     fresh.connector.read_buffer_layers = lambda *_: 1  # each layer's pages one layer ahead
+    fresh.connector.join_copies = join_copies
     restored, _, _ = run(fresh, follow_up, restore=saved)
     assert fresh.stats.restored_tokens == saved.num_blocks * 8
     assert fresh.stats.prefill_tokens == len(follow_up) - saved.num_blocks * 8
@@ -110,11 +114,13 @@ def test_read_buffer_follows_the_papers_formula(params):
     assert eng.read_buffer_layers(4 * 10**7, 2500) == 3
 
 
-def test_after_warmup_saving_and_restoring_compile_nothing(params):
+@pytest.mark.parametrize("join_copies", [True, False])
+def test_after_warmup_saving_and_restoring_compile_nothing(params, join_copies):
     from jkv.kv.transfer import gather_pages, scatter_pages, slot_page_ids
 
     rng = np.random.default_rng()
     eng = engine(params, execution="layerwise", enable_prefix_caching=False)
+    eng.connector.join_copies = join_copies  # (False: a GPU's way)
     eng.connector.warmup()
     fns = (gather_pages, scatter_pages, slot_page_ids)
     before = [f._cache_size() for f in fns]

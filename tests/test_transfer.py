@@ -65,6 +65,32 @@ def test_a_flat_run_writes_what_its_unjoined_run_writes_and_views_its_host_array
         np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(x))
 
 
+def test_a_strided_run_is_joined_by_a_copy_or_left_as_it_is():
+    """One layer of a run of every layer's pages [blocks, layers, heads] joins only by a
+    copy: made by default (a CPU's way), left to the device copy without `join_copies` (a
+    GPU's), and either way the same pages are written; a run that joins as a view is joined
+    both ways."""
+    rng = np.random.default_rng()
+    fmt = KV_FORMATS["k8v4"]
+    pages = jax.device_get(gather_pages(random_pool(rng, fmt), jnp.asarray(
+        1 + rng.permutation(39)[:24].reshape(3, 2, 4), jnp.int32)))
+    layer = pages.layer(1)  # [3, 4, ...], strided
+    to = np.asarray(1 + rng.permutation(39)[:12].reshape(3, 4), np.int32)
+    joined_ids, joined = flat_run(to, layer)
+    ids, left = flat_run(to, layer, join_copies=False)
+    assert joined_ids.shape == (12,) and ids.shape == (3, 4)
+    for f, x in left.arrays().items():
+        assert x is getattr(layer, f)
+        assert not np.shares_memory(getattr(joined, f), x)
+    want, got = (scatter_pages(random_pool(np.random.default_rng(1), fmt), i, p)
+                 for i, p in ((joined_ids, joined), (ids, left)))
+    for f, x in want.arrays().items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(x))
+    whole_ids, whole = flat_run(np.zeros((3, 2, 4), np.int32), pages, join_copies=False)
+    assert whole_ids.shape == (24,) and all(
+        np.shares_memory(x, getattr(pages, f)) for f, x in whole.arrays().items())
+
+
 def test_scatter_checks_format_and_shapes():
     rng = np.random.default_rng()
     pool = random_pool(rng, KV_FORMATS["k8v4"])

@@ -54,6 +54,9 @@ class KVConnector:
         self._rotate = rotate
         self._pending: dict[int, PendingRestore] = {}
         self.load_bytes_per_s = 0.0  # measured restore rate (host arrays into the pool)
+        # host runs joined on the host even by a copy (`flat_run`): on a CPU that copy is
+        # the only one, and on a mesh the joined axis is what the devices split
+        self.join_copies = jax.default_backend() == "cpu" or cache.placement.mesh is not None
 
     # ------------------------------------------------------------------ restores
 
@@ -231,7 +234,8 @@ class KVConnector:
 
         def stage(index: int) -> None:
             staged[index] = [(ids, self.cache.placement.put(pages)) for p in pending
-                             for ids, pages in (flat_run(*r) for r in p.layer_runs(index))]
+                             for ids, pages in (flat_run(*r, self.join_copies)
+                                                for r in p.layer_runs(index))]
 
         for index in range(min(ahead, layers)):
             stage(index)
@@ -316,7 +320,8 @@ class KVConnector:
             pages = jax.device_get(gather_pages(c.pool, ids))
             for run in (flat_run(np.zeros(ids.shape, np.int32), pages),
                         # one layer's pages: layer-wise staging, and split restores
-                        flat_run(np.zeros(ids.shape[::2], np.int32), pages.layer(0))):
+                        flat_run(np.zeros(ids.shape[::2], np.int32), pages.layer(0),
+                                 self.join_copies)):
                 c.write_pages(run[0], c.placement.put(run[1]))
             if count >= c.max_pages:
                 break
