@@ -30,7 +30,7 @@
 # (stopped at Llama-3-8B's shape: the kernel asked for more shared memory than a block has).
 # Next: 1 (restores again: the split's recomputed part now runs layer-major; LeanKV's
 # 40-request budget table), 2 (tiering cost), 3's decode_attention sweep, then 11 (the
-# shared kernel now walks its rank in a loop: benchmarks/triton_smem.py finds it within a
+# shared kernel now walks its rank in a loop: benchmarks/triton_check.py finds it within a
 # block's shared memory at Llama-3-8B's shape, where the unrolled walk asked for 540 KB).
 # Results and logs go to $OUT where it is set, else benchmarks/results/gpu_session/
 # (each result then moves to its script's folder there, and only what a doc quotes is kept).

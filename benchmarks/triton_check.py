@@ -1,17 +1,23 @@
-"""Shared memory each Pallas kernel asks for on an NVIDIA GPU, found without one: the Triton IR
-JAX lowers a kernel to for CUDA, compiled by the `triton` package for a Hopper target. A kernel
-that asks for more than a block has fails when XLA compiles it on the GPU, after the machine's
-start has been paid; this finds it on a CPU first.
+"""Each Pallas kernel compiled for an NVIDIA GPU without one: the Triton IR JAX lowers a kernel
+to for CUDA, compiled by the `triton` package for a Hopper target, gives the shared memory a
+block asks for and, with `--ops`, the kernel's instruction mix. A kernel that asks for more
+shared memory than a block has fails when XLA compiles it on the GPU, after the machine's
+start has been paid; this finds it on a CPU first. The mix (global loads, shared-memory
+traffic, barriers, tensor-core ops, all instructions, counted in the PTX) compares two
+versions of a kernel, or jkv's bf16 kernel with JAX's own `paged_attention` (`--kernels
+jax`), before a GPU times them: a proxy, not a timing.
 
     pip install triton                               # the compiler only: no GPU needed
-    python benchmarks/triton_smem.py                 # both kernels at Llama-3-8B's shape
-    python benchmarks/triton_smem.py --kernels shared --shape smollm2 --stages 1,2
+    python benchmarks/triton_check.py                # both kernels at Llama-3-8B's shape
+    python benchmarks/triton_check.py --kernels shared --shape smollm2 --stages 1,2
+    python benchmarks/triton_check.py --kernels decode,jax --formats bf16,k8v4 --ppbs 8 \
+        --stages 3 --ops
 
 XLA compiles the same IR with its own copy of Triton, whose passes may differ from the
 package's: read the figures across `--stages` (one stage: no software pipelining, so loads
 the loop does not vary stay hoisted out of it) as the range to expect, not as XLA's number.
-It reads the IR through a private JAX hook (`jax._src.pallas.triton.lowering`), so a JAX
-release may move it.
+Each setting takes a minute or less to compile. It reads the IR through a private JAX hook
+(`jax._src.pallas.triton.lowering`), so a JAX release may move it.
 """
 
 from __future__ import annotations
@@ -32,14 +38,19 @@ BLOCK_LIMIT = 232_448  # bytes of shared memory one block may use on an H100 or 
 SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # query heads, KV heads, dim
 
 _COMPILE = """
-import json, sys
+import collections, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 path, warps, stages, cc = sys.argv[1], *map(int, sys.argv[2:5])
 kernel = triton.compile(path, target=GPUTarget("cuda", cc, 32),
                         options={"num_warps": warps, "num_stages": stages})
-print(json.dumps({"shared": kernel.metadata.shared}))
+ops = collections.Counter(re.findall(r"^\\s+([a-z][\\w.]*)", kernel.asm["ptx"], re.M))
+print(json.dumps({"shared": kernel.metadata.shared, "ops": ops}))
 """
+# instruction classes of `--ops`: name -> PTX opcode prefixes
+OP_CLASSES = {"global loads": ("ld.global", "cp.async.ca", "cp.async.cg"),
+              "shared ld/st": ("ld.shared", "st.shared", "ldmatrix"),
+              "barriers": ("bar.sync", "barrier"), "mma": ("mma", "wgmma")}
 
 
 def triton_ir(fn, *args) -> list[str]:
@@ -61,9 +72,10 @@ def triton_ir(fn, *args) -> list[str]:
     return modules
 
 
-def shared_bytes(module: str, num_warps: int, num_stages: int, cc: int = 90) -> int:
-    """Bytes of shared memory `module` asks for, compiled by the `triton` package (in a
-    process of its own: its LLVM and jaxlib's are kept apart)."""
+def compiled(module: str, num_warps: int, num_stages: int, cc: int = 90) -> dict:
+    """`module` compiled by the `triton` package (in a process of its own: its LLVM and
+    jaxlib's are kept apart): the bytes of shared memory a block asks for (`shared`) and
+    how often each PTX opcode occurs (`ops`)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ttir", delete=False) as f:
         f.write(module)
     try:
@@ -75,7 +87,14 @@ def shared_bytes(module: str, num_warps: int, num_stages: int, cc: int = 90) -> 
         os.unlink(f.name)
     if done.returncode:
         raise RuntimeError(f"triton could not compile the kernel:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["shared"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def op_mix(ops: dict[str, int]) -> dict[str, int]:
+    """PTX opcode counts summed into `OP_CLASSES`, and all instructions."""
+    mix = {name: sum(n for op, n in ops.items() if op.startswith(prefixes))
+           for name, prefixes in OP_CLASSES.items()}
+    return {**mix, "all": sum(ops.values())}
 
 
 def shared_kernel(shape: str, pages_per_block: int, num_warps: int, num_stages: int):
@@ -121,12 +140,37 @@ def decode_kernel(shape: str, fmt: str, pages_per_block: int, num_warps: int,
                 jnp.full((1, hkv), width * 16, jnp.int32))
 
 
-def main() -> None:
+def jax_kernel(shape: str, pages_per_block: int, num_warps: int, num_stages: int):
+    """JAX's own `paged_attention` over bf16 pages of 16 tokens at `shape` (the baseline
+    benchmarks/decode_attention.py times)."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    hq, hkv, d = SHAPES[shape]
+    width = 2 * pages_per_block
+    k = jnp.zeros((hkv, width + 1, 16, d), jnp.bfloat16)
+    fn = functools.partial(paged_attention, pages_per_compute_block=pages_per_block,
+                           k_splits=1, num_warps=num_warps, num_stages=num_stages)
+    return fn, (jnp.zeros((1, hq, d), jnp.bfloat16), k, k,
+                jnp.arange(1, width + 1, dtype=jnp.int32)[None],
+                jnp.full((1,), width * 16, jnp.int32))
+
+
+def kernel_call(kernel: str, shape: str, fmt: str | None, ppb: int, warps: int, stages: int):
+    """The function and arguments of one row of the table."""
+    if kernel == "shared":
+        return shared_kernel(shape, ppb, warps, stages)
+    if kernel == "jax":
+        return jax_kernel(shape, ppb, warps, stages)
+    return decode_kernel(shape, fmt, ppb, warps, stages)
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", default="shared,decode",
                     help="kernels to compile: shared (shared_pages_attention), decode "
-                         "(paged_decode_attention, one row per format)")
+                         "(paged_decode_attention, one row per format), jax (JAX's own "
+                         "paged_attention over bf16 pages, the decode kernel's baseline)")
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES),
                     help="the model whose heads and head dim the kernels get")
     ap.add_argument("--formats", default="bf16,int8,k8v4,int4,k4v2",
@@ -135,28 +179,41 @@ def main() -> None:
     ap.add_argument("--warps", default="4", help="Triton warps per program, comma-separated")
     ap.add_argument("--stages", default="1,2,3", help="Triton pipeline stages, comma-separated")
     ap.add_argument("--cc", type=int, default=90, help="compute capability (90: Hopper)")
-    args = ap.parse_args()
+    ap.add_argument("--ops", action="store_true",
+                    help="also print each setting's instruction mix (PTX opcodes by class)")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    settings = [(p, w) for p in ints(args.ppbs) for w in ints(args.warps)]
-    cases = []
-    for kernel in args.kernels.split(","):
-        names = args.formats.split(",") if kernel == "decode" else [None]
-        cases += [(kernel, fmt, p, w) for fmt in names for p, w in settings]
+    stages = ints(args.stages)
+    cases = [(kernel, fmt, p, w) for kernel in args.kernels.split(",")
+             for fmt in (args.formats.split(",") if kernel == "decode" else [None])
+             for p in ints(args.ppbs) for w in ints(args.warps)]
     print(f"{'kernel':8} {'format':6} {'ppb':>3} {'warps':>5} "
-          + " ".join(f"{'stages ' + str(s):>14}" for s in ints(args.stages)))
-    over = 0
+          + " ".join(f"{'stages ' + str(s):>14}" for s in stages))
+    over, mixes = 0, []
     for kernel, fmt, ppb, warps in cases:
         cells = []
-        for stages in ints(args.stages):
-            fn, operands = (shared_kernel(args.shape, ppb, warps, stages) if kernel == "shared"
-                            else decode_kernel(args.shape, fmt, ppb, warps, stages))
-            nbytes = max(shared_bytes(m, warps, stages, args.cc)
-                         for m in triton_ir(fn, *operands))
-            over += nbytes > BLOCK_LIMIT
-            cells.append(f"{nbytes:>12,}{'!' if nbytes > BLOCK_LIMIT else ' '} ")
+        for st in stages:
+            fn, operands = kernel_call(kernel, args.shape, fmt, ppb, warps, st)
+            found = max((compiled(m, warps, st, args.cc) for m in triton_ir(fn, *operands)),
+                        key=lambda c: c["shared"])
+            over += found["shared"] > BLOCK_LIMIT
+            cells.append(f"{found['shared']:>12,}{'!' if found['shared'] > BLOCK_LIMIT else ' '} ")
+            mixes.append((f"{kernel:8} {fmt or '-':6} {ppb:>3} {warps:>5} {st:>6}",
+                          op_mix(found["ops"])))
         print(f"{kernel:8} {fmt or '-':6} {ppb:>3} {warps:>5} " + " ".join(cells), flush=True)
     print(f"bytes of shared memory per block; '!': over the {BLOCK_LIMIT:,} a block has "
           f"({over} settings)")
+    if args.ops:
+        names = [*OP_CLASSES, "all"]
+        print(f"\n{'kernel':8} {'format':6} {'ppb':>3} {'warps':>5} {'stages':>6} "
+              + " ".join(f"{n:>13}" for n in names))
+        for label, mix in mixes:
+            print(label + " " + " ".join(f"{mix[n]:>13,}" for n in names))
+        print("PTX instructions in the compiled kernel, by class (static counts, not executed)")
 
 
 if __name__ == "__main__":
