@@ -31,7 +31,7 @@
 # Next: 1 (restores again: the split's recomputed part now runs layer-major; LeanKV's
 # 40-request budget table), 2 (tiering cost), 3's decode_attention sweep, then 11 (the
 # shared kernel now walks its rank in a loop: benchmarks/triton_check.py finds it within a
-# block's shared memory at Llama-3-8B's shape, where the unrolled walk asked for 540 KB).
+# block's shared memory at Llama-3-8B's shape).
 # Results and logs go to $OUT where it is set, else benchmarks/results/gpu_session/
 # (each result then moves to its script's folder there, and only what a doc quotes is kept).
 # Each step has its own time limit, so one that hangs costs only its share.

@@ -29,6 +29,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +46,8 @@ from triton.backends.compiler import GPUTarget
 path, warps, stages, cc = sys.argv[1], *map(int, sys.argv[2:5])
 kernel = triton.compile(path, target=GPUTarget("cuda", cc, 32),
                         options={"num_warps": warps, "num_stages": stages})
-ops = collections.Counter(re.findall(r"^\\s+([a-z][\\w.]*)", kernel.asm["ptx"], re.M))
+ops = collections.Counter(re.findall(r"^\\s+(?:@!?%\\w+\\s+)?([a-z][\\w.]*)",
+                                     kernel.asm["ptx"], re.M))
 print(json.dumps({"shared": kernel.metadata.shared, "ops": ops}))
 """
 # instruction classes of `--ops`: name -> PTX opcode prefixes
@@ -53,7 +56,7 @@ OP_CLASSES = {"global loads": ("ld.global", "cp.async.ca", "cp.async.cg"),
               "barriers": ("bar.sync", "barrier"), "mma": ("mma", "wgmma")}
 
 
-def triton_ir(fn, *args) -> list[str]:
+def triton_ir(fn: Callable, *args: Any) -> list[str]:
     """The Triton modules (text) that tracing `fn(*args)` for CUDA lowers its Pallas calls to."""
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
@@ -85,9 +88,10 @@ def compiled(module: str, num_warps: int, num_stages: int, cc: int = 90) -> dict
                               env=env, timeout=600)
     finally:
         os.unlink(f.name)
-    if done.returncode:
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
         raise RuntimeError(f"triton could not compile the kernel:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(lines[-1])
 
 
 def op_mix(ops: dict[str, int]) -> dict[str, int]:
@@ -165,7 +169,8 @@ def kernel_call(kernel: str, shape: str, fmt: str | None, ppb: int, warps: int, 
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    """The command line: which kernels, at which shape and settings (--help)."""
+    ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", default="shared,decode",
                     help="kernels to compile: shared (shared_pages_attention), decode "
@@ -185,6 +190,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    """Compile each kernel at each setting; print the shared memory table (and the mix)."""
     args = parse_args()
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     stages = ints(args.stages)

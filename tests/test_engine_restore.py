@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -194,9 +196,18 @@ def test_the_pyramid_recomputes_a_falling_prefix_of_about_its_share(n, first, la
         pyramid(0, 4, 2, 1.5, 1)
 
 
+DEEP = TINY.replace(num_layers=6)
+
+
 @pytest.fixture(scope="module")
 def deep_params():
-    return random_params(TINY.replace(num_layers=6), seed=3, dtype=jnp.float32)
+    return random_params(DEEP, seed=3, dtype=jnp.float32)
+
+
+def deep_engine(deep_params, **kw) -> Engine:
+    return Engine(DEEP, deep_params, cache=CacheConfig(page_size=8, kv_cache_bytes=8_000_000),
+                  config=EngineConfig(max_model_len=160, max_num_seqs=2, prefill_chunk=32,
+                                      enable_prefix_caching=False, **kw))
 
 
 @pytest.mark.parametrize("execution", ["scan", "layerwise"])
@@ -204,14 +215,9 @@ def test_split_restore_gives_the_recomputed_tokens_and_never_reads_the_recompute
         deep_params, execution):
     from jkv.engine.saved_pages import pyramid
 
-    cfg = TINY.replace(num_layers=6)
+    cfg = DEEP
     rng = np.random.default_rng()
-
-    def make(**kw) -> Engine:
-        return Engine(cfg, deep_params, cache=CacheConfig(page_size=8, kv_cache_bytes=8_000_000),
-                      config=EngineConfig(max_model_len=160, max_num_seqs=2, prefill_chunk=32,
-                                          enable_prefix_caching=False, **kw))
-
+    make = functools.partial(deep_engine, deep_params)
     history = rng.integers(0, 512, 97).tolist()
     first = make()
     reply, slot, _ = run(first, history, new=2)
@@ -235,3 +241,25 @@ def test_split_restore_gives_the_recomputed_tokens_and_never_reads_the_recompute
         assert eng.stats.recomputed_tokens == pytest.approx(b.sum() * 8 / cfg.num_layers)
     with pytest.raises(ValueError, match="recompute"):
         make().open(follow_up, restore=saved, recompute=-0.1)
+
+
+def test_after_warmup_a_split_restore_written_at_once_compiles_no_copy(deep_params):
+    """Off a CPU (`join_copies` off), a split restore written at once brings one layer's
+    pages for the layers it recomputes part of: the warm-up compiled their copies as the
+    layer-by-layer staging sends them (6 layers: a layer's run never has a whole run's
+    shape)."""
+    from jkv.kv.transfer import gather_pages, scatter_pages, slot_page_ids
+
+    rng = np.random.default_rng()
+    eng = deep_engine(deep_params)
+    eng.connector.join_copies = False
+    eng.connector.warmup()
+    history = rng.integers(0, 512, 97).tolist()
+    reply, slot, _ = run(eng, history, new=2)
+    saved = eng.save_pages(slot)
+    eng.close(slot)
+    fns = (gather_pages, scatter_pages, slot_page_ids)
+    before = [f._cache_size() for f in fns]
+    run(eng, history + reply[:1] + [1, 2], restore=saved, recompute=0.5, new=1)
+    assert eng.stats.recomputed_tokens > 0
+    assert [f._cache_size() for f in fns] == before

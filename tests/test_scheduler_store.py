@@ -28,9 +28,8 @@ def params():
 
 
 # The prompts of the tests restoring k4v2t entries: their verified restores' honest distance on
-# this tiny random model (0.10-0.20 over 30 prompts, once 0.248 in CI) can reach the
-# tolerance measured on SmolLM2 (0.24), and the recompute a false alarm causes would take
-# the hits these tests count.
+# this tiny random model can reach the tolerance measured on SmolLM2, and the recompute a
+# false alarm causes would take the hits these tests count.
 LOSSY_SEED = 0
 
 

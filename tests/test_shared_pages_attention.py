@@ -74,9 +74,11 @@ def rel(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-# decode (c = 1) and a prefill chunk's rows (c > 1); GQA groups 1, 3, 4; every code width
+# decode (c = 1) and a prefill chunk's rows (c > 1); GQA groups 1, 3, 4; every code width;
+# 4-bit keys of two byte columns at rank_block 16 (the rank walked over columns and shifts)
 CASES = [dict(), dict(c=5, k_bits=16, v_bits=8, g=1), dict(k_bits=4, v_bits=2, g=4, w=2),
-         dict(c=3, hkv=1, d=64, page=64, w=2, k_rank=100, v_rank=7)]
+         dict(c=3, hkv=1, d=64, page=64, w=2, k_rank=100, v_rank=7),
+         dict(k_bits=4, k_rank=40, v_bits=4, v_rank=40)]
 
 
 @pytest.mark.parametrize("kw", CASES)

@@ -155,7 +155,8 @@ class KVConnector:
                 # every copy dispatched before any scatter: on a GPU they run beside the
                 # compute queued before them (a split restore's recomputed part)
                 runs = [(ids, self.cache.placement.put(pages))
-                        for ids, pages in (flat_run(i, x) for _, i, x in p.runs)]
+                        for ids, pages in (flat_run(i, x, self.join_copies)
+                                           for _, i, x in p.runs)]
                 for ids, pages in runs:
                     self.cache.write_pages(ids, pages)
                 jax.block_until_ready(self.cache.pool)

@@ -58,8 +58,8 @@ def _rebuild_keys(kc_ref, ks_ref, kz_ref, kb_ref, kr_ref, km_ref, kmr_ref, pages
     The rank is walked in a loop over the packed byte columns (each load's codes unpacked
     into every part it holds), not unrolled: unrolled, each part's basis slice is the same
     at every block of pages, so the compiler hoists every slice out of the loop over blocks
-    and keeps all of them in shared memory at once (at Llama-3-8B's shape, three times
-    what a block has)."""
+    and keeps all of them in shared memory at once (at a large rank, more than a block
+    has)."""
     page = kc_ref.shape[1]
     rows = pages.shape[0] * page
     per_byte = codes_per_byte(bits) if bits < 16 else 1
@@ -92,7 +92,7 @@ def _kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, kt_ref, vt_re
     # len_ref [2]: history tokens, position of the first; inv_ref [1, D]: inverse frequencies
     # (halves repeated); kb/kr_ref [R_k, D]: this KV head's key basis and its rotate-half;
     # km/kmr_ref [1, D] float32; vb_ref [R_v, D]; vm_ref [1, D]; out: o [rows, D], l, m [rows]
-    rows, d = q_ref.shape
+    rows = q_ref.shape[0]
     page = kc_ref.shape[1]
     ppb = pages_per_block
     wk = min(part_width(ks_ref.shape[1], k_bits), rank_block)  # rank columns per dot
