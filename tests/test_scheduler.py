@@ -421,9 +421,19 @@ def test_the_policy_is_given_the_offload_cost_and_each_requests_future(params, m
     assert sched.snapshot()["layer_offload"]["admissions_held"] == len(held[0])
 
 
-def test_a_preempted_request_goes_back_ahead_of_later_arrivals(params, monkeypatch):
-    """A request preempted part way through its reply keeps its place by TTFT deadline:
-    behind later arrivals with targets it would wait for all of them, its stream stalled."""
+# (tpot_slo_ms, first_token_time, first in the queue): its next token due at 0.5 s (behind
+# its schedule: before the arrival due at 1.5 s), at 3.2 s (ahead: after it), not known
+# (its TTFT deadline, 1 s: before)
+@pytest.mark.parametrize("tpot_ms,first_token,first", [
+    (100, 0.2, "back"), (1000, 0.2, "new"), (100, None, "back")])
+def test_a_preempted_request_is_queued_by_its_next_tokens_deadline(params, monkeypatch,
+                                                                    tpot_ms, first_token,
+                                                                    first):
+    """A request preempted part way through its reply is queued by when its next token is
+    due on its TPOT schedule: behind it, ahead of a later arrival (behind every arrival with
+    a target its stream would stall); ahead of it, behind an arrival whose TTFT deadline
+    comes first (its own TTFT deadline, met long ago, would put it before every arrival
+    however far ahead it is)."""
     import jkv.sched.scheduler as scheduler_module
     from jkv.sched.plan_records import queue_order
 
@@ -435,17 +445,19 @@ def test_a_preempted_request_goes_back_ahead_of_later_arrivals(params, monkeypat
 
     monkeypatch.setattr(scheduler_module, "plan_step", spy)
     sched = Scheduler(engine(params))
-    slo = dict(ttft_slo_ms=1000, tpot_slo_ms=100)
     back = Request(list(range(1, 20)), SamplingParams(max_tokens=8, temperature=0),
-                   arrival=0.0, **slo)
+                   arrival=0.0, ttft_slo_ms=1000, tpot_slo_ms=tpot_ms)
     back.output, back.num_preemptions = [7, 8, 9], 1  # as a preemption leaves it
+    back.first_token_time = first_token
     new = Request(list(range(2, 20)), SamplingParams(max_tokens=8, temperature=0),
-                  arrival=0.5, **slo)
+                  arrival=0.5, ttft_slo_ms=1000, tpot_slo_ms=100)
     sched.add(new)
     sched.add(back)
     sched.step()
-    assert [c.request_id for c in seen[-1]] == [back.request_id, new.request_id]
-    assert seen[-1][0].ttft_deadline == 1.0 and seen[-1][0].whole
+    order = [back.request_id, new.request_id]
+    assert [c.request_id for c in seen[-1]] == (order if first == "back" else order[::-1])
+    queued = {c.request_id: c for c in seen[-1]}[back.request_id]
+    assert queued.ttft_deadline == 1.0 and queued.whole
 
 
 def test_a_decoding_requests_tpot_slack_follows_layerkv_eq_1(params):

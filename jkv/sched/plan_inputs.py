@@ -56,9 +56,12 @@ def request_candidate(r: Request, held: int, pin_pages: int, running: bool,
     # (what admission weighs the cost of its steps over; not known before any reply)
     remaining = (lengths.remaining(r.session_id, r.sampling.max_tokens, len(r.output))
                  if lengths.recent else None)
+    due = (r.first_token_time + len(r.output) * tpot
+           if not running and r.output and tpot is not None and r.first_token_time is not None
+           else None)  # (a preempted request: its next token on its TPOT schedule)
     return Candidate(r.request_id, r.arrival, len(r.tokens) - held, held, running,
                      r.priority, pin_pages, ttft, tpot, remaining=remaining,
-                     whole=not running and r.num_preemptions > 0)
+                     whole=not running and r.num_preemptions > 0, next_due=due)
 
 
 def with_layers(c: Candidate, engine: Engine, st: Tracked) -> Candidate:

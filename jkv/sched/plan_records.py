@@ -43,6 +43,9 @@ class Candidate:
     # once with layers on the host, it would pay both, and be preempted again as the
     # decodes grow)
     whole: bool = False
+    # waiting, preempted part way through a reply with a TPOT target: when its next token is
+    # due on that target's schedule (absolute seconds; None: not preempted so)
+    next_due: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,12 @@ class Plan:
 
 
 def queue_order(c: Candidate) -> tuple:
-    """Sort key of the queue (most important first); the store's hint follows it too."""
-    deadline = math.inf if c.ttft_deadline is None else c.ttft_deadline
-    return (c.priority, deadline, c.arrival, c.request_id)
+    """Sort key of the queue (most important first); the store's hint follows it too. By
+    deadline: a new request's TTFT deadline, a preempted one's next token's on its TPOT
+    schedule where it has one (its TTFT deadline, met long ago, would put it before every
+    new arrival however far ahead of its schedule it is), else its TTFT deadline."""
+    deadline = c.next_due if c.next_due is not None else c.ttft_deadline
+    return (c.priority, math.inf if deadline is None else deadline, c.arrival, c.request_id)
 
 
 

@@ -9,8 +9,10 @@ the store. Page counts come from the KV cache manager's `PageCost` (in the `Budg
 from a formula of this module.
 
 Step policy (LayerKV's SLO-aware admission on top of vLLM's FCFS):
-- order is (priority, TTFT deadline, arrival): lower priority values go first; with no
-  priorities or SLOs that is first come, first served;
+- order is (priority, deadline, arrival): lower priority values go first; the deadline is
+  a request's TTFT deadline, or for one preempted part way through its reply, when its next
+  token is due on its TPOT schedule (`queue_order`); with no priorities or SLOs that is
+  first come, first served;
 - running decodes always get their token; when their pages do not fit, the least important
   running request (the newest, among equals; not one that would free no page) is preempted:
   its pages are released (its full blocks stay in the prefix cache when that is on) and it
