@@ -28,7 +28,9 @@
 # Order: 2026-12-04 ran 5 (issue 15's acceptance at 8B shape: 448 s; it needs opentelemetry-api
 # carried too, which fastapi now imports), restore.py at 8B shape and shared_pages.py --time
 # (stopped at Llama-3-8B's shape: the kernel asked for more shared memory than a block has).
-# Next: 1 (restores again: the split's recomputed part now runs layer-major; LeanKV's
+# Next: 5 again (a preempted request is now queued by its next token's TPOT deadline:
+# serve_replay halves offload + SLO's TTFT p99 at 1/s), 1 (restores again: the layer-by-layer
+# restore without its host copy, the split's recomputed part layer-major; LeanKV's
 # 40-request budget table), 2 (tiering cost), 3's decode_attention sweep, then 11 (the
 # shared kernel now walks its rank in a loop: benchmarks/triton_check.py finds it within a
 # block's shared memory at Llama-3-8B's shape).
