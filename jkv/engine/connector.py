@@ -54,9 +54,7 @@ class KVConnector:
         self._rotate = rotate
         self._pending: dict[int, PendingRestore] = {}
         self.load_bytes_per_s = 0.0  # measured restore rate (host arrays into the pool)
-        # host runs joined on the host even by a copy (`flat_run`): on a CPU that copy is
-        # the only one, and on a mesh the joined axis is what the devices split
-        self.join_copies = jax.default_backend() == "cpu" or cache.placement.mesh is not None
+        self.join_copies = cache.placement.join_copies  # (`flat_run`; tests may set it)
 
     # ------------------------------------------------------------------ restores
 

@@ -90,6 +90,14 @@ class KVPlacement:
             return jax.device_put(build(), where)
         return jax.jit(build, out_shardings=where)()
 
+    @property
+    def join_copies(self) -> bool:
+        """Whether host pages on their way in are joined into one leading axis even where
+        that takes a host copy (`transfer.flat_run`): on a CPU that copy is the only one,
+        and on a mesh the joined axis is what the devices split; a GPU's device copy lays a
+        strided run out itself."""
+        return self.mesh is not None or jax.default_backend() == "cpu"
+
     def put(self, pages: Any) -> Any:
         """Host pages on their way into the pool (a restore): uncommitted on the default
         device without a mesh; on a mesh split like the pool along their leading axis (or

@@ -45,6 +45,13 @@ def _coefficients(ref, scale_ref, zero_ref, pages, bits: int, part: int, width: 
     """Rank columns [part * width, (part + 1) * width) of pages [ppb], float32 [ppb * page,
     width]."""
     codes = _load_part(ref, pages, bits, part, width, cache)
+    return _values(codes, scale_ref, zero_ref, pages, bits, part, width, page)
+
+
+def _values(codes, scale_ref, zero_ref, pages, bits: int, part, width: int, page: int
+            ) -> jax.Array:
+    """Unpacked codes [ppb * page, width] of rank part `part` (a Python int or traced) as
+    float32 coefficients: 16-bit ones as they are, others scaled per (page, column)."""
     if bits == 16:
         return codes.astype(jnp.float32)
     return _dequantize(codes, scale_ref, zero_ref, pages, part, width, page=page,
@@ -71,9 +78,7 @@ def _rebuild_keys(kc_ref, ks_ref, kz_ref, kb_ref, kr_ref, km_ref, kmr_ref, pages
         for shift in range(per_byte):
             part = shift * spans + o
             c = codes if per_byte == 1 else (codes >> (bits * shift)) & ((1 << bits) - 1)
-            c = (c.astype(jnp.float32) if bits == 16 else _dequantize(
-                c, ks_ref, kz_ref, pages, part, width, page=page, per_token=False, group=1))
-            c = c.astype(basis_dtype)
+            c = _values(c, ks_ref, kz_ref, pages, bits, part, width, page).astype(basis_dtype)
             key += _dot(c, kb_ref[pl.ds(part * width, width), :].astype(basis_dtype))
             half += _dot(c, kr_ref[pl.ds(part * width, width), :].astype(basis_dtype))
         return key, half
